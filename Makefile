@@ -1,0 +1,44 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+RIGCTL := $(VENV)/bin/rigctl
+# Slow things (lab base image, source archives, wheels, llama.cpp builds) are cached here.
+export RIGCTL_CACHE_DIR ?= $(HOME)/.cache/rigctl
+export PIP_CACHE_DIR ?= $(RIGCTL_CACHE_DIR)/pip
+# The lab rigs need these from the distribution (systemd-nspawn, debootstrap, ip, ssh, zstd).
+HOST_PACKAGES := systemd-container debootstrap iproute2 openssh-client zstd
+
+.PHONY: demo test lint venv host-deps lab-down clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+host-deps:
+	@missing=""; for p in $(HOST_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing$$missing"; \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \
+	fi
+
+test: venv host-deps
+	$(VENV)/bin/ruff check rigctl tests bench
+	$(VENV)/bin/pytest
+
+demo: venv host-deps
+	$(RIGCTL) inventory check
+	$(RIGCTL) lab up
+	$(RIGCTL) provision
+	$(RIGCTL) hosts
+	@echo "The lab rigs stay up: '$(RIGCTL) lab ssh desktop' to look around, '$(RIGCTL) lab down' to remove them."
+
+lab-down: venv
+	$(RIGCTL) lab down
+
+clean: lab-down
+	rm -rf $(VENV)

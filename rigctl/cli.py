@@ -1,0 +1,231 @@
+"""The ``rigctl`` command: argument parsing and rendering only; the work is in the library."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, NoReturn
+
+import typer
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.table import Table
+
+from rigctl.errors import RigctlError
+from rigctl.inventory import Inventory
+
+# Piped output (CI logs, `| less`) gets wide tables instead of rich's 80-column default.
+console = Console(width=None if sys.stdout.isatty() else 160)
+err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  help="Provision, serve, bench and evaluate a llama.cpp fleet from one inventory.")
+inventory_app = typer.Typer(no_args_is_help=True, help="The inventory: validate it.")
+lab_app = typer.Typer(no_args_is_help=True, help="Local lab rigs (systemd-nspawn containers) for tests and demos.")
+app.add_typer(inventory_app, name="inventory")
+app.add_typer(lab_app, name="lab")
+
+
+class _State:
+    inventory_source: str | None = None
+    debug: bool = False
+
+
+state = _State()
+
+
+def _inventory() -> Inventory:
+    return Inventory.load(state.inventory_source)
+
+
+@app.callback()
+def main_options(
+    inventory: Annotated[str | None, typer.Option("-i", "--inventory", envvar="RIGCTL_INVENTORY",
+                                                  help="Inventory directory or file (default: ansible.cfg's).")] = None,
+    verbose: Annotated[int, typer.Option("-v", "--verbose", count=True, help="More log output (-vv: debug).")] = 0,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False,
+) -> None:
+    state.inventory_source = inventory
+    state.debug = debug
+    level = logging.WARNING - 10 * min(verbose, 2)
+    logging.basicConfig(level=level, format="%(message)s",
+                        handlers=[RichHandler(console=err_console, show_path=False, show_time=False)])
+    if level > logging.DEBUG:
+        logging.getLogger("paramiko").setLevel(logging.WARNING)
+
+
+# ----------------------------------------------------------------------------------------------- inventory
+
+
+@inventory_app.command("check")
+def inventory_check() -> None:
+    """Validate the inventory: types, required keys, unique ports, models and profiles defined, pins."""
+    from rigctl.deploy import project_root
+    from rigctl.inventory_check import check
+
+    inv = _inventory()
+    try:
+        roles = [project_root(inv) / "roles"]
+    except RigctlError:
+        roles = []
+    problems = check(inv, roles)
+    for problem in problems:
+        (console if problem.severity == "warning" else err_console).print(str(problem), markup=False,
+                                                                            highlight=False, soft_wrap=True)
+    errors = [p for p in problems if p.severity == "error"]
+    warnings = len(problems) - len(errors)
+    summary = f"{inv.source}: {len(inv.hosts)} hosts, {len(errors)} errors, {warnings} warnings"
+    if errors:
+        err_console.print(summary, markup=False, highlight=False)
+        raise typer.Exit(2)
+    console.print(summary, markup=False, highlight=False)
+
+
+@app.command("hosts")
+def hosts() -> None:
+    """The fleet: each host's address, GPU, llama.cpp pin and servers."""
+    inv = _inventory()
+    table = Table(title=f"fleet ({inv.source})")
+    for column in ("host", "address", "GPU", "CC", "VRAM", "llama.cpp", "servers"):
+        table.add_column(column)
+    for host in inv.hosts.values():
+        gpu = host.gpu
+        servers = "\n".join(
+            f"{s.name}: {s.artifact} :{s.port}" + ("" if s.enabled else " (disabled)") for s in host.servers
+        )
+        table.add_row(
+            host.name,
+            f"{host.address}:{host.port}" if host.port != 22 else host.address,
+            gpu.name if gpu else "-",
+            gpu.compute_capability if gpu else "-",
+            f"{gpu.vram_mib / 1024:g} GiB" if gpu else "-",
+            str(host.llama_cpp) if "llama_cpp_source" in host.vars else "-",
+            servers or "-",
+        )
+    console.print(table)
+
+
+# ----------------------------------------------------------------------------------------------- lab
+
+
+def _lab():
+    from rigctl.lab import Lab
+
+    return Lab.from_inventory(_inventory())
+
+
+def _print_lab_status(rigs) -> None:
+    table = Table(title="lab rigs")
+    for column in ("rig", "address", "running", "sshd", "systemd"):
+        table.add_column(column)
+    for rig in rigs:
+        table.add_row(rig.name, rig.address, _yes(rig.running), _yes(rig.sshd), rig.systemd or "-")
+    console.print(table)
+
+
+def _yes(flag: bool) -> str:
+    return "[green]yes[/green]" if flag else "[red]no[/red]"
+
+
+@lab_app.command("up")
+def lab_up() -> None:
+    """Bring the lab rigs up (idempotent): boot each container, wait for sshd, write known_hosts."""
+    lab = _lab()
+    with console.status("bringing the lab rigs up"):
+        rigs = lab.up()
+    _print_lab_status(rigs)
+
+
+@lab_app.command("down")
+def lab_down() -> None:
+    """Stop the lab rigs and remove everything they used (processes, namespaces, links, files)."""
+    _lab().down()
+    console.print("lab: down")
+
+
+@lab_app.command("status")
+def lab_status() -> None:
+    """Each rig: running, sshd answering, systemd state."""
+    _print_lab_status(_lab().status())
+
+
+@lab_app.command("ssh")
+def lab_ssh(
+    host: Annotated[str, typer.Argument(help="Rig name from the lab inventory.")],
+    command: Annotated[list[str] | None, typer.Argument(help="Command to run instead of a shell.")] = None,
+) -> NoReturn:
+    """Open a shell (or run a command) on a rig over SSH with strict host-key checking."""
+    argv = _lab().ssh_argv(host, " ".join(command) if command else None)
+    sys.stdout.flush()
+    os.execvp(argv[0], argv)
+
+
+# ----------------------------------------------------------------------------------------------- provision
+
+
+@app.command("provision")
+def provision(
+    limit: Annotated[str | None, typer.Option("--limit", "-l", help="Hosts or groups, comma-separated.")] = None,
+    tags: Annotated[list[str] | None, typer.Option("--tags", "-t", help="Only tasks with these tags.")] = None,
+    check: Annotated[bool, typer.Option("--check", help="Report what would change; change nothing.")] = False,
+    playbook: Annotated[str, typer.Option(help="Playbook under playbooks/.")] = "site.yml",
+) -> None:
+    """Run playbooks/site.yml through ansible-runner; per-task progress, then a per-host summary."""
+    from rigctl.deploy import TaskEvent, run_playbook
+
+    inv = _inventory()
+    marks = {"ok": "[green]ok[/green]", "changed": "[yellow]changed[/yellow]", "failed": "[red]failed[/red]",
+             "unreachable": "[red]unreachable[/red]", "skipped": "[dim]skipped[/dim]"}
+
+    def on_event(event: TaskEvent) -> None:
+        line = f"  {marks[event.status]} {event.host}"
+        if event.message:
+            line += f": {event.message}"
+        console.print(line, highlight=False)
+
+    def on_task(task: str) -> None:
+        console.print(f"[bold]TASK[/bold] {task}", highlight=False)
+
+    result = run_playbook(inv, playbook, limit=limit, tags=tags or (), check=check,
+                          on_event=on_event, on_task=on_task)
+    table = Table(title=f"{playbook}{' (check mode)' if check else ''}: {result.duration:.1f} s")
+    for column in ("host", "ok", "changed", "failed", "unreachable", "skipped", "failed task"):
+        table.add_column(column)
+    for outcome in result.hosts.values():
+        table.add_row(outcome.host, str(outcome.ok), str(outcome.changed), str(outcome.failed),
+                      str(outcome.unreachable), str(outcome.skipped),
+                      f"{outcome.failed_task}: {outcome.failure}" if outcome.failed_task else "")
+    console.print(table)
+    result.raise_for_failures()
+
+
+def main() -> None:
+    try:
+        # Without standalone mode click hands back typer.Exit's code instead of exiting.
+        rc = app(standalone_mode=False)
+    except RigctlError as exc:
+        if state.debug:
+            raise
+        err_console.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        err_console.print("aborted", markup=False)
+        sys.exit(130)
+    except Exception as exc:  # click's usage errors and anything unexpected, still one line
+        import click
+
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            sys.exit(exc.exit_code)
+        if state.debug:
+            raise
+        err_console.print(f"error: {type(exc).__name__}: {exc} (run with --debug for the traceback)",
+                          markup=False, highlight=False, soft_wrap=True)
+        sys.exit(1)
+    sys.exit(rc if isinstance(rc, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

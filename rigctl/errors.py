@@ -1,0 +1,61 @@
+"""The one error tree of rigctl.
+
+Every error rigctl raises on purpose derives from :class:`RigctlError`; the CLI prints
+``error: <str(exc)>`` for these and exits non-zero, so each message is one line that names the
+culprit (host, group, key, path, command).
+"""
+
+from __future__ import annotations
+
+
+class RigctlError(Exception):
+    """Base of every error rigctl raises on purpose."""
+
+    exit_code = 1
+
+
+class ConfigError(RigctlError):
+    """The inventory, a spec file or a command-line argument is wrong."""
+
+    exit_code = 2
+
+
+class LabError(RigctlError):
+    """The local lab rigs cannot be created, found or removed."""
+
+
+class ConnectError(RigctlError):
+    """An SSH connection to ``host`` failed (refused, timed out, authentication)."""
+
+    def __init__(self, host: str, reason: str):
+        self.host = host
+        self.reason = reason
+        super().__init__(f"{host}: cannot connect: {reason}")
+
+
+class HostKeyError(ConnectError):
+    """``host`` presented a key that is not the one in known_hosts (or none is known)."""
+
+    def __init__(self, host: str, reason: str):
+        super().__init__(host, reason)
+        self.args = (f"{host}: host key rejected: {reason}",)
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+class RemoteCommandError(RigctlError):
+    """A command on ``host`` exited non-zero or ran past its timeout."""
+
+    def __init__(self, host: str, cmd: str, rc: int | None, tail: str = ""):
+        self.host = host
+        self.cmd = cmd
+        self.rc = rc
+        self.tail = tail
+        status = "timed out" if rc is None else f"exited {rc}"
+        last = tail.strip().splitlines()[-1] if tail.strip() else ""
+        super().__init__(f"{host}: `{cmd}` {status}" + (f": {last}" if last else ""))
+
+
+class DeployError(RigctlError):
+    """An Ansible run failed: a host was unreachable or a task failed."""

@@ -1,0 +1,329 @@
+"""`rigctl inventory check`: the inventory's variables against the schema the roles and rigctl read.
+
+Each problem is one line naming where it lives (``host NAME`` or ``group NAME``), the key path and
+what is wrong. A problem in a value that comes from a group is reported once, against that group.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from rigctl.inventory import FULL_COMMIT, HEX_COMMIT, SHA256, Host, Inventory
+
+#: Variable prefixes owned by the roles and rigctl: an unknown key with one of these is a typo.
+OWNED_PREFIXES = ("gpu_host_", "llama_cpp_", "models_", "llama_server_", "monitoring_", "rigctl_")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=False)
+
+
+class GpuSpec(_Strict):
+    name: str = Field(min_length=1)
+    vram_mib: int = Field(gt=0)
+    compute_capability: Annotated[str, Field(pattern=r"^\d{1,2}\.\d$")]
+
+
+class ArchiveSpec(_Strict):
+    url: str | None = None
+    path: str | None = None
+    sha256: Annotated[str, Field(pattern=SHA256.pattern)]
+    subdir: str | None = None
+
+    @model_validator(mode="after")
+    def _one_location(self) -> ArchiveSpec:
+        if (self.url is None) == (self.path is None):
+            raise ValueError("give exactly one of url or path")
+        return self
+
+
+class HfSource(_Strict):
+    type: Literal["hf"]
+    repo: Annotated[str, Field(pattern=r"^[\w.-]+/[\w.-]+$")]
+    revision: str = Field(min_length=1)
+    files: list[str] | None = None
+    token: str | None = None
+
+
+class UrlSource(_Strict):
+    type: Literal["url"]
+    url: str = Field(min_length=1)
+    sha256: Annotated[str, Field(pattern=SHA256.pattern)]
+
+
+class ControllerSource(_Strict):
+    type: Literal["controller"]
+    path: str = Field(min_length=1)
+
+
+class FileArtifact(_Strict):
+    type: Literal["file"]
+    file: str = Field(min_length=1)
+
+
+class ConvertArtifact(_Strict):
+    type: Literal["convert"]
+    outtype: Literal["bf16", "f16", "f32", "q8_0"]
+
+
+class QuantizeArtifact(_Strict):
+    type: Literal["quantize"]
+    from_: str = Field(alias="from", min_length=1)
+    qtype: Annotated[str, Field(pattern=r"^[A-Za-z0-9_]+$")]
+    imatrix: Mapping[str, str] | None = None
+
+
+class ModelSpec(_Strict):
+    source: Annotated[HfSource | UrlSource | ControllerSource, Field(discriminator="type")]
+    artifacts: dict[str, Annotated[FileArtifact | ConvertArtifact | QuantizeArtifact,
+                                   Field(discriminator="type")]] = Field(min_length=1)
+
+
+class SpecDecoding(_Strict):
+    type: Literal["draft-mtp", "draft-simple"]
+    draft_n_max: int = Field(ge=1, le=16)
+    draft_model: str | None = None
+    n_gpu_layers_draft: int | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _drafter_needs_model(self) -> SpecDecoding:
+        # At this llama.cpp build `-md` alone drafts nothing: draft-simple needs both.
+        if self.type == "draft-simple" and not self.draft_model:
+            raise ValueError("draft-simple needs draft_model (an artifact name)")
+        if self.type == "draft-mtp" and self.draft_model:
+            raise ValueError("draft-mtp drafts with the model's own MTP head; remove draft_model")
+        return self
+
+
+class ProfileSpec(_Strict):
+    extends: str | None = None
+    host: str | None = None
+    n_gpu_layers: int | None = Field(default=None, ge=0)
+    ctx_size: int | None = Field(default=None, ge=0)
+    cache_type_k: Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"] | None = None
+    cache_type_v: Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"] | None = None
+    flash_attn: Literal["on", "off", "auto", "1", "0"] | None = None
+    threads: int | None = Field(default=None, ge=1)
+    threads_batch: int | None = Field(default=None, ge=1)
+    parallel: int | None = Field(default=None, ge=1)
+    reasoning: Literal["on", "off", "auto"] | None = None
+    metrics: bool | None = None
+    alias: str | None = None
+    override_tensor: str | None = None
+    spec: SpecDecoding | None = None
+    extra_args: list[str] | None = None
+
+    @field_validator("flash_attn", "reasoning", mode="before")
+    @classmethod
+    def _yaml_booleans(cls, value: Any) -> Any:
+        # YAML reads an unquoted on/off as a boolean; accept what the user meant.
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        return value
+
+
+class InstanceSpec(_Strict):
+    artifact: str = Field(min_length=1)
+    profile: str = Field(min_length=1)
+    port: int = Field(ge=1, le=65535)
+    enabled: bool = True
+
+
+class LabSpec(_Strict):
+    dir: str = Field(min_length=1)
+    bridge: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,15}$")]
+    bridge_address: Annotated[str, Field(pattern=r"^\d+\.\d+\.\d+\.\d+/\d+$")]
+
+
+#: Every variable rigctl itself reads, with its schema.
+SCHEMA: dict[str, Any] = {
+    "gpu_host_gpu": GpuSpec,
+    "llama_cpp_source": Literal["git", "archive"],
+    "llama_cpp_repo": str,
+    "llama_cpp_version": str,
+    "llama_cpp_archive": ArchiveSpec,
+    "llama_cpp_cuda": bool,
+    "llama_cpp_cuda_architectures": Annotated[str, Field(pattern=r"^\d{2,3}(;\d{2,3})*$")],
+    "models_catalog": dict[str, ModelSpec],
+    "llama_server_profiles": dict[str, ProfileSpec],
+    "llama_server_instances": dict[str, InstanceSpec],
+    "rigctl_lab": LabSpec,
+    "rigctl_known_hosts": str,
+    "rigctl_cache_dir": str,
+}
+
+REQUIRED = ("llama_cpp_source", "llama_cpp_version", "models_catalog", "llama_server_profiles")
+
+
+@dataclass(frozen=True, order=True)
+class Problem:
+    where: str  # "host NAME" or "group NAME"
+    key: str  # dotted path
+    message: str
+    severity: Literal["error", "warning"] = "error"
+
+    def __str__(self) -> str:
+        tag = "" if self.severity == "error" else "warning: "
+        return f"{self.where}: {self.key}: {tag}{self.message}"
+
+
+def role_variables(roles_paths: Iterable[Path]) -> set[str]:
+    """Public variables the roles declare in their defaults."""
+    names: set[str] = set()
+    for roles_path in roles_paths:
+        for defaults in sorted(Path(roles_path).glob("*/defaults/main.yml")):
+            data = yaml.safe_load(defaults.read_text()) or {}
+            names.update(str(k) for k in data)
+    return names
+
+
+def check(inventory: Inventory, roles_paths: Iterable[Path] = ()) -> list[Problem]:
+    """Every problem in the inventory, each reported once at the place that defines it."""
+    known = set(SCHEMA) | role_variables(roles_paths)
+    problems: set[Problem] = set()
+    for host in inventory.hosts.values():
+        for problem in check_host(host, known):
+            top = problem.key.split(".", 1)[0].split("[", 1)[0]
+            where = inventory.origin(host, top) if top in host.vars else problem.where
+            problems.add(Problem(where, problem.key, problem.message, problem.severity))
+    return sorted(problems, key=lambda p: (p.severity != "error", p.where, p.key, p.message))
+
+
+def check_host(host: Host, known: set[str]) -> list[Problem]:
+    where = f"host {host.name}"
+    out: list[Problem] = []
+    v = host.vars
+    for key in sorted(v):
+        if key.startswith(OWNED_PREFIXES) and key not in known:
+            guess = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f" (did you mean {guess[0]}?)" if guess else ""
+            out.append(Problem(where, key, f"unknown variable{hint}"))
+    for key in REQUIRED:
+        if key not in v:
+            out.append(Problem(where, key, "required but not set"))
+    from pydantic import TypeAdapter
+
+    parsed: dict[str, Any] = {}
+    for key, schema in SCHEMA.items():
+        if key not in v:
+            continue
+        try:
+            parsed[key] = TypeAdapter(schema).validate_python(v[key])
+        except ValidationError as exc:
+            out.extend(_pydantic_problems(where, key, exc))
+    out.extend(_check_pin(where, v))
+    out.extend(_check_catalog(where, parsed.get("models_catalog")))
+    out.extend(_check_servers(where, parsed))
+    return out
+
+
+def _pydantic_problems(where: str, key: str, exc: ValidationError) -> list[Problem]:
+    problems = []
+    for err in exc.errors():
+        # Discriminated unions put the tag name in the path; it says nothing to the reader.
+        loc = [str(p) for p in err["loc"] if not (isinstance(p, str) and p in {"hf", "url", "controller",
+                                                                               "file", "convert", "quantize"})]
+        path = ".".join([key, *loc]).replace(".from_", ".from")
+        message = err["msg"]
+        if err["type"] == "extra_forbidden":
+            message = "unknown key"
+        elif err["type"] == "missing":
+            message = "required but not set"
+        elif "input" in err and err["type"] not in {"union_tag_invalid"}:
+            message = f"{message} (got {err['input']!r})"
+        problems.append(Problem(where, path, message))
+    return problems
+
+
+def _check_pin(where: str, v: Mapping[str, Any]) -> list[Problem]:
+    out = []
+    source, version = v.get("llama_cpp_source"), str(v.get("llama_cpp_version", ""))
+    if source == "git":
+        if "llama_cpp_repo" not in v:
+            out.append(Problem(where, "llama_cpp_repo", "required when llama_cpp_source is git"))
+        if version and not HEX_COMMIT.match(version):
+            out.append(Problem(where, "llama_cpp_version",
+                               f"{version!r} is not a commit hash (7 to 40 hex digits)"))
+    elif source == "archive":
+        if "llama_cpp_archive" not in v:
+            out.append(Problem(where, "llama_cpp_archive", "required when llama_cpp_source is archive"))
+        if version and not re.fullmatch(r"[\w.+-]+", version):
+            out.append(Problem(where, "llama_cpp_version", f"{version!r} is not a build label"))
+    if v.get("llama_cpp_cuda") and "gpu_host_gpu" not in v and "llama_cpp_cuda_architectures" not in v:
+        out.append(Problem(where, "llama_cpp_cuda_architectures",
+                           "CUDA is on but neither this nor gpu_host_gpu says which architecture"))
+    return out
+
+
+def _check_catalog(where: str, catalog: dict[str, ModelSpec] | None) -> list[Problem]:
+    if not catalog:
+        return []
+    out = []
+    owner: dict[str, str] = {}
+    for model_name, model in catalog.items():
+        base = f"models_catalog.{model_name}"
+        if isinstance(model.source, HfSource) and not FULL_COMMIT.match(model.source.revision):
+            out.append(Problem(where, f"{base}.source.revision",
+                               f"{model.source.revision!r} is a branch or tag, not a pinned commit",
+                               "warning"))
+        for art_name, art in model.artifacts.items():
+            if art_name in owner:
+                out.append(Problem(where, f"{base}.artifacts.{art_name}",
+                                   f"artifact name also used by model {owner[art_name]}"))
+            owner[art_name] = model_name
+            if isinstance(art, QuantizeArtifact) and art.from_ not in model.artifacts:
+                out.append(Problem(where, f"{base}.artifacts.{art_name}.from",
+                                   f"{art.from_!r} is not an artifact of model {model_name}"))
+            if isinstance(art, ConvertArtifact) and not isinstance(model.source, HfSource | ControllerSource):
+                out.append(Problem(where, f"{base}.artifacts.{art_name}",
+                                   "convert needs a Hugging Face checkout (source type hf or controller)"))
+    return out
+
+
+def artifact_names(catalog: Mapping[str, ModelSpec] | None) -> set[str]:
+    return {name for model in (catalog or {}).values() for name in model.artifacts}
+
+
+def _check_servers(where: str, parsed: Mapping[str, Any]) -> list[Problem]:
+    out = []
+    profiles: dict[str, ProfileSpec] = parsed.get("llama_server_profiles") or {}
+    instances: dict[str, InstanceSpec] = parsed.get("llama_server_instances") or {}
+    artifacts = artifact_names(parsed.get("models_catalog"))
+    for name, profile in profiles.items():
+        seen = [name]
+        parent = profile.extends
+        while parent is not None:
+            if parent not in profiles:
+                out.append(Problem(where, f"llama_server_profiles.{seen[-1]}.extends",
+                                   f"no profile named {parent!r}"))
+                break
+            if parent in seen:
+                out.append(Problem(where, f"llama_server_profiles.{name}.extends",
+                                   f"cycle: {' -> '.join([*seen, parent])}"))
+                break
+            seen.append(parent)
+            parent = profiles[parent].extends
+        if profile.spec and profile.spec.draft_model and artifacts and profile.spec.draft_model not in artifacts:
+            out.append(Problem(where, f"llama_server_profiles.{name}.spec.draft_model",
+                               f"{profile.spec.draft_model!r} is not an artifact in models_catalog"))
+    ports: dict[int, str] = {}
+    for name, inst in sorted(instances.items()):
+        base = f"llama_server_instances.{name}"
+        if artifacts and inst.artifact not in artifacts:
+            out.append(Problem(where, f"{base}.artifact", f"{inst.artifact!r} is not an artifact in models_catalog"))
+        # Profiles that failed validation are reported already; don't call every reference to them unknown.
+        if "llama_server_profiles" in parsed and inst.profile not in profiles:
+            out.append(Problem(where, f"{base}.profile", f"{inst.profile!r} is not in llama_server_profiles"))
+        if inst.port in ports:
+            out.append(Problem(where, f"{base}.port", f"port {inst.port} is also used by {ports[inst.port]}"))
+        else:
+            ports[inst.port] = name
+    return out
