@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Annotated, NoReturn
 
+import click
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
@@ -151,7 +152,16 @@ def lab_status() -> None:
     _print_lab_status(_lab().status())
 
 
-@lab_app.command("ssh")
+@lab_app.command("image")
+def lab_image() -> None:
+    """Build the lab's Debian base image into the cache now (done by `up` when missing)."""
+    image = _lab().ensure_base_image()
+    origin = "built" if image.built else "cached"
+    console.print(f"lab image: {image.path} ({image.size_bytes / 1e6:.0f} MB, {origin})", highlight=False)
+
+
+# Options after the host (`--query-gpu=...`) belong to the remote command, not to rigctl.
+@lab_app.command("ssh", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def lab_ssh(
     host: Annotated[str, typer.Argument(help="Rig name from the lab inventory.")],
     command: Annotated[list[str] | None, typer.Argument(help="Command to run instead of a shell.")] = None,
@@ -214,8 +224,6 @@ def main() -> None:
         err_console.print("aborted", markup=False)
         sys.exit(130)
     except Exception as exc:  # click's usage errors and anything unexpected, still one line
-        import click
-
         if isinstance(exc, click.ClickException):
             exc.show()
             sys.exit(exc.exit_code)
