@@ -32,15 +32,18 @@ def lab_inventory() -> Inventory:
 
 @pytest.fixture(scope="session")
 def lab_up(lab_inventory: Inventory) -> Iterator[Inventory]:
-    """Both lab rigs up and answering SSH; torn down when the session ends."""
+    """Both lab rigs up and answering SSH. Torn down at the session's end if this session brought
+    them up; a lab that was already up (a developer's, `make demo`'s) is left as found."""
     reason = lab_unavailable_reason()
     if reason:
         pytest.skip(reason)
     from rigctl.lab import Lab
 
     lab = Lab.from_inventory(lab_inventory)
+    was_up = all(rig.running and rig.sshd for rig in lab.status())
     lab.up()
     try:
         yield lab_inventory
     finally:
-        lab.down()
+        if not was_up:
+            lab.down()

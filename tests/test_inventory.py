@@ -106,7 +106,8 @@ def test_undefined_artifact_profile_and_drafter(rigs: Path) -> None:
 
     edit(rigs / "group_vars/all/servers.yml", change)
     got = lines(rigs)
-    assert "group all: llama_server_instances.qwen.artifact: 'qwen3.5-2b-q8_0' is not an artifact in models_catalog" in got
+    assert ("group all: llama_server_instances.qwen.artifact: 'qwen3.5-2b-q8_0' is not an artifact in "
+            "models_catalog") in got
     assert "group all: llama_server_instances.gemma.profile: 'fast' is not in llama_server_profiles" in got
     assert ("group all: llama_server_profiles.rig-gemma-draft.spec.draft_model: 'tiny-drafter' is not an "
             "artifact in models_catalog") in got
