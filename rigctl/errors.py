@@ -57,5 +57,15 @@ class RemoteCommandError(RigctlError):
         super().__init__(f"{host}: `{cmd}` {status}" + (f": {last}" if last else ""))
 
 
+class TransferError(RigctlError):
+    """An SFTP transfer to or from ``host`` failed, timed out or did not match its sha256."""
+
+    def __init__(self, host: str, path: str, reason: str):
+        self.host = host
+        self.path = path
+        self.reason = reason
+        super().__init__(f"{host}: {path}: {reason}")
+
+
 class DeployError(RigctlError):
     """An Ansible run failed: a host was unreachable or a task failed."""
