@@ -28,7 +28,8 @@ host-deps:
 
 test: venv host-deps
 	$(VENV)/bin/ruff check rigctl tests bench
-	$(VENV)/bin/pytest
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/ansible-lint --offline -q playbooks/ roles/
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/pytest
 
 demo: venv host-deps
 	$(RIGCTL) inventory check

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
 
+from rigctl.deploy import DeployResult, TaskEvent
 from rigctl.errors import RigctlError
 from rigctl.inventory import Inventory
 
@@ -25,7 +26,9 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_
 inventory_app = typer.Typer(no_args_is_help=True, help="The inventory: validate it.")
 lab_app = typer.Typer(no_args_is_help=True, help="Local lab rigs (systemd-nspawn containers) for tests and demos.")
 app.add_typer(inventory_app, name="inventory")
+build_app = typer.Typer(no_args_is_help=True, help="llama.cpp builds on the hosts: status and rollback.")
 app.add_typer(lab_app, name="lab")
+app.add_typer(build_app, name="build")
 
 
 class _State:
@@ -174,6 +177,32 @@ def lab_ssh(
 # ----------------------------------------------------------------------------------------------- provision
 
 
+_MARKS = {"ok": "[green]ok[/green]", "changed": "[yellow]changed[/yellow]", "failed": "[red]failed[/red]",
+          "unreachable": "[red]unreachable[/red]", "skipped": "[dim]skipped[/dim]"}
+
+
+def _print_event(event: TaskEvent) -> None:
+    line = f"  {_MARKS[event.status]} {event.host}"
+    if event.message:
+        line += f": {event.message}"
+    console.print(line, highlight=False)
+
+
+def _print_task(task: str) -> None:
+    console.print(f"[bold]TASK[/bold] {task}", highlight=False)
+
+
+def _print_deploy_summary(result: DeployResult, title: str) -> None:
+    table = Table(title=f"{title}: {result.duration:.1f} s")
+    for column in ("host", "ok", "changed", "failed", "unreachable", "skipped", "failed task"):
+        table.add_column(column)
+    for outcome in result.hosts.values():
+        table.add_row(outcome.host, str(outcome.ok), str(outcome.changed), str(outcome.failed),
+                      str(outcome.unreachable), str(outcome.skipped),
+                      f"{outcome.failed_task}: {outcome.failure}" if outcome.failed_task else "")
+    console.print(table)
+
+
 @app.command("provision")
 def provision(
     limit: Annotated[str | None, typer.Option("--limit", "-l", help="Hosts or groups, comma-separated.")] = None,
@@ -182,32 +211,44 @@ def provision(
     playbook: Annotated[str, typer.Option(help="Playbook under playbooks/.")] = "site.yml",
 ) -> None:
     """Run playbooks/site.yml through ansible-runner; per-task progress, then a per-host summary."""
-    from rigctl.deploy import TaskEvent, run_playbook
+    from rigctl.deploy import run_playbook
 
-    inv = _inventory()
-    marks = {"ok": "[green]ok[/green]", "changed": "[yellow]changed[/yellow]", "failed": "[red]failed[/red]",
-             "unreachable": "[red]unreachable[/red]", "skipped": "[dim]skipped[/dim]"}
-
-    def on_event(event: TaskEvent) -> None:
-        line = f"  {marks[event.status]} {event.host}"
-        if event.message:
-            line += f": {event.message}"
-        console.print(line, highlight=False)
-
-    def on_task(task: str) -> None:
-        console.print(f"[bold]TASK[/bold] {task}", highlight=False)
-
-    result = run_playbook(inv, playbook, limit=limit, tags=tags or (), check=check,
-                          on_event=on_event, on_task=on_task)
-    table = Table(title=f"{playbook}{' (check mode)' if check else ''}: {result.duration:.1f} s")
-    for column in ("host", "ok", "changed", "failed", "unreachable", "skipped", "failed task"):
-        table.add_column(column)
-    for outcome in result.hosts.values():
-        table.add_row(outcome.host, str(outcome.ok), str(outcome.changed), str(outcome.failed),
-                      str(outcome.unreachable), str(outcome.skipped),
-                      f"{outcome.failed_task}: {outcome.failure}" if outcome.failed_task else "")
-    console.print(table)
+    result = run_playbook(_inventory(), playbook, limit=limit, tags=tags or (), check=check,
+                          on_event=_print_event, on_task=_print_task)
+    _print_deploy_summary(result, f"{playbook}{' (check mode)' if check else ''}")
     result.raise_for_failures()
+
+
+# ----------------------------------------------------------------------------------------------- build
+
+
+@build_app.command("status")
+def build_status(
+    limit: Annotated[str | None, typer.Option("--limit", "-l", help="Hosts or groups, comma-separated.")] = None,
+) -> None:
+    """The llama.cpp build each host runs (current) and keeps for rollback (previous)."""
+    from rigctl.build import read_builds
+
+    table = Table(title="llama.cpp builds")
+    for column in ("host", "current", "key", "CUDA", "built on", "previous"):
+        table.add_column(column)
+    for host in _inventory().select(limit):
+        builds = read_builds(host)
+        cur = builds.current
+        table.add_row(host.name, str(cur) if cur else "-", cur.key if cur else "-",
+                      (cur.cuda_architectures or "on") if cur and cur.cuda else "off",
+                      cur.built_on if cur else "-", str(builds.previous) if builds.previous else "-")
+    console.print(table)
+
+
+@build_app.command("rollback")
+def build_rollback(host: Annotated[str, typer.Argument(help="Host from the inventory.")]) -> None:
+    """Make HOST's previous llama.cpp build current again. The next `rigctl provision` restores the
+    inventory's pin."""
+    from rigctl.build import rollback
+
+    result = rollback(_inventory(), host, on_event=_print_event, on_task=_print_task)
+    console.print(f"{result.host}: current is now {result.after} (was {result.before})", highlight=False)
 
 
 def main() -> None:

@@ -69,3 +69,7 @@ class TransferError(RigctlError):
 
 class DeployError(RigctlError):
     """An Ansible run failed: a host was unreachable or a task failed."""
+
+
+class BuildError(RigctlError):
+    """A host has no llama.cpp build, or its build cannot be changed as asked."""

@@ -230,10 +230,9 @@ class Inventory:
         return list(chosen.values())
 
     def host(self, name: str) -> Host:
-        return self.select([name])[0] if name in self.hosts else self._unknown(name)
-
-    def _unknown(self, name: str) -> Host:
-        raise ConfigError(f"unknown host {name!r} (hosts: {', '.join(sorted(self.hosts))})")
+        if name not in self.hosts:
+            raise ConfigError(f"unknown host {name!r} (hosts: {', '.join(sorted(self.hosts))})")
+        return self.hosts[name]
 
     def origin(self, host: Host, key: str) -> str:
         """Where ``key`` for ``host`` is defined: ``host NAME`` or the nearest ``group NAME``."""
