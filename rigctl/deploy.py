@@ -165,6 +165,13 @@ def _message(res: Mapping[str, Any]) -> str:
     return "failed"
 
 
+def _reason(stdout: str) -> str:
+    """Ansible's own error line from its output (it is followed by context lines)."""
+    lines = [ln.strip() for ln in stdout.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith(("[ERROR]", "ERROR!"))]
+    return (errors or lines or ["no output"])[0]
+
+
 def ansible_env(root: Path) -> dict[str, str]:
     """The environment every Ansible run of rigctl gets: the project's ansible.cfg, plain output,
     and mitogen's strategy plugins from wherever rigctl is installed."""
@@ -228,7 +235,5 @@ def run_playbook(
     )
     if result.rc != 0 and not result.failures():
         # ansible-playbook stopped before any host ran (syntax error, bad option): say why.
-        tail = [ln for ln in stdout.splitlines() if ln.strip()]
-        raise DeployError(f"{playbook}: ansible-playbook {result.status} (rc {result.rc}): "
-                          f"{tail[-1] if tail else 'no output'}")
+        raise DeployError(f"{playbook}: ansible-playbook {result.status} (rc {result.rc}): {_reason(stdout)}")
     return result
