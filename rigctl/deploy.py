@@ -157,6 +157,10 @@ class _EventCollector:
 
 
 def _message(res: Mapping[str, Any]) -> str:
+    # A looped task only says "One or more items failed"; the failed item says why.
+    for item in res.get("results") or ():
+        if isinstance(item, Mapping) and item.get("failed"):
+            return _message(item)
     for key in ("msg", "stderr", "reason", "module_stderr"):
         value = res.get(key)
         if value:
