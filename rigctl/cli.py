@@ -29,6 +29,8 @@ app.add_typer(inventory_app, name="inventory")
 build_app = typer.Typer(no_args_is_help=True, help="llama.cpp builds on the hosts: status and rollback.")
 app.add_typer(lab_app, name="lab")
 app.add_typer(build_app, name="build")
+models_app = typer.Typer(no_args_is_help=True, help="Model artifacts on the hosts: list, verify and pin hashes.")
+app.add_typer(models_app, name="models")
 
 
 class _State:
@@ -249,6 +251,49 @@ def build_rollback(host: Annotated[str, typer.Argument(help="Host from the inven
 
     result = rollback(_inventory(), host, on_event=_print_event, on_task=_print_task)
     console.print(f"{result.host}: current is now {result.after} (was {result.before})", highlight=False)
+
+
+# ----------------------------------------------------------------------------------------------- models
+
+LimitOption = Annotated[str | None, typer.Option("--limit", "-l", help="Hosts or groups, comma-separated.")]
+
+
+@models_app.command("list")
+def models_list(limit: LimitOption = None) -> None:
+    """Per host: artifact, size, quantisation mix, sha256 and pin status (from the manifests)."""
+    from rigctl.models import list_artifacts, rows
+
+    table = Table(title="model artifacts")
+    for column in ("host", "artifact", "size", "quant mix", "sha256", "pin"):
+        table.add_column(column)
+    for row in rows(list_artifacts(_inventory(), limit)):
+        table.add_row(*row)
+    console.print(table)
+
+
+@models_app.command("verify")
+def models_verify(limit: LimitOption = None) -> None:
+    """Re-hash every host's model files against their pins; rebuild nothing."""
+    from rigctl.models import problems, verify
+
+    results = verify(_inventory(), limit)
+    found = problems(results)
+    for line in found:
+        err_console.print(line, markup=False, highlight=False, soft_wrap=True)
+    checked = sum(len(r) for r in results.values() if isinstance(r, list))
+    summary = f"{checked} artifacts on {len(results)} hosts, {len(found)} problems"
+    (err_console if found else console).print(summary, highlight=False)
+    if found:
+        raise typer.Exit(1)
+
+
+@models_app.command("pin")
+def models_pin(limit: LimitOption = None) -> None:
+    """Write the hashes observed on each host into its host_vars (models_pins), for review with git diff."""
+    from rigctl.models import pin
+
+    for host, pins in pin(_inventory(), limit).items():
+        console.print(f"{host}: pinned {len(pins)} artifacts", highlight=False)
 
 
 def main() -> None:

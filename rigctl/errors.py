@@ -73,3 +73,7 @@ class DeployError(RigctlError):
 
 class BuildError(RigctlError):
     """A host has no llama.cpp build, or its build cannot be changed as asked."""
+
+
+class PinError(RigctlError):
+    """A model file's sha256 differs from its pin, or a manifest is missing or unreadable."""

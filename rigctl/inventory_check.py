@@ -155,6 +155,8 @@ SCHEMA: dict[str, Any] = {
     "models_catalog": dict[str, ModelSpec],
     "llama_server_profiles": dict[str, ProfileSpec],
     "llama_server_instances": dict[str, InstanceSpec],
+    "models_pins": dict[str, Annotated[str, Field(pattern=SHA256.pattern)]],
+    "models_pin_policy": Literal["fail", "warn"],
     "rigctl_lab": LabSpec,
     "rigctl_known_hosts": str,
     "rigctl_cache_dir": str,
@@ -222,7 +224,17 @@ def check_host(host: Host, known: set[str]) -> list[Problem]:
     out.extend(_check_pin(where, v))
     out.extend(_check_catalog(where, parsed.get("models_catalog")))
     out.extend(_check_servers(where, parsed))
+    out.extend(_check_pins(where, v, parsed))
     return out
+
+
+def _check_pins(where: str, v: Mapping[str, Any], parsed: Mapping[str, Any]) -> list[Problem]:
+    artifacts = artifact_names(parsed.get("models_catalog"))
+    pins = v.get("models_pins")
+    if not artifacts or not isinstance(pins, Mapping):
+        return []
+    return [Problem(where, f"models_pins.{name}", "not an artifact in models_catalog")
+            for name in sorted(pins) if name not in artifacts]
 
 
 def _pydantic_problems(where: str, key: str, exc: ValidationError) -> list[Problem]:

@@ -172,3 +172,16 @@ def test_cli_bad_inventory_path_and_unknown_limit_are_one_line_errors() -> None:
     assert limit.stderr.strip().splitlines() == [
         "error: unknown host or group 'dekstop' in --limit (hosts: desktop, laptop)"
     ]
+
+
+def test_model_pins_must_be_sha256_of_known_artifacts(tmp_path: Path) -> None:
+    lab = tmp_path / "lab"
+    shutil.copytree(REPO / "inventory" / "lab", lab)
+    edit(lab / "host_vars/laptop.yml", lambda d: d.update(models_pins={"smollm2-135m-q4_1": "abc123",
+                                                                       "smollm2-135m-q8_0": "0" * 64},
+                                                         models_pin_policy="ignore"))
+    got = lines(lab)
+    assert "host laptop: models_pins.smollm2-135m-q8_0: not an artifact in models_catalog" in got
+    assert any(line.startswith("host laptop: models_pins.smollm2-135m-q4_1: String should match pattern")
+               for line in got), got
+    assert any(line.startswith("host laptop: models_pin_policy: Input should be 'fail' or 'warn'") for line in got), got

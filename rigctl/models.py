@@ -1,0 +1,259 @@
+"""Model artifacts on the hosts: manifests, hash pins, `rigctl models verify|pin|list`.
+
+The models role leaves ``<models_dir>/<artifact>.gguf`` with ``<artifact>.gguf.manifest.json`` beside it
+(bytes, sha256, tensors and bytes per ggml type, llama.cpp build, source, command, wall time) and checks
+each file against ``models_pins`` (host_vars) under ``models_pin_policy``. This module reads the same
+inventory variables: it lists the manifests, re-hashes files against their pins without rebuilding
+anything, and writes observed hashes into host_vars as a reviewable diff.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shlex
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rigctl.errors import ConfigError, PinError, RigctlError
+from rigctl.inventory import SHA256, Host, Inventory
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODELS_DIR = "/var/lib/rigctl/models"
+SSH_TIMEOUT = 600.0  # sha256 of a 4 GB file on a slow disk
+
+
+@dataclass(frozen=True)
+class TypeStats:
+    tensors: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    artifact: str
+    host: str
+    path: str
+    bytes: int
+    sha256: str
+    tensor_count: int
+    types: dict[str, TypeStats]
+    llama_cpp: dict[str, Any]
+    source: dict[str, Any]
+    command: str
+    wall_s: float
+    raw: dict[str, Any]
+
+    @property
+    def quant_mix(self) -> str:
+        """Tensors per type, largest share first: ``194 Q4_0 (806.4 MB), 1 Q6_K (417.2 MB), 140 F32``."""
+        parts = []
+        for name, stats in sorted(self.types.items(), key=lambda kv: (-kv[1].bytes, kv[0])):
+            size = f" ({stats.bytes / 1e6:.1f} MB)" if stats.bytes >= 1e6 else ""
+            parts.append(f"{stats.tensors} {name}{size}")
+        return ", ".join(parts)
+
+
+def parse_manifest(text: str, host: str = "?") -> Manifest:
+    """A manifest's JSON as :class:`Manifest`; PinError naming the host when it is not one."""
+    try:
+        data = json.loads(text)
+        return Manifest(
+            artifact=str(data["artifact"]),
+            host=str(data.get("host", host)),
+            path=str(data["path"]),
+            bytes=int(data["bytes"]),
+            sha256=str(data["sha256"]),
+            tensor_count=int(data["tensor_count"]),
+            types={k: TypeStats(int(v["tensors"]), int(v["bytes"])) for k, v in data["types"].items()},
+            llama_cpp=dict(data.get("llama_cpp") or {}),
+            source=dict(data.get("source") or {}),
+            command=str(data.get("command", "")),
+            wall_s=float(data.get("wall_s", 0.0)),
+            raw=data,
+        )
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise PinError(f"{host}: not a models manifest: {exc}") from None
+
+
+@dataclass(frozen=True)
+class ArtifactStatus:
+    """One artifact on one host: what its manifest says, what the file hashes to, and its pin."""
+
+    host: str
+    artifact: str
+    path: str
+    manifest: Manifest | None
+    actual_sha256: str | None  # None: not re-hashed (list) or the file is missing
+    pin: str | None
+
+    @property
+    def sha256(self) -> str | None:
+        return self.actual_sha256 or (self.manifest.sha256 if self.manifest else None)
+
+    @property
+    def status(self) -> str:
+        """missing, unpinned, ok or mismatch."""
+        if self.sha256 is None:
+            return "missing"
+        if not self.pin:
+            return "unpinned"
+        return "ok" if self.pin == self.sha256 else "mismatch"
+
+    def describe(self) -> str:
+        if self.status == "mismatch":
+            return f"{self.host}: {self.artifact}: pinned sha256 {self.pin} but {self.path} has {self.sha256}"
+        if self.status == "missing":
+            return f"{self.host}: {self.artifact}: {self.path} is missing"
+        return f"{self.host}: {self.artifact}: {self.status}"
+
+
+def host_artifacts(host: Host) -> list[str]:
+    """The artifacts the models role keeps on ``host``: models_artifacts, or the whole catalog."""
+    chosen = list(host.vars.get("models_artifacts") or [])
+    catalog = host.vars.get("models_catalog") or {}
+    if chosen:
+        for model in catalog.values():
+            for name, art in (model.get("artifacts") or {}).items():
+                if name in chosen and art.get("type") == "quantize" and art["from"] not in chosen:
+                    chosen.append(str(art["from"]))
+        return chosen
+    return [name for model in catalog.values() for name in (model.get("artifacts") or {})]
+
+
+def artifact_path(host: Host, artifact: str) -> str:
+    return f"{host.vars.get('models_dir', DEFAULT_MODELS_DIR)}/{artifact}.gguf"
+
+
+def host_pins(host: Host) -> dict[str, str]:
+    pins = host.vars.get("models_pins") or {}
+    if not isinstance(pins, Mapping):
+        raise ConfigError(f"host {host.name}: models_pins is not a mapping of artifact to sha256")
+    return {str(k): str(v).lower() for k, v in pins.items()}
+
+
+def inspect_host(host: Host, *, rehash: bool, timeout: float = SSH_TIMEOUT) -> list[ArtifactStatus]:
+    """Each artifact of ``host`` with its manifest and, with ``rehash``, the sha256 of the file now."""
+    from rigctl.ssh import SshClient, SshTarget
+
+    names = host_artifacts(host)
+    paths = {name: artifact_path(host, name) for name in names}
+    pins = host_pins(host)
+    # One round trip: every manifest, and the file hashes when asked, as one JSON object.
+    script = (
+        "import hashlib, json, os, sys\n"
+        "out = {}\n"
+        "for name, path in json.loads(sys.argv[1]).items():\n"
+        "    entry = out[name] = {}\n"
+        "    try:\n"
+        "        entry['manifest'] = open(path + '.manifest.json').read()\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "    if sys.argv[2] == '1' and os.path.isfile(path):\n"
+        "        h = hashlib.sha256()\n"
+        "        with open(path, 'rb') as f:\n"
+        "            for chunk in iter(lambda: f.read(1 << 22), b''):\n"
+        "                h.update(chunk)\n"
+        "        entry['sha256'] = h.hexdigest()\n"
+        "print(json.dumps(out))\n"
+    )
+    cmd = f"python3 -c {shlex.quote(script)} {shlex.quote(json.dumps(paths))} {'1' if rehash else '0'}"
+    with SshClient(SshTarget.from_host(host)) as ssh:
+        result = ssh.run(cmd, timeout=timeout)
+    found = json.loads(result.stdout)
+    statuses = []
+    for name in names:
+        entry = found.get(name, {})
+        manifest = parse_manifest(entry["manifest"], host.name) if "manifest" in entry else None
+        statuses.append(ArtifactStatus(host.name, name, paths[name], manifest, entry.get("sha256"), pins.get(name)))
+    return statuses
+
+
+def _fleet(inventory: Inventory, limit: str | None, *, rehash: bool) -> dict[str, list[ArtifactStatus] | RigctlError]:
+    out: dict[str, list[ArtifactStatus] | RigctlError] = {}
+    for host in inventory.select(limit):
+        try:
+            out[host.name] = inspect_host(host, rehash=rehash)
+        except RigctlError as exc:  # one unreachable host never hides the others
+            out[host.name] = exc
+    return out
+
+
+def list_artifacts(inventory: Inventory, limit: str | None = None) -> dict[str, list[ArtifactStatus] | RigctlError]:
+    """`rigctl models list`: per host, each artifact's manifest and pin status (no re-hashing)."""
+    return _fleet(inventory, limit, rehash=False)
+
+
+def verify(inventory: Inventory, limit: str | None = None) -> dict[str, list[ArtifactStatus] | RigctlError]:
+    """`rigctl models verify`: re-hash every artifact on every host and compare with its pin."""
+    return _fleet(inventory, limit, rehash=True)
+
+
+def problems(results: Mapping[str, list[ArtifactStatus] | RigctlError]) -> list[str]:
+    """One line per host that failed, artifact missing, or pin mismatch."""
+    lines = []
+    for host, outcome in results.items():
+        if isinstance(outcome, RigctlError):
+            lines.append(str(outcome) if str(outcome).startswith(host) else f"{host}: {outcome}")
+            continue
+        lines.extend(s.describe() for s in outcome if s.status in {"mismatch", "missing"})
+    return lines
+
+
+_PINS_BLOCK = re.compile(r"^models_pins:.*\n(?:(?:[ \t]+.*|[ \t]*)\n)*", re.MULTILINE)
+
+
+def set_pins_text(text: str, pins: Mapping[str, str]) -> str:
+    """host_vars YAML ``text`` with its ``models_pins`` block replaced (or appended); the rest untouched."""
+    block = "models_pins:\n" + "".join(f"  {name}: \"{sha}\"\n" for name, sha in sorted(pins.items()))
+    if _PINS_BLOCK.search(text):
+        return _PINS_BLOCK.sub(lambda _m: block, text, count=1)
+    if text and not text.endswith("\n"):
+        text += "\n"
+    return text + block
+
+
+def pin(inventory: Inventory, limit: str | None = None) -> dict[str, dict[str, str]]:
+    """`rigctl models pin`: write each host's observed sha256s into ``<inventory>/host_vars/<host>.yml``.
+
+    Hashes come from the files themselves (re-hashed now), never from manifests alone. A host that
+    cannot be reached or lacks an artifact fails the whole command before anything is written.
+    """
+    results = verify(inventory, limit)
+    bad = [line for line in problems(results) if "pinned sha256" not in line]
+    if bad:
+        raise PinError("; ".join(bad))
+    host_vars = Path(inventory.source) / "host_vars"
+    if not host_vars.is_dir():
+        raise ConfigError(f"inventory {inventory.source}: no host_vars directory to write pins into")
+    written: dict[str, dict[str, str]] = {}
+    for host, statuses in results.items():
+        if isinstance(statuses, RigctlError):  # problems() above already refused these
+            raise statuses
+        pins = {s.artifact: s.sha256 for s in statuses if s.sha256 and SHA256.match(s.sha256)}
+        path = host_vars / f"{host}.yml"
+        new_text = set_pins_text(path.read_text() if path.exists() else "", pins)
+        # A pins block that is not valid YAML would break every later run: check before writing.
+        yaml.safe_load(new_text)
+        path.write_text(new_text)
+        written[host] = pins
+        log.info("%s: pinned %d artifacts in %s", host, len(pins), path)
+    return written
+
+
+def rows(results: Mapping[str, list[ArtifactStatus] | RigctlError]) -> Iterable[tuple[str, ...]]:
+    """Table rows for `rigctl models list`: host, artifact, size, quant mix, sha256 (short), pin status."""
+    for host, outcome in results.items():
+        if isinstance(outcome, RigctlError):
+            yield (host, "-", "-", str(outcome), "-", "unreachable")
+            continue
+        for s in outcome:
+            m = s.manifest
+            yield (host, s.artifact, f"{m.bytes / 1e6:.1f} MB" if m else "-", m.quant_mix if m else "-",
+                   (s.sha256 or "-")[:12], s.status)

@@ -1,0 +1,342 @@
+#!/usr/bin/python3
+# Part of rigctl's models role.
+"""Make one GGUF artifact (copy, convert or quantize), write its manifest, check its pin, put it in place."""
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+module: models_artifact
+short_description: Make one GGUF model artifact with a manifest beside it, atomically
+description:
+  - Runs the artifact's command (or links/copies a ready GGUF) into a temporary name beside I(path),
+    reads the result's GGUF header (tensor count, tensors and bytes per type), hashes it, checks the
+    hash against the host's pin, writes I(path).manifest.json, and only then renames both into place.
+    Until that rename a server keeps reading the old file.
+  - Idempotent. The manifest stores a key over everything that determines the file (kind, command,
+    input identity, recipe, llama.cpp build); with the same key and a file of the recorded size,
+    nothing runs and changed is false.
+  - Supports check mode (reports whether it would make the artifact).
+  - The GGUF reader is standard library only, so the module runs with the host's system python3;
+    rigctl's tests check it against the gguf package's reader.
+options:
+  name: {description: Artifact name., type: str, required: true}
+  path: {description: Final GGUF path on the host., type: path, required: true}
+  kind: {description: How the artifact is made., type: str, required: true, choices: [file, convert, quantize, copy]}
+  input: {description: The source file, checkout directory or input artifact., type: path, required: true}
+  input_id:
+    description:
+      - What identifies the input (a resolved revision, a sha256). Empty - the sha256 in the input's own
+        manifest, else a digest of the input's content (a file, or every file of a directory).
+    type: str
+    default: ""
+  argv: {description: "Command; {input} and {output} are replaced. Empty for file and copy.", type: list, elements: str, default: []}
+  env: {description: Extra environment for the command., type: dict, default: {}}
+  timeout: {description: Seconds the command may run., type: int, default: 7200}
+  recipe: {description: Recipe settings recorded in the manifest and its key., type: dict, default: {}}
+  source: {description: The model's source, recorded in the manifest., type: dict, default: {}}
+  build: {description: The llama.cpp build (from its local fact), recorded in the manifest., type: dict, default: {}}
+  key_build: {description: Whether the llama.cpp build key joins the artifact key (quantize)., type: bool, default: false}
+  model: {description: Model name in the catalog., type: str, default: ""}
+  host: {description: Inventory name of the host, for messages and the manifest., type: str, required: true}
+  pin: {description: Pinned sha256 for this host, empty for none., type: str, default: ""}
+  pin_policy: {description: What a pin mismatch does., type: str, default: fail, choices: [fail, warn]}
+  expect_sha256: {description: For copy, the sha256 the file must have (the builder's)., type: str, default: ""}
+"""
+
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import struct
+import subprocess
+import time
+
+from ansible.module_utils.basic import AnsibleModule
+
+MANIFEST_VERSION = 1
+
+# ggml type id -> (name, elements per block, bytes per block), as in gguf-py's GGML_QUANT_SIZES of the
+# pinned llama.cpp tree (b11434).
+_QK_K = 256
+GGML_TYPES = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 36),
+    10: ("Q2_K", 256, 4 + _QK_K // 16 + _QK_K // 4), 11: ("Q3_K", 256, 2 + _QK_K // 4 + _QK_K // 8 + 12),
+    12: ("Q4_K", 256, 4 + _QK_K // 2 + 12), 13: ("Q5_K", 256, 4 + _QK_K // 2 + _QK_K // 8 + 12),
+    14: ("Q6_K", 256, 2 + _QK_K // 2 + _QK_K // 4 + _QK_K // 16), 15: ("Q8_K", 256, 4 + _QK_K + _QK_K // 8),
+    16: ("IQ2_XXS", 256, 2 + _QK_K // 4), 17: ("IQ2_XS", 256, 2 + _QK_K // 4 + _QK_K // 32),
+    18: ("IQ3_XXS", 256, 2 + _QK_K // 4 + _QK_K // 8), 19: ("IQ1_S", 256, 2 + _QK_K // 8 + _QK_K // 16),
+    20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 2 + _QK_K // 4 + _QK_K // 8 + _QK_K // 32 + 4),
+    22: ("IQ2_S", 256, 2 + _QK_K // 4 + _QK_K // 16), 23: ("IQ4_XS", 256, 4 + _QK_K // 2 + _QK_K // 64),
+    24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8),
+    29: ("IQ1_M", 256, _QK_K // 8 + _QK_K // 16 + _QK_K // 32), 30: ("BF16", 1, 2),
+    34: ("TQ1_0", 256, 2 + 4 * 13), 35: ("TQ2_0", 256, 2 + 64), 39: ("MXFP4", 32, 17),
+    40: ("NVFP4", 64, 36), 41: ("Q1_0", 128, 18), 42: ("Q2_0", 64, 18),
+}
+
+# GGUF metadata value types: struct format of the scalars; 8 string, 9 array.
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+class GGUFError(Exception):
+    pass
+
+
+class _Reader:
+    def __init__(self, f, size: int):
+        self.f = f
+        self.size = size
+
+    def take(self, n: int) -> bytes:
+        data = self.f.read(n)
+        if len(data) != n:
+            raise GGUFError(f"truncated at byte {self.f.tell()} (file has {self.size})")
+        return data
+
+    def scalar(self, fmt: str):
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+
+    def string(self) -> str:
+        n = self.scalar("<Q")
+        if n > self.size:
+            raise GGUFError(f"string length {n} past the end of the file")
+        return self.take(n).decode("utf-8", errors="replace")
+
+    def value(self, vtype: int):
+        if vtype in _SCALARS:
+            return self.scalar(_SCALARS[vtype])
+        if vtype == 8:
+            return self.string()
+        if vtype == 9:
+            etype, count = self.scalar("<I"), self.scalar("<Q")
+            if etype in _SCALARS:  # large arrays (token scores) are skipped, not decoded
+                self.f.seek(struct.calcsize(_SCALARS[etype]) * count, os.SEEK_CUR)
+                return None
+            for _ in range(count):
+                self.value(etype)
+            return None
+        raise GGUFError(f"unknown metadata value type {vtype}")
+
+
+def gguf_summary(path: str) -> dict:
+    """Tensor count, tensors and bytes per ggml type, and a few header fields of a GGUF file."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        r = _Reader(f, size)
+        if r.take(4) != b"GGUF":
+            raise GGUFError("not a GGUF file (bad magic)")
+        version = r.scalar("<I")
+        n_tensors, n_kv = r.scalar("<Q"), r.scalar("<Q")
+        meta = {}
+        for _ in range(n_kv):
+            key = r.string()
+            value = r.value(r.scalar("<I"))
+            if key in ("general.architecture", "general.alignment", "general.name", "general.file_type"):
+                meta[key] = value
+        tensors = []
+        for _ in range(n_tensors):
+            name = r.string()
+            dims = [r.scalar("<Q") for _ in range(r.scalar("<I"))]
+            ttype, offset = r.scalar("<I"), r.scalar("<Q")
+            if ttype not in GGML_TYPES:
+                raise GGUFError(f"tensor {name}: unknown ggml type {ttype}")
+            n = 1
+            for d in dims:
+                n *= d
+            tname, block, block_bytes = GGML_TYPES[ttype]
+            tensors.append((name, tname, offset, n // block * block_bytes))
+        alignment = int(meta.get("general.alignment", 32))
+        data_start = (f.tell() + alignment - 1) // alignment * alignment
+    types: dict = {}
+    end = data_start
+    for _name, tname, offset, nbytes in tensors:
+        entry = types.setdefault(tname, {"tensors": 0, "bytes": 0})
+        entry["tensors"] += 1
+        entry["bytes"] += nbytes
+        end = max(end, data_start + offset + nbytes)
+    if end > size:
+        raise GGUFError(f"tensor data ends at byte {end} but the file has {size} (truncated)")
+    return {
+        "gguf_version": version,
+        "tensor_count": n_tensors,
+        "kv_count": n_kv,
+        "architecture": meta.get("general.architecture", ""),
+        "types": dict(sorted(types.items())),
+    }
+
+
+def sha256_file(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def input_identity(path: str) -> str:
+    """The sha256 an input's manifest records, else a digest of its content."""
+    try:
+        with open(path + ".manifest.json", encoding="utf-8") as f:
+            return "sha256:" + json.load(f)["sha256"]
+    except (OSError, ValueError, KeyError):
+        pass
+    if os.path.isfile(path):
+        return "sha256:" + sha256_file(path)
+    digest = hashlib.sha256()
+    for root, dirs, files in os.walk(path):
+        dirs.sort()
+        for name in sorted(files):
+            full = os.path.join(root, name)
+            digest.update(f"{os.path.relpath(full, path)}\0{sha256_file(full)}\n".encode())
+    return "tree:" + digest.hexdigest()
+
+
+def artifact_key(p: dict, input_id: str) -> str:
+    inputs = {
+        "kind": p["kind"],
+        "argv": p["argv"],
+        "input_id": input_id,
+        "recipe": p["recipe"],
+        "build": p["build"].get("key", "") if p["key_build"] else "",
+        "manifest_version": MANIFEST_VERSION,
+    }
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+
+
+def current_manifest(path: str, key: str) -> dict | None:
+    """The manifest beside ``path`` if it was made from these inputs and the file is still its size."""
+    try:
+        with open(path + ".manifest.json", encoding="utf-8") as f:
+            manifest = json.load(f)
+        size = os.path.getsize(path)
+    except (OSError, ValueError):
+        return None
+    if manifest.get("key") != key or manifest.get("bytes") != size:
+        return None
+    return manifest
+
+
+def _place_input(src: str, dst: str) -> None:
+    # A hard link costs nothing and the source copy stays byte-identical; across file systems, copy.
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
+
+
+def main() -> None:
+    module = AnsibleModule(
+        argument_spec={
+            "name": {"type": "str", "required": True},
+            "path": {"type": "path", "required": True},
+            "kind": {"type": "str", "required": True, "choices": ["file", "convert", "quantize", "copy"]},
+            "input": {"type": "path", "required": True},
+            "input_id": {"type": "str", "default": ""},
+            "argv": {"type": "list", "elements": "str", "default": []},
+            "env": {"type": "dict", "default": {}},
+            "timeout": {"type": "int", "default": 7200},
+            "recipe": {"type": "dict", "default": {}},
+            "source": {"type": "dict", "default": {}},
+            "build": {"type": "dict", "default": {}},
+            "key_build": {"type": "bool", "default": False},
+            "model": {"type": "str", "default": ""},
+            "host": {"type": "str", "required": True},
+            "pin": {"type": "str", "default": ""},
+            "pin_policy": {"type": "str", "default": "fail", "choices": ["fail", "warn"]},
+            "expect_sha256": {"type": "str", "default": ""},
+        },
+        supports_check_mode=True,
+    )
+    p = module.params
+    host = p["host"]
+    path, name = p["path"], p["name"]
+    if not os.path.exists(p["input"]):
+        if module.check_mode:  # made by an earlier artifact of this run
+            module.exit_json(changed=True, manifest={}, path=path, msg=f"would make {name} ({p['kind']})")
+        module.fail_json(msg=f"{host}: {name}: input {p['input']} does not exist")
+    input_id = p["input_id"] or input_identity(p["input"])
+    key = artifact_key(p, input_id)
+    manifest = current_manifest(path, key)
+    if manifest is not None:
+        _check_pin(module, manifest, p, staged=False)
+        module.exit_json(changed=False, manifest=manifest, path=path)
+    if module.check_mode:
+        module.exit_json(changed=True, manifest={}, path=path, msg=f"would make {name} ({p['kind']})")
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.partial")
+    for stale in (tmp, tmp + ".manifest.json"):
+        if os.path.exists(stale):
+            os.unlink(stale)
+    argv = [a.replace("{input}", p["input"]).replace("{output}", tmp) for a in p["argv"]]
+    started = time.monotonic()
+    try:
+        if argv:
+            env = dict(os.environ, **{k: str(v) for k, v in p["env"].items()})
+            proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=p["timeout"], check=False)
+            if proc.returncode != 0:
+                tail = [ln for ln in (proc.stderr + proc.stdout).strip().splitlines() if ln.strip()]
+                module.fail_json(msg=f"{host}: {name}: `{shlex.join(argv)}` exited {proc.returncode}: "
+                                     f"{tail[-1] if tail else 'no output'}", stdout=proc.stdout[-4000:],
+                                 stderr=proc.stderr[-4000:])
+        else:
+            _place_input(p["input"], tmp)
+        wall = time.monotonic() - started
+        if not os.path.isfile(tmp):
+            module.fail_json(msg=f"{host}: {name}: `{shlex.join(argv)}` wrote no file at {tmp}")
+        try:
+            summary = gguf_summary(tmp)
+        except (GGUFError, struct.error) as exc:
+            module.fail_json(msg=f"{host}: {name}: {tmp}: {exc}")
+        digest = sha256_file(tmp)
+        if p["expect_sha256"] and digest != p["expect_sha256"]:
+            module.fail_json(msg=f"{host}: {name}: copied file {tmp} has sha256 {digest}, "
+                                 f"the builder's is {p['expect_sha256']}")
+        manifest = {
+            "manifest_version": MANIFEST_VERSION,
+            "artifact": name,
+            "model": p["model"],
+            "kind": p["kind"],
+            "host": host,
+            "path": path,
+            "bytes": os.path.getsize(tmp),
+            "sha256": digest,
+            **summary,
+            "recipe": p["recipe"],
+            "source": p["source"],
+            "input": {"path": p["input"], "id": input_id},
+            "llama_cpp": p["build"],
+            "command": shlex.join(argv).replace(tmp, path) if argv else "",
+            "wall_s": round(wall, 3),
+            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "key": key,
+        }
+        _check_pin(module, manifest, p, staged=True)
+        with open(tmp + ".manifest.json", "w", encoding="utf-8") as f:
+            json.dump(manifest, f, indent=2, sort_keys=True)
+            f.write("\n")
+        os.chmod(tmp, 0o644)
+        os.rename(tmp, path)
+        os.rename(tmp + ".manifest.json", path + ".manifest.json")
+    finally:
+        for stale in (tmp, tmp + ".manifest.json"):
+            if os.path.exists(stale):
+                os.unlink(stale)
+    module.exit_json(changed=True, manifest=manifest, path=path)
+
+
+def _check_pin(module: AnsibleModule, manifest: dict, p: dict, *, staged: bool) -> None:
+    pin = (p["pin"] or "").lower()
+    if not pin or pin == manifest["sha256"]:
+        return
+    where = "new file (not put in place)" if staged else manifest["path"]
+    msg = (f"{p['host']}: {p['name']}: pinned sha256 {pin} but the {where} has "
+           f"{manifest['sha256']}")
+    if p["pin_policy"] == "fail":
+        module.fail_json(msg=msg)
+    module.warn(msg)
+
+
+if __name__ == "__main__":
+    main()
