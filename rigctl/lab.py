@@ -380,8 +380,9 @@ def check_lab_network(bridge: str, bridge_address: str, rigs: Sequence[RigSpec])
         if address in seen:
             raise LabError(f"{rig.name}: address {address} is also {seen[address]}'s")
         seen[address] = rig.name
-        if len(veth_name(rig.name)) > IFNAME_MAX:
-            raise LabError(f"{rig.name}: rig name too long for a link name ({veth_name(rig.name)!r} > {IFNAME_MAX})")
+        link = veth_name(bridge, rig.name)
+        if len(link) > IFNAME_MAX:
+            raise LabError(f"{rig.name}: rig name too long for a link name ({link!r} > {IFNAME_MAX})")
 
 
 def check_lab_paths(config: LabConfig) -> None:
@@ -393,7 +394,7 @@ def check_lab_paths(config: LabConfig) -> None:
 
 def find_host_conflicts(links: Sequence[Mapping[str, Any]], config: LabConfig) -> list[str]:
     """What on this machine (``ip -j -d addr show``) clashes with the lab; the lab's own links don't."""
-    ours = {config.bridge, *(veth_name(r.name) for r in config.rigs)}
+    ours = {config.bridge, *(veth_name(config.bridge, r.name) for r in config.rigs)}
     network = ipaddress.IPv4Interface(config.bridge_address).network
     problems: list[str] = []
     for link in links:
@@ -467,9 +468,10 @@ def rig_tag(bridge: str, rig: str) -> str:
     return f"{bridge}-{rig}"
 
 
-def veth_name(rig: str) -> str:
-    """The host side of the rig's veth (link names are short; the alias marks whose it is)."""
-    return f"rl-{rig}"
+def veth_name(bridge: str, rig: str) -> str:
+    """The host side of the rig's veth. Link names are global and short: a tag of the bridge keeps two
+    labs with the same rig names apart; the alias marks whose link it is."""
+    return f"r{hashlib.sha256(bridge.encode()).hexdigest()[:3]}-{rig}"
 
 
 def gpu_seed(host: str, gpu: Mapping[str, Any]) -> GpuState:
@@ -724,7 +726,7 @@ class Lab:
             _write_file(root / GPU_STATE_IN_RIG, rig.gpu.to_json(), 0o644)
 
     def _make_network(self, rig: RigSpec) -> None:
-        ns, veth = self._tag(rig), veth_name(rig.name)
+        ns, veth = self._tag(rig), veth_name(self.config.bridge, rig.name)
         prefix = ipaddress.IPv4Interface(self.config.bridge_address).network.prefixlen
         gateway = str(dead_end_gateway(self.config.bridge_address))
         mac = lab_mac(rig.address)
@@ -944,7 +946,7 @@ class Lab:
                 raise LabError(f"cannot remove cgroup {top}")
 
     def _remove_network(self, rig: RigSpec) -> None:
-        ns, veth = self._tag(rig), veth_name(rig.name)
+        ns, veth = self._tag(rig), veth_name(self.config.bridge, rig.name)
         if (NETNS_DIR / ns).exists():
             _run(["ip", "netns", "del", ns], timeout=COMMAND_TIMEOUT_S)
         if _link_exists(veth, self.config.link_marker):

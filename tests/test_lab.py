@@ -260,7 +260,10 @@ def test_lab_macs_are_fixed_local_unicast_and_distinct() -> None:
 
 
 def test_names_of_the_rigs_pieces() -> None:
-    assert (rig_tag("rigctl-br0", "desktop"), veth_name("desktop")) == ("rigctl-br0-desktop", "rl-desktop")
+    assert rig_tag("rigctl-br0", "desktop") == "rigctl-br0-desktop"
+    # Same rig names on two bridges: two different link names, both short enough for the kernel.
+    first, second = veth_name("rigctl-br0", "desktop"), veth_name("rigctl-bb0", "desktop")
+    assert first != second and first.endswith("-desktop") and len(first) <= 15
 
 
 def test_gpu_seed_from_the_inventory_and_state_checks() -> None:
@@ -746,7 +749,7 @@ def leftovers(lab: Lab) -> list[str]:
     tags = {rig_tag(config.bridge, r.name) for r in config.rigs}
     found += [f"netns {n}" for n in netns if n in tags]
     links = json.loads(subprocess.run(["ip", "-j", "link", "show"], capture_output=True, text=True, timeout=10).stdout)
-    ours = {config.bridge, *(veth_name(r.name) for r in config.rigs)}
+    ours = {config.bridge, *(veth_name(config.bridge, r.name) for r in config.rigs)}
     found += [
         f"link {link['ifname']}"
         for link in links
