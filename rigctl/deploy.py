@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -179,7 +180,10 @@ def _reason(stdout: str) -> str:
 def ansible_env(root: Path) -> dict[str, str]:
     """The environment every Ansible run of rigctl gets: the project's ansible.cfg, plain output,
     and mitogen's strategy plugins from wherever rigctl is installed."""
-    env = {"ANSIBLE_CONFIG": str(root / "ansible.cfg"), "ANSIBLE_FORCE_COLOR": "0", "ANSIBLE_NOCOLOR": "1"}
+    env = {"ANSIBLE_CONFIG": str(root / "ansible.cfg"), "ANSIBLE_FORCE_COLOR": "0", "ANSIBLE_NOCOLOR": "1",
+           # ansible-runner starts ansible-playbook by name: find the one installed beside rigctl,
+           # so a venv's rigctl works without the venv activated.
+           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
     strategy_dir = mitogen_strategy_dir()
     if strategy_dir:
         env["ANSIBLE_STRATEGY_PLUGINS"] = strategy_dir

@@ -23,7 +23,10 @@ def rigctl(*args: str, inventory: Path | None = None) -> subprocess.CompletedPro
     cmd = [sys.executable, "-m", "rigctl.cli"]
     if inventory is not None:
         cmd += ["-i", str(inventory)]
-    return subprocess.run([*cmd, *args], cwd=REPO, capture_output=True, text=True, timeout=900)
+    # The venv's bin is not on PATH, as when `make demo` runs .venv/bin/rigctl: rigctl must find
+    # ansible-playbook by itself.
+    env = {**os.environ, "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+    return subprocess.run([*cmd, *args], cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
 
 
 def test_provision_both_rigs_then_nothing_changes(lab_up: Inventory) -> None:
