@@ -237,13 +237,18 @@ def _check_pins(where: str, v: Mapping[str, Any], parsed: Mapping[str, Any]) -> 
             for name in sorted(pins) if name not in artifacts]
 
 
+def _without_union_tags(loc: tuple[Any, ...]) -> list[str]:
+    """The error's key path without the discriminated unions' tags (a source's or an artifact's
+    ``type``), which pydantic puts right after ``source`` and after an artifact's name."""
+    parts = [str(p) for p in loc]
+    return [p for i, p in enumerate(parts)
+            if not ((i >= 1 and parts[i - 1] == "source") or (i >= 2 and parts[i - 2] == "artifacts"))]
+
+
 def _pydantic_problems(where: str, key: str, exc: ValidationError) -> list[Problem]:
     problems = []
     for err in exc.errors():
-        # Discriminated unions put the tag name in the path; it says nothing to the reader.
-        loc = [str(p) for p in err["loc"] if not (isinstance(p, str) and p in {"hf", "url", "controller",
-                                                                               "file", "convert", "quantize"})]
-        path = ".".join([key, *loc]).replace(".from_", ".from")
+        path = ".".join([key, *_without_union_tags(err["loc"])]).replace(".from_", ".from")
         message = err["msg"]
         if err["type"] == "extra_forbidden":
             message = "unknown key"

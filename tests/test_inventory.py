@@ -185,3 +185,18 @@ def test_model_pins_must_be_sha256_of_known_artifacts(tmp_path: Path) -> None:
     assert any(line.startswith("host laptop: models_pins.smollm2-135m-q4_1: String should match pattern")
                for line in got), got
     assert any(line.startswith("host laptop: models_pin_policy: Input should be 'fail' or 'warn'") for line in got), got
+
+
+def test_problem_paths_keep_keys_named_like_union_tags(tmp_path: Path) -> None:
+    lab = tmp_path / "lab"
+    shutil.copytree(REPO / "inventory" / "lab", lab)
+
+    def change(d):
+        del d["models_catalog"]["smollm2-135m"]["artifacts"]["smollm2-135m-q4_1"]["file"]
+        d["models_catalog"]["smollm2-135m"]["source"]["url"] = "http://example.invalid/x"
+
+    edit(lab / "group_vars/all/models.yml", change)
+    assert lines(lab) == [
+        "group all: models_catalog.smollm2-135m.artifacts.smollm2-135m-q4_1.file: required but not set",
+        "group all: models_catalog.smollm2-135m.source.url: unknown key",
+    ]
