@@ -158,6 +158,7 @@ SCHEMA: dict[str, Any] = {
     "models_pins": dict[str, Annotated[str, Field(pattern=SHA256.pattern)]],
     "models_pin_policy": Literal["fail", "warn"],
     "rigctl_lab": LabSpec,
+    "rigctl_lab_slot": Annotated[str, Field(pattern=r"^[0-6]$")],
     "rigctl_known_hosts": str,
     "rigctl_cache_dir": str,
 }

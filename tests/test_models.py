@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -26,7 +27,7 @@ from hf_server import HfRepo, HfServer  # noqa: E402
 from make_hf_checkout import gguf_file, make_checkout, tools_python  # noqa: E402
 
 REVISION = "0123456789abcdef0123456789abcdef01234567"
-BRIDGE = "10.213.0.1"
+BRIDGE = f"10.213.{os.environ.get('RIGCTL_LAB_SLOT') or 0}.1"
 
 
 def _artifact_module():
