@@ -1,0 +1,725 @@
+"""An HTTP client for one llama-server (or any OpenAI-compatible endpoint), sync and async.
+
+Everything rigctl asks a server goes through here: evals, server-speed benches, the drafter race, the
+exporter and the MCP tools. One :class:`Endpoint` names the server (base URL, API key, a label for
+messages); :class:`ServerClient` (httpx.Client) and :class:`AsyncServerClient` (httpx.AsyncClient) have
+the same methods, the async ones awaited::
+
+    from rigctl.server import Endpoint, ServerClient
+
+    endpoint = Endpoint.from_inventory(inv.host("desktop"), "smollm2")   # or Endpoint("http://h:8080")
+    with ServerClient(endpoint) as server:
+        server.health()                        # Health(ok=True, status="ok")
+        server.props().build_info              # "b11434-1d2f3a4", also .model_path, .total_slots, .n_ctx
+        server.tokenize(" yes")                # [Token(id=9805, piece=" yes")]
+        server.apply_template(messages)        # the prompt text in the model's own chat template
+        reply = server.chat(messages, max_tokens=256, seed=1234)   # ChatResult
+        reply.content, reply.reasoning_content, reply.tool_calls, reply.finish_reason, reply.timings
+        stream = server.chat_stream(messages, max_tokens=128)      # ChatResult + ttft_s, wall_s
+        done = server.complete(prompt, n_predict=1, n_probs=20)    # CompletionResult, .probs[0].top
+        server.metrics().value("llamacpp:prompt_seconds_total")    # Metrics (Prometheus text, parsed)
+
+Requests are greedy and thinking-off unless asked otherwise: ``temperature=0.0``, a fixed ``seed`` and
+``chat_template_kwargs={"enable_thinking": False}``. With thinking on, ``reasoning_content`` holds the
+reasoning and ``content`` the reply proper (the server splits them).
+
+Every call has explicit timeouts (:class:`Timeouts`). Connection errors (refused, reset, the server closing
+the connection mid-request) and 5xx answers (including 503 "loading model") are retried with exponential
+backoff (:class:`Retry`); 4xx answers and read timeouts are not, since retrying cannot change them. What
+still fails raises :class:`rigctl.errors.ServerError` naming the endpoint, the call and the reason.
+Parsing is pure (``parse_*`` functions) so it is tested without a server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import random
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from rigctl.errors import ConfigError, ServerError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SEED = 1234
+Message = Mapping[str, Any]
+
+
+# ----------------------------------------------------------------------------------------------- settings
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Seconds. ``read`` bounds one whole generation, so it is long by default."""
+
+    connect: float = 5.0
+    read: float = 600.0
+    write: float = 30.0
+    pool: float = 600.0  # waiting for a free connection when more requests are queued than connections
+
+    def httpx(self) -> httpx.Timeout:
+        return httpx.Timeout(connect=self.connect, read=self.read, write=self.write, pool=self.pool)
+
+
+@dataclass(frozen=True)
+class Retry:
+    """``attempts`` tries in all; the n-th wait is ``backoff * 2**n`` seconds (capped, with jitter)."""
+
+    attempts: int = 4
+    backoff: float = 0.5
+    max_wait: float = 8.0
+
+    def wait(self, attempt: int) -> float:
+        return min(self.max_wait, self.backoff * 2**attempt) * (0.75 + random.random() / 2)
+
+
+NO_RETRY = Retry(attempts=1)
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One server: its base URL (``http://host:port``, no ``/v1``), API key and a label for messages."""
+
+    url: str
+    api_key: str | None = None
+    label: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise ConfigError(f"server URL {self.url!r}: must start with http:// or https://")
+        object.__setattr__(self, "url", self.url.rstrip("/").removesuffix("/v1"))
+        if not self.label:
+            object.__setattr__(self, "label", self.url)
+
+    def __str__(self) -> str:
+        return self.label
+
+    @classmethod
+    def from_inventory(cls, host: Any, server: str, *, address: str | None = None) -> Endpoint:
+        """The endpoint of llama_server instance ``server`` on inventory host ``host``.
+
+        The API key is the instance's ``api_key`` or the host's ``llama_server_api_key`` (none: no key).
+        """
+        instances = host.vars.get("llama_server_instances") or {}
+        if server not in instances:
+            known = ", ".join(sorted(instances)) or "none"
+            raise ConfigError(f"host {host.name}: no llama_server instance {server!r} (instances: {known})")
+        spec = instances[server]
+        key = spec.get("api_key") or host.vars.get("llama_server_api_key")
+        return cls(f"http://{address or host.address}:{int(spec['port'])}", str(key) if key else None,
+                   f"{host.name}/{server}")
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+# ----------------------------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True)
+class Health:
+    ok: bool
+    status: str  # "ok", "loading model", or the error text
+
+
+@dataclass(frozen=True)
+class Props:
+    build_info: str
+    model_path: str
+    total_slots: int
+    n_ctx: int | None
+    chat_template: str
+    raw: dict[str, Any] = field(repr=False)
+
+
+@dataclass(frozen=True)
+class Token:
+    id: int
+    piece: str
+
+
+@dataclass(frozen=True)
+class Timings:
+    """The server's own timings of one request (milliseconds, tokens)."""
+
+    prompt_n: int
+    prompt_ms: float
+    predicted_n: int
+    predicted_ms: float
+    cache_n: int = 0
+
+    @property
+    def prompt_per_second(self) -> float:
+        return 1000.0 * self.prompt_n / self.prompt_ms if self.prompt_ms > 0 else 0.0
+
+    @property
+    def predicted_per_second(self) -> float:
+        return 1000.0 * self.predicted_n / self.predicted_ms if self.predicted_ms > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # as the server sent it: a JSON object, as text
+    id: str = ""
+
+    def parsed_arguments(self) -> dict[str, Any] | None:
+        """The arguments as a dict, or None when they are not a JSON object."""
+        try:
+            value = json.loads(self.arguments) if isinstance(self.arguments, str) else self.arguments
+        except json.JSONDecodeError:
+            return None
+        return value if isinstance(value, dict) else None
+
+
+@dataclass(frozen=True)
+class ChatResult:
+    content: str
+    reasoning_content: str
+    tool_calls: list[ToolCall]
+    finish_reason: str  # "stop", "length", "tool_calls"
+    timings: Timings | None
+    usage: dict[str, Any]
+    ttft_s: float | None = None  # streaming only: first content/reasoning/tool delta, client clock
+    wall_s: float | None = None  # client clock, whole request
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def cutoff(self) -> bool:
+        return self.finish_reason == "length"
+
+
+@dataclass(frozen=True)
+class TokenProbs:
+    """One generated position: the chosen token and the top-n candidates as ``piece -> probability``."""
+
+    token: str
+    id: int
+    prob: float
+    top: dict[str, float]
+    top_ids: dict[int, float]
+
+
+@dataclass(frozen=True)
+class CompletionResult:
+    content: str
+    stop_type: str  # "eos", "limit", "word"
+    probs: list[TokenProbs]
+    timings: Timings | None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """One scrape of ``/metrics``: sample name (with ``{labels}`` when it has any) -> value."""
+
+    samples: dict[str, float]
+
+    def value(self, name: str, default: float | None = None) -> float:
+        if name in self.samples:
+            return self.samples[name]
+        if default is None:
+            raise KeyError(f"no metric {name!r} (have: {', '.join(sorted(self.samples)) or 'none'})")
+        return default
+
+    @property
+    def busy_seconds(self) -> float:
+        """Seconds the server spent on prompts plus generation since it started."""
+        return self.value("llamacpp:prompt_seconds_total", 0.0) + self.value(
+            "llamacpp:tokens_predicted_seconds_total", 0.0)
+
+
+# ----------------------------------------------------------------------------------------------- pure parsers
+
+
+def parse_timings(data: Mapping[str, Any] | None) -> Timings | None:
+    if not data:
+        return None
+    return Timings(prompt_n=int(data.get("prompt_n", 0)), prompt_ms=float(data.get("prompt_ms", 0.0)),
+                   predicted_n=int(data.get("predicted_n", 0)), predicted_ms=float(data.get("predicted_ms", 0.0)),
+                   cache_n=int(data.get("cache_n", 0)))
+
+
+def parse_props(data: Mapping[str, Any]) -> Props:
+    settings = data.get("default_generation_settings") or {}
+    return Props(build_info=str(data.get("build_info", "")), model_path=str(data.get("model_path", "")),
+                 total_slots=int(data.get("total_slots", 1)),
+                 n_ctx=settings.get("n_ctx") if isinstance(settings, Mapping) else None,
+                 chat_template=str(data.get("chat_template", "")), raw=dict(data))
+
+
+def _tool_calls(items: Sequence[Mapping[str, Any]] | None) -> list[ToolCall]:
+    calls = []
+    for item in items or []:
+        function = item.get("function") or {}
+        arguments = function.get("arguments", "")
+        if not isinstance(arguments, str):  # some servers send an object
+            arguments = json.dumps(arguments)
+        calls.append(ToolCall(name=str(function.get("name", "")), arguments=arguments, id=str(item.get("id", ""))))
+    return calls
+
+
+def parse_chat(data: Mapping[str, Any]) -> ChatResult:
+    """A non-streamed ``/v1/chat/completions`` answer."""
+    try:
+        choice = data["choices"][0]
+        message = choice.get("message") or {}
+    except (KeyError, IndexError, TypeError):
+        raise ValueError(f"no choices in the answer: {json.dumps(data)[:200]}") from None
+    return ChatResult(content=message.get("content") or "", reasoning_content=message.get("reasoning_content") or "",
+                      tool_calls=_tool_calls(message.get("tool_calls")),
+                      finish_reason=choice.get("finish_reason") or "",
+                      timings=parse_timings(data.get("timings")), usage=dict(data.get("usage") or {}), raw=dict(data))
+
+
+class ChatStreamAssembler:
+    """Folds ``/v1/chat/completions`` stream chunks into one :class:`ChatResult`."""
+
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.calls: dict[int, dict[str, Any]] = {}
+        self.finish_reason = ""
+        self.timings: Mapping[str, Any] | None = None
+        self.usage: dict[str, Any] = {}
+
+    def add(self, chunk: Mapping[str, Any]) -> str:
+        """Take one chunk; returns the text it added to the reply (content or reasoning or arguments)."""
+        if chunk.get("timings"):
+            self.timings = chunk["timings"]
+        if chunk.get("usage"):
+            self.usage = dict(chunk["usage"])
+        added = ""
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                self.content.append(delta["content"])
+                added += delta["content"]
+            if delta.get("reasoning_content"):
+                self.reasoning.append(delta["reasoning_content"])
+                added += delta["reasoning_content"]
+            for call in delta.get("tool_calls") or []:
+                slot = self.calls.setdefault(int(call.get("index", 0)), {"id": "", "name": "", "arguments": ""})
+                function = call.get("function") or {}
+                slot["id"] = call.get("id") or slot["id"]
+                slot["name"] += function.get("name") or ""
+                slot["arguments"] += function.get("arguments") or ""
+                added += function.get("arguments") or function.get("name") or ""
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+        return added
+
+    def result(self, ttft_s: float | None, wall_s: float) -> ChatResult:
+        calls = [ToolCall(c["name"], c["arguments"], c["id"]) for _, c in sorted(self.calls.items())]
+        return ChatResult(content="".join(self.content), reasoning_content="".join(self.reasoning), tool_calls=calls,
+                          finish_reason=self.finish_reason, timings=parse_timings(self.timings), usage=self.usage,
+                          ttft_s=ttft_s, wall_s=wall_s)
+
+
+def parse_sse_line(line: str) -> Mapping[str, Any] | None:
+    """One server-sent-events line: the JSON of a ``data:`` line, None for anything else or ``[DONE]``."""
+    if not line.startswith("data:"):
+        return None
+    payload = line[5:].strip()
+    if not payload or payload == "[DONE]":
+        return None
+    return json.loads(payload)
+
+
+def _probability(entry: Mapping[str, Any]) -> float:
+    # Current servers send logprob; older ones sent prob.
+    if "logprob" in entry:
+        return math.exp(float(entry["logprob"]))
+    return float(entry.get("prob", 0.0))
+
+
+def parse_completion(data: Mapping[str, Any]) -> CompletionResult:
+    """A ``/completion`` answer, with ``completion_probabilities`` when ``n_probs`` was asked."""
+    probs = []
+    for position in data.get("completion_probabilities") or []:
+        top_entries = position.get("top_logprobs") or position.get("top_probs") or position.get("probs") or []
+        top: dict[str, float] = {}
+        top_ids: dict[int, float] = {}
+        for entry in top_entries:
+            p = _probability(entry)
+            piece = str(entry.get("token", entry.get("tok_str", "")))
+            top[piece] = max(p, top.get(piece, 0.0))
+            top_ids[int(entry.get("id", -1))] = p
+        probs.append(TokenProbs(token=str(position.get("token", position.get("content", ""))),
+                                id=int(position.get("id", -1)), prob=_probability(position), top=top, top_ids=top_ids))
+    return CompletionResult(content=str(data.get("content", "")), stop_type=str(data.get("stop_type", "")),
+                            probs=probs, timings=parse_timings(data.get("timings")), raw=dict(data))
+
+
+def parse_metrics(text: str) -> Metrics:
+    """Prometheus text exposition -> :class:`Metrics`. prometheus_client names every counter sample
+    ``*_total`` (llama-server's ``llamacpp:n_tokens_max`` counter reads as ``llamacpp:n_tokens_max_total``)."""
+    samples: dict[str, float] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = float(sample.value)
+    except ValueError as exc:
+        raise ValueError(f"not Prometheus text: {exc}") from None
+    return Metrics(samples)
+
+
+# ----------------------------------------------------------------------------------------------- requests
+
+
+def chat_body(messages: Sequence[Message], *, max_tokens: int, temperature: float = 0.0, seed: int = DEFAULT_SEED,
+              tools: Sequence[Mapping[str, Any]] | None = None, thinking: bool = False, stream: bool = False,
+              extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The JSON body of a chat completion: greedy, seeded and thinking off unless asked otherwise."""
+    body: dict[str, Any] = {"messages": list(messages), "max_tokens": max_tokens, "temperature": temperature,
+                            "seed": seed, "chat_template_kwargs": {"enable_thinking": thinking}}
+    if tools:
+        body["tools"] = list(tools)
+    if stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    body.update(extra or {})
+    return body
+
+
+def completion_body(prompt: str | Sequence[int], *, n_predict: int, n_probs: int = 0, temperature: float = 0.0,
+                    seed: int = DEFAULT_SEED, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"prompt": prompt if isinstance(prompt, str) else list(prompt), "n_predict": n_predict,
+                            "temperature": temperature, "seed": seed, "cache_prompt": True}
+    if n_probs:
+        body["n_probs"] = n_probs
+    body.update(extra or {})
+    return body
+
+
+@dataclass(frozen=True)
+class _Call:
+    method: str
+    path: str
+    body: Any = None
+
+    @property
+    def what(self) -> str:
+        return f"{self.method} {self.path}"
+
+
+def _error_reason(response: httpx.Response) -> str:
+    try:
+        data = response.json()
+        error = data.get("error", data) if isinstance(data, dict) else data
+        message = error.get("message") if isinstance(error, dict) else error
+        reason = str(message or response.text)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        reason = response.text
+    first = reason.strip().splitlines()[0][:300] if reason.strip() else response.reason_phrase
+    return f"HTTP {response.status_code}: {first}"
+
+
+_RETRYABLE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.ConnectTimeout)
+
+
+class _Base:
+    def __init__(self, endpoint: Endpoint | str, *, timeouts: Timeouts = Timeouts(), retry: Retry = Retry()):
+        self.endpoint = endpoint if isinstance(endpoint, Endpoint) else Endpoint(endpoint)
+        self.timeouts = timeouts
+        self.retry = retry
+
+    def _check(self, call: _Call, response: httpx.Response) -> None:
+        if response.status_code >= 400:
+            raise ServerError(str(self.endpoint), call.what, _error_reason(response), response.status_code)
+
+    def _fail(self, call: _Call, exc: Exception, attempts: int) -> ServerError:
+        reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        if attempts > 1:
+            reason += f" (after {attempts} attempts)"
+        return ServerError(str(self.endpoint), call.what, reason)
+
+    def _json(self, call: _Call, response: httpx.Response) -> Any:
+        try:
+            return response.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ServerError(str(self.endpoint), call.what, f"not JSON: {response.text[:120]!r}") from None
+
+    def _parse(self, call: _Call, parser: Callable[[Any], Any], data: Any) -> Any:
+        try:
+            return parser(data)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ServerError(str(self.endpoint), call.what, f"unexpected answer: {exc}") from None
+
+    @staticmethod
+    def _retryable_status(status: int) -> bool:
+        return status >= 500
+
+
+class ServerClient(_Base):
+    """Synchronous client (httpx.Client); a context manager. See the module docstring."""
+
+    def __init__(self, endpoint: Endpoint | str, *, timeouts: Timeouts = Timeouts(), retry: Retry = Retry()):
+        super().__init__(endpoint, timeouts=timeouts, retry=retry)
+        self.http = httpx.Client(base_url=self.endpoint.url, headers=self.endpoint.headers(),
+                                 timeout=timeouts.httpx())
+
+    def __enter__(self) -> ServerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.http.close()
+
+    def _send(self, call: _Call, *, retry: Retry | None = None) -> httpx.Response:
+        retry = retry or self.retry
+        for attempt in range(retry.attempts):
+            last = attempt == retry.attempts - 1
+            try:
+                response = self.http.request(call.method, call.path, json=call.body)
+            except _RETRYABLE as exc:
+                if last:
+                    raise self._fail(call, exc, retry.attempts) from None
+                log.info("%s: %s: %s; retrying", self.endpoint, call.what, type(exc).__name__)
+            except httpx.HTTPError as exc:
+                raise self._fail(call, exc, attempt + 1) from None
+            else:
+                if not (self._retryable_status(response.status_code) and not last):
+                    self._check(call, response)
+                    return response
+                log.info("%s: %s: HTTP %s; retrying", self.endpoint, call.what, response.status_code)
+            time.sleep(retry.wait(attempt))
+        raise AssertionError("unreachable")
+
+    def _get(self, call: _Call, parser: Callable[[Any], Any]) -> Any:
+        response = self._send(call)
+        return self._parse(call, parser, self._json(call, response))
+
+    def health(self) -> Health:
+        """``GET /health`` once, without retries: ok, or the reason it is not."""
+        call = _Call("GET", "/health")
+        try:
+            response = self._send(call, retry=NO_RETRY)
+        except ServerError as exc:
+            return Health(False, str(exc).split(": ", 2)[-1])
+        return Health(True, str(self._json(call, response).get("status", "ok")))
+
+    def wait_healthy(self, timeout: float) -> Health:
+        """Poll ``/health`` until it is ok or ``timeout`` seconds pass (then ServerError)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            health = self.health()
+            if health.ok:
+                return health
+            if time.monotonic() > deadline:
+                raise ServerError(str(self.endpoint), "GET /health",
+                                  f"not healthy after {timeout:g} s: {health.status}")
+            time.sleep(0.25)
+
+    def props(self) -> Props:
+        return self._get(_Call("GET", "/props"), parse_props)
+
+    def tokenize(self, text: str, *, add_special: bool = False) -> list[Token]:
+        call = _Call("POST", "/tokenize", {"content": text, "add_special": add_special, "with_pieces": True})
+        return self._get(call, _parse_tokens)
+
+    def apply_template(self, messages: Sequence[Message], **template_kwargs: Any) -> str:
+        body: dict[str, Any] = {"messages": list(messages)}
+        if template_kwargs:
+            body["chat_template_kwargs"] = template_kwargs
+        return self._get(_Call("POST", "/apply-template", body), lambda d: str(d["prompt"]))
+
+    def chat(self, messages: Sequence[Message], **kwargs: Any) -> ChatResult:
+        """Keyword arguments as :func:`chat_body`."""
+        call = _Call("POST", "/v1/chat/completions", chat_body(messages, **kwargs))
+        start = time.perf_counter()
+        result = self._get(call, parse_chat)
+        return _with_wall(result, time.perf_counter() - start)
+
+    def chat_stream(self, messages: Sequence[Message], *, on_text: Callable[[str], None] | None = None,
+                    **kwargs: Any) -> ChatResult:
+        """A streamed chat completion: the assembled reply, the server's timings and the client's time to the
+        first token. Not retried once the first byte arrived (a half-streamed reply cannot be resumed)."""
+        call = _Call("POST", "/v1/chat/completions", chat_body(messages, stream=True, **kwargs))
+        for attempt in range(self.retry.attempts):
+            start = time.perf_counter()
+            try:
+                with self.http.stream(call.method, call.path, json=call.body) as response:
+                    if response.status_code >= 500 and attempt < self.retry.attempts - 1:
+                        response.read()
+                    else:
+                        if response.status_code >= 400:
+                            response.read()
+                            self._check(call, response)
+                        return self._consume(call, response.iter_lines(), start, on_text)
+            except _RETRYABLE as exc:
+                if attempt == self.retry.attempts - 1:
+                    raise self._fail(call, exc, self.retry.attempts) from None
+            except httpx.HTTPError as exc:
+                raise self._fail(call, exc, attempt + 1) from None
+            time.sleep(self.retry.wait(attempt))
+        raise AssertionError("unreachable")
+
+    def _consume(self, call: _Call, lines: Iterator[str], start: float,
+                 on_text: Callable[[str], None] | None) -> ChatResult:
+        assembler = ChatStreamAssembler()
+        ttft = None
+        for line in lines:
+            chunk = self._parse(call, parse_sse_line, line)
+            if chunk is None:
+                continue
+            added = assembler.add(chunk)
+            if added:
+                ttft = ttft if ttft is not None else time.perf_counter() - start
+                if on_text:
+                    on_text(added)
+        return assembler.result(ttft, time.perf_counter() - start)
+
+    def complete(self, prompt: str | Sequence[int], **kwargs: Any) -> CompletionResult:
+        """``POST /completion`` (keyword arguments as :func:`completion_body`)."""
+        return self._get(_Call("POST", "/completion", completion_body(prompt, **kwargs)), parse_completion)
+
+    def metrics(self) -> Metrics:
+        call = _Call("GET", "/metrics")
+        response = self._send(call)
+        return self._parse(call, parse_metrics, response.text)
+
+
+class AsyncServerClient(_Base):
+    """Asynchronous client (httpx.AsyncClient) with the same methods, awaited; an async context manager.
+
+    ``max_connections`` should be at least the number of requests you keep in flight.
+    """
+
+    def __init__(self, endpoint: Endpoint | str, *, timeouts: Timeouts = Timeouts(), retry: Retry = Retry(),
+                 max_connections: int = 16):
+        super().__init__(endpoint, timeouts=timeouts, retry=retry)
+        self.http = httpx.AsyncClient(base_url=self.endpoint.url, headers=self.endpoint.headers(),
+                                      timeout=timeouts.httpx(),
+                                      limits=httpx.Limits(max_connections=max_connections,
+                                                          max_keepalive_connections=max_connections))
+
+    async def __aenter__(self) -> AsyncServerClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def _send(self, call: _Call, *, retry: Retry | None = None) -> httpx.Response:
+        retry = retry or self.retry
+        for attempt in range(retry.attempts):
+            last = attempt == retry.attempts - 1
+            try:
+                response = await self.http.request(call.method, call.path, json=call.body)
+            except _RETRYABLE as exc:
+                if last:
+                    raise self._fail(call, exc, retry.attempts) from None
+                log.info("%s: %s: %s; retrying", self.endpoint, call.what, type(exc).__name__)
+            except httpx.HTTPError as exc:
+                raise self._fail(call, exc, attempt + 1) from None
+            else:
+                if not (self._retryable_status(response.status_code) and not last):
+                    self._check(call, response)
+                    return response
+                log.info("%s: %s: HTTP %s; retrying", self.endpoint, call.what, response.status_code)
+            await asyncio.sleep(retry.wait(attempt))
+        raise AssertionError("unreachable")
+
+    async def _get(self, call: _Call, parser: Callable[[Any], Any]) -> Any:
+        response = await self._send(call)
+        return self._parse(call, parser, self._json(call, response))
+
+    async def health(self) -> Health:
+        call = _Call("GET", "/health")
+        try:
+            response = await self._send(call, retry=NO_RETRY)
+        except ServerError as exc:
+            return Health(False, str(exc).split(": ", 2)[-1])
+        return Health(True, str(self._json(call, response).get("status", "ok")))
+
+    async def props(self) -> Props:
+        return await self._get(_Call("GET", "/props"), parse_props)
+
+    async def tokenize(self, text: str, *, add_special: bool = False) -> list[Token]:
+        call = _Call("POST", "/tokenize", {"content": text, "add_special": add_special, "with_pieces": True})
+        return await self._get(call, _parse_tokens)
+
+    async def apply_template(self, messages: Sequence[Message], **template_kwargs: Any) -> str:
+        body: dict[str, Any] = {"messages": list(messages)}
+        if template_kwargs:
+            body["chat_template_kwargs"] = template_kwargs
+        return await self._get(_Call("POST", "/apply-template", body), lambda d: str(d["prompt"]))
+
+    async def chat(self, messages: Sequence[Message], **kwargs: Any) -> ChatResult:
+        call = _Call("POST", "/v1/chat/completions", chat_body(messages, **kwargs))
+        start = time.perf_counter()
+        result = await self._get(call, parse_chat)
+        return _with_wall(result, time.perf_counter() - start)
+
+    async def chat_stream(self, messages: Sequence[Message], *, on_text: Callable[[str], None] | None = None,
+                          **kwargs: Any) -> ChatResult:
+        call = _Call("POST", "/v1/chat/completions", chat_body(messages, stream=True, **kwargs))
+        for attempt in range(self.retry.attempts):
+            start = time.perf_counter()
+            try:
+                async with self.http.stream(call.method, call.path, json=call.body) as response:
+                    if response.status_code >= 500 and attempt < self.retry.attempts - 1:
+                        await response.aread()
+                    else:
+                        if response.status_code >= 400:
+                            await response.aread()
+                            self._check(call, response)
+                        assembler = ChatStreamAssembler()
+                        ttft = None
+                        async for line in response.aiter_lines():
+                            chunk = self._parse(call, parse_sse_line, line)
+                            if chunk is None:
+                                continue
+                            added = assembler.add(chunk)
+                            if added:
+                                ttft = ttft if ttft is not None else time.perf_counter() - start
+                                if on_text:
+                                    on_text(added)
+                        return assembler.result(ttft, time.perf_counter() - start)
+            except _RETRYABLE as exc:
+                if attempt == self.retry.attempts - 1:
+                    raise self._fail(call, exc, self.retry.attempts) from None
+            except httpx.HTTPError as exc:
+                raise self._fail(call, exc, attempt + 1) from None
+            await asyncio.sleep(self.retry.wait(attempt))
+        raise AssertionError("unreachable")
+
+    async def complete(self, prompt: str | Sequence[int], **kwargs: Any) -> CompletionResult:
+        return await self._get(_Call("POST", "/completion", completion_body(prompt, **kwargs)), parse_completion)
+
+    async def metrics(self) -> Metrics:
+        call = _Call("GET", "/metrics")
+        response = await self._send(call)
+        return self._parse(call, parse_metrics, response.text)
+
+
+def _parse_tokens(data: Mapping[str, Any]) -> list[Token]:
+    tokens = []
+    for item in data["tokens"]:
+        if isinstance(item, Mapping):
+            piece = item.get("piece", "")
+            # Pieces that are not valid UTF-8 on their own come as byte lists.
+            if isinstance(piece, list):
+                piece = bytes(piece).decode("utf-8", errors="replace")
+            tokens.append(Token(int(item["id"]), str(piece)))
+        else:
+            tokens.append(Token(int(item), ""))
+    return tokens
+
+
+def _with_wall(result: ChatResult, wall_s: float) -> ChatResult:
+    return replace(result, wall_s=wall_s)
