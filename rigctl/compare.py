@@ -1,0 +1,522 @@
+"""Compare pulled runs: paired score gaps with bootstrap intervals, sensitivity switches, answer
+habits, and speed ratios of bench runs.
+
+Eval runs are compared question by question: each run's ``answers.jsonl`` (one line per question
+with ``id``, ``set``, ``score``, ``cutoff`` and scorer keys such as ``toolless``, ``missed_call``,
+``pred``, ``gold``) is keyed by ``(set, id)`` and only questions both runs answered are paired.
+Two runs are comparable when their task file and dataset hashes agree; otherwise
+:func:`compare_runs` refuses with the reason unless ``force``.
+
+Sensitivity switches re-score before pairing, answering the sceptic's questions: every cut-off
+reply as right, every tool-less reply as right, some sets left out. Each comparison carries the
+gap as recorded and under each switch, so the report shows how far the gap moves.
+
+Bench runs are compared per test (pp512, tg128, ...) as the ratio of mean tokens/s of side B over
+side A, with an interval from llama-bench's per-repetition samples.
+
+Everything here is pure over run directories already on the controller; nothing talks to a host.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rigctl.errors import ConfigError
+from rigctl.results import ANSWERS_FILE, RUN_FILE, StoredRun, read_jsonl
+from rigctl.stats import DEFAULT_RESAMPLES, DEFAULT_SEED, Interval, bootstrap_mean, bootstrap_ratio, paired_bootstrap
+
+log = logging.getLogger(__name__)
+
+OVERALL = "overall"
+
+
+# ----------------------------------------------------------------------------------------------- runs
+
+
+@dataclass(frozen=True)
+class RunRef:
+    """What a table needs to name a run and link to it."""
+
+    host: str
+    id: str
+    path: Path
+    kind: str
+    label: str  # artifact (and server) the run measured, for column headers
+    task: str | None
+    build: str | None
+    started: str
+
+    @classmethod
+    def of(cls, run: StoredRun) -> RunRef:
+        record = run.record
+        artifacts = ", ".join(a.get("name", "?") for a in record.artifacts) or (record.server or {}).get("name", "?")
+        build = record.llama_cpp.get("commit") or record.llama_cpp.get("version")
+        return cls(host=run.host, id=run.id, path=run.path, kind=record.kind, label=f"{run.host}:{artifacts}",
+                   task=(record.task or {}).get("name"), build=build, started=record.started)
+
+    @property
+    def name(self) -> str:
+        return f"{self.host}/{self.id}"
+
+
+def task_identity(run: StoredRun) -> tuple[str | None, str | None, str | None]:
+    task = run.record.task or {}
+    return task.get("name"), task.get("file_sha256"), task.get("dataset_sha256")
+
+
+def task_mismatch(a: StoredRun, b: StoredRun) -> str | None:
+    """Why two eval runs may not be compared question by question, or None when they may."""
+    for run in (a, b):
+        if run.record.kind != "eval":
+            return f"{run.host}/{run.id} is a {run.record.kind} run, not an eval run"
+        if not run.record.task:
+            return f"{run.host}/{run.id} records no task"
+    name_a, file_a, data_a = task_identity(a)
+    name_b, file_b, data_b = task_identity(b)
+    if file_a != file_b:
+        return (f"different task files: {a.host}/{a.id} ran {name_a} (sha256 {str(file_a)[:12]}), "
+                f"{b.host}/{b.id} ran {name_b} (sha256 {str(file_b)[:12]})")
+    if data_a != data_b:
+        return (f"different datasets for task {name_a}: {a.host}/{a.id} has sha256 {str(data_a)[:12]}, "
+                f"{b.host}/{b.id} has {str(data_b)[:12]}")
+    return None
+
+
+def answers_path(run: StoredRun) -> Path:
+    return run.path / ANSWERS_FILE
+
+
+def load_answers(run: StoredRun) -> list[dict[str, Any]]:
+    """The run's per-question rows; each must carry ``id``, ``set`` and ``score``."""
+    path = answers_path(run)
+    if not path.is_file():
+        raise ConfigError(f"{run.host}/{run.id}: no {ANSWERS_FILE} (not an eval run, or nothing pulled yet)")
+    rows = read_jsonl(path)
+    for number, row in enumerate(rows, 1):
+        missing = [k for k in ("id", "set", "score") if k not in row]
+        if missing:
+            raise ConfigError(f"{path}: answer {number} lacks {', '.join(missing)}")
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------- scoring
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """How answers are scored before pairing: as recorded, or with a sceptic's switch."""
+
+    cutoff_as_right: bool = False
+    toolless_as_right: bool = False
+    exclude: tuple[str, ...] = ()
+
+    @property
+    def label(self) -> str:
+        parts = []
+        if self.cutoff_as_right:
+            parts.append("cut-off as right")
+        if self.toolless_as_right:
+            parts.append("tool-less as right")
+        if self.exclude:
+            parts.append("without " + ", ".join(self.exclude))
+        return " + ".join(parts) or "as recorded"
+
+    def variants(self) -> list[Scoring]:
+        """As recorded, each switch on its own, and all of them together when more than one is on."""
+        single = []
+        if self.cutoff_as_right:
+            single.append(Scoring(cutoff_as_right=True))
+        if self.toolless_as_right:
+            single.append(Scoring(toolless_as_right=True))
+        if self.exclude:
+            single.append(Scoring(exclude=self.exclude))
+        return [Scoring(), *single, *([self] if len(single) > 1 else [])]
+
+    def scores(self, rows: Iterable[dict[str, Any]]) -> dict[tuple[str, str], float]:
+        out: dict[tuple[str, str], float] = {}
+        for row in rows:
+            if row["set"] in self.exclude:
+                continue
+            score = float(row["score"])
+            if (self.cutoff_as_right and row.get("cutoff")) or (self.toolless_as_right and row.get("toolless")):
+                score = 1.0
+            out[(str(row["set"]), str(row["id"]))] = score
+        return out
+
+
+# ----------------------------------------------------------------------------------------------- eval gaps
+
+
+@dataclass(frozen=True)
+class SetGap:
+    """One set (or ``overall``): both runs' mean scores on the paired questions and B - A with its interval."""
+
+    set: str
+    n: int
+    score_a: float
+    score_b: float
+    gap: Interval
+
+
+@dataclass(frozen=True)
+class VariantGap:
+    scoring: Scoring
+    overall: SetGap
+    sets: tuple[SetGap, ...]
+
+    @property
+    def label(self) -> str:
+        return self.scoring.label
+
+
+@dataclass(frozen=True)
+class PairComparison:
+    a: RunRef
+    b: RunRef
+    task: str | None
+    variants: tuple[VariantGap, ...]
+    only_a: int  # questions answered by A alone (left out of the pairing)
+    only_b: int
+    forced: str | None = None  # the mismatch that --force overrode
+
+    @property
+    def recorded(self) -> VariantGap:
+        return self.variants[0]
+
+    @property
+    def files(self) -> tuple[Path, Path]:
+        return self.a.path / ANSWERS_FILE, self.b.path / ANSWERS_FILE
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Every pair of the given runs (i < j): a single pair for two runs, a matrix for more."""
+
+    runs: tuple[RunRef, ...]
+    pairs: tuple[PairComparison, ...]
+    resamples: int
+    seed: int
+
+    def pair(self, a: str, b: str) -> PairComparison:
+        for pair in self.pairs:
+            if (pair.a.id, pair.b.id) == (a, b):
+                return pair
+        raise KeyError((a, b))
+
+    def matrix(self) -> list[list[SetGap | None]]:
+        """Row i, column j: the overall gap (column run minus row run); None on the diagonal."""
+        index = {run.name: i for i, run in enumerate(self.runs)}
+        grid: list[list[SetGap | None]] = [[None] * len(self.runs) for _ in self.runs]
+        for pair in self.pairs:
+            i, j = index[pair.a.name], index[pair.b.name]
+            gap = pair.recorded.overall
+            grid[i][j] = gap
+            flipped = Interval(-gap.gap.estimate, -gap.gap.high, -gap.gap.low, gap.gap.n, gap.gap.resamples,
+                               gap.gap.level, gap.gap.method)
+            grid[j][i] = SetGap(gap.set, gap.n, gap.score_b, gap.score_a, flipped)
+        return grid
+
+
+def _set_gap(name: str, keys: Sequence[tuple[str, str]], a: dict, b: dict, resamples: int, seed: int) -> SetGap:
+    xa = [a[k] for k in keys]
+    xb = [b[k] for k in keys]
+    n = len(keys)
+    return SetGap(set=name, n=n, score_a=sum(xa) / n if n else float("nan"),
+                  score_b=sum(xb) / n if n else float("nan"),
+                  gap=paired_bootstrap(xa, xb, resamples=resamples, seed=seed))
+
+
+def paired_gaps(rows_a: list[dict], rows_b: list[dict], scoring: Scoring, *, resamples: int = DEFAULT_RESAMPLES,
+                seed: int = DEFAULT_SEED) -> VariantGap:
+    """B - A per set and over all paired questions, under one scoring."""
+    a = scoring.scores(rows_a)
+    b = scoring.scores(rows_b)
+    keys = sorted(set(a) & set(b))
+    by_set: dict[str, list[tuple[str, str]]] = {}
+    for key in keys:
+        by_set.setdefault(key[0], []).append(key)
+    sets = tuple(_set_gap(name, by_set[name], a, b, resamples, seed) for name in sorted(by_set))
+    return VariantGap(scoring=scoring, overall=_set_gap(OVERALL, keys, a, b, resamples, seed), sets=sets)
+
+
+def compare_pair(run_a: StoredRun, run_b: StoredRun, *, scoring: Scoring = Scoring(), force: bool = False,
+                 resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED) -> PairComparison:
+    mismatch = task_mismatch(run_a, run_b)
+    if mismatch and not force:
+        raise ConfigError(f"refusing to compare: {mismatch} (--force compares anyway)")
+    rows_a, rows_b = load_answers(run_a), load_answers(run_b)
+    keys_a = {(str(r["set"]), str(r["id"])) for r in rows_a}
+    keys_b = {(str(r["set"]), str(r["id"])) for r in rows_b}
+    variants = tuple(paired_gaps(rows_a, rows_b, s, resamples=resamples, seed=seed) for s in scoring.variants())
+    return PairComparison(a=RunRef.of(run_a), b=RunRef.of(run_b), task=task_identity(run_a)[0], variants=variants,
+                          only_a=len(keys_a - keys_b), only_b=len(keys_b - keys_a), forced=mismatch)
+
+
+def compare_runs(runs: Sequence[StoredRun], *, cutoff_as_right: bool = False, toolless_as_right: bool = False,
+                 exclude: Sequence[str] = (), force: bool = False, resamples: int = DEFAULT_RESAMPLES,
+                 seed: int = DEFAULT_SEED) -> Comparison:
+    """Compare two or more eval runs of one task pairwise (B - A for every i < j in the given order)."""
+    if len(runs) < 2:
+        raise ConfigError(f"compare needs at least two runs, got {len(runs)}")
+    names = [f"{r.host}/{r.id}" for r in runs]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"a run is given twice: {', '.join(n for n in names if names.count(n) > 1)}")
+    scoring = Scoring(cutoff_as_right=cutoff_as_right, toolless_as_right=toolless_as_right, exclude=tuple(exclude))
+    pairs = tuple(compare_pair(a, b, scoring=scoring, force=force, resamples=resamples, seed=seed)
+                  for a, b in itertools.combinations(runs, 2))
+    return Comparison(runs=tuple(RunRef.of(r) for r in runs), pairs=pairs, resamples=resamples, seed=seed)
+
+
+def run_scores(run: StoredRun, *, resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED) -> list[SetGap]:
+    """One run's mean score per set and overall with intervals (``gap`` holds the mean's interval)."""
+    rows = load_answers(run)
+    by_set: dict[str, list[float]] = {}
+    for row in rows:
+        by_set.setdefault(str(row["set"]), []).append(float(row["score"]))
+    everything = [float(r["score"]) for r in rows]
+    out = []
+    for name, values in [*sorted(by_set.items()), (OVERALL, everything)]:
+        interval = bootstrap_mean(values, resamples=resamples, seed=seed)
+        out.append(SetGap(set=name, n=len(values), score_a=interval.estimate, score_b=interval.estimate,
+                          gap=interval))
+    return out
+
+
+def points(interval: Interval) -> str:
+    """A score gap in points with its interval: ``+6.5 [+3.1, +9.8]``; ``-`` when empty."""
+    if interval.empty:
+        return "-"
+    return f"{interval.estimate * 100:+.1f} [{interval.low * 100:+.1f}, {interval.high * 100:+.1f}]"
+
+
+def ratio_text(interval: Interval) -> str:
+    """A speed ratio with its interval: ``1.235 [1.228, 1.241]``; ``-`` when empty."""
+    if interval.empty:
+        return "-"
+    return f"{interval.estimate:.3f} [{interval.low:.3f}, {interval.high:.3f}]"
+
+
+# ----------------------------------------------------------------------------------------------- habits
+
+
+@dataclass(frozen=True)
+class SetHabits:
+    """How a run answered one set: what it picked against the gold labels, cut-offs, missing tool calls."""
+
+    set: str
+    n: int
+    cutoff: int
+    tool_rows: int  # replies to tool-calling questions (rows that record ``toolless``)
+    toolless: int
+    missed_calls: int  # tool-less replies whose text looks like a call the parser missed
+    predicted: dict[str, int] = field(default_factory=dict)
+    gold: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def cutoff_share(self) -> float:
+        return self.cutoff / self.n if self.n else float("nan")
+
+    @property
+    def toolless_share(self) -> float:
+        return self.toolless / self.tool_rows if self.tool_rows else float("nan")
+
+    @property
+    def top_label(self) -> tuple[str, int] | None:
+        """The most predicted label and its count (``neutral`` on 298 of 299)."""
+        return max(self.predicted.items(), key=lambda kv: (kv[1], kv[0])) if self.predicted else None
+
+
+@dataclass(frozen=True)
+class RunHabits:
+    run: RunRef
+    sets: tuple[SetHabits, ...]
+
+    @property
+    def file(self) -> Path:
+        return self.run.path / ANSWERS_FILE
+
+
+def _label(value: Any) -> str | None:
+    if value is None:
+        return None
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+
+
+def habits_of(rows: Iterable[dict[str, Any]]) -> list[SetHabits]:
+    grouped: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        grouped.setdefault(str(row["set"]), []).append(row)
+    out = []
+    for name in sorted(grouped):
+        group = grouped[name]
+        tool_rows = [r for r in group if "toolless" in r]
+        labelled = [r for r in group if "pred" in r and "gold" in r]
+        out.append(SetHabits(
+            set=name,
+            n=len(group),
+            cutoff=sum(bool(r.get("cutoff")) for r in group),
+            tool_rows=len(tool_rows),
+            toolless=sum(bool(r["toolless"]) for r in tool_rows),
+            missed_calls=sum(bool(r.get("toolless")) and bool(r.get("missed_call")) for r in tool_rows),
+            predicted=dict(Counter(_label(r["pred"]) or "(none)" for r in labelled).most_common()),
+            gold=dict(Counter(_label(r["gold"]) or "(none)" for r in labelled).most_common()),
+        ))
+    return out
+
+
+def answer_habits(run: StoredRun) -> RunHabits:
+    return RunHabits(run=RunRef.of(run), sets=tuple(habits_of(load_answers(run))))
+
+
+# ----------------------------------------------------------------------------------------------- bench
+
+
+@dataclass(frozen=True)
+class BenchCell:
+    """One llama-bench result line: a test on one model with its per-repetition tokens/s."""
+
+    run: RunRef
+    file: str  # relative to the run directory
+    model: str
+    build: str
+    test: str
+    params: tuple[tuple[str, str], ...]  # the settings a fair ratio must hold equal
+    samples_ts: tuple[float, ...]
+
+    @property
+    def mean_ts(self) -> float:
+        return sum(self.samples_ts) / len(self.samples_ts) if self.samples_ts else float("nan")
+
+
+#: llama-bench fields that must agree for two cells to be compared.
+_BENCH_PARAMS = ("n_prompt", "n_gen", "n_depth", "flash_attn", "n_gpu_layers", "n_threads", "type_k", "type_v",
+                 "n_batch", "n_ubatch")
+
+
+def bench_test_name(record: dict[str, Any]) -> str:
+    """llama-bench's own names: ``pp512``, ``tg128``, ``pp512+tg128``, with ``@ d<depth>`` when set."""
+    n_prompt, n_gen = int(record.get("n_prompt", 0)), int(record.get("n_gen", 0))
+    parts = ([f"pp{n_prompt}"] if n_prompt else []) + ([f"tg{n_gen}"] if n_gen else [])
+    name = "+".join(parts) or "none"
+    depth = int(record.get("n_depth", 0) or 0)
+    return f"{name} @ d{depth}" if depth else name
+
+
+def parse_llama_bench(text: str) -> list[dict[str, Any]]:
+    """llama-bench output in its ``-o json`` (one array) or ``-o jsonl`` (one object a line) form."""
+    stripped = text.strip()
+    if not stripped:
+        return []
+    if stripped.startswith("["):
+        data = json.loads(stripped)
+        return [d for d in data if isinstance(d, dict)]
+    return [json.loads(line) for line in stripped.splitlines() if line.strip()]
+
+
+def bench_cells(run: StoredRun) -> list[BenchCell]:
+    """Every llama-bench record among the run's raw JSON files (the run record itself excluded)."""
+    ref = RunRef.of(run)
+    cells = []
+    for raw in run.record.files or []:
+        if not raw.path.endswith((".json", ".jsonl")) or Path(raw.path).name == RUN_FILE:
+            continue
+        path = run.path / raw.path
+        try:
+            records = parse_llama_bench(path.read_text())
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        for rec in records:
+            if "samples_ts" not in rec or "model_filename" not in rec:
+                continue
+            cells.append(BenchCell(
+                run=ref, file=raw.path, model=Path(str(rec["model_filename"])).stem,
+                build=str(rec.get("build_commit", "?")), test=bench_test_name(rec),
+                params=tuple((k, str(rec.get(k))) for k in _BENCH_PARAMS),
+                samples_ts=tuple(float(x) for x in rec.get("samples_ts") or ()),
+            ))
+    return cells
+
+
+@dataclass(frozen=True)
+class SpeedRatio:
+    test: str
+    params: tuple[tuple[str, str], ...]
+    a: str  # side labels
+    b: str
+    mean_a: float
+    mean_b: float
+    ratio: Interval  # mean_b / mean_a
+    files: tuple[str, ...]  # raw files (relative to the results root) the numbers came from
+
+
+@dataclass(frozen=True)
+class BenchComparison:
+    a: str
+    b: str
+    ratios: tuple[SpeedRatio, ...]
+
+
+def _pool(cells: Iterable[BenchCell]) -> dict[tuple, list[BenchCell]]:
+    grouped: dict[tuple, list[BenchCell]] = {}
+    for cell in cells:
+        grouped.setdefault((cell.test, cell.params), []).append(cell)
+    return grouped
+
+
+def compare_bench(a_label: str, a_cells: Sequence[BenchCell], b_label: str, b_cells: Sequence[BenchCell], *,
+                  resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED) -> BenchComparison:
+    """Per test with equal settings: mean t/s of B over A; repeated cells of a side are pooled."""
+    pool_a, pool_b = _pool(a_cells), _pool(b_cells)
+    ratios = []
+    for key in sorted(set(pool_a) & set(pool_b), key=lambda k: (k[0], k[1])):
+        sa = [x for c in pool_a[key] for x in c.samples_ts]
+        sb = [x for c in pool_b[key] for x in c.samples_ts]
+        files = tuple(sorted({f"{c.run.host}/{c.run.id}/{c.file}" for c in [*pool_a[key], *pool_b[key]]}))
+        ratios.append(SpeedRatio(test=key[0], params=key[1], a=a_label, b=b_label,
+                                 mean_a=sum(sa) / len(sa) if sa else float("nan"),
+                                 mean_b=sum(sb) / len(sb) if sb else float("nan"),
+                                 ratio=bootstrap_ratio(sa, sb, resamples=resamples, seed=seed), files=files))
+    return BenchComparison(a=a_label, b=b_label, ratios=tuple(ratios))
+
+
+def compare_bench_runs(runs: Sequence[StoredRun], *, by: str = "auto", resamples: int = DEFAULT_RESAMPLES,
+                       seed: int = DEFAULT_SEED) -> BenchComparison:
+    """Two sides from bench runs: two runs (``by="run"``: two builds or hosts), or the two models
+    inside the given runs (``by="model"``: an alternating A/B bench). ``auto`` takes models when
+    the runs hold exactly two, else runs."""
+    if not runs:
+        raise ConfigError("compare needs at least one bench run")
+    cells = [c for run in runs for c in bench_cells(run)]
+    if not cells:
+        raise ConfigError(f"no llama-bench results in {', '.join(f'{r.host}/{r.id}' for r in runs)}")
+    models = sorted({c.model for c in cells})
+    if by == "auto":
+        by = "model" if len(models) == 2 else "run"
+    if by == "model":
+        if len(models) != 2:
+            raise ConfigError(f"a model comparison needs exactly two models, found {len(models)}: {', '.join(models)}")
+        a, b = models
+        return compare_bench(a, [c for c in cells if c.model == a], b, [c for c in cells if c.model == b],
+                             resamples=resamples, seed=seed)
+    if by == "build":
+        builds = sorted({c.build for c in cells})
+        if len(builds) != 2:
+            raise ConfigError(f"a build comparison needs exactly two builds, found {len(builds)}: {', '.join(builds)}")
+        a, b = builds
+        return compare_bench(a, [c for c in cells if c.build == a], b, [c for c in cells if c.build == b],
+                             resamples=resamples, seed=seed)
+    if by != "run":
+        raise ConfigError(f"--by must be auto, run, model or build, not {by!r}")
+    if len(runs) != 2:
+        raise ConfigError(f"a run-against-run bench comparison needs two runs, got {len(runs)}")
+    ra, rb = RunRef.of(runs[0]), RunRef.of(runs[1])
+    return compare_bench(ra.name, [c for c in cells if c.run == ra], rb.name, [c for c in cells if c.run == rb],
+                         resamples=resamples, seed=seed)
+

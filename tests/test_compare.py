@@ -1,0 +1,193 @@
+"""compare on hand-made runs: refusal of different tasks, paired gaps, sensitivity switches, habits, bench ratios."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from handmade_runs import bench_record, bench_run, eval_run
+
+from rigctl.compare import answer_habits, compare_bench_runs, compare_runs, points
+from rigctl.errors import ConfigError
+from rigctl.results import ResultsStore
+
+
+def _rows(correct: dict[str, list[int]], *, cutoff: set[int] = frozenset(), toolless: set[int] = frozenset(),
+          missed: set[int] = frozenset(), preds: list[str] | None = None) -> list[dict]:
+    """Rows for sets ``choice`` (pred/gold), ``math`` (cut-offs) and ``tools`` (tool-less replies)."""
+    rows = []
+    for set_name, scores in correct.items():
+        for i, score in enumerate(scores):
+            row = {"id": f"q{i}", "set": set_name, "score": score, "cutoff": False}
+            if set_name == "math":
+                row["cutoff"] = i in cutoff
+            if set_name == "tools":
+                row["toolless"] = i in toolless
+                row["missed_call"] = i in missed
+            if set_name == "choice":
+                row["gold"] = "yes" if i % 2 else "no"
+                row["pred"] = preds[i] if preds else row["gold"] if score else ("no" if i % 2 else "yes")
+            rows.append(row)
+    return rows
+
+
+@pytest.fixture
+def store(tmp_path):
+    # A: weaker. 40 questions per set. B is right wherever A is, plus more.
+    a = _rows({"choice": [1] * 20 + [0] * 20, "math": [1] * 10 + [0] * 30, "tools": [1] * 15 + [0] * 25},
+              cutoff=set(range(10, 30)), toolless=set(range(15, 35)), missed={15, 16},
+              preds=["yes"] * 40)
+    b = _rows({"choice": [1] * 36 + [0] * 4, "math": [1] * 20 + [0] * 20, "tools": [1] * 25 + [0] * 15},
+              cutoff=set(range(20, 24)), toolless=set(range(25, 28)))
+    eval_run(tmp_path, "desktop", "eval-a", "qwen-q4_0", a)
+    eval_run(tmp_path, "desktop", "eval-b", "gemma-qat", b)
+    return ResultsStore(tmp_path)
+
+
+def test_paired_gap_per_set_and_overall(store):
+    result = compare_runs([store.find("eval-a"), store.find("eval-b")], seed=1)
+    pair = result.pairs[0]
+    gaps = {g.set: g for g in pair.recorded.sets}
+    assert gaps["choice"].score_a == 0.5 and gaps["choice"].score_b == 0.9
+    assert gaps["choice"].gap.estimate == pytest.approx(0.4)
+    assert gaps["math"].gap.estimate == pytest.approx(0.25)
+    assert gaps["tools"].gap.estimate == pytest.approx(0.25)
+    overall = pair.recorded.overall
+    assert overall.n == 120 and overall.gap.estimate == pytest.approx(0.9 / 3)
+    assert overall.gap.low > 0.2 and overall.gap.high < 0.4 and overall.gap.method == "counts"
+    assert points(overall.gap).startswith("+30.0 [")
+    assert pair.only_a == pair.only_b == 0 and pair.forced is None
+    assert len(pair.variants) == 1  # no switches: as recorded only
+
+
+def test_switches_move_the_gap_the_expected_way(store):
+    runs = [store.find("desktop/eval-a"), store.find("desktop/eval-b")]
+    pair = compare_runs(runs, cutoff_as_right=True, toolless_as_right=True, exclude=["choice"]).pairs[0]
+    by_label = {v.label: v for v in pair.variants}
+    assert list(by_label) == ["as recorded", "cut-off as right", "tool-less as right", "without choice",
+                              "cut-off as right + tool-less as right + without choice"]
+    recorded = by_label["as recorded"].overall.gap.estimate
+    # A has 20 wrong cut-off replies (B: 4) and 20 wrong tool-less replies (B: 3): crediting them favours A.
+    cut = by_label["cut-off as right"]
+    assert cut.overall.gap.estimate < recorded
+    assert {g.set: g.score_a for g in cut.sets}["math"] == pytest.approx(30 / 40)
+    assert {g.set: g.score_b for g in cut.sets}["math"] == pytest.approx(24 / 40)
+    tools = by_label["tool-less as right"]
+    assert tools.overall.gap.estimate < recorded
+    assert {g.set: g.gap.estimate for g in tools.sets}["tools"] == pytest.approx((28 - 35) / 40)
+    # Dropping the set where B leads most shrinks the gap and the question count.
+    without = by_label["without choice"]
+    assert without.overall.n == 80 and "choice" not in {g.set for g in without.sets}
+    assert without.overall.gap.estimate == pytest.approx(0.25)
+    assert without.overall.gap.estimate < recorded
+    everything = by_label["cut-off as right + tool-less as right + without choice"]
+    assert everything.overall.gap.estimate < min(cut.overall.gap.estimate, without.overall.gap.estimate)
+
+
+def test_refuses_runs_of_different_tasks_unless_forced(tmp_path):
+    rows = _rows({"math": [1, 0, 1]})
+    eval_run(tmp_path, "desktop", "eval-x", "m", rows, task="gsm8k")
+    eval_run(tmp_path, "laptop", "eval-y", "m", rows, task="gsm8k", file_sha256="b" * 64)
+    eval_run(tmp_path, "laptop", "eval-z", "m", rows, task="gsm8k", dataset_sha256="e" * 64)
+    store = ResultsStore(tmp_path)
+    x, y, z = store.find("eval-x"), store.find("eval-y"), store.find("eval-z")
+    with pytest.raises(ConfigError, match=r"refusing to compare: different task files: desktop/eval-x ran gsm8k"):
+        compare_runs([x, y])
+    with pytest.raises(ConfigError, match=r"different datasets for task gsm8k: desktop/eval-x has sha256 dddd"):
+        compare_runs([x, z])
+    forced = compare_runs([x, y], force=True).pairs[0]
+    assert forced.forced and "different task files" in forced.forced
+    assert forced.recorded.overall.gap.estimate == 0.0
+
+
+def test_refuses_bench_runs_and_single_or_repeated_runs(tmp_path, store):
+    bench_run(tmp_path, "desktop", "bench-1", [[bench_record("m", (512, 0), [10.0, 11.0])]], artifacts=["m"])
+    with pytest.raises(ConfigError, match="bench-1 is a bench run, not an eval run"):
+        compare_runs([store.find("eval-a"), store.find("bench-1")])
+    with pytest.raises(ConfigError, match="at least two runs"):
+        compare_runs([store.find("eval-a")])
+    with pytest.raises(ConfigError, match="given twice: desktop/eval-a"):
+        compare_runs([store.find("eval-a"), store.find("eval-a")])
+
+
+def test_unpaired_questions_are_counted_and_left_out(tmp_path):
+    eval_run(tmp_path, "h", "eval-1", "m", _rows({"math": [1, 1, 0, 0]}))
+    eval_run(tmp_path, "h", "eval-2", "m", _rows({"math": [1, 1]}))
+    store = ResultsStore(tmp_path)
+    pair = compare_runs([store.find("eval-1"), store.find("eval-2")]).pairs[0]
+    assert (pair.only_a, pair.only_b, pair.recorded.overall.n) == (2, 0, 2)
+
+
+def test_matrix_of_three_runs_is_antisymmetric(store, tmp_path):
+    eval_run(tmp_path, "laptop", "eval-c", "qwen-bf16",
+             _rows({"choice": [1] * 30 + [0] * 10, "math": [1] * 15 + [0] * 25, "tools": [1] * 20 + [0] * 20}))
+    result = compare_runs([store.find("eval-a"), store.find("eval-b"), store.find("eval-c")])
+    assert len(result.pairs) == 3
+    grid = result.matrix()
+    assert grid[0][0] is None
+    for i in range(3):
+        for j in range(3):
+            if i != j:
+                assert grid[i][j].gap.estimate == pytest.approx(-grid[j][i].gap.estimate)
+                assert grid[i][j].gap.low == pytest.approx(-grid[j][i].gap.high)
+    assert grid[0][1].gap.estimate == pytest.approx(0.3)  # B - A
+    assert grid[1][2].gap.estimate == pytest.approx((65 - 81) / 120)  # C - B
+
+
+def test_habits_count_labels_cutoffs_and_missed_calls(store):
+    habits = {h.set: h for h in answer_habits(store.find("eval-a")).sets}
+    choice = habits["choice"]
+    assert choice.predicted == {"yes": 40} and choice.gold == {"no": 20, "yes": 20}
+    assert choice.top_label == ("yes", 40)
+    assert habits["math"].cutoff == 20 and habits["math"].cutoff_share == 0.5
+    tools = habits["tools"]
+    assert (tools.tool_rows, tools.toolless, tools.missed_calls) == (40, 20, 2)
+    assert tools.toolless_share == 0.5
+    assert np.isnan(habits["math"].toolless_share)
+
+
+def test_bench_ratio_of_two_models_in_one_alternating_run(tmp_path):
+    rng = np.random.default_rng(0)
+    cells = []
+    for _ in range(2):  # two alternations: A cell, B cell
+        cells.append([bench_record("qwen", (512, 0), list(5000 + rng.normal(0, 20, 5))),
+                      bench_record("qwen", (0, 128), list(130 + rng.normal(0, 1, 5)))])
+        cells.append([bench_record("gemma", (512, 0), list(4000 + rng.normal(0, 20, 5))),
+                      bench_record("gemma", (0, 128), list(120 + rng.normal(0, 1, 5)))])
+    bench_run(tmp_path, "desktop", "bench-ab", cells, artifacts=["qwen", "gemma"])
+    result = compare_bench_runs([ResultsStore(tmp_path).find("bench-ab")])
+    assert (result.a, result.b) == ("gemma", "qwen")
+    ratios = {r.test: r for r in result.ratios}
+    assert set(ratios) == {"pp512", "tg128"}
+    pp = ratios["pp512"]
+    assert pp.ratio.estimate == pytest.approx(pp.mean_b / pp.mean_a)
+    assert pp.ratio.low < pp.ratio.estimate < pp.ratio.high and pp.ratio.excludes(1.0)
+    assert 1.2 < pp.ratio.estimate < 1.3
+    assert len(pp.files) == 4 and all(f.startswith("desktop/bench-ab/raw/cell-") for f in pp.files)
+
+
+def test_bench_ratio_of_two_builds_keeps_settings_apart(tmp_path):
+    bench_run(tmp_path, "desktop", "bench-old", [[bench_record("q", (512, 0), [100.0, 102.0, 98.0], commit="aaa"),
+                                                  bench_record("q", (512, 0), [90.0, 91.0], commit="aaa", fa=0)]],
+              artifacts=["q"], commit="aaa")
+    bench_run(tmp_path, "desktop", "bench-new", [[bench_record("q", (512, 0), [110.0, 112.0, 108.0], commit="bbb")]],
+              artifacts=["q"], commit="bbb")
+    store = ResultsStore(tmp_path)
+    runs = [store.find("bench-old"), store.find("bench-new")]
+    by_run = compare_bench_runs(runs)
+    (only,) = by_run.ratios  # fa=0 exists on one side only
+    assert only.ratio.estimate == pytest.approx(1.1)
+    by_build = compare_bench_runs(runs, by="build")
+    assert (by_build.a, by_build.b) == ("aaa", "bbb") and by_build.ratios[0].ratio.estimate == pytest.approx(1.1)
+    with pytest.raises(ConfigError, match="exactly two models, found 1"):
+        compare_bench_runs(runs, by="model")
+
+
+def test_answers_without_required_keys_name_the_file(tmp_path):
+    run_dir = eval_run(tmp_path, "h", "eval-bad", "m", [{"id": "q0", "set": "s"}])
+    eval_run(tmp_path, "h", "eval-ok", "m", _rows({"s": [1]}))
+    store = ResultsStore(tmp_path)
+    with pytest.raises(ConfigError, match=f"{run_dir}/answers.jsonl: answer 1 lacks score"):
+        compare_runs([store.find("eval-bad"), store.find("eval-ok")])
+    assert json.loads((run_dir / "answers.jsonl").read_text())["id"] == "q0"
