@@ -1,0 +1,434 @@
+"""Detached jobs on the hosts: transient systemd units that outlive the SSH connection.
+
+A job is one run (bench, eval, spec, server-speed) executed *on the host*. The hosts have Python
+3.11 and no rigctl, so the job's code travels with it: :func:`start` copies the stdlib-only job
+runtime :mod:`rigctl.remote.jobrun` and one task module from :mod:`rigctl.remote` (``bench_task``,
+``eval_task``, ...) into ``/var/lib/rigctl/jobs/<id>/`` with ``spec.json`` (the task's parameters
+and the run record's first fields) and any extra files, and starts::
+
+    systemd-run --unit rigctl-<id> --collect -p RuntimeMaxSec=... python3 jobrun.py /var/lib/rigctl/jobs/<id>
+
+The job id is the run id (:func:`rigctl.results.new_run_id`, ``bench-20261130T051200Z-3f9a``), so
+the unit is ``rigctl-<kind>-<timestamp>-<hex>``. The runtime writes ``state.json`` in the job
+directory (state, done/total, message: what :func:`status` and ``rigctl jobs`` show) and the run
+directory ``/var/lib/rigctl/results/<host>/<id>/`` (``run.json`` + raw files), sealed with every
+raw file's sha256 when the job ends. :func:`pull` copies finished run directories into the
+controller's :class:`rigctl.results.ResultsStore` (same layout), each file checked against the
+sha256 in ``run.json``, a run directory appearing only once complete; runs the store already has
+are never copied again.
+
+**Locks.** A job may name a lock (bench jobs: ``"gpu"``). Starting takes
+``/var/lib/rigctl/jobs/locks/<lock>.json`` under a mutex: if the job named there still has an
+active unit the start is refused with :class:`rigctl.errors.JobBusyError` naming it, otherwise the
+new job becomes the holder. The runtime releases the lock when it ends, whatever the outcome; a
+holder whose unit is gone (host rebooted, unit killed) does not block.
+
+**Writing a task** (how ``rigctl eval --remote`` runs through this module): put a stdlib-only
+module in ``rigctl/remote/<name>.py`` with ``run(job) -> None``. ``job`` (:class:`rigctl.remote.
+jobrun.Job`) gives ``job.params`` (the JobSpec's params, JSON), ``job.dir`` (the job directory,
+where ``JobSpec.files`` were shipped), ``job.run_dir`` (write raw files here), ``job.record`` (the
+run record dict: fill ``task``, ``server``, ``artifacts``, ``seed``, ``concurrency``, ``extra``;
+``gpu``, ``llama_cpp`` and ``extra.host_facts`` are filled before ``run``),
+``job.progress(done, total, message)``, ``job.run(argv, timeout=, stdout=, stderr=)`` (recorded in
+``commands``), ``job.artifact(name, path)`` (sha256 + manifest), ``job.save_record()``,
+``job.log(msg)``, ``job.gpu_query(fields)``, ``job.TaskError`` (raise it for a one-line failure)
+and ``job.now()``. Then::
+
+    from rigctl import jobs
+    spec = jobs.JobSpec(kind="eval", task="eval_task", params={...}, lock=None,
+                        record={"task": {...}, "seed": 0}, files={"questions.jsonl": path})
+    info = jobs.start(host, spec)              # JobInfo; JobBusyError if the lock is held
+    info = jobs.wait(host, info.id, on_progress=print)   # follows state.json, survives SSH drops
+    result = jobs.pull(host)                   # PullResult: copied / skipped run ids
+
+Other entry points: :func:`status` (one job), :func:`list_jobs` (a host's jobs, newest last),
+:func:`stop`, :func:`jobs_on_hosts` and :func:`pull_hosts` (per-host results, failures kept).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shlex
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from importlib import metadata, resources
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from rigctl.errors import ConfigError, ConnectError, JobBusyError, JobError, RigctlError, TransferError
+from rigctl.inventory import Host
+from rigctl.results import RUN_FILE, ResultsStore, RunKind, RunRecord, new_run_id
+from rigctl.ssh import SshClient, SshTarget
+
+log = logging.getLogger(__name__)
+
+JOBS_DIR = "/var/lib/rigctl/jobs"
+RESULTS_DIR = "/var/lib/rigctl/results"
+UNIT_PREFIX = "rigctl-"
+FINAL_STATES = frozenset({"done", "failed", "stopped", "lost"})
+COMMAND_TIMEOUT = 60.0
+TRANSFER_TIMEOUT = 600.0
+
+# Runs on the host under a mutex: refuse while the lock's holder is active, else take it and start
+# the unit. Prints one JSON object: {"started": unit} or {"refused": holder} or {"error": text}.
+_START_SCRIPT = r"""
+import fcntl, json, os, subprocess, sys
+spec = json.load(open(sys.argv[1]))
+locks = os.path.join(os.path.dirname(spec["job_dir"]), "locks")
+os.makedirs(locks, exist_ok=True)
+with open(os.path.join(locks, ".mutex"), "a") as mutex:
+    fcntl.flock(mutex, fcntl.LOCK_EX)
+    lock_file = spec.get("lock_file")
+    if lock_file:
+        try:
+            holder = json.load(open(lock_file))
+        except (OSError, ValueError):
+            holder = None
+        if holder and subprocess.run(["systemctl", "is-active", "--quiet", holder["unit"]]).returncode == 0:
+            print(json.dumps({"refused": holder}))
+            sys.exit(0)
+        with open(lock_file + ".tmp", "w") as out:
+            json.dump({"job": spec["id"], "unit": spec["unit"], "kind": spec["kind"]}, out)
+        os.replace(lock_file + ".tmp", lock_file)
+    log = os.path.join(spec["job_dir"], "output.log")
+    argv = ["systemd-run", "--unit", spec["unit"], "--collect", "--quiet",
+            "--description", "rigctl " + spec["kind"] + " job " + spec["id"],
+            "--working-directory", spec["job_dir"],
+            "-p", "RuntimeMaxSec=%d" % spec["max_runtime_s"], "-p", "TimeoutStopSec=120",
+            "-p", "StandardOutput=append:" + log, "-p", "StandardError=append:" + log,
+            "/usr/bin/python3", os.path.join(spec["job_dir"], "jobrun.py"), spec["job_dir"]]
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode != 0:
+        if lock_file:
+            os.unlink(lock_file)
+        print(json.dumps({"error": (done.stderr or done.stdout).strip() or "systemd-run exited %d" % done.returncode}))
+    else:
+        print(json.dumps({"started": spec["unit"]}))
+"""
+
+# Every job directory's state (spec.json when the runtime has not written state.json yet) and
+# whether its unit is active, as one JSON list.
+_LIST_SCRIPT = r"""
+import json, os, subprocess, sys
+root = sys.argv[1]
+only = sys.argv[2] if len(sys.argv) > 2 else ""
+out = []
+names = sorted(n for n in os.listdir(root) if n != "locks") if os.path.isdir(root) else []
+for name in names:
+    if only and name != only:
+        continue
+    d = os.path.join(root, name)
+    try:
+        spec = json.load(open(os.path.join(d, "spec.json")))
+    except (OSError, ValueError):
+        continue
+    try:
+        state = json.load(open(os.path.join(d, "state.json")))
+    except (OSError, ValueError):
+        state = {"state": "starting", "message": "starting"}
+    active = subprocess.run(["systemctl", "is-active", "--quiet", spec["unit"]]).returncode == 0
+    out.append({"spec": {k: spec.get(k) for k in ("id", "kind", "host", "unit", "lock")}, "state": state,
+                "active": active})
+print(json.dumps(out))
+"""
+
+# The run records under <results>/<host>/, for pull: {run id: run.json's content}.
+_RUNS_SCRIPT = r"""
+import json, os, sys
+root = sys.argv[1]
+out = {}
+if os.path.isdir(root):
+    for name in sorted(os.listdir(root)):
+        try:
+            out[name] = json.load(open(os.path.join(root, name, "run.json")))
+        except (OSError, ValueError):
+            pass
+print(json.dumps(out))
+"""
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What to run: a task module of :mod:`rigctl.remote` with JSON params."""
+
+    kind: RunKind
+    task: str
+    params: Mapping[str, Any]
+    lock: str | None = "gpu"
+    record: Mapping[str, Any] = field(default_factory=dict)  # first run-record fields (matrix, task, server, ...)
+    files: Mapping[str, Path] = field(default_factory=dict)  # shipped into the job dir: name -> local path
+    max_runtime_s: int = 24 * 3600
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """A job on a host as its state file and unit say."""
+
+    host: str
+    id: str
+    kind: str
+    unit: str
+    state: str  # starting, running, done, failed, stopped; lost: running per its state but no unit
+    done: int = 0
+    total: int = 0
+    message: str = ""
+    started: str | None = None
+    updated: str | None = None
+    ended: str | None = None
+    error: str | None = None
+    run_dir: str | None = None
+    lock: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.state in FINAL_STATES
+
+    def describe(self) -> str:
+        progress = f"{self.done}/{self.total}" if self.total else "-"
+        text = f"{self.host}: {self.id} {self.state} [{progress}] {self.message}"
+        return text + (f": {self.error}" if self.error else "")
+
+
+@dataclass
+class PullResult:
+    host: str
+    copied: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # already in the store
+    running: list[str] = field(default_factory=list)  # not finished on the host yet
+    files: int = 0
+    bytes: int = 0
+
+
+def unit_name(job_id: str) -> str:
+    return f"{UNIT_PREFIX}{job_id}"
+
+
+def task_source(task: str) -> str:
+    """The source of a task module (or of the runtime, ``jobrun``) as shipped to the host."""
+    if not task.isidentifier():
+        raise ConfigError(f"task {task!r}: not a module name")
+    try:
+        return resources.files("rigctl.remote").joinpath(f"{task}.py").read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"task {task!r}: no rigctl/remote/{task}.py") from None
+
+
+def rigctl_version() -> str:
+    try:
+        return metadata.version("rigctl")
+    except metadata.PackageNotFoundError:
+        return ""
+
+
+def parse_job(host: str, entry: Mapping[str, Any]) -> JobInfo:
+    """One entry of the host's job listing as a :class:`JobInfo` (pure)."""
+    spec, state = entry["spec"], entry["state"]
+    name = str(state.get("state", "starting"))
+    if name in ("running", "starting") and not entry.get("active"):
+        name = "lost"  # the unit is gone but never wrote a final state (killed, host rebooted)
+    return JobInfo(
+        host=host, id=str(spec["id"]), kind=str(spec["kind"]), unit=str(spec["unit"]), state=name,
+        done=int(state.get("done", 0)), total=int(state.get("total", 0)), message=str(state.get("message", "")),
+        started=state.get("started"), updated=state.get("updated"), ended=state.get("ended"),
+        error=state.get("error"), run_dir=state.get("run_dir"), lock=spec.get("lock"),
+    )
+
+
+def _python(script: str, *args: str) -> str:
+    return "python3 -c " + " ".join(shlex.quote(a) for a in (script, *args))
+
+
+def _client(host: Host) -> SshClient:
+    return SshClient(SshTarget.from_host(host))
+
+
+def start(host: Host, spec: JobSpec, *, job_id: str | None = None) -> JobInfo:
+    """Ship the runtime, the task and its files to ``host`` and start the job's unit.
+
+    Raises :class:`JobBusyError` (nothing left behind) when ``spec.lock`` is held by an active job.
+    """
+    job_id = job_id or new_run_id(spec.kind)
+    job_dir = f"{JOBS_DIR}/{job_id}"
+    lock_file = f"{JOBS_DIR}/locks/{spec.lock}.json" if spec.lock else None
+    for name, path in spec.files.items():
+        if "/" in name or name in ("spec.json", "state.json", "jobrun.py", f"{spec.task}.py"):
+            raise ConfigError(f"job file name {name!r}: must be a plain name not used by the job itself")
+        if not Path(path).is_file():
+            raise ConfigError(f"job file {name}: {path} does not exist")
+    remote_spec = {
+        "id": job_id, "kind": spec.kind, "host": host.name, "unit": unit_name(job_id), "task": spec.task,
+        "params": dict(spec.params), "lock": spec.lock, "lock_file": lock_file, "job_dir": job_dir,
+        "results_dir": RESULTS_DIR, "record": dict(spec.record), "rigctl_version": rigctl_version(),
+        "max_runtime_s": int(spec.max_runtime_s),
+    }
+    sources = {"jobrun.py": task_source("jobrun"), f"{spec.task}.py": task_source(spec.task),
+               "spec.json": json.dumps(remote_spec, indent=2, sort_keys=True) + "\n"}
+    with _client(host) as ssh, tempfile.TemporaryDirectory(prefix="rigctl-job-") as tmp:
+        ssh.run(f"mkdir -p {shlex.quote(job_dir)} {shlex.quote(RESULTS_DIR)}", timeout=COMMAND_TIMEOUT, check=True)
+        for name, text in sources.items():
+            local = Path(tmp) / name
+            local.write_text(text)
+            ssh.put(local, f"{job_dir}/{name}", timeout=TRANSFER_TIMEOUT)
+        for name, path in spec.files.items():
+            ssh.put(path, f"{job_dir}/{name}", timeout=TRANSFER_TIMEOUT)
+        result = ssh.run(_python(_START_SCRIPT, f"{job_dir}/spec.json"), timeout=COMMAND_TIMEOUT, check=True)
+        answer = json.loads(result.stdout)
+        if "started" not in answer:
+            ssh.run(f"rm -rf {shlex.quote(job_dir)}", timeout=COMMAND_TIMEOUT, check=False)
+            if "refused" in answer:
+                raise JobBusyError(host.name, str(spec.lock), str(answer["refused"].get("job")))
+            raise JobError(f"{host.name}: cannot start job {job_id}: {answer.get('error')}")
+    log.info("%s: started %s (unit %s)", host.name, job_id, unit_name(job_id))
+    return JobInfo(host=host.name, id=job_id, kind=spec.kind, unit=unit_name(job_id), state="starting",
+                   run_dir=f"{RESULTS_DIR}/{host.name}/{job_id}", lock=spec.lock)
+
+
+def list_jobs(host: Host, *, client: SshClient | None = None) -> list[JobInfo]:
+    """Every job on ``host`` (oldest first), from its state file and unit."""
+    return _list(host, None, client)
+
+
+def status(host: Host, job_id: str, *, client: SshClient | None = None) -> JobInfo:
+    found = _list(host, job_id, client)
+    if not found:
+        raise JobError(f"{host.name}: no job {job_id} under {JOBS_DIR}")
+    return found[0]
+
+
+def _list(host: Host, only: str | None, client: SshClient | None) -> list[JobInfo]:
+    cmd = _python(_LIST_SCRIPT, JOBS_DIR, *([only] if only else []))
+    if client is not None:
+        result = client.run(cmd, timeout=COMMAND_TIMEOUT, check=True)
+    else:
+        with _client(host) as ssh:
+            result = ssh.run(cmd, timeout=COMMAND_TIMEOUT, check=True)
+    return [parse_job(host.name, entry) for entry in json.loads(result.stdout)]
+
+
+def wait(
+    host: Host,
+    job_id: str,
+    *,
+    on_progress: Callable[[JobInfo], None] | None = None,
+    poll_s: float = 1.0,
+    timeout_s: float = 24 * 3600,
+    reconnect_s: float = 5.0,
+) -> JobInfo:
+    """Follow ``job_id`` until it ends; ``on_progress`` gets each changed state. A lost connection is
+    retried until ``timeout_s`` (the job does not depend on it)."""
+    deadline = time.monotonic() + timeout_s
+    last: tuple[Any, ...] | None = None
+    ssh: SshClient | None = None
+    try:
+        while True:
+            try:
+                if ssh is None:
+                    ssh = _client(host)
+                    ssh.connect()
+                info = status(host, job_id, client=ssh)
+            except (ConnectError, TransferError) as exc:
+                log.warning("%s: lost the connection while following %s (%s); retrying", host.name, job_id, exc)
+                if ssh is not None:
+                    ssh.close()
+                ssh = None
+                if time.monotonic() + reconnect_s > deadline:
+                    raise JobError(f"{host.name}: cannot follow job {job_id}: {exc}") from None
+                time.sleep(reconnect_s)
+                continue
+            key = (info.state, info.done, info.total, info.message)
+            if key != last and on_progress is not None:
+                on_progress(info)
+            last = key
+            if info.finished:
+                return info
+            if time.monotonic() >= deadline:
+                raise JobError(f"{host.name}: job {job_id} still {info.state} after {timeout_s:g} s")
+            time.sleep(poll_s)
+    finally:
+        if ssh is not None:
+            ssh.close()
+
+
+def stop(host: Host, job_id: str, *, timeout: float = 180.0) -> JobInfo:
+    """Stop a running job's unit (the runtime seals its run as ``stopped``)."""
+    with _client(host) as ssh:
+        info = status(host, job_id, client=ssh)
+        if not info.finished:
+            ssh.run(f"systemctl stop {shlex.quote(info.unit)}", timeout=timeout, check=True)
+        return status(host, job_id, client=ssh)
+
+
+def pull(host: Host, store: ResultsStore | None = None, *, timeout: float = TRANSFER_TIMEOUT) -> PullResult:
+    """Copy ``host``'s finished run directories that ``store`` lacks, every file checked against the
+    sha256 in its ``run.json``. A run appears in the store only once all of it has arrived."""
+    store = store or ResultsStore()
+    result = PullResult(host=host.name)
+    remote_root = f"{RESULTS_DIR}/{host.name}"
+    with _client(host) as ssh:
+        listing = json.loads(ssh.run(_python(_RUNS_SCRIPT, remote_root), timeout=COMMAND_TIMEOUT, check=True).stdout)
+        for run_id, data in sorted(listing.items()):
+            if (store.run_dir(host.name, run_id) / RUN_FILE).is_file():
+                result.skipped.append(run_id)
+                continue
+            if data.get("status") == "running":
+                result.running.append(run_id)
+                continue
+            record = RunRecord.from_dict(data)
+            _copy_run(ssh, f"{remote_root}/{run_id}", store.run_dir(host.name, run_id), record, result, timeout)
+            result.copied.append(run_id)
+    return result
+
+
+def _copy_run(
+    ssh: SshClient, remote: str, local: Path, record: RunRecord, result: PullResult, timeout: float
+) -> None:
+    staging = local.with_name(f".{local.name}.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        for raw in record.files:
+            relative = PurePosixPath(raw.path)
+            if relative.is_absolute() or ".." in relative.parts:
+                raise JobError(f"{ssh.host}: run {record.id}: raw file path {raw.path!r} leaves the run directory")
+            ssh.get(f"{remote}/{raw.path}", staging / relative, timeout=timeout, sha256=raw.sha256)
+            result.files += 1
+            result.bytes += raw.bytes
+        ssh.get(f"{remote}/{RUN_FILE}", staging / RUN_FILE, timeout=timeout)
+        # run.json may only have changed if the host rewrote the run since the listing: check again.
+        if RunRecord.load(staging).files != record.files:
+            raise JobError(f"{ssh.host}: run {record.id} changed on the host while it was pulled; pull again")
+        staging.rename(local)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _per_host(hosts: Iterable[Host], work: Callable[[Host], Any]) -> dict[str, Any]:
+    hosts = list(hosts)
+    if not hosts:
+        return {}
+
+    def one(host: Host) -> Any:
+        try:
+            return work(host)
+        except RigctlError as exc:
+            return exc
+
+    with ThreadPoolExecutor(max_workers=8, thread_name_prefix="rigctl-jobs") as pool:
+        outcomes = list(pool.map(one, hosts))
+    return {h.name: o for h, o in zip(hosts, outcomes, strict=True)}
+
+
+def jobs_on_hosts(hosts: Iterable[Host]) -> dict[str, list[JobInfo] | RigctlError]:
+    """Each host's jobs, or the error that kept us from reading them."""
+    return _per_host(hosts, list_jobs)
+
+
+def pull_hosts(hosts: Iterable[Host], store: ResultsStore | None = None) -> dict[str, PullResult | RigctlError]:
+    """:func:`pull` on every host; one host failing keeps the others' results."""
+    store = store or ResultsStore()
+    return _per_host(hosts, lambda host: pull(host, store))

@@ -1,0 +1,309 @@
+"""The job runtime: runs one task module on a host, inside the transient systemd unit that
+:func:`rigctl.jobs.start` made. Standard library only (the hosts have Python 3.11, no rigctl).
+
+Invoked as ``python3 jobrun.py JOB_DIR``. ``JOB_DIR`` holds what the controller shipped::
+
+    spec.json      id, kind, host, task (module name), params, lock, lock_file, results_dir, record
+    jobrun.py      this file
+    <task>.py      the task module: ``run(job: Job) -> None``
+    <extra files>  whatever the JobSpec shipped (datasets, prompts)
+
+and what this runtime writes::
+
+    state.json     progress: state running|done|failed|stopped, done/total, message, run_dir, error
+    output.log     stdout and stderr of the unit (systemd appends; also in the journal)
+
+The run directory ``<results_dir>/<host>/<id>/`` gets ``run.json`` (the run record, the layout of
+:class:`rigctl.results.RunRecord`) as soon as the job starts (status ``running``) and again, sealed
+with every raw file's sha256, when it ends. Host facts, the GPU (from ``nvidia-smi``) and the
+llama.cpp build (from the llama_cpp role's fact file) are filled in before the task runs.
+
+On SIGTERM (``systemctl stop``, RuntimeMaxSec) the running child is terminated, the task's
+``finally`` blocks run (a bench restores the llama-server units it stopped) and the run is sealed
+as ``stopped``. The lock file is released whatever the outcome.
+"""
+
+from __future__ import annotations
+
+import configparser
+import hashlib
+import importlib.util
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import traceback
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+LLAMA_CPP_FACT = "/etc/ansible/facts.d/llama_cpp.fact"
+RUN_FILE = "run.json"
+STATE_FILE = "state.json"
+SPEC_FILE = "spec.json"
+_CHUNK = 1 << 20
+
+
+class Stopped(Exception):
+    """The unit was asked to stop (SIGTERM)."""
+
+
+class TaskError(Exception):
+    """A task failed in a way it can name in one line."""
+
+
+def utc_now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_json_atomically(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def parse_llama_cpp_fact(text: str) -> dict[str, Any]:
+    """The current build from the llama_cpp role's INI fact: commit, version, build_key, ..."""
+    parser = configparser.ConfigParser()
+    parser.read_string(text)
+    if not parser.has_section("current"):
+        return {}
+    current = parser["current"]
+    build = {
+        "name": current.get("name", ""),
+        "dir": current.get("dir", ""),
+        "commit": current.get("commit", ""),
+        "version": current.get("version", ""),
+        "build_key": current.get("key", ""),
+        "build_number": current.getint("build_number", fallback=0),
+        "cuda": current.getboolean("cuda", fallback=False),
+    }
+    if parser.has_section("current_binaries"):
+        build["binaries"] = dict(parser["current_binaries"])
+    return build
+
+
+def parse_gpu_query(stdout: str) -> dict[str, Any]:
+    """``nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv,noheader,nounits``."""
+    first = stdout.strip().splitlines()[0]
+    name, driver, vram, compute = (cell.strip() for cell in first.split(","))
+    return {"name": name, "driver": driver, "vram_mib": int(float(vram)), "compute_capability": compute}
+
+
+def host_facts() -> dict[str, Any]:
+    facts: dict[str, Any] = {"hostname": socket.gethostname(), "kernel": os.uname().release,
+                             "cpus": os.cpu_count()}
+    try:
+        for line in Path("/etc/os-release").read_text().splitlines():
+            if line.startswith("PRETTY_NAME="):
+                facts["os"] = line.split("=", 1)[1].strip('"')
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                facts["cpu"] = line.split(":", 1)[1].strip()
+                break
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                facts["mem_total_mib"] = int(line.split()[1]) // 1024
+    except OSError as exc:
+        facts["error"] = str(exc)
+    return facts
+
+
+class Job:
+    """What a task sees: its parameters, its run directory, the record, progress and commands.
+
+    Tasks reach the runtime's names through the job (``job.TaskError``, ``job.now()``): this file
+    runs as ``__main__``, so a task importing it would get a second copy of its classes."""
+
+    TaskError = TaskError
+    Stopped = Stopped
+
+    def __init__(self, job_dir: Path):
+        self.dir = job_dir
+        self.spec: dict[str, Any] = json.loads((job_dir / SPEC_FILE).read_text())
+        self.id: str = self.spec["id"]
+        self.params: dict[str, Any] = self.spec.get("params") or {}
+        self.run_dir = Path(self.spec["results_dir"]) / self.spec["host"] / self.id
+        self.record: dict[str, Any] = {
+            "id": self.id, "kind": self.spec["kind"], "host": self.spec["host"], "started": utc_now(),
+            "ended": None, "status": "running", "gpu": {}, "llama_cpp": {}, "server": None, "artifacts": [],
+            "task": None, "matrix": None, "seed": None, "concurrency": None, "commands": [],
+            "rigctl_version": self.spec.get("rigctl_version", ""), "files": [], "extra": {},
+        }
+        self.record.update(self.spec.get("record") or {})
+        self._state: dict[str, Any] = {
+            "id": self.id, "kind": self.spec["kind"], "host": self.spec["host"], "unit": self.spec["unit"],
+            "state": "running", "done": 0, "total": 0, "message": "starting", "run_dir": str(self.run_dir),
+            "started": self.record["started"], "updated": self.record["started"], "ended": None, "error": None,
+        }
+        self._child: subprocess.Popen[bytes] | None = None
+        self.stopping = False
+
+    # ------------------------------------------------------------------ progress and records
+
+    @staticmethod
+    def now() -> str:
+        return utc_now()
+
+    def progress(self, done: int, total: int, message: str) -> None:
+        self._state.update(done=done, total=total, message=message, updated=utc_now())
+        write_json_atomically(self.dir / STATE_FILE, self._state)
+        self.log(f"[{done}/{total}] {message}")
+
+    def log(self, message: str) -> None:
+        print(f"{utc_now()} {message}", flush=True)
+
+    def save_record(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomically(self.run_dir / RUN_FILE, self.record)
+
+    def seal(self, status: str, error: str | None) -> None:
+        self.record["files"] = [
+            {"path": str(p.relative_to(self.run_dir)), "sha256": file_sha256(p), "bytes": p.stat().st_size}
+            for p in sorted(self.run_dir.rglob("*"))
+            if p.is_file() and p.name != RUN_FILE and not p.name.startswith(".")
+        ]
+        self.record["status"] = status
+        self.record["ended"] = utc_now()
+        if error:
+            self.record["extra"]["error"] = error
+        self.save_record()
+        self._state.update(state=status, ended=self.record["ended"], updated=self.record["ended"], error=error)
+        if status == "done":
+            self._state["done"] = self._state["total"]
+            self._state["message"] = "done"
+        write_json_atomically(self.dir / STATE_FILE, self._state)
+
+    # ------------------------------------------------------------------ commands and facts
+
+    def run(
+        self, argv: list[str], *, timeout: float, stdout: Path | None = None, stderr: Path | None = None,
+        record: bool = True,
+    ) -> subprocess.CompletedProcess[bytes]:
+        """Run ``argv`` (recorded in the run record's commands), its output to files or captured."""
+        if self.stopping:
+            raise Stopped()
+        if record:
+            self.record["commands"].append(shlex.join(argv))
+        out = open(stdout, "wb") if stdout else subprocess.PIPE  # noqa: SIM115 (closed below)
+        err = open(stderr, "wb") if stderr else subprocess.PIPE  # noqa: SIM115
+        try:
+            self._child = subprocess.Popen(argv, stdout=out, stderr=err)
+            try:
+                captured_out, captured_err = self._child.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self._child.kill()
+                self._child.communicate()
+                raise TaskError(f"`{shlex.join(argv)}` ran past {timeout:g} s") from None
+            rc = self._child.returncode
+        finally:
+            self._child = None
+            for handle in (out, err):
+                if handle is not subprocess.PIPE:
+                    handle.close()
+        if self.stopping:
+            raise Stopped()
+        return subprocess.CompletedProcess(argv, rc, captured_out or b"", captured_err or b"")
+
+    def gpu_query(self, fields: str) -> str | None:
+        """``nvidia-smi --query-gpu=FIELDS`` (csv, no header, no units); None without nvidia-smi."""
+        try:
+            done = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
+                                  capture_output=True, text=True, timeout=30, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout if done.returncode == 0 else None
+
+    def artifact(self, name: str, path: str) -> dict[str, Any]:
+        """A model file as the run record lists it: name, path, sha256 (hashed now), bytes, manifest."""
+        if not os.path.isfile(path):
+            raise TaskError(f"artifact {name}: {path} does not exist on {self.spec['host']}")
+        entry: dict[str, Any] = {"name": name, "path": path, "sha256": file_sha256(path),
+                                 "bytes": os.path.getsize(path), "manifest": None}
+        try:
+            entry["manifest"] = json.loads(Path(path + ".manifest.json").read_text())
+        except (OSError, ValueError):
+            self.log(f"artifact {name}: no readable manifest beside {path}")
+        return entry
+
+    def collect_facts(self) -> None:
+        self.record["extra"]["host_facts"] = host_facts()
+        gpu = self.gpu_query("name,driver_version,memory.total,compute_cap")
+        if gpu:
+            self.record["gpu"] = parse_gpu_query(gpu)
+        try:
+            self.record["llama_cpp"] = parse_llama_cpp_fact(Path(LLAMA_CPP_FACT).read_text())
+        except (OSError, configparser.Error) as exc:
+            self.log(f"no llama.cpp fact: {exc}")
+
+    # ------------------------------------------------------------------ stopping
+
+    def on_sigterm(self, signum: int, frame: Any) -> None:
+        self.stopping = True
+        if self._child is not None and self._child.poll() is None:
+            self._child.terminate()
+        raise Stopped()
+
+    def release_lock(self) -> None:
+        lock_file = self.spec.get("lock_file")
+        if not lock_file:
+            return
+        try:
+            holder = json.loads(Path(lock_file).read_text())
+        except (OSError, ValueError):
+            return
+        if holder.get("job") == self.id:
+            Path(lock_file).unlink(missing_ok=True)
+
+
+def load_task(job_dir: Path, name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, job_dir / f"{name}.py")
+    if spec is None or spec.loader is None:
+        raise TaskError(f"task module {name}.py not found in {job_dir}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def main(job_dir: Path) -> int:
+    job = Job(job_dir)
+    signal.signal(signal.SIGTERM, job.on_sigterm)
+    status, error = "failed", None
+    try:
+        job.progress(0, 0, "collecting facts")
+        job.collect_facts()
+        job.save_record()
+        task = load_task(job_dir, job.spec["task"])
+        task.run(job)
+        status = "done"
+    except Stopped:
+        status, error = "stopped", "stopped by SIGTERM"
+    except TaskError as exc:
+        error = str(exc)
+    except Exception as exc:  # the one place that turns any task failure into a sealed, failed run
+        traceback.print_exc()
+        error = f"{type(exc).__name__}: {exc}"
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        try:
+            job.seal(status, error)
+        finally:
+            job.release_lock()
+    job.log(f"job {job.id}: {status}" + (f": {error}" if error else ""))
+    return 0 if status == "done" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1]).resolve()))
