@@ -1,0 +1,56 @@
+"""`rigctl exporter` and `rigctl mcp`: the two long-running faces of rigctl."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from rigctl.cli import _inventory, app, err_console
+
+
+@app.command("exporter")
+def exporter(
+    listen: Annotated[str, typer.Option("--listen", help="ADDRESS:PORT to serve /metrics on.")] = "127.0.0.1:9840",
+    interval: Annotated[float, typer.Option("--interval", min=1.0, help="Seconds between collections.")] = 15.0,
+    host_timeout: Annotated[float, typer.Option("--host-timeout", min=1.0,
+                                                help="Seconds one host may take before it shows as down.")] = 10.0,
+    results: Annotated[Path | None, typer.Option("--results", envvar="RIGCTL_RESULTS",
+                                                 help="Results store of pulled runs (default ./results).")] = None,
+    limit: Annotated[str | None, typer.Option("--limit", "-l", help="Hosts or groups, comma-separated.")] = None,
+) -> None:
+    """Serve the fleet's state as Prometheus metrics: reachability, builds and model pins against the
+    inventory, llama-server units, GPUs, and the latest pulled bench and eval results."""
+    from rigctl.exporter import Exporter
+    from rigctl.results import ResultsStore
+
+    exp = Exporter(_inventory(), limit=limit, results=ResultsStore(results), interval=interval,
+                   host_timeout=host_timeout)
+    server, _thread = exp.serve(listen)
+    exp.start()
+    err_console.print(f"rigctl exporter: {len(exp.hosts)} hosts, /metrics on {listen}, every {interval:g}s",
+                      markup=False, highlight=False)
+    stopped = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopped.set())
+    stopped.wait()
+    server.shutdown()
+    exp.stop()
+
+
+@app.command("mcp")
+def mcp(
+    allow_actions: Annotated[bool, typer.Option("--allow-actions",
+                                                help="Allow the tools that change things: restart a server, "
+                                                     "start a bench or an eval, pull results.")] = False,
+    results: Annotated[Path | None, typer.Option("--results", envvar="RIGCTL_RESULTS",
+                                                 help="Results store (default ./results).")] = None,
+) -> None:
+    """Serve the fleet as MCP tools over stdio (for Claude Code or any MCP client); read-only unless
+    --allow-actions."""
+    from rigctl.mcp_server import build_server
+
+    build_server(_inventory(), allow_actions=allow_actions, results_root=results).run("stdio")

@@ -1,0 +1,740 @@
+"""`rigctl exporter`: the fleet's state as Prometheus metrics.
+
+llama-server's own ``/metrics`` says how a server is working; this exporter says whether the fleet is in
+the state the inventory pins, and what the latest pulled results are:
+
+* per host: reachability over SSH, the running llama.cpp build against the pinned one, each model file's
+  sha256 against its pin, GPU temperature, memory and utilisation (``nvidia-smi``);
+* per llama-server instance: the systemd state of ``llama-server@<name>.service``;
+* from the controller's results store: the latest bench t/s per test and model, the latest eval score
+  per task and artifact.
+
+A background loop collects from every host concurrently, each host bounded by its own timeout, so a
+dead host costs one timeout and never stalls the others; a scrape only renders the last completed
+collection (with its age), so it never waits on SSH.
+
+Each host is read with one SSH command (:data:`PROBE_SCRIPT`) whose raw outputs are parsed by the pure
+functions here (:func:`parse_nvidia_smi`, :func:`parse_systemctl_show`, :func:`rigctl.build.parse_fact`,
+:func:`rigctl.models.parse_manifest`). Model files are re-hashed only when their size, mtime, ctime or
+inode change, on a slower lane of their own, so a 4 GB file never holds up a collection.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shlex
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from rigctl.build import Builds, parse_fact
+from rigctl.errors import ConfigError, RigctlError
+from rigctl.inventory import Host, Inventory
+from rigctl.models import artifact_path, host_artifacts, host_pins, parse_manifest
+from rigctl.results import ANSWERS_FILE, ResultsStore, StoredRun, read_jsonl
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LISTEN = "127.0.0.1:9840"
+DEFAULT_INTERVAL = 15.0
+DEFAULT_HOST_TIMEOUT = 10.0
+DEFAULT_HASH_TIMEOUT = 900.0  # sha256 of a few GB on a slow disk
+#: The states systemd reports as ActiveState; one series each, 1 for the current one.
+UNIT_STATES = ("active", "reloading", "inactive", "failed", "activating", "deactivating")
+UNIT_PATTERN = "llama-server@*.service"
+NVIDIA_SMI_FIELDS = ("index", "uuid", "name", "temperature.gpu", "memory.used", "memory.total", "utilization.gpu")
+_MIB = 1024 * 1024
+
+# Runs on the host (python3 is there for Ansible): every raw output the exporter parses, as one JSON
+# object, in one round trip. It changes nothing on the host.
+PROBE_SCRIPT = r"""
+import json, os, subprocess, sys
+args = json.loads(sys.argv[1])
+def run(argv, timeout):
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        return {"rc": p.returncode, "out": p.stdout, "err": p.stderr[-2000:]}
+    except FileNotFoundError:
+        return {"rc": 127, "out": "", "err": argv[0] + ": not found"}
+    except subprocess.TimeoutExpired:
+        return {"rc": 124, "out": "", "err": argv[0] + ": timed out"}
+out = {}
+try:
+    out["fact"] = open(args["fact"]).read()
+except OSError:
+    out["fact"] = None
+out["nvidia_smi"] = run(["nvidia-smi", "--query-gpu=" + args["gpu_fields"], "--format=csv,noheader,nounits"],
+                        args["timeout"])
+listed = run(["systemctl", "list-units", "--all", "--plain", "--no-legend", "--no-pager", args["unit_pattern"]],
+             args["timeout"])
+units = list(args["units"])
+for line in listed["out"].splitlines():
+    name = line.split(None, 1)[0] if line.strip() else ""
+    if name.endswith(".service") and name not in units:
+        units.append(name)
+out["units"] = run(["systemctl", "show", "--no-pager",
+                    "--property=Id,LoadState,ActiveState,SubState,MainPID,NRestarts", "--"] + units,
+                   args["timeout"]) if units else {"rc": 0, "out": "", "err": ""}
+models = out["models"] = {}
+for name, path in args["models"].items():
+    entry = models[name] = {"path": path}
+    try:
+        st = os.stat(path)
+        entry["stat"] = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+    except OSError:
+        entry["stat"] = None
+    try:
+        entry["manifest"] = open(path + ".manifest.json").read()
+    except OSError:
+        entry["manifest"] = None
+print(json.dumps(out))
+"""
+
+# Hashes the files named with their stat, and reports a hash only if the file did not change meanwhile.
+HASH_SCRIPT = r"""
+import hashlib, json, os, sys
+out = {}
+for path, stat in json.loads(sys.argv[1]).items():
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+        st = os.stat(path)
+    except OSError:
+        continue
+    if [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino] == stat:
+        out[path] = h.hexdigest()
+print(json.dumps(out))
+"""
+
+
+# ----------------------------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True)
+class GpuSample:
+    index: str
+    uuid: str
+    name: str
+    temperature_celsius: float | None
+    memory_used_bytes: float | None
+    memory_total_bytes: float | None
+    utilization_ratio: float | None
+
+
+@dataclass(frozen=True)
+class UnitState:
+    unit: str
+    load_state: str
+    active_state: str
+    sub_state: str
+    main_pid: int
+    restarts: int | None
+
+    @property
+    def instance(self) -> str:
+        """``smollm2`` for ``llama-server@smollm2.service``."""
+        stem = self.unit.removesuffix(".service")
+        return stem.split("@", 1)[1] if "@" in stem else stem
+
+
+@dataclass(frozen=True)
+class ModelFact:
+    artifact: str
+    path: str
+    present: bool
+    sha256: str | None  # of the file now; None: missing or not hashed yet
+    pin: str | None  # the inventory's models_pins entry
+    manifest_sha256: str | None  # what the models role recorded when it made the file
+    bytes: int | None
+
+    @property
+    def expected(self) -> tuple[str | None, str]:
+        """The hash the file should have, and where that comes from (inventory pin, else manifest)."""
+        if self.pin:
+            return self.pin, "inventory"
+        if self.manifest_sha256:
+            return self.manifest_sha256, "manifest"
+        return None, "none"
+
+    @property
+    def drift(self) -> bool | None:
+        """True: missing or differs from its pin; False: matches; None: not known (yet)."""
+        expected, _ = self.expected
+        if not self.present:
+            return True
+        if self.sha256 is None or expected is None:
+            return None
+        return self.sha256 != expected
+
+
+@dataclass
+class HostFacts:
+    host: str
+    up: bool
+    error: str | None = None
+    duration_seconds: float = 0.0
+    builds: Builds | None = None
+    gpus: list[GpuSample] = field(default_factory=list)
+    gpu_error: str | None = None
+    units: list[UnitState] = field(default_factory=list)
+    models: list[ModelFact] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    host: str
+    artifact: str
+    test: str
+    tokens_per_second: float
+    run_id: str
+    ended: float  # unix time
+
+
+@dataclass(frozen=True)
+class EvalScore:
+    host: str
+    task: str
+    artifact: str
+    score: float
+    questions: int
+    run_id: str
+    ended: float
+
+
+@dataclass
+class Snapshot:
+    """One completed collection: what a scrape renders."""
+
+    completed_at: float  # unix time
+    duration_seconds: float
+    hosts: dict[str, HostFacts]
+    bench: list[BenchResult] = field(default_factory=list)
+    evals: list[EvalScore] = field(default_factory=list)
+    results_error: str | None = None
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """What the inventory says a host should run: the pins the facts are compared against."""
+
+    host: str
+    pinned_version: str
+    pinned_source: str
+    servers: Mapping[str, Mapping[str, Any]]  # name -> artifact, profile, port, enabled
+
+    @classmethod
+    def from_host(cls, host: Host) -> HostPlan:
+        pin = host.llama_cpp if "llama_cpp_source" in host.vars else None
+        return cls(
+            host=host.name,
+            pinned_version=pin.version if pin else "",
+            pinned_source=pin.source if pin else "",
+            servers={s.name: {"artifact": s.artifact, "profile": s.profile, "port": s.port, "enabled": s.enabled}
+                     for s in host.servers},
+        )
+
+    def build_drift(self, builds: Builds | None) -> bool | None:
+        """Whether the running build is not the pinned one (None: nothing to compare)."""
+        if builds is None or builds.current is None or not self.pinned_version:
+            return None if builds is None else True
+        current = builds.current
+        if self.pinned_source == "git":
+            commit, pin = current.commit.lower(), self.pinned_version.lower()
+            return not (commit and (commit.startswith(pin) or pin.startswith(commit)))
+        return current.version != self.pinned_version
+
+
+# ----------------------------------------------------------------------------------------------- parsers
+
+
+def _number(text: str) -> float | None:
+    text = text.strip()
+    if not text or text.startswith("[") or text.upper() in {"N/A", "NOT SUPPORTED"}:
+        return None  # nvidia-smi's [N/A], [Not Supported], [Unknown Error]
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def parse_nvidia_smi(text: str) -> list[GpuSample]:
+    """``nvidia-smi --query-gpu=<NVIDIA_SMI_FIELDS> --format=csv,noheader,nounits`` as samples."""
+    samples = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        cells = [c.strip() for c in line.split(",")]
+        if len(cells) != len(NVIDIA_SMI_FIELDS):
+            raise ValueError(f"nvidia-smi line {number}: {len(cells)} fields, expected {len(NVIDIA_SMI_FIELDS)}")
+        index, uuid, name, temperature, used, total, utilization = cells
+        used_mib, total_mib, util = _number(used), _number(total), _number(utilization)
+        samples.append(GpuSample(
+            index=index,
+            uuid=uuid,
+            name=name,
+            temperature_celsius=_number(temperature),
+            memory_used_bytes=used_mib * _MIB if used_mib is not None else None,
+            memory_total_bytes=total_mib * _MIB if total_mib is not None else None,
+            utilization_ratio=util / 100.0 if util is not None else None,
+        ))
+    return samples
+
+
+def parse_systemctl_show(text: str) -> list[UnitState]:
+    """``systemctl show --property=Id,LoadState,ActiveState,SubState,MainPID,NRestarts -- UNITS...``:
+    one block of KEY=VALUE lines per unit, blocks separated by a blank line."""
+    states = []
+    for block in text.strip().split("\n\n"):
+        props = dict(line.split("=", 1) for line in block.splitlines() if "=" in line)
+        if not props.get("Id"):
+            continue
+        restarts = props.get("NRestarts", "")
+        states.append(UnitState(
+            unit=props["Id"],
+            load_state=props.get("LoadState", ""),
+            active_state=props.get("ActiveState", ""),
+            sub_state=props.get("SubState", ""),
+            main_pid=int(props.get("MainPID") or 0),
+            restarts=int(restarts) if restarts.isdigit() else None,
+        ))
+    return states
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """``127.0.0.1:9840``, ``[::1]:9840`` or ``:9840`` as (address, port)."""
+    address, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--listen {listen!r}: expected ADDRESS:PORT, e.g. {DEFAULT_LISTEN}")
+    return address.strip("[]") or "0.0.0.0", int(port)
+
+
+# ----------------------------------------------------------------------------------------------- results
+
+
+def _unix(stamp: str | None) -> float:
+    from datetime import datetime
+
+    if not stamp:
+        return 0.0
+    try:
+        return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return 0.0
+
+
+def _artifact_of(run: StoredRun, model_stem: str = "") -> str:
+    """The artifact a run measured: the record's artifact whose file is ``model_stem``, else its first."""
+    artifacts = [a for a in run.record.artifacts if a.get("name")]
+    for artifact in artifacts:
+        if model_stem and Path(str(artifact.get("path", ""))).stem == model_stem:
+            return str(artifact["name"])
+    if artifacts and not model_stem:
+        return str(artifacts[0]["name"])
+    return model_stem or "unknown"
+
+
+def bench_results(run: StoredRun) -> list[BenchResult]:
+    """Mean t/s per test and model from the llama-bench output among a bench run's raw files."""
+    from rigctl.compare import bench_cells
+
+    ended = _unix(run.record.ended)
+    return [BenchResult(run.host, _artifact_of(run, cell.model), cell.test, cell.mean_ts, run.id, ended)
+            for cell in bench_cells(run) if cell.samples_ts]
+
+
+def eval_score(run: StoredRun) -> EvalScore | None:
+    """Mean score over the questions of an eval run's answers file (None without one)."""
+    path = run.path / ANSWERS_FILE
+    if not path.is_file():
+        return None
+    rows = read_jsonl(path)
+    scores = [float(r["score"]) for r in rows if isinstance(r.get("score"), int | float)]
+    if not scores:
+        return None
+    task = str((run.record.task or {}).get("name") or "unknown")
+    return EvalScore(run.host, task, _artifact_of(run), sum(scores) / len(scores), len(scores), run.id,
+                     _unix(run.record.ended))
+
+
+class ResultsReader:
+    """The latest bench and eval results of a results store; finished runs are parsed once."""
+
+    def __init__(self, store: ResultsStore):
+        self.store = store
+        self._bench: dict[str, list[BenchResult]] = {}
+        self._evals: dict[str, EvalScore | None] = {}
+
+    def latest(self) -> tuple[list[BenchResult], list[EvalScore]]:
+        bench: dict[tuple[str, str, str], BenchResult] = {}
+        evals: dict[tuple[str, str, str], EvalScore] = {}
+        if not self.store.root.is_dir():
+            return [], []
+        for run in self.store.runs():
+            if run.record.status != "done":
+                continue
+            key = f"{run.host}/{run.id}"
+            if run.record.kind == "bench":
+                if key not in self._bench:
+                    self._bench[key] = bench_results(run)
+                for result in self._bench[key]:
+                    slot = (result.host, result.artifact, result.test)
+                    if slot not in bench or bench[slot].ended <= result.ended:
+                        bench[slot] = result
+            elif run.record.kind == "eval":
+                if key not in self._evals:
+                    self._evals[key] = eval_score(run)
+                score = self._evals[key]
+                if score is not None:
+                    slot = (score.host, score.task, score.artifact)
+                    if slot not in evals or evals[slot].ended <= score.ended:
+                        evals[slot] = score
+        return sorted(bench.values(), key=lambda b: (b.host, b.artifact, b.test)), sorted(
+            evals.values(), key=lambda e: (e.host, e.task, e.artifact))
+
+
+# ----------------------------------------------------------------------------------------------- metrics
+
+
+def metric_families(snapshot: Snapshot | None, plans: Mapping[str, HostPlan], now: float) -> list[Metric]:
+    """The exposition of one snapshot: every family, with HELP and TYPE even when it has no samples."""
+    g = GaugeMetricFamily
+    up = g("rigctl_host_up", "1 if the host answered over SSH in the last collection, else 0", labels=["host"])
+    probe = g("rigctl_host_probe_duration_seconds", "Time the last collection took on the host", labels=["host"])
+    age = g("rigctl_collection_age_seconds", "Seconds since the last completed collection (NaN before the first)")
+    completed = g("rigctl_collection_timestamp_seconds", "Unix time the last collection completed")
+    duration = g("rigctl_collection_duration_seconds", "Time the last collection took over all hosts")
+    build_info = InfoMetricFamily(
+        "rigctl_llama_cpp_build", "llama.cpp build running on the host (current link) and the one pinned",
+        labels=["host", "running_version", "running_commit", "running_build_key", "pinned_version"])
+    build_drift = g("rigctl_llama_cpp_build_drift", "1 if the running llama.cpp build is not the pinned one",
+                    labels=["host"])
+    model_info = InfoMetricFamily("rigctl_model", "Model file on the host: its sha256 and the one expected",
+                                  labels=["host", "artifact", "sha256", "expected_sha256", "pinned_by"])
+    model_drift = g("rigctl_model_drift", "1 if the model file is missing or its sha256 differs from its pin",
+                    labels=["host", "artifact"])
+    model_bytes = g("rigctl_model_size_bytes", "Size of the model file", labels=["host", "artifact"])
+    server_state = g("rigctl_server_state", "systemd ActiveState of llama-server@<server>.service, 1 for the current",
+                     labels=["host", "server", "state"])
+    server_info = InfoMetricFamily("rigctl_server", "llama-server instance as the inventory defines it",
+                                   labels=["host", "server", "artifact", "profile", "port", "enabled"])
+    server_pid = g("rigctl_server_main_pid", "MainPID of the instance's unit (0 when not running)",
+                   labels=["host", "server"])
+    server_restarts = CounterMetricFamily("rigctl_server_restarts", "Automatic restarts of the unit by systemd",
+                                          labels=["host", "server"])
+    gpu_labels = ["host", "gpu", "name", "uuid"]
+    temperature = g("rigctl_gpu_temperature_celsius", "GPU core temperature", labels=gpu_labels)
+    mem_used = g("rigctl_gpu_memory_used_bytes", "GPU memory in use", labels=gpu_labels)
+    mem_total = g("rigctl_gpu_memory_total_bytes", "GPU memory in total", labels=gpu_labels)
+    utilization = g("rigctl_gpu_utilization_ratio", "GPU utilisation over the last sample period (0-1)",
+                    labels=gpu_labels)
+    bench = g("rigctl_bench_tokens_per_second", "Latest pulled llama-bench result: mean tokens/s per test and model",
+              labels=["host", "artifact", "test", "run"])
+    bench_time = g("rigctl_bench_run_end_timestamp_seconds", "Unix time the latest bench run per model ended",
+                   labels=["host", "artifact", "run"])
+    eval_gauge = g("rigctl_eval_score_ratio", "Latest pulled eval result: mean score per task and artifact (0-1)",
+                   labels=["host", "task", "artifact", "run"])
+    eval_n = g("rigctl_eval_questions", "Questions scored in the latest eval run per task and artifact",
+               labels=["host", "task", "artifact", "run"])
+    results_ok = g("rigctl_results_readable", "1 if the results store was read in the last collection")
+
+    if snapshot is not None:
+        age.add_metric([], max(0.0, now - snapshot.completed_at))
+        completed.add_metric([], snapshot.completed_at)
+        duration.add_metric([], snapshot.duration_seconds)
+        results_ok.add_metric([], 0.0 if snapshot.results_error else 1.0)
+        for name, plan in sorted(plans.items()):
+            facts = snapshot.hosts.get(name)
+            for server, spec in sorted(plan.servers.items()):
+                server_info.add_metric([name, server, str(spec["artifact"]), str(spec["profile"]), str(spec["port"]),
+                                        "true" if spec["enabled"] else "false"], {})
+            if facts is None:
+                continue
+            up.add_metric([name], 1.0 if facts.up else 0.0)
+            probe.add_metric([name], facts.duration_seconds)
+            if not facts.up:
+                continue  # what a down host last said is not its state now
+            current = facts.builds.current if facts.builds else None
+            build_info.add_metric([name, current.version if current else "", current.commit if current else "",
+                                   current.key if current else "", plan.pinned_version], {})
+            drift = plan.build_drift(facts.builds)
+            if drift is not None:
+                build_drift.add_metric([name], 1.0 if drift else 0.0)
+            for model in facts.models:
+                expected, pinned_by = model.expected
+                model_info.add_metric([name, model.artifact, model.sha256 or "", expected or "", pinned_by], {})
+                if model.drift is not None:
+                    model_drift.add_metric([name, model.artifact], 1.0 if model.drift else 0.0)
+                if model.bytes is not None:
+                    model_bytes.add_metric([name, model.artifact], float(model.bytes))
+            for unit in facts.units:
+                for state in UNIT_STATES:
+                    server_state.add_metric([name, unit.instance, state], 1.0 if unit.active_state == state else 0.0)
+                server_pid.add_metric([name, unit.instance], float(unit.main_pid))
+                if unit.restarts is not None:
+                    server_restarts.add_metric([name, unit.instance], float(unit.restarts))
+            for gpu in facts.gpus:
+                labels = [name, gpu.index, gpu.name, gpu.uuid]
+                for family, value in ((temperature, gpu.temperature_celsius), (mem_used, gpu.memory_used_bytes),
+                                      (mem_total, gpu.memory_total_bytes), (utilization, gpu.utilization_ratio)):
+                    if value is not None:
+                        family.add_metric(labels, value)
+        run_ends: dict[tuple[str, str, str], float] = {}
+        for result in snapshot.bench:
+            bench.add_metric([result.host, result.artifact, result.test, result.run_id], result.tokens_per_second)
+            run_ends[(result.host, result.artifact, result.run_id)] = result.ended
+        for (host, artifact, run_id), ended in sorted(run_ends.items()):
+            bench_time.add_metric([host, artifact, run_id], ended)
+        for score in snapshot.evals:
+            labels = [score.host, score.task, score.artifact, score.run_id]
+            eval_gauge.add_metric(labels, score.score)
+            eval_n.add_metric(labels, float(score.questions))
+    else:
+        age.add_metric([], math.nan)
+    return [up, probe, age, completed, duration, results_ok, build_info, build_drift, model_info, model_drift,
+            model_bytes, server_info, server_state, server_pid, server_restarts, temperature, mem_used, mem_total,
+            utilization, bench, bench_time, eval_gauge, eval_n]
+
+
+# ----------------------------------------------------------------------------------------------- collection
+
+
+def _stat_key(stat: Sequence[int] | None) -> tuple[int, ...] | None:
+    return tuple(int(v) for v in stat) if stat else None
+
+
+class Exporter:
+    """Collects the fleet's facts in the background and serves the last collection to Prometheus."""
+
+    def __init__(
+        self,
+        inventory: Inventory,
+        *,
+        limit: str | None = None,
+        results: ResultsStore | None = None,
+        interval: float = DEFAULT_INTERVAL,
+        host_timeout: float = DEFAULT_HOST_TIMEOUT,
+        hash_timeout: float = DEFAULT_HASH_TIMEOUT,
+    ):
+        if interval <= 0 or host_timeout <= 0:
+            raise ConfigError("exporter: --interval and the host timeout must be positive")
+        self.hosts = inventory.select(limit)
+        self.plans = {h.name: HostPlan.from_host(h) for h in self.hosts}
+        self.results = ResultsReader(results or ResultsStore())
+        self.interval = interval
+        self.host_timeout = host_timeout
+        self.hash_timeout = hash_timeout
+        self._snapshot: Snapshot | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        # A hung host keeps its worker until its own SSH timeouts fire; the next collection then skips it.
+        self._pool = ThreadPoolExecutor(max_workers=max(2, 2 * len(self.hosts)), thread_name_prefix="rigctl-probe")
+        self._hash_pool = ThreadPoolExecutor(max_workers=max(1, len(self.hosts)), thread_name_prefix="rigctl-hash")
+        self._inflight: dict[str, Future[HostFacts]] = {}
+        self._hashing: dict[str, Future[None]] = {}
+        self._hashes: dict[tuple[str, str], tuple[tuple[int, ...], str]] = {}  # (host, path) -> (stat, sha256)
+        self.collections = 0
+
+    # -------------------------------------------------------------------------------- serving
+
+    @property
+    def snapshot(self) -> Snapshot | None:
+        with self._lock:
+            return self._snapshot
+
+    def collector(self) -> Collector:
+        exporter = self
+
+        class _FleetCollector(Collector):
+            def collect(self) -> Iterable[Metric]:
+                return metric_families(exporter.snapshot, exporter.plans, time.time())
+
+        return _FleetCollector()
+
+    def registry(self) -> CollectorRegistry:
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(self.collector())
+        return registry
+
+    def render(self) -> bytes:
+        """The exposition text of the last collection, as a scrape gets it."""
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry())
+
+    def serve(self, listen: str = DEFAULT_LISTEN) -> tuple[Any, threading.Thread]:
+        """Serve ``/metrics`` on ``listen`` from a thread (prometheus-client's HTTP server)."""
+        from prometheus_client import start_http_server
+
+        address, port = parse_listen(listen)
+        try:
+            return start_http_server(port, addr=address, registry=self.registry())
+        except OSError as exc:
+            raise ConfigError(f"exporter: cannot listen on {listen}: {exc.strerror or exc}") from None
+
+    def start(self) -> None:
+        """Collect now and then every ``interval`` seconds, in a background thread."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._loop, name="rigctl-exporter", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.host_timeout + 5)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._hash_pool.shutdown(wait=False, cancel_futures=True)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                self.collect_once()
+            except Exception:  # the loop outlives any one bad collection; the age metric shows it
+                log.exception("collection failed")
+            self._stop.wait(max(0.0, self.interval - (time.monotonic() - started)))
+
+    # -------------------------------------------------------------------------------- collecting
+
+    def collect_once(self) -> Snapshot:
+        """Collect from every host at once, each bounded by the host timeout; publish and return it."""
+        started = time.monotonic()
+        futures: dict[str, Future[HostFacts]] = {}
+        for host in self.hosts:
+            running = self._inflight.get(host.name)
+            if running is None or running.done():
+                running = self._pool.submit(self._probe_host, host)
+                self._inflight[host.name] = running
+            futures[host.name] = running
+        results_error = None
+        try:
+            bench, evals = self.results.latest()
+        except (RigctlError, OSError, ValueError) as exc:
+            bench, evals, results_error = [], [], str(exc)
+            log.warning("results store %s: %s", self.results.store.root, exc)
+        remaining = max(0.0, self.host_timeout + 1.0 - (time.monotonic() - started))
+        wait_futures(futures.values(), timeout=remaining)
+        hosts: dict[str, HostFacts] = {}
+        for name, future in futures.items():
+            if future.done():
+                hosts[name] = future.result()
+            else:
+                hosts[name] = HostFacts(name, up=False, error=f"no answer within {self.host_timeout:g}s",
+                                        duration_seconds=time.monotonic() - started)
+                log.warning("%s: no answer within %gs", name, self.host_timeout)
+        snapshot = Snapshot(completed_at=time.time(), duration_seconds=time.monotonic() - started, hosts=hosts,
+                            bench=bench, evals=evals, results_error=results_error)
+        with self._lock:
+            self._snapshot = snapshot
+            self.collections += 1
+        return snapshot
+
+    def _probe_host(self, host: Host) -> HostFacts:
+        from rigctl.ssh import SshClient, SshTarget
+
+        started = time.monotonic()
+        plan = self.plans[host.name]
+        models = {name: artifact_path(host, name) for name in host_artifacts(host)}
+        args = {
+            "fact": "/etc/ansible/facts.d/llama_cpp.fact",
+            "gpu_fields": ",".join(NVIDIA_SMI_FIELDS),
+            "unit_pattern": UNIT_PATTERN,
+            "units": [f"llama-server@{name}.service" for name in plan.servers],
+            "models": models,
+            "timeout": max(1.0, self.host_timeout / 2),
+        }
+        cmd = f"python3 -c {shlex.quote(PROBE_SCRIPT)} {shlex.quote(json.dumps(args))}"
+        try:
+            # One connection per collection: reachability means a new SSH session can be opened now.
+            with SshClient(SshTarget.from_host(host), connect_timeout=self.host_timeout, retries=0,
+                           channel_timeout=self.host_timeout) as ssh:
+                result = ssh.run(cmd, timeout=self.host_timeout)
+            raw = json.loads(result.stdout)
+        except (RigctlError, ValueError, OSError) as exc:
+            log.info("%s: down: %s", host.name, exc)
+            return HostFacts(host.name, up=False, error=str(exc), duration_seconds=time.monotonic() - started)
+        facts = self._facts(host, raw)
+        facts.duration_seconds = time.monotonic() - started
+        return facts
+
+    def _facts(self, host: Host, raw: Mapping[str, Any]) -> HostFacts:
+        facts = HostFacts(host.name, up=True)
+        try:
+            facts.builds = parse_fact(raw["fact"], host.name) if raw.get("fact") else Builds(host.name, None, None)
+        except RigctlError as exc:
+            log.warning("%s", exc)
+        smi = raw.get("nvidia_smi") or {}
+        if smi.get("rc") == 0:
+            try:
+                facts.gpus = parse_nvidia_smi(smi.get("out", ""))
+            except ValueError as exc:
+                facts.gpu_error = str(exc)
+        else:
+            facts.gpu_error = (smi.get("err") or "").strip() or f"nvidia-smi exited {smi.get('rc')}"
+        if facts.gpu_error:
+            log.info("%s: no GPU sample: %s", host.name, facts.gpu_error)
+        facts.units = parse_systemctl_show((raw.get("units") or {}).get("out", ""))
+        pins = host_pins(host)
+        to_hash: dict[str, list[int]] = {}
+        for name, entry in sorted((raw.get("models") or {}).items()):
+            path, stat = str(entry["path"]), _stat_key(entry.get("stat"))
+            manifest_sha = None
+            if entry.get("manifest"):
+                try:
+                    manifest_sha = parse_manifest(entry["manifest"], host.name).sha256
+                except RigctlError as exc:
+                    log.warning("%s", exc)
+            sha = None
+            cached = self._hashes.get((host.name, path))
+            if stat is not None:
+                if cached and cached[0] == stat:
+                    sha = cached[1]
+                else:
+                    to_hash[path] = list(stat)
+            facts.models.append(ModelFact(name, path, stat is not None, sha, pins.get(name), manifest_sha,
+                                          stat[0] if stat else None))
+        if to_hash:
+            self._schedule_hash(host, to_hash)
+        return facts
+
+    def settle_hashes(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for the model hashes being computed; True if any were pending."""
+        pending = [f for f in self._hashing.values() if not f.done()]
+        if pending:
+            wait_futures(pending, timeout=timeout)
+        return bool(pending)
+
+    def _schedule_hash(self, host: Host, files: Mapping[str, list[int]]) -> None:
+        running = self._hashing.get(host.name)
+        if running is not None and not running.done():
+            return
+        self._hashing[host.name] = self._hash_pool.submit(self._hash_files, host, dict(files))
+
+    def _hash_files(self, host: Host, files: Mapping[str, list[int]]) -> None:
+        from rigctl.ssh import SshClient, SshTarget
+
+        cmd = f"python3 -c {shlex.quote(HASH_SCRIPT)} {shlex.quote(json.dumps(files))}"
+        try:
+            with SshClient(SshTarget.from_host(host), connect_timeout=self.host_timeout, retries=0) as ssh:
+                hashed = json.loads(ssh.run(cmd, timeout=self.hash_timeout).stdout)
+        except (RigctlError, ValueError, OSError) as exc:
+            log.info("%s: model hashes not read: %s", host.name, exc)
+            return
+        for path, sha in hashed.items():
+            self._hashes[(host.name, path)] = (_stat_key(files[path]) or (), str(sha))
+        log.debug("%s: hashed %d model files", host.name, len(hashed))
+
