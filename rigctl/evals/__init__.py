@@ -1,0 +1,43 @@
+"""Quality evals against any llama-server (or OpenAI-compatible endpoint): tasks as data, datasets
+pinned by hash, three scorers, an async runner with resumable runs.
+
+Modules: ``tasks`` (task files, questions), ``datasets`` (download, sha256, cache, lock file),
+``scorers`` (pure: GSM8K extraction, BFCL's AST checker, missed-call detector, choice), ``runner``
+(asking, answers.jsonl, run records, summaries).
+
+Run directory (``<results>/<host>/<run id>/``, see :mod:`rigctl.results`)::
+
+    run.json        RunRecord, kind "eval"
+    answers.jsonl   one JSON object per answered question, appended and flushed as each completes
+
+``run.json`` for evals: ``server`` = {endpoint, label, build_info, model_path, total_slots, n_ctx (from
+``/props``), and for inventory servers name, host, profile, flags (the profile's settings)};
+``artifacts`` = [{name, path, sha256, manifest}] from the host's model manifest; ``task`` = {name,
+scorer, file, file_sha256, dataset_sha256: {source key: sha256}, questions}; ``seed``; ``concurrency``;
+``extra`` = {thinking, limit, timeout_s, summary, label_tokens (choice), resumed: [times]}. ``summary`` is
+``{"sets": {set: block}, "overall": block + {"macro"}}`` with block = {n, score, cutoffs, and
+strict_score (gsm8k) or toolless, missed_calls (bfcl_simple)}.
+
+``answers.jsonl`` keys, every scorer:
+
+    id        question id, unique within its set (dataset id, or "<set>-<line number>")
+    set       set name (the task name for gsm8k and bfcl_simple; the set for choice suites)
+    score     1 or 0
+    cutoff    true when the reply stopped on the token limit (finish_reason "length")
+
+gsm8k adds: reply, reasoning (only with thinking on), finish_reason, tokens (completion tokens), gold,
+strict (number after ``####`` or null), flexible (last number or null), strict_score (0/1; ``score`` is
+the flexible match).
+
+bfcl_simple adds: reply (text content), reasoning, finish_reason, tokens, tool_calls ([{name, arguments}],
+arguments parsed to an object when they are JSON), error and error_type (BFCL's checker; empty when
+right), toolless (no tool call at all), missed_call (tool-less and the text looks like a call:
+``tool_call``, ``<function``, or a JSON object with name and arguments/parameters).
+
+choice adds: gold and pred (label texts; pred null when no label was in the server's top n), label_probs
+({label: probability of its first token, or null when outside the top n}), label_mass (sum of the
+seen label probabilities), top_token (the most probable next token, label or not).
+
+Questions are answered exactly once per run: ``--resume`` skips every (set, id) already in
+``answers.jsonl`` and cuts a torn last line before appending.
+"""

@@ -1,0 +1,215 @@
+"""Dataset files for eval tasks: fetched once with httpx, checked by sha256, cached, usable offline.
+
+A source is one of
+
+* a Hugging Face dataset file: repo + pinned revision + file, fetched from
+  ``<HF_ENDPOINT>/datasets/<repo>/resolve/<revision>/<file>`` (``HF_ENDPOINT`` defaults to the hub);
+* a URL (with its sha256 when known);
+* a local JSON/JSONL file (relative paths are relative to the task file).
+
+Downloads land in ``<RIGCTL_CACHE_DIR or ~/.cache/rigctl>/datasets/`` and are written to a temporary name
+and renamed once their hash is checked, so a stopped download leaves nothing half-written. When the task
+file gives no sha256, the first download records the file's hash in the lock file
+(``<cache>/datasets/lock.json``, or ``RIGCTL_DATASET_LOCK``) and every later use, online or from the cache,
+must match it. ``RIGCTL_OFFLINE=1`` (or ``HF_HUB_OFFLINE=1``) never touches the network: a file missing
+from the cache is then an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import urllib.parse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from rigctl.errors import EvalError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HF_ENDPOINT = "https://huggingface.co"
+_CHUNK = 1 << 20
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("RIGCTL_CACHE_DIR") or "~/.cache/rigctl").expanduser() / "datasets"
+
+
+def lock_path() -> Path:
+    return Path(os.environ["RIGCTL_DATASET_LOCK"]).expanduser() if os.environ.get("RIGCTL_DATASET_LOCK") \
+        else cache_root() / "lock.json"
+
+
+def offline() -> bool:
+    return any(os.environ.get(v, "").lower() in {"1", "true", "yes"} for v in ("RIGCTL_OFFLINE", "HF_HUB_OFFLINE"))
+
+
+def hf_endpoint() -> str:
+    return (os.environ.get("HF_ENDPOINT") or DEFAULT_HF_ENDPOINT).rstrip("/")
+
+
+@dataclass(frozen=True)
+class DatasetFile:
+    """A verified local copy: where it is, its sha256, and the key it is locked under."""
+
+    key: str
+    path: Path
+    sha256: str
+    origin: str  # URL or local path it came from
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class Lock:
+    """The lock file: ``{key: sha256}`` of every file first downloaded without a known hash."""
+
+    def __init__(self, path: Path | None = None):
+        self.path = path or lock_path()
+
+    def read(self) -> dict[str, str]:
+        try:
+            data = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {}
+        except json.JSONDecodeError as exc:
+            raise EvalError(f"{self.path}: lock file is not JSON ({exc.msg} at line {exc.lineno})") from None
+        if not isinstance(data, dict):
+            raise EvalError(f"{self.path}: lock file is not a JSON object")
+        return {str(k): str(v) for k, v in data.items()}
+
+    def get(self, key: str) -> str | None:
+        return self.read().get(key)
+
+    def record(self, key: str, sha256: str) -> None:
+        entries = self.read()
+        entries[key] = sha256
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text(json.dumps(entries, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, self.path)
+
+
+def hf_url(repo: str, revision: str, file: str, endpoint: str | None = None) -> str:
+    quoted = "/".join(urllib.parse.quote(part) for part in file.split("/"))
+    return f"{endpoint or hf_endpoint()}/datasets/{repo}/resolve/{urllib.parse.quote(revision, safe='')}/{quoted}"
+
+
+def _safe(part: str) -> str:
+    if not part or part in {".", ".."} or "\\" in part:
+        raise EvalError(f"dataset path part {part!r} is not allowed")
+    return part
+
+
+def fetch_hf(repo: str, revision: str, file: str, *, sha256: str | None = None, timeout: float = 120.0,
+             lock: Lock | None = None) -> DatasetFile:
+    key = f"hf:{repo}@{revision}/{file}"
+    local = cache_root() / "hf" / Path(*map(_safe, repo.split("/"))) / _safe(revision)
+    local = local / Path(*map(_safe, file.split("/")))
+    return _fetch(key, hf_url(repo, revision, file), local, sha256, timeout, lock or Lock())
+
+
+def fetch_url(url: str, *, sha256: str | None = None, timeout: float = 120.0, lock: Lock | None = None) -> DatasetFile:
+    parsed = urllib.parse.urlparse(url)
+    if parsed.scheme not in {"http", "https"}:
+        raise EvalError(f"dataset URL {url!r}: only http and https are supported")
+    name = _safe(Path(parsed.path).name or "download")
+    local = cache_root() / "url" / hashlib.sha256(url.encode()).hexdigest()[:16] / name
+    return _fetch(f"url:{url}", url, local, sha256, timeout, lock or Lock())
+
+
+def local_file(path: Path, *, sha256: str | None = None) -> DatasetFile:
+    if not path.is_file():
+        raise EvalError(f"dataset file {path} does not exist")
+    actual = _sha256(path)
+    if sha256 and actual != sha256.lower():
+        raise EvalError(f"dataset file {path}: sha256 {actual} does not match the task's {sha256}")
+    return DatasetFile(f"path:{path}", path, actual, str(path))
+
+
+def _fetch(key: str, url: str, local: Path, sha256: str | None, timeout: float, lock: Lock) -> DatasetFile:
+    pinned = sha256.lower() if sha256 else None
+    locked = lock.get(key)
+    if pinned and locked and pinned != locked:
+        raise EvalError(f"{key}: the task pins sha256 {pinned} but the lock file {lock.path} has {locked}")
+    expected = pinned or locked
+    if local.is_file():
+        actual = _sha256(local)
+        if expected is None or actual == expected:
+            if expected is None:
+                lock.record(key, actual)
+            return DatasetFile(key, local, actual, url)
+        if offline():
+            raise EvalError(f"{key}: cached {local} has sha256 {actual}, expected {expected} (offline: not re-fetched)")
+        log.warning("%s: cached copy %s does not match %s; fetching again", key, local, expected)
+    elif offline():
+        raise EvalError(f"{key}: not in the cache ({local}) and offline (RIGCTL_OFFLINE/HF_HUB_OFFLINE)")
+    actual = _download(key, url, local, timeout)
+    if expected and actual != expected:
+        local.with_name(f".{local.name}.part").unlink(missing_ok=True)
+        source = "the task file" if pinned else f"the lock file {lock.path}"
+        raise EvalError(f"{key}: downloaded sha256 {actual} does not match {expected} from {source}")
+    os.replace(local.with_name(f".{local.name}.part"), local)
+    if expected is None:
+        lock.record(key, actual)
+        log.info("%s: first download, sha256 %s recorded in %s", key, actual, lock.path)
+    return DatasetFile(key, local, actual, url)
+
+
+def _download(key: str, url: str, local: Path, timeout: float) -> str:
+    """Stream ``url`` into ``.<name>.part`` beside ``local``; returns its sha256 (the caller renames it)."""
+    local.parent.mkdir(parents=True, exist_ok=True)
+    part = local.with_name(f".{local.name}.part")
+    digest = hashlib.sha256()
+    headers = {"Authorization": f"Bearer {os.environ['HF_TOKEN']}"} if os.environ.get("HF_TOKEN") and \
+        url.startswith(hf_endpoint()) else {}
+    try:
+        with httpx.stream("GET", url, headers=headers, timeout=httpx.Timeout(timeout, connect=15.0),
+                          follow_redirects=True) as response:
+            if response.status_code != 200:
+                raise EvalError(f"{key}: GET {url}: HTTP {response.status_code}")
+            with part.open("wb") as handle:
+                for chunk in response.iter_bytes(_CHUNK):
+                    handle.write(chunk)
+                    digest.update(chunk)
+    except httpx.HTTPError as exc:
+        part.unlink(missing_ok=True)
+        raise EvalError(f"{key}: GET {url}: {type(exc).__name__}: {exc}") from None
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
+    return digest.hexdigest()
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """JSON lines, or one JSON array of objects (decided by the first non-blank character)."""
+    text = path.read_text(encoding="utf-8")
+    stripped = text.lstrip()
+    if stripped.startswith("["):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise EvalError(f"{path}: not JSON ({exc.msg} at line {exc.lineno})") from None
+        rows = data
+    else:
+        rows = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise EvalError(f"{path}:{number}: not a JSON line ({exc.msg})") from None
+    if not all(isinstance(row, dict) for row in rows):
+        raise EvalError(f"{path}: every record must be a JSON object")
+    return rows

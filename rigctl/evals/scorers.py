@@ -1,0 +1,295 @@
+"""Pure scoring: GSM8K answer extraction, BFCL's AST checker for simple calls, the missed-call detector and
+next-token-probability choice. No I/O here; the runner feeds replies in and writes what comes out.
+
+BFCL's rules (its ``ast_checker``, simple category, Python), restated:
+
+* exactly one call, and its name is the function's name (dots sent as underscores, since the OpenAI tools
+  API allows no dots in names);
+* every required parameter is present; every parameter given is in the schema *and* in the possible
+  answer (else "unexpected parameter");
+* types per schema: string, integer, float (an integer is accepted for a float), boolean, array/tuple
+  (items checked one level deep), dict; ``any`` reads as string. When the possible answers hold a
+  different type than the schema (a variable name in place of a value), a value of the answers' type
+  passes the type check and is compared as such;
+* values: strings compared after normalisation (drop spaces and ``,./-_*^``, lower case, ``'`` -> ``"``),
+  lists element-wise with the same normalisation for string elements, dicts key by key, lists of dicts
+  dict by dict in order, anything else by equality with one of the possible answers;
+* a parameter in the possible answer that the call omits is only fine when ``""`` is among its answers
+  (optional).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+# ----------------------------------------------------------------------------------------------- GSM8K
+
+_NUMBER = r"-?\$?\s?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
+_STRICT = re.compile(r"####\s*(" + _NUMBER + r")")
+_ANY_NUMBER = re.compile(_NUMBER)
+
+
+def normalise_number(text: str) -> str | None:
+    """``"$1,234.50."`` -> ``"1234.5"``, ``"-7"`` -> ``"-7"``, ``"18.00"`` -> ``"18"``; None when not a number."""
+    cleaned = text.strip().rstrip(".").replace(",", "").replace("$", "").replace(" ", "")
+    try:
+        value = Decimal(cleaned)
+    except InvalidOperation:
+        return None
+    if value == value.to_integral_value():
+        return str(value.quantize(Decimal(1)))
+    return format(value.normalize(), "f")
+
+
+def extract_strict(reply: str) -> str | None:
+    """The number after the first ``####`` (GSM8K's own answer format), normalised."""
+    match = _STRICT.search(reply)
+    return normalise_number(match.group(1)) if match else None
+
+
+def extract_flexible(reply: str) -> str | None:
+    """The last number anywhere in the reply, normalised."""
+    matches = _ANY_NUMBER.findall(reply)
+    return normalise_number(matches[-1]) if matches else None
+
+
+def gsm8k_gold(answer: str) -> str:
+    """The gold number of a GSM8K answer field (``... #### 72``), or the field itself when it is a bare number."""
+    gold = extract_strict(answer) if "####" in answer else normalise_number(answer)
+    if gold is None:
+        raise ValueError(f"no gold number in {answer[-60:]!r}")
+    return gold
+
+
+def score_gsm8k(reply: str, gold: str, finish_reason: str) -> dict[str, Any]:
+    """``score`` is the flexible match (last number); ``strict_score`` the ``#### n`` match."""
+    strict = extract_strict(reply)
+    flexible = extract_flexible(reply)
+    return {"strict": strict, "flexible": flexible, "gold": gold, "strict_score": int(strict == gold),
+            "score": int(flexible == gold), "cutoff": finish_reason == "length", "finish_reason": finish_reason}
+
+
+# ----------------------------------------------------------------------------------------------- BFCL
+
+_PYTHON_TYPES: dict[str, type] = {"string": str, "integer": int, "float": float, "boolean": bool, "array": list,
+                                  "tuple": list, "dict": dict, "any": str}
+_OPENAI_TYPES = {"dict": "object", "float": "number", "tuple": "array", "any": "string"}
+_STRIP = re.compile(r"[ ,./\-_*^]")
+
+
+def bfcl_name(name: str) -> str:
+    """A BFCL function name as sent through the OpenAI tools API (no dots allowed there)."""
+    return name.replace(".", "_")
+
+
+def _openai_schema(schema: Any) -> Any:
+    if isinstance(schema, Mapping):
+        out = {}
+        for key, value in schema.items():
+            if key == "type" and isinstance(value, str):
+                out[key] = _OPENAI_TYPES.get(value, value)
+            elif key == "properties" and isinstance(value, Mapping):
+                out[key] = {name: _openai_schema(prop) for name, prop in value.items()}
+            else:
+                out[key] = _openai_schema(value)
+        return out
+    if isinstance(schema, list):
+        return [_openai_schema(item) for item in schema]
+    return schema
+
+
+def bfcl_tools(functions: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """BFCL function documents as OpenAI ``tools``: names with underscores, BFCL's type names mapped to JSON
+    Schema's (dict -> object, float -> number, tuple -> array, any -> string)."""
+    return [{"type": "function", "function": {"name": bfcl_name(f["name"]), "description": f.get("description", ""),
+                                              "parameters": _openai_schema(f.get("parameters", {}))}}
+            for f in functions]
+
+
+def standardise(text: str) -> str:
+    """BFCL's string normalisation: no spaces or ``,./-_*^``, lower case, single quotes as double quotes."""
+    return _STRIP.sub("", text).lower().replace("'", '"')
+
+
+@dataclass(frozen=True)
+class Check:
+    valid: bool
+    error: str = ""
+    error_type: str = ""
+
+
+OK = Check(True)
+
+
+def _answer_type(possible: Sequence[Any]) -> type | None:
+    for answer in possible:
+        if answer != "":
+            return type(answer)
+    return None
+
+
+def _type_check(param: str, value: Any, possible: Sequence[Any], expected: type, nested: type | None,
+                described: str) -> tuple[Check, bool]:
+    """(result, is_variable): a value of the answers' type passes as a variable when it differs from the schema."""
+    answer_type = _answer_type(possible)
+    is_variable = answer_type is not None and answer_type is not expected
+    if type(value) is expected:
+        if nested is None:
+            return OK, is_variable
+        for candidate in possible:
+            if isinstance(candidate, list) and all(
+                    _type_check(param, item, candidate, nested, None, nested.__name__)[0].valid for item in value):
+                return OK, is_variable
+            if not isinstance(candidate, list):
+                return OK, is_variable
+        return Check(False, f"parameter {param!r}: items of {value!r} are not all {nested.__name__}",
+                     "type_error:nested"), is_variable
+    if answer_type is not None and type(value) is answer_type:
+        return OK, True
+    return Check(False, f"parameter {param!r}: expected {described}, got {type(value).__name__} ({value!r})",
+                 "type_error:simple"), is_variable
+
+
+def _std(value: Any) -> Any:
+    return standardise(value) if isinstance(value, str) else value
+
+
+def _check_string(param: str, value: str, possible: Sequence[Any]) -> Check:
+    if standardise(value) in [standardise(p) for p in possible if isinstance(p, str)]:
+        return OK
+    return Check(False, f"parameter {param!r}: {value!r} is not one of {list(possible)!r}", "value_error:string")
+
+
+def _check_list(param: str, value: list, possible: Sequence[Any]) -> Check:
+    given = [_std(v) for v in value]
+    if any(isinstance(p, list) and given == [_std(v) for v in p] for p in possible):
+        return OK
+    return Check(False, f"parameter {param!r}: {value!r} is not one of {list(possible)!r}", "value_error:list")
+
+
+def _check_dict(param: str, value: Mapping[str, Any], possible: Sequence[Any]) -> Check:
+    failure = Check(False, f"parameter {param!r}: {value!r} matches none of the possible dicts", "value_error:dict")
+    for answer in possible:
+        if not isinstance(answer, Mapping):
+            continue
+        unexpected = [k for k in value if k not in answer]
+        wrong = [k for k, v in value.items() if k in answer and _std(v) not in [_std(a) for a in answer[k]]]
+        missing = [k for k, options in answer.items() if k not in value and "" not in options]
+        if not unexpected and not wrong and not missing:
+            return OK
+        if unexpected:
+            failure = Check(False, f"parameter {param!r}: unexpected dict key {unexpected[0]!r}",
+                            "value_error:dict_key")
+        elif missing:
+            failure = Check(False, f"parameter {param!r}: missing dict key {missing[0]!r}", "value_error:dict_key")
+        else:
+            failure = Check(False, f"parameter {param!r}: key {wrong[0]!r} = {value[wrong[0]]!r} not allowed",
+                            "value_error:dict_value")
+    return failure
+
+
+def _check_list_of_dicts(param: str, value: list, possible: Sequence[Any]) -> Check:
+    for answer in possible:
+        if isinstance(answer, list) and len(answer) == len(value) and all(
+                isinstance(v, Mapping) and _check_dict(param, v, [a]).valid
+                for v, a in zip(value, answer, strict=True)):
+            return OK
+    return Check(False, f"parameter {param!r}: {value!r} matches none of the possible lists of dicts",
+                 "value_error:list_dict")
+
+
+def check_simple_call(function: Mapping[str, Any], calls: Sequence[tuple[str, Any]],
+                      possible_answer: Mapping[str, Mapping[str, Sequence[Any]]]) -> Check:
+    """BFCL's AST check of a simple-category reply: ``calls`` as (name, arguments) pairs from the reply's tool
+    calls, ``possible_answer`` the ground truth entry ``{function name: {param: [possible values]}}``."""
+    if len(calls) != 1:
+        return Check(False, f"expected one call, got {len(calls)}", "simple_function_checker:wrong_count")
+    name, arguments = calls[0]
+    expected_name = bfcl_name(function["name"])
+    if name != expected_name:
+        return Check(False, f"called {name!r}, expected {expected_name!r}", "simple_function_checker:wrong_func_name")
+    if not isinstance(arguments, Mapping):
+        return Check(False, f"arguments are not a JSON object: {arguments!r}", "simple_function_checker:bad_arguments")
+    answers = next(iter(possible_answer.values()))
+    parameters = function.get("parameters") or {}
+    details = parameters.get("properties") or {}
+    for param in parameters.get("required") or []:
+        if param not in arguments:
+            return Check(False, f"missing required parameter {param!r}", "simple_function_checker:missing_required")
+    for param, value in arguments.items():
+        if param not in details or param not in answers:
+            return Check(False, f"unexpected parameter {param!r}", "simple_function_checker:unexpected_param")
+        described = str(details[param].get("type", "any"))
+        expected = _PYTHON_TYPES.get(described, str)
+        nested = None
+        if described in ("array", "tuple"):
+            nested = _PYTHON_TYPES.get(str((details[param].get("items") or {}).get("type", "any")), str)
+        if described == "float" and type(value) is int:
+            value = float(value)
+        check, is_variable = _type_check(param, value, answers[param], expected, nested, described)
+        if not check.valid:
+            return check
+        if not is_variable and expected is dict:
+            check = _check_dict(param, value, answers[param])
+        elif not is_variable and expected is list and nested is dict:
+            check = _check_list_of_dicts(param, value, answers[param])
+        elif not is_variable and expected is str:
+            check = _check_string(param, value, answers[param])
+        elif not is_variable and expected is list:
+            check = _check_list(param, value, answers[param])
+        elif value not in answers[param]:
+            check = Check(False, f"parameter {param!r}: {value!r} is not one of {answers[param]!r}",
+                          "value_error:others")
+        if not check.valid:
+            return check
+    for param, options in answers.items():
+        if param not in arguments and "" not in options:
+            return Check(False, f"parameter {param!r} omitted but not optional",
+                         "simple_function_checker:missing_optional")
+    return OK
+
+
+_CALL_MARKERS = re.compile(r"tool_call|<function", re.IGNORECASE)
+
+
+def looks_like_missed_call(text: str) -> bool:
+    """Whether a reply without tool calls holds call-like text the server's parser may have missed:
+    ``tool_call``, ``<function``, or a JSON object with ``name`` and ``arguments`` (or ``parameters``)."""
+    if _CALL_MARKERS.search(text):
+        return True
+    decoder = json.JSONDecoder()
+    for match in re.finditer(r"\{", text):
+        try:
+            value, _ = decoder.raw_decode(text, match.start())
+        except json.JSONDecodeError:
+            continue
+        if _is_call_object(value):
+            return True
+    return False
+
+
+def _is_call_object(value: Any) -> bool:
+    if isinstance(value, list):
+        return any(_is_call_object(item) for item in value)
+    if not isinstance(value, Mapping):
+        return False
+    if "name" in value and ("arguments" in value or "parameters" in value):
+        return True
+    return any(_is_call_object(v) for v in value.values() if isinstance(v, Mapping | list))
+
+
+# ----------------------------------------------------------------------------------------------- choice
+
+
+def score_choice(label_probs: Mapping[str, float | None], gold: str) -> dict[str, Any]:
+    """The predicted label is the most probable label token; labels outside the server's top-n count as
+    unseen (None) and lose to any seen label. No label seen: no prediction, score 0."""
+    seen = {label: p for label, p in label_probs.items() if p is not None}
+    pred = max(seen, key=lambda label: seen[label]) if seen else None
+    return {"pred": pred, "gold": gold, "score": int(pred == gold), "label_probs": dict(label_probs),
+            "label_mass": sum(seen.values()), "cutoff": False}

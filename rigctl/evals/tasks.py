@@ -1,0 +1,295 @@
+"""Task files: YAML, validated with pydantic, turned into a list of questions.
+
+A task names its scorer and its data; everything else has defaults::
+
+    name: gsm8k
+    scorer: gsm8k                 # gsm8k | bfcl_simple | choice
+    dataset:                      # exactly one of hf / url / path
+      hf: openai/gsm8k            # Hugging Face dataset repo ...
+      revision: 1d2f...           # ... at a pinned revision ...
+      file: main/test.jsonl       # ... and a file in it
+      sha256: null                # unknown: the first download records it in the lock file
+    prompt: "{question}"          # str.format over the record's fields
+    max_tokens: 2048
+
+    name: suite
+    scorer: choice
+    sets:
+      - name: boolq
+        dataset: {url: https://.../dev.jsonl}
+        prompt: "{passage}\\n\\nQuestion: {question}?\\nAnswer yes or no."
+        gold: answer              # the record's field holding the gold value
+        labels: {"true": "yes", "false": "no"}   # gold value (as text, lower case) -> label the model says
+
+``bfcl_simple`` takes ``dataset`` (BFCL's questions: id, question, function) and ``answers`` (its possible
+answers: id, ground_truth), joined by id. Shipped tasks live in ``rigctl/tasks/*.yaml``; ``load_task``
+takes a shipped name or a path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from rigctl.errors import EvalError
+from rigctl.evals import datasets
+from rigctl.evals.datasets import DatasetFile
+
+TASKS_DIR = Path(__file__).resolve().parent.parent / "tasks"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Source(_Strict):
+    hf: str | None = None
+    revision: str | None = None
+    file: str | None = None
+    url: str | None = None
+    path: str | None = None
+    sha256: str | None = Field(default=None, pattern=r"^[0-9a-fA-F]{64}$")
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> Source:
+        kinds = [k for k in ("hf", "url", "path") if getattr(self, k)]
+        if len(kinds) != 1:
+            raise ValueError(f"give exactly one of hf, url, path (got {', '.join(kinds) or 'none'})")
+        if self.hf and not (self.revision and self.file):
+            raise ValueError("an hf source needs revision and file")
+        if not self.hf and (self.revision or self.file):
+            raise ValueError("revision and file belong to an hf source")
+        return self
+
+    def fetch(self, base: Path) -> DatasetFile:
+        if self.hf:
+            return datasets.fetch_hf(self.hf, self.revision or "", self.file or "", sha256=self.sha256)
+        if self.url:
+            return datasets.fetch_url(self.url, sha256=self.sha256)
+        path = Path(self.path or "")
+        return datasets.local_file(path if path.is_absolute() else base / path, sha256=self.sha256)
+
+
+class _TaskBase(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str = ""
+    limit: int | None = Field(default=None, ge=1)
+
+
+class Gsm8kTask(_TaskBase):
+    scorer: Literal["gsm8k"]
+    dataset: Source
+    id_field: str | None = None  # none: "<name>-<line number>"
+    question_field: str = "question"
+    answer_field: str = "answer"
+    prompt: str = "{question}"
+    system: str | None = None
+    max_tokens: int = Field(default=2048, ge=1)
+
+
+class BfclTask(_TaskBase):
+    scorer: Literal["bfcl_simple"]
+    dataset: Source
+    answers: Source
+    system: str | None = None
+    max_tokens: int = Field(default=512, ge=1)
+
+
+class ChoiceSet(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    dataset: Source
+    prompt: str
+    system: str | None = None
+    gold: str
+    labels: dict[str, str] = Field(min_length=2)
+    id_field: str | None = None
+    limit: int | None = Field(default=None, ge=1)
+
+
+class ChoiceTask(_TaskBase):
+    scorer: Literal["choice"]
+    sets: list[ChoiceSet] = Field(min_length=1)
+    n_probs: int = Field(default=100, ge=2)
+
+    @model_validator(mode="after")
+    def _unique_sets(self) -> ChoiceTask:
+        names = [s.name for s in self.sets]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"set names must be unique: {', '.join(duplicates)}")
+        return self
+
+
+class TaskFile(BaseModel):
+    task: Annotated[Gsm8kTask | BfclTask | ChoiceTask, Field(discriminator="scorer")]
+
+
+Task = Gsm8kTask | BfclTask | ChoiceTask
+
+
+@dataclass(frozen=True)
+class Question:
+    """One thing to ask: ``id`` unique in the task, ``set`` the set it belongs to (the task name for
+    single-set tasks), ``data`` what its scorer needs."""
+
+    id: str
+    set: str
+    data: dict[str, Any]
+
+
+@dataclass
+class LoadedTask:
+    spec: Task
+    path: Path
+    file_sha256: str
+    files: list[DatasetFile] = field(default_factory=list)
+    questions: list[Question] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def scorer(self) -> str:
+        return self.spec.scorer
+
+    @property
+    def dataset_sha256(self) -> dict[str, str]:
+        return {f.key: f.sha256 for f in self.files}
+
+
+def find_task(ref: str) -> Path:
+    """A shipped task by name (``gsm8k``) or a task file by path."""
+    path = Path(ref).expanduser()
+    if path.suffix in {".yaml", ".yml"} or path.exists():
+        if not path.is_file():
+            raise EvalError(f"task file {path} does not exist")
+        return path
+    shipped = TASKS_DIR / f"{ref}.yaml"
+    if shipped.is_file():
+        return shipped
+    known = ", ".join(sorted(p.stem for p in TASKS_DIR.glob("*.yaml"))) or "none"
+    raise EvalError(f"task {ref!r}: no such task file or shipped task (shipped: {known})")
+
+
+def parse_task(text: str, where: str) -> Task:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise EvalError(f"{where}: not YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise EvalError(f"{where}: a task file is a mapping")
+    try:
+        return TaskFile(task=data).task
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        location = ".".join(str(p) for p in error["loc"][1:] if not str(p).startswith(("gsm8k", "bfcl", "choice")))
+        raise EvalError(f"{where}: {location or 'task'}: {error['msg']}") from None
+
+
+def load_task(ref: str, *, limit: int | None = None, fetch: bool = True) -> LoadedTask:
+    """Parse the task file, fetch (or find in the cache) its datasets and build its questions.
+
+    ``limit`` keeps the first N questions of each set (after the task's own limits)."""
+    path = find_task(ref)
+    raw = path.read_bytes()
+    spec = parse_task(raw.decode("utf-8"), str(path))
+    loaded = LoadedTask(spec=spec, path=path, file_sha256=hashlib.sha256(raw).hexdigest())
+    if fetch:
+        _build(loaded, limit)
+    return loaded
+
+
+def _cap(rows: list, *limits: int | None) -> list:
+    for cap in limits:
+        if cap is not None:
+            rows = rows[:cap]
+    return rows
+
+
+def _format(template: str, row: dict[str, Any], where: str) -> str:
+    try:
+        return template.format(**row)
+    except KeyError as exc:
+        raise EvalError(f"{where}: prompt names field {exc.args[0]!r}, which the record lacks") from None
+    except (IndexError, ValueError) as exc:
+        raise EvalError(f"{where}: prompt template: {exc}") from None
+
+
+def _field(row: dict[str, Any], name: str, where: str) -> Any:
+    if name not in row:
+        raise EvalError(f"{where}: record has no field {name!r} (fields: {', '.join(sorted(row))})")
+    return row[name]
+
+
+def _build(loaded: LoadedTask, limit: int | None) -> None:
+    from rigctl.evals.scorers import gsm8k_gold
+
+    spec, base = loaded.spec, loaded.path.parent
+    questions: list[Question] = []
+    if isinstance(spec, Gsm8kTask):
+        file = spec.dataset.fetch(base)
+        loaded.files.append(file)
+        rows = datasets.read_records(file.path)
+        for number, row in _cap(list(enumerate(rows, 1)), spec.limit, limit):
+            where = f"{file.path}:{number}"
+            qid = str(_field(row, spec.id_field, where)) if spec.id_field else f"{spec.name}-{number}"
+            try:
+                gold = gsm8k_gold(str(_field(row, spec.answer_field, where)))
+            except ValueError as exc:
+                raise EvalError(f"{where}: {exc}") from None
+            questions.append(Question(qid, spec.name, {"prompt": _format(spec.prompt, row, where),
+                                                       "system": spec.system, "gold": gold}))
+    elif isinstance(spec, BfclTask):
+        file = spec.dataset.fetch(base)
+        answers_file = spec.answers.fetch(base)
+        loaded.files += [file, answers_file]
+        answers = {str(_field(a, "id", str(answers_file.path))): a for a in datasets.read_records(answers_file.path)}
+        for row in _cap(datasets.read_records(file.path), spec.limit, limit):
+            qid = str(_field(row, "id", str(file.path)))
+            where = f"{file.path}: {qid}"
+            if qid not in answers:
+                raise EvalError(f"{where}: no possible answer with this id in {answers_file.path}")
+            turns = _field(row, "question", where)
+            messages = turns[0] if turns and isinstance(turns[0], list) else turns
+            functions = _field(row, "function", where)
+            functions = functions if isinstance(functions, list) else [functions]
+            truth = _field(answers[qid], "ground_truth", where)
+            if len(functions) != 1 or not truth:
+                raise EvalError(f"{where}: a simple task has one function and one ground truth call")
+            questions.append(Question(qid, spec.name, {"messages": messages, "function": functions[0],
+                                                       "system": spec.system,
+                                                       "possible_answer": truth[0] if isinstance(truth, list)
+                                                       else truth}))
+    else:
+        for choice_set in spec.sets:
+            file = choice_set.dataset.fetch(base)
+            loaded.files.append(file)
+            labels = {str(k).lower(): v for k, v in choice_set.labels.items()}
+            rows = list(enumerate(datasets.read_records(file.path), 1))
+            for number, row in _cap(rows, choice_set.limit, spec.limit, limit):
+                where = f"{file.path}:{number}"
+                gold_value = str(_field(row, choice_set.gold, where)).lower()
+                if gold_value not in labels:
+                    raise EvalError(f"{where}: gold value {gold_value!r} is not among the set's labels "
+                                    f"({', '.join(labels)})")
+                qid = str(_field(row, choice_set.id_field, where)) if choice_set.id_field else \
+                    f"{choice_set.name}-{number}"
+                questions.append(Question(qid, choice_set.name, {
+                    "prompt": _format(choice_set.prompt, row, where), "system": choice_set.system,
+                    "gold": labels[gold_value], "labels": sorted(set(labels.values()))}))
+    seen: set[tuple[str, str]] = set()
+    for question in questions:
+        if (question.set, question.id) in seen:
+            raise EvalError(f"{loaded.path}: question id {question.id!r} occurs twice in set {question.set!r}")
+        seen.add((question.set, question.id))
+    loaded.questions = questions
+
+
+def shipped_tasks() -> list[Path]:
+    return sorted(TASKS_DIR.glob("*.yaml"))
