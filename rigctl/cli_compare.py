@@ -1,0 +1,239 @@
+"""``rigctl compare``, ``rigctl check template|logits``, ``rigctl report`` and ``rigctl campaign run``:
+rendering only; the work is in rigctl.compare, rigctl.check and rigctl.report."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from rigctl.cli import _inventory, app, console, err_console
+from rigctl.compare import Comparison, RunHabits, points, ratio_text
+from rigctl.errors import ConfigError
+from rigctl.results import ResultsStore
+from rigctl.stats import DEFAULT_RESAMPLES, DEFAULT_SEED
+
+check_app = typer.Typer(no_args_is_help=True,
+                        help="Runtime checks against a transformers reference: chat template and next-token logits.")
+app.add_typer(check_app, name="check")
+campaign_app = typer.Typer(no_args_is_help=True, help="Campaign files: run what a report needs.")
+app.add_typer(campaign_app, name="campaign")
+
+ResultsOption = Annotated[Path | None, typer.Option("--results", envvar="RIGCTL_RESULTS",
+                                                     help="Results root (default ./results).")]
+SeedOption = Annotated[int, typer.Option(help="Bootstrap seed.")]
+ResamplesOption = Annotated[int, typer.Option(help="Bootstrap resamples.")]
+
+
+def _share(count: int, total: int) -> str:
+    return f"{count}/{total} ({count / total:.0%})" if total else "-"
+
+
+def _labels(counts: dict[str, int], limit: int = 4) -> str:
+    items = list(counts.items())
+    text = ", ".join(f"{k} {v}" for k, v in items[:limit])
+    return text + (f", +{len(items) - limit} more" if len(items) > limit else "") if items else "-"
+
+
+def print_eval_comparison(result: Comparison) -> None:
+    for pair in result.pairs:
+        title = f"{pair.b.name} ({pair.b.label}) - {pair.a.name} ({pair.a.label}): task {pair.task}"
+        if pair.forced:
+            err_console.print(f"warning: compared with --force: {pair.forced}", markup=False, highlight=False)
+        if pair.only_a or pair.only_b:
+            err_console.print(f"note: {pair.only_a} questions only in {pair.a.name}, {pair.only_b} only in "
+                              f"{pair.b.name}; left out", markup=False, highlight=False)
+        table = Table(title=title)
+        for column in ("set", "n", "A", "B", "B - A, points [95%]"):
+            table.add_column(column, justify="left" if column == "set" else "right")
+        recorded = pair.recorded
+        for gap in [*recorded.sets, recorded.overall]:
+            table.add_row(gap.set, str(gap.n), f"{gap.score_a:.3f}", f"{gap.score_b:.3f}", points(gap.gap),
+                          style="bold" if gap.set == "overall" else None)
+        console.print(table)
+        if len(pair.variants) > 1:
+            sens = Table(title="sensitivity: the overall gap under each switch")
+            for column in ("scoring", "n", "A", "B", "B - A, points [95%]", "moved"):
+                sens.add_column(column, justify="left" if column == "scoring" else "right")
+            base = recorded.overall.gap.estimate
+            for variant in pair.variants:
+                overall = variant.overall
+                moved = (overall.gap.estimate - base) * 100
+                sens.add_row(variant.label, str(overall.n), f"{overall.score_a:.3f}", f"{overall.score_b:.3f}",
+                             points(overall.gap), "" if variant is recorded else f"{moved:+.1f}")
+            console.print(sens)
+    if len(result.runs) > 2:
+        matrix = Table(title="overall gap, column - row, points [95%]")
+        matrix.add_column("run")
+        for run in result.runs:
+            matrix.add_column(run.label, justify="right")
+        for run, row in zip(result.runs, result.matrix(), strict=True):
+            matrix.add_row(run.label, *("-" if gap is None else points(gap.gap) for gap in row))
+        console.print(matrix)
+
+
+def print_habits(habits: list[RunHabits]) -> None:
+    table = Table(title="answer habits")
+    for column in ("run", "set", "n", "predicted", "gold", "cut off", "no tool call", "look like missed calls"):
+        table.add_column(column)
+    for run in habits:
+        for s in run.sets:
+            table.add_row(run.run.label, s.set, str(s.n), _labels(s.predicted), _labels(s.gold),
+                          _share(s.cutoff, s.n), _share(s.toolless, s.tool_rows),
+                          str(s.missed_calls) if s.tool_rows else "-")
+    console.print(table)
+
+
+@app.command("compare")
+def compare(
+    runs: Annotated[list[str], typer.Argument(help="Runs by id, host/id or directory (two or more; one bench run "
+                                                    "with two models also works).")],
+    force: Annotated[bool, typer.Option("--force", help="Compare eval runs of different task files or datasets.")
+                     ] = False,
+    cutoff_as_right: Annotated[bool, typer.Option("--cutoff-as-right", help="Also score every cut-off reply as right."
+                                                  )] = False,
+    toolless_as_right: Annotated[bool, typer.Option("--toolless-as-right",
+                                                    help="Also score every reply without a tool call as right.")
+                                 ] = False,
+    exclude: Annotated[list[str] | None, typer.Option("--exclude", help="Also leave out these sets (repeat or "
+                                                                        "comma-separate).")] = None,
+    by: Annotated[str, typer.Option(help="Bench runs: sides by auto, run, model or build.")] = "auto",
+    results: ResultsOption = None,
+    seed: SeedOption = DEFAULT_SEED,
+    resamples: ResamplesOption = DEFAULT_RESAMPLES,
+) -> None:
+    """Paired per-question gaps with 95% bootstrap intervals per set and overall (a matrix for more than
+    two runs), how the gap moves under each sensitivity switch, and answer habits; for bench runs,
+    t/s ratios per test with intervals from the per-repetition samples."""
+    from rigctl.compare import answer_habits, compare_bench_runs, compare_runs
+
+    store = ResultsStore(results)
+    stored = [store.find(ref) for ref in runs]
+    if all(run.record.kind == "bench" for run in stored):
+        bench = compare_bench_runs(stored, by=by, resamples=resamples, seed=seed)
+        table = Table(title=f"tokens/s: {bench.b} / {bench.a}")
+        for column in ("test", "settings", f"A: {bench.a}", f"B: {bench.b}", "B / A [95%]"):
+            table.add_column(column, justify="left" if column in ("test", "settings") else "right")
+        for r in bench.ratios:
+            settings = " ".join(f"{k}={v}" for k, v in r.params if k in ("flash_attn", "n_gpu_layers", "n_threads"))
+            table.add_row(r.test, settings, f"{r.mean_a:.2f}", f"{r.mean_b:.2f}", ratio_text(r.ratio))
+        console.print(table)
+        if not bench.ratios:
+            raise ConfigError(f"no test with equal settings on both sides ({bench.a} vs {bench.b})")
+        return
+    sets = tuple(s for item in exclude or [] for s in item.split(",") if s)
+    result = compare_runs(stored, cutoff_as_right=cutoff_as_right, toolless_as_right=toolless_as_right,
+                          exclude=sets, force=force, resamples=resamples, seed=seed)
+    print_eval_comparison(result)
+    print_habits([answer_habits(run) for run in stored])
+
+
+# ----------------------------------------------------------------------------------------------- check
+
+
+def _reference(hf: Path, python: Path | None):
+    from rigctl.check import HfReference
+
+    return HfReference(hf.expanduser(), python=(python or Path(os.environ.get("RIGCTL_VERIFY_PYTHON")
+                                                                  or sys.executable)).expanduser())
+
+
+def _endpoints(host: str | None, servers: list[str] | None, urls: list[str] | None):
+    from rigctl.server import Endpoint
+
+    if urls:
+        return [Endpoint(u) for u in urls]
+    if not host or not servers:
+        raise ConfigError("name the server: --host HOST --server NAME (repeatable), or --url URL")
+    inv_host = _inventory().host(host)
+    return [Endpoint.from_inventory(inv_host, name) for name in servers]
+
+
+def _prompts(path: Path | None):
+    from rigctl.check import BUILTIN_PROMPTS, load_prompts
+
+    return load_prompts(path) if path else list(BUILTIN_PROMPTS)
+
+
+HostOption = Annotated[str | None, typer.Option("--host", help="Inventory host of the server.")]
+ServerOption = Annotated[list[str] | None, typer.Option("--server", help="llama_server instance on --host "
+                                                                         "(repeatable: one per served artifact).")]
+UrlOption = Annotated[list[str] | None, typer.Option("--url", help="Server URL instead of --host/--server.")]
+HfOption = Annotated[Path, typer.Option("--hf", help="The model's Hugging Face checkout (tokenizer, weights).")]
+PythonOption = Annotated[Path | None, typer.Option(
+    "--python", help="A Python with transformers and torch (default $RIGCTL_VERIFY_PYTHON, else rigctl's own).")]
+PromptsOption = Annotated[Path | None, typer.Option(
+    "--prompts", help="JSONL of {name, messages, tools} (default: built-in math and tool-calling prompts).")]
+
+
+@check_app.command("template")
+def check_template_cmd(
+    hf: HfOption,
+    host: HostOption = None,
+    server: ServerOption = None,
+    url: UrlOption = None,
+    python: PythonOption = None,
+    prompts: PromptsOption = None,
+    chat_template: Annotated[Path | None, typer.Option(
+        "--chat-template", help="Render the reference with this Jinja template instead of the tokenizer's.")] = None,
+) -> None:
+    """Render prompts through the server's /apply-template and transformers' apply_chat_template: how many
+    are byte-identical, and the first differing position with context for the rest. Exits 1 on a difference."""
+    from rigctl.check import check_template, context
+    from rigctl.server import ServerClient
+
+    reference = _reference(hf, python)
+    template = chat_template.read_text() if chat_template else None
+    conversations = _prompts(prompts)
+    failed = False
+    for endpoint in _endpoints(host, server, url):
+        with ServerClient(endpoint) as client, console.status(f"{endpoint}: rendering {len(conversations)} prompts"):
+            result = check_template(client, reference, conversations, chat_template=template)
+        for diff in result.differing:
+            console.print(f"{diff.name}: differs at character {diff.position}\n"
+                          f"  server:    {context(diff.server, diff.position)}\n"
+                          f"  reference: {context(diff.reference, diff.position)}", markup=False, highlight=False)
+        console.print(f"{result.endpoint}: {result.identical} of {len(result.results)} prompts byte-identical "
+                      f"to transformers ({result.checkout})", markup=False, highlight=False)
+        failed |= bool(result.differing)
+    if failed:
+        raise typer.Exit(1)
+
+
+@check_app.command("logits")
+def check_logits_cmd(
+    hf: HfOption,
+    host: HostOption = None,
+    server: ServerOption = None,
+    url: UrlOption = None,
+    python: PythonOption = None,
+    prompts: PromptsOption = None,
+    top_k: Annotated[int, typer.Option("--top-k", help="Server n_probs; the KL is taken over these tokens.")] = 20,
+) -> None:
+    """Next-token probabilities of each served artifact against a float32 transformers reference on the
+    CPU: top-1 agreement and the KL divergence over the server's top-k."""
+    from rigctl.check import check_logits
+    from rigctl.server import ServerClient
+
+    reference = _reference(hf, python)
+    conversations = _prompts(prompts)
+    table = Table(title=f"next-token distributions vs float32 transformers ({reference.checkout})")
+    for column in ("server", "model", "build", "prompts", "top-1 agree", "KL mean", "KL max", "top-k mass"):
+        table.add_column(column)
+    for endpoint in _endpoints(host, server, url):
+        with ServerClient(endpoint) as client, console.status(f"{endpoint}: {len(conversations)} prompts"):
+            result = check_logits(client, reference, conversations, top_k=top_k)
+        masses = [r.server_mass for r in result.results]
+        table.add_row(result.endpoint, Path(result.model_path).name, result.build, str(len(result.results)),
+                      f"{result.agreement}/{len(result.results)}", _num(result.mean_kl), _num(result.max_kl),
+                      f"{min(masses):.2f}-{max(masses):.2f}" if masses else "-")
+    console.print(table)
+
+
+def _num(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x:.4f}"
