@@ -120,8 +120,8 @@ def compare(
         for column in ("test", "settings", f"A: {bench.a}", f"B: {bench.b}", "B / A [95%]"):
             table.add_column(column, justify="left" if column in ("test", "settings") else "right")
         for r in bench.ratios:
-            settings = " ".join(f"{k}={v}" for k, v in r.params if k in ("flash_attn", "n_gpu_layers", "n_threads"))
-            table.add_row(r.test, settings, f"{r.mean_a:.2f}", f"{r.mean_b:.2f}", ratio_text(r.ratio))
+            table.add_row(r.test, f"{r.config} fa{r.flash_attn}", f"{r.mean_a:.2f}", f"{r.mean_b:.2f}",
+                          ratio_text(r.ratio))
         console.print(table)
         if not bench.ratios:
             raise ConfigError(f"no test with equal settings on both sides ({bench.a} vs {bench.b})")

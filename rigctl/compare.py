@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rigctl.bench import RAW_DIR, BenchSample, load_run_samples
 from rigctl.errors import ConfigError
-from rigctl.results import ANSWERS_FILE, RUN_FILE, StoredRun, read_jsonl
+from rigctl.results import ANSWERS_FILE, StoredRun, read_jsonl
 from rigctl.stats import DEFAULT_RESAMPLES, DEFAULT_SEED, Interval, bootstrap_mean, bootstrap_ratio, paired_bootstrap
 
 log = logging.getLogger(__name__)
@@ -378,76 +379,16 @@ def answer_habits(run: StoredRun) -> RunHabits:
 # ----------------------------------------------------------------------------------------------- bench
 
 
-@dataclass(frozen=True)
-class BenchCell:
-    """One llama-bench result line: a test on one model with its per-repetition tokens/s."""
-
-    run: RunRef
-    file: str  # relative to the run directory
-    model: str
-    build: str
-    test: str
-    params: tuple[tuple[str, str], ...]  # the settings a fair ratio must hold equal
-    samples_ts: tuple[float, ...]
-
-    @property
-    def mean_ts(self) -> float:
-        return sum(self.samples_ts) / len(self.samples_ts) if self.samples_ts else float("nan")
-
-
-#: llama-bench fields that must agree for two cells to be compared.
-_BENCH_PARAMS = ("n_prompt", "n_gen", "n_depth", "flash_attn", "n_gpu_layers", "n_threads", "type_k", "type_v",
-                 "n_batch", "n_ubatch")
-
-
-def bench_test_name(record: dict[str, Any]) -> str:
-    """llama-bench's own names: ``pp512``, ``tg128``, ``pp512+tg128``, with ``@ d<depth>`` when set."""
-    n_prompt, n_gen = int(record.get("n_prompt", 0)), int(record.get("n_gen", 0))
-    parts = ([f"pp{n_prompt}"] if n_prompt else []) + ([f"tg{n_gen}"] if n_gen else [])
-    name = "+".join(parts) or "none"
-    depth = int(record.get("n_depth", 0) or 0)
-    return f"{name} @ d{depth}" if depth else name
-
-
-def parse_llama_bench(text: str) -> list[dict[str, Any]]:
-    """llama-bench output in its ``-o json`` (one array) or ``-o jsonl`` (one object a line) form."""
-    stripped = text.strip()
-    if not stripped:
-        return []
-    if stripped.startswith("["):
-        data = json.loads(stripped)
-        return [d for d in data if isinstance(d, dict)]
-    return [json.loads(line) for line in stripped.splitlines() if line.strip()]
-
-
-def bench_cells(run: StoredRun) -> list[BenchCell]:
-    """Every llama-bench record among the run's raw JSON files (the run record itself excluded)."""
-    ref = RunRef.of(run)
-    cells = []
-    for raw in run.record.files or []:
-        if not raw.path.endswith((".json", ".jsonl")) or Path(raw.path).name == RUN_FILE:
-            continue
-        path = run.path / raw.path
-        try:
-            records = parse_llama_bench(path.read_text())
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-            continue
-        for rec in records:
-            if "samples_ts" not in rec or "model_filename" not in rec:
-                continue
-            cells.append(BenchCell(
-                run=ref, file=raw.path, model=Path(str(rec["model_filename"])).stem,
-                build=str(rec.get("build_commit", "?")), test=bench_test_name(rec),
-                params=tuple((k, str(rec.get(k))) for k in _BENCH_PARAMS),
-                samples_ts=tuple(float(x) for x in rec.get("samples_ts") or ()),
-            ))
-    return cells
+def sample_file(sample: BenchSample) -> str:
+    """The raw llama-bench JSON a sample came from, relative to the results root (bench_task's layout)."""
+    return f"{sample.host}/{sample.run_id}/{RAW_DIR}/cell-{sample.cell:03d}-{sample.model}.json"
 
 
 @dataclass(frozen=True)
 class SpeedRatio:
     test: str
-    params: tuple[tuple[str, str], ...]
+    config: str  # llama-bench settings held equal on both sides (ngl, threads, cache types)
+    flash_attn: int
     a: str  # side labels
     b: str
     mean_a: float
@@ -463,23 +404,23 @@ class BenchComparison:
     ratios: tuple[SpeedRatio, ...]
 
 
-def _pool(cells: Iterable[BenchCell]) -> dict[tuple, list[BenchCell]]:
-    grouped: dict[tuple, list[BenchCell]] = {}
-    for cell in cells:
-        grouped.setdefault((cell.test, cell.params), []).append(cell)
+def _pool(samples: Iterable[BenchSample]) -> dict[tuple[str, str, int], list[BenchSample]]:
+    grouped: dict[tuple[str, str, int], list[BenchSample]] = {}
+    for sample in samples:
+        grouped.setdefault((sample.test, sample.config, sample.flash_attn), []).append(sample)
     return grouped
 
 
-def compare_bench(a_label: str, a_cells: Sequence[BenchCell], b_label: str, b_cells: Sequence[BenchCell], *,
+def compare_bench(a_label: str, a_samples: Sequence[BenchSample], b_label: str, b_samples: Sequence[BenchSample], *,
                   resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED) -> BenchComparison:
-    """Per test with equal settings: mean t/s of B over A; repeated cells of a side are pooled."""
-    pool_a, pool_b = _pool(a_cells), _pool(b_cells)
+    """Per test with equal settings: mean t/s of B over A; every repetition of a side's cells is pooled."""
+    pool_a, pool_b = _pool(a_samples), _pool(b_samples)
     ratios = []
-    for key in sorted(set(pool_a) & set(pool_b), key=lambda k: (k[0], k[1])):
+    for key in sorted(set(pool_a) & set(pool_b), key=lambda k: (k[0], k[1], -k[2])):
         sa = [x for c in pool_a[key] for x in c.samples_ts]
         sb = [x for c in pool_b[key] for x in c.samples_ts]
-        files = tuple(sorted({f"{c.run.host}/{c.run.id}/{c.file}" for c in [*pool_a[key], *pool_b[key]]}))
-        ratios.append(SpeedRatio(test=key[0], params=key[1], a=a_label, b=b_label,
+        files = tuple(sorted({sample_file(c) for c in [*pool_a[key], *pool_b[key]]}))
+        ratios.append(SpeedRatio(test=key[0], config=key[1], flash_attn=key[2], a=a_label, b=b_label,
                                  mean_a=sum(sa) / len(sa) if sa else float("nan"),
                                  mean_b=sum(sb) / len(sb) if sb else float("nan"),
                                  ratio=bootstrap_ratio(sa, sb, resamples=resamples, seed=seed), files=files))
@@ -488,35 +429,31 @@ def compare_bench(a_label: str, a_cells: Sequence[BenchCell], b_label: str, b_ce
 
 def compare_bench_runs(runs: Sequence[StoredRun], *, by: str = "auto", resamples: int = DEFAULT_RESAMPLES,
                        seed: int = DEFAULT_SEED) -> BenchComparison:
-    """Two sides from bench runs: two runs (``by="run"``: two builds or hosts), or the two models
-    inside the given runs (``by="model"``: an alternating A/B bench). ``auto`` takes models when
-    the runs hold exactly two, else runs."""
+    """Two sides from bench runs: two runs (``by="run"``: two hosts or builds), the two models inside
+    the runs (``by="model"``: an alternating A/B bench) or two builds (``by="build"``). ``auto`` takes
+    models when the runs hold exactly two, else runs. B / A with A the first in sorted order (models,
+    builds) or the first run given."""
     if not runs:
         raise ConfigError("compare needs at least one bench run")
-    cells = [c for run in runs for c in bench_cells(run)]
-    if not cells:
+    samples = [s for run in runs for s in load_run_samples(run)]
+    if not samples:
         raise ConfigError(f"no llama-bench results in {', '.join(f'{r.host}/{r.id}' for r in runs)}")
-    models = sorted({c.model for c in cells})
+    models = sorted({s.model for s in samples})
     if by == "auto":
         by = "model" if len(models) == 2 else "run"
-    if by == "model":
-        if len(models) != 2:
-            raise ConfigError(f"a model comparison needs exactly two models, found {len(models)}: {', '.join(models)}")
-        a, b = models
-        return compare_bench(a, [c for c in cells if c.model == a], b, [c for c in cells if c.model == b],
-                             resamples=resamples, seed=seed)
-    if by == "build":
-        builds = sorted({c.build for c in cells})
-        if len(builds) != 2:
-            raise ConfigError(f"a build comparison needs exactly two builds, found {len(builds)}: {', '.join(builds)}")
-        a, b = builds
-        return compare_bench(a, [c for c in cells if c.build == a], b, [c for c in cells if c.build == b],
+    if by in ("model", "build"):
+        sides = models if by == "model" else sorted({s.build for s in samples})
+        if len(sides) != 2:
+            raise ConfigError(f"a {by} comparison needs exactly two {by}s, found {len(sides)}: {', '.join(sides)}")
+        a, b = sides
+        pick = (lambda s: s.model) if by == "model" else (lambda s: s.build)
+        return compare_bench(a, [s for s in samples if pick(s) == a], b, [s for s in samples if pick(s) == b],
                              resamples=resamples, seed=seed)
     if by != "run":
         raise ConfigError(f"--by must be auto, run, model or build, not {by!r}")
     if len(runs) != 2:
         raise ConfigError(f"a run-against-run bench comparison needs two runs, got {len(runs)}")
-    ra, rb = RunRef.of(runs[0]), RunRef.of(runs[1])
-    return compare_bench(ra.name, [c for c in cells if c.run == ra], rb.name, [c for c in cells if c.run == rb],
+    (ha, ia), (hb, ib) = (runs[0].host, runs[0].id), (runs[1].host, runs[1].id)
+    return compare_bench(f"{ha}/{ia}", [s for s in samples if (s.host, s.run_id) == (ha, ia)],
+                         f"{hb}/{ib}", [s for s in samples if (s.host, s.run_id) == (hb, ib)],
                          resamples=resamples, seed=seed)
-

@@ -27,26 +27,32 @@ def eval_run(root: Path, host: str, run_id: str, artifact: str, rows: list[dict[
     return run_dir
 
 
-def bench_record(model: str, test: tuple[int, int], samples: list[float], *, fa: int = 1,
+def bench_record(test: tuple[int, int], samples: list[float], *, fa: int = 1,
                  commit: str = "7182ef71e") -> dict[str, Any]:
-    """One llama-bench ``-o json`` result object with the fields rigctl reads."""
+    """One llama-bench ``-o json`` test object with the fields rigctl reads."""
     n_prompt, n_gen = test
     mean = sum(samples) / len(samples)
-    return {"build_commit": commit, "model_filename": f"/var/lib/rigctl/models/{model}.gguf", "n_prompt": n_prompt,
+    return {"build_commit": commit, "model_filename": "/var/lib/rigctl/models/m.gguf", "n_prompt": n_prompt,
             "n_gen": n_gen, "n_depth": 0, "flash_attn": fa, "n_gpu_layers": 99, "n_threads": 6, "type_k": "f16",
-            "type_v": "f16", "n_batch": 2048, "n_ubatch": 512, "avg_ts": mean, "stddev_ts": 0.0,
-            "samples_ts": samples, "samples_ns": [int(1e9 * (n_prompt + n_gen) / s) for s in samples]}
+            "type_v": "f16", "avg_ts": mean, "stddev_ts": 0.0, "samples_ts": samples,
+            "samples_ns": [int(1e9 * (n_prompt + n_gen) / s) for s in samples]}
 
 
-def bench_run(root: Path, host: str, run_id: str, cells: list[list[dict[str, Any]]], *, artifacts: list[str],
+def bench_run(root: Path, host: str, run_id: str, cells: list[tuple[str, list[dict[str, Any]]]], *,
               commit: str = "7182ef71e", started: str = "2026-11-30T04:00:00.000000Z") -> Path:
-    """A bench run with one raw llama-bench JSON file per cell."""
+    """A bench run as rigctl.remote.bench_task writes it: cells.jsonl plus one llama-bench JSON per
+    cell (``cells``: artifact and its test objects, in the order they ran)."""
     run_dir = root / host / run_id
-    (run_dir / "raw").mkdir(parents=True)
-    for number, records in enumerate(cells):
-        (run_dir / "raw" / f"cell-{number:02d}.json").write_text(json.dumps(records, indent=1))
-    record = RunRecord(id=run_id, kind="bench", host=host, started=started,
-                       llama_cpp={"commit": commit}, artifacts=[{"name": a} for a in artifacts],
-                       matrix={"p": [512], "n": [128], "r": 5})
+    (run_dir / "llama-bench").mkdir(parents=True)
+    lines = []
+    for index, (artifact, records) in enumerate(cells, 1):
+        raw = f"llama-bench/cell-{index:03d}-{artifact}.json"
+        (run_dir / raw).write_text(json.dumps(records, indent=1))
+        lines.append({"index": index, "round": (index + 1) // 2, "artifact": artifact, "rc": 0, "raw": raw,
+                      "temp_start_c": 38.0, "temp_end_c": 55.0})
+    (run_dir / "cells.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    artifacts = list(dict.fromkeys(a for a, _ in cells))
+    record = RunRecord(id=run_id, kind="bench", host=host, started=started, llama_cpp={"commit": commit},
+                       artifacts=[{"name": a} for a in artifacts], matrix={"p": [512], "n": [128], "r": 5})
     record.seal(run_dir)
     return run_dir

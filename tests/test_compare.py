@@ -102,7 +102,7 @@ def test_refuses_runs_of_different_tasks_unless_forced(tmp_path):
 
 
 def test_refuses_bench_runs_and_single_or_repeated_runs(tmp_path, store):
-    bench_run(tmp_path, "desktop", "bench-1", [[bench_record("m", (512, 0), [10.0, 11.0])]], artifacts=["m"])
+    bench_run(tmp_path, "desktop", "bench-1", [("m", [bench_record((512, 0), [10.0, 11.0])])])
     with pytest.raises(ConfigError, match="bench-1 is a bench run, not an eval run"):
         compare_runs([store.find("eval-a"), store.find("bench-1")])
     with pytest.raises(ConfigError, match="at least two runs"):
@@ -151,33 +151,37 @@ def test_bench_ratio_of_two_models_in_one_alternating_run(tmp_path):
     rng = np.random.default_rng(0)
     cells = []
     for _ in range(2):  # two alternations: A cell, B cell
-        cells.append([bench_record("qwen", (512, 0), list(5000 + rng.normal(0, 20, 5))),
-                      bench_record("qwen", (0, 128), list(130 + rng.normal(0, 1, 5)))])
-        cells.append([bench_record("gemma", (512, 0), list(4000 + rng.normal(0, 20, 5))),
-                      bench_record("gemma", (0, 128), list(120 + rng.normal(0, 1, 5)))])
-    bench_run(tmp_path, "desktop", "bench-ab", cells, artifacts=["qwen", "gemma"])
+        cells.append(("qwen", [bench_record((512, 0), list(5000 + rng.normal(0, 20, 5))),
+                               bench_record((0, 128), list(130 + rng.normal(0, 1, 5)))]))
+        cells.append(("gemma", [bench_record((512, 0), list(4000 + rng.normal(0, 20, 5))),
+                                bench_record((0, 128), list(120 + rng.normal(0, 1, 5)))]))
+    bench_run(tmp_path, "desktop", "bench-ab", cells)
     result = compare_bench_runs([ResultsStore(tmp_path).find("bench-ab")])
     assert (result.a, result.b) == ("gemma", "qwen")
     ratios = {r.test: r for r in result.ratios}
     assert set(ratios) == {"pp512", "tg128"}
     pp = ratios["pp512"]
-    assert pp.ratio.estimate == pytest.approx(pp.mean_b / pp.mean_a)
+    qwen = [x for _, recs in cells[0::2] for x in recs[0]["samples_ts"]]
+    gemma = [x for _, recs in cells[1::2] for x in recs[0]["samples_ts"]]
+    assert pp.ratio.estimate == pytest.approx(np.mean(qwen) / np.mean(gemma))
     assert pp.ratio.low < pp.ratio.estimate < pp.ratio.high and pp.ratio.excludes(1.0)
     assert 1.2 < pp.ratio.estimate < 1.3
-    assert len(pp.files) == 4 and all(f.startswith("desktop/bench-ab/raw/cell-") for f in pp.files)
+    assert pp.files == tuple(f"desktop/bench-ab/llama-bench/cell-{i:03d}-{m}.json"
+                             for i, m in [(1, "qwen"), (2, "gemma"), (3, "qwen"), (4, "gemma")])
+    assert all((tmp_path / f).is_file() for f in pp.files)
 
 
 def test_bench_ratio_of_two_builds_keeps_settings_apart(tmp_path):
-    bench_run(tmp_path, "desktop", "bench-old", [[bench_record("q", (512, 0), [100.0, 102.0, 98.0], commit="aaa"),
-                                                  bench_record("q", (512, 0), [90.0, 91.0], commit="aaa", fa=0)]],
-              artifacts=["q"], commit="aaa")
-    bench_run(tmp_path, "desktop", "bench-new", [[bench_record("q", (512, 0), [110.0, 112.0, 108.0], commit="bbb")]],
-              artifacts=["q"], commit="bbb")
+    bench_run(tmp_path, "desktop", "bench-old", [("q", [bench_record((512, 0), [100.0, 102.0, 98.0], commit="aaa"),
+                                                        bench_record((512, 0), [90.0, 91.0], commit="aaa", fa=0)])],
+              commit="aaa")
+    bench_run(tmp_path, "desktop", "bench-new", [("q", [bench_record((512, 0), [110.0, 112.0, 108.0], commit="bbb")])],
+              commit="bbb")
     store = ResultsStore(tmp_path)
     runs = [store.find("bench-old"), store.find("bench-new")]
     by_run = compare_bench_runs(runs)
     (only,) = by_run.ratios  # fa=0 exists on one side only
-    assert only.ratio.estimate == pytest.approx(1.1)
+    assert only.ratio.estimate == pytest.approx(1.1) and only.flash_attn == 1
     by_build = compare_bench_runs(runs, by="build")
     assert (by_build.a, by_build.b) == ("aaa", "bbb") and by_build.ratios[0].ratio.estimate == pytest.approx(1.1)
     with pytest.raises(ConfigError, match="exactly two models, found 1"):
