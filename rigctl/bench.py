@@ -1,0 +1,402 @@
+"""`rigctl bench run|summary`: thermally gated, alternating llama-bench runs on the hosts, and their summary.
+
+A bench spec (CLI flags or a YAML file, :func:`load_spec`) names hosts, model artifacts from the
+inventory and the llama-bench matrix (``-p -n -r -fa -ngl -t -ctk -ctv -d``). :func:`start_bench`
+starts one job per host through :mod:`rigctl.jobs` running :mod:`rigctl.remote.bench_task`:
+``rounds`` cells per model (a cell is one llama-bench invocation over the whole matrix), in
+``alternate`` or ``grouped`` order, each started at or below the cool-down threshold (default
+40 °C) as ``nvidia-smi`` reports it, with the llama-server instances of the host stopped for the
+run and started again after (``stop_servers``, default on).
+
+Raw files of a bench run (``<results>/<host>/<run id>/``, see :mod:`rigctl.remote.bench_task`)::
+
+    run.json                                the run record (matrix, artifacts with sha256 + manifest,
+                                            GPU, llama.cpp build, every command line, host facts)
+    cells.jsonl                             one line per cell: artifact, command, cool-down readings,
+                                            temp_start_c / temp_end_c, timestamps
+    llama-bench/cell-NNN-<artifact>.json    llama-bench -o json; per-repetition tokens/s in each
+                                            test object's ``samples_ts`` (``samples_ns``: times)
+    llama-bench/cell-NNN-<artifact>.log     llama-bench's stderr
+
+The summary (:func:`summarize`) is computed from those raw files only: per test (``pp512``,
+``tg128``, ``pp512+tg128``, ``... @ d4096``), configuration and model, the mean and sample standard
+deviation of every repetition's tokens/s, the ratio of the first model to each other, fa1/fa0
+(same configuration with flash attention on vs off) and rep/first (mean of every repetition after
+the first, in the order they ran, over the very first: below 1 when the card slows as it warms).
+Runs of different hosts or llama.cpp builds are summarised apart unless ``merge`` is asked.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from rigctl import jobs
+from rigctl.errors import ConfigError, RigctlError
+from rigctl.inventory import Host, Inventory
+from rigctl.models import artifact_path, host_artifacts
+from rigctl.remote.bench_task import plan_cells
+from rigctl.results import StoredRun, read_jsonl
+
+log = logging.getLogger(__name__)
+
+CELLS_FILE = "cells.jsonl"
+RAW_DIR = "llama-bench"
+DEFAULT_THRESHOLD_C = 40.0
+_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+
+
+# ----------------------------------------------------------------------------------------------- spec
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Matrix(_Strict):
+    """llama-bench's matrix; lists run every combination (llama-bench's own comma lists)."""
+
+    p: list[int] = [512]
+    n: list[int] = [128]
+    r: int = Field(default=5, ge=1)
+    fa: list[Literal[0, 1]] = [1]
+    ngl: list[int] = [99]
+    t: list[int] = []
+    ctk: list[Literal[_CACHE_TYPES]] = []  # type: ignore[valid-type]
+    ctv: list[Literal[_CACHE_TYPES]] = []  # type: ignore[valid-type]
+    d: list[int] = []
+
+    def flags(self) -> dict[str, Any]:
+        return self.model_dump()
+
+
+class Cooldown(_Strict):
+    threshold_c: float | None = DEFAULT_THRESHOLD_C  # null: no gating (temperatures still recorded)
+    timeout_s: float = Field(default=600.0, gt=0)
+    poll_s: float = Field(default=2.0, gt=0)
+
+
+class BenchSpec(_Strict):
+    hosts: list[str] = Field(min_length=1)
+    models: list[str] = Field(min_length=1)
+    matrix: Matrix = Matrix()
+    rounds: int = Field(default=1, ge=1)
+    order: Literal["alternate", "grouped"] = "alternate"
+    cooldown: Cooldown = Cooldown()
+    stop_servers: bool = True
+    cell_timeout_s: float = Field(default=3600.0, gt=0)
+
+
+def parse_spec(data: Mapping[str, Any], origin: str) -> BenchSpec:
+    """A bench spec from a mapping (YAML or CLI); ConfigError naming the first bad key."""
+    try:
+        return BenchSpec.model_validate(dict(data))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "spec"
+        raise ConfigError(f"{origin}: {where}: {first['msg']}") from None
+
+
+def load_spec(path: Path, overrides: Mapping[str, Any] | None = None) -> BenchSpec:
+    """A YAML bench spec, with ``overrides`` (from CLI flags) on top."""
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"bench spec {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"bench spec {path}: not YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"bench spec {path}: expected a mapping at the top")
+    for key, value in (overrides or {}).items():
+        if key == "matrix":
+            data["matrix"] = {**(data.get("matrix") or {}), **value}
+        elif key == "cooldown":
+            data["cooldown"] = {**(data.get("cooldown") or {}), **value}
+        else:
+            data[key] = value
+    return parse_spec(data, str(path))
+
+
+def llama_bench_path(host: Host) -> str:
+    root = str(host.vars.get("llama_cpp_install_root") or "/opt/llama.cpp")
+    return f"{root}/current/bin/llama-bench"
+
+
+def bench_job_spec(host: Host, spec: BenchSpec) -> jobs.JobSpec:
+    """The job that runs ``spec`` on ``host``; ConfigError when the host lacks one of the artifacts."""
+    available = host_artifacts(host)
+    for name in spec.models:
+        if name not in available:
+            raise ConfigError(f"host {host.name}: bench model {name!r} is not an artifact of this host "
+                              f"(it has: {', '.join(available) or 'none'})")
+    models = [{"name": name, "path": artifact_path(host, name)} for name in spec.models]
+    stop = [s.name for s in host.servers if s.enabled] if spec.stop_servers else []
+    params = {
+        "llama_bench": llama_bench_path(host),
+        "models": models,
+        "matrix": spec.matrix.flags(),
+        "rounds": spec.rounds,
+        "order": spec.order,
+        "cooldown": spec.cooldown.model_dump(),
+        "stop_servers": stop,
+        "cell_timeout_s": spec.cell_timeout_s,
+    }
+    cells = len(plan_cells(models, spec.rounds, spec.order))
+    budget = cells * (spec.cell_timeout_s + spec.cooldown.timeout_s) + 600
+    return jobs.JobSpec(kind="bench", task="bench_task", params=params, lock="gpu", max_runtime_s=int(budget))
+
+
+def start_bench(inventory: Inventory, spec: BenchSpec) -> dict[str, jobs.JobInfo | RigctlError]:
+    """One bench job per host of the spec; per host its job or the error (a busy lock, a bad artifact)."""
+    hosts = inventory.select(spec.hosts)
+    out: dict[str, jobs.JobInfo | RigctlError] = {}
+    for host in hosts:
+        try:
+            out[host.name] = jobs.start(host, bench_job_spec(host, spec))
+        except RigctlError as exc:
+            out[host.name] = exc
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- parsers
+
+#: Keys every llama-bench JSON test object has and the summary reads.
+REQUIRED_KEYS = ("model_filename", "n_prompt", "n_gen", "samples_ts")
+
+
+def parse_llama_bench_json(text: str, origin: str = "llama-bench output") -> list[dict[str, Any]]:
+    """llama-bench ``-o json`` output (one array of test objects); ConfigError when it is not."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{origin}: not JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(data, list):
+        raise ConfigError(f"{origin}: expected a JSON array of llama-bench results")
+    for number, entry in enumerate(data):
+        missing = [k for k in REQUIRED_KEYS if not isinstance(entry, dict) or k not in entry]
+        if missing:
+            raise ConfigError(f"{origin}: result {number} lacks {', '.join(missing)}")
+    return data
+
+
+def flash_attn_flag(value: Any) -> int:
+    """llama-bench writes flash_attn as a bool (older builds), 0/1 or on/off/auto."""
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value
+    return {"on": 1, "off": 0, "auto": -1, "1": 1, "0": 0, "true": 1, "false": 0}.get(str(value).lower(), -1)
+
+
+def bench_test_name(n_prompt: int, n_gen: int, n_depth: int = 0) -> str:
+    """llama-bench's test names: pp512, tg128, pp512+tg128; `` @ d4096`` with a depth."""
+    parts = ([f"pp{n_prompt}"] if n_prompt else []) + ([f"tg{n_gen}"] if n_gen else [])
+    name = "+".join(parts) or "none"
+    return f"{name} @ d{n_depth}" if n_depth else name
+
+
+@dataclass(frozen=True)
+class BenchSample:
+    """One test of one cell: its per-repetition tokens/s and what it ran on."""
+
+    host: str
+    run_id: str
+    build: str  # llama.cpp commit (from the run record, else llama-bench's build_commit)
+    model: str  # artifact name
+    cell: int
+    test: str
+    config: str  # everything but the model and flash attention: ngl, threads, cache types
+    flash_attn: int
+    samples_ts: tuple[float, ...]
+    temp_start_c: float | None = None
+    temp_end_c: float | None = None
+
+
+def config_label(entry: Mapping[str, Any]) -> str:
+    return (f"ngl{entry.get('n_gpu_layers', '?')} t{entry.get('n_threads', '?')} "
+            f"{entry.get('type_k', '?')}/{entry.get('type_v', '?')}")
+
+
+def samples_from_cell(
+    entries: Sequence[Mapping[str, Any]], *, host: str, run_id: str, build: str, model: str, cell: int,
+    temps: tuple[float | None, float | None] = (None, None),
+) -> list[BenchSample]:
+    """The :class:`BenchSample` of each test object of one cell (pure)."""
+    out = []
+    for entry in entries:
+        out.append(BenchSample(
+            host=host, run_id=run_id, build=build or str(entry.get("build_commit", "")), model=model, cell=cell,
+            test=bench_test_name(int(entry["n_prompt"]), int(entry["n_gen"]), int(entry.get("n_depth", 0) or 0)),
+            config=config_label(entry), flash_attn=flash_attn_flag(entry.get("flash_attn", 0)),
+            samples_ts=tuple(float(x) for x in entry["samples_ts"]),
+            temp_start_c=temps[0], temp_end_c=temps[1],
+        ))
+    return out
+
+
+def load_run_samples(run: StoredRun) -> list[BenchSample]:
+    """Every sample of a pulled bench run, read from its raw files (cells.jsonl + llama-bench JSON)."""
+    if run.record.kind != "bench":
+        raise ConfigError(f"{run.host}/{run.id}: a {run.record.kind} run, not a bench run")
+    cells_path = run.path / CELLS_FILE
+    if not cells_path.is_file():
+        raise ConfigError(f"{run.host}/{run.id}: no {CELLS_FILE}")
+    build = str(run.record.llama_cpp.get("commit", ""))
+    samples: list[BenchSample] = []
+    for cell in read_jsonl(cells_path):
+        if cell.get("rc") != 0:
+            continue
+        raw = run.path / cell["raw"]
+        entries = parse_llama_bench_json(raw.read_text(), f"{run.host}/{run.id}/{cell['raw']}")
+        samples += samples_from_cell(entries, host=run.host, run_id=run.id, build=build, model=cell["artifact"],
+                                     cell=int(cell["index"]), temps=(cell.get("temp_start_c"), cell.get("temp_end_c")))
+    return samples
+
+
+# ----------------------------------------------------------------------------------------------- summary
+
+
+@dataclass(frozen=True)
+class SummaryRow:
+    partition: str  # "host @ build" (or "all" when merged)
+    test: str
+    config: str
+    flash_attn: int
+    model: str
+    n: int  # repetitions
+    cells: int
+    mean: float
+    stddev: float
+    rep_first: float
+    ratio: dict[str, float] = field(default_factory=dict)  # this model / other model, by other
+    fa1_fa0: float | None = None
+
+
+def rep_over_first(samples: Sequence[float]) -> float:
+    """Mean of every repetition after the first over the first (nan with fewer than two)."""
+    if len(samples) < 2 or samples[0] == 0:
+        return math.nan
+    return float(np.mean(samples[1:]) / samples[0])
+
+
+def summarize(samples: Iterable[BenchSample], *, merge: bool = False) -> list[SummaryRow]:
+    """Per partition (host and build, unless ``merge``), test, config, flash attention and model."""
+    groups: dict[tuple[str, str, str, int, str], list[BenchSample]] = {}
+    models_order: dict[str, list[str]] = {}
+    for s in samples:
+        partition = "all" if merge else f"{s.host} @ {s.build[:12] or '?'}"
+        groups.setdefault((partition, s.test, s.config, s.flash_attn, s.model), []).append(s)
+        order = models_order.setdefault(partition, [])
+        if s.model not in order:
+            order.append(s.model)
+    means: dict[tuple[str, str, str, int, str], float] = {}
+    rows: list[SummaryRow] = []
+    for key, group in groups.items():
+        ordered = sorted(group, key=lambda s: (s.run_id, s.cell))
+        values = [v for s in ordered for v in s.samples_ts]
+        mean = float(np.mean(values)) if values else math.nan
+        means[key] = mean
+        rows.append(SummaryRow(
+            partition=key[0], test=key[1], config=key[2], flash_attn=key[3], model=key[4], n=len(values),
+            cells=len(ordered), mean=mean, stddev=float(np.std(values, ddof=1)) if len(values) > 1 else 0.0,
+            rep_first=rep_over_first(values),
+        ))
+    out = []
+    for row in rows:
+        ratio = {}
+        for other in models_order[row.partition]:
+            theirs = means.get((row.partition, row.test, row.config, row.flash_attn, other))
+            if other != row.model and theirs:
+                ratio[other] = row.mean / theirs
+        fa0 = means.get((row.partition, row.test, row.config, 0, row.model))
+        fa1_fa0 = row.mean / fa0 if row.flash_attn == 1 and fa0 else None
+        out.append(SummaryRow(**{**row.__dict__, "ratio": ratio, "fa1_fa0": fa1_fa0}))
+    order_index = {p: {m: i for i, m in enumerate(ms)} for p, ms in models_order.items()}
+    test_order = {t: i for i, t in enumerate(dict.fromkeys(r.test for r in rows))}
+    return sorted(out, key=lambda r: (r.partition, test_order[r.test], r.config, -r.flash_attn,
+                                      order_index[r.partition][r.model]))
+
+
+def _num(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None or math.isnan(value) else f"{value:.{digits}f}"
+
+
+def to_markdown(rows: Sequence[SummaryRow]) -> str:
+    """One table per partition; one line per test/config/fa, models side by side as in the study."""
+    out = []
+    for partition in dict.fromkeys(r.partition for r in rows):
+        part = [r for r in rows if r.partition == partition]
+        models = list(dict.fromkeys(r.model for r in part))
+        first = models[0]
+        header = ["test", "config", "fa"] + [f"{m} t/s" for m in models]
+        header += [f"{first}/{m}" for m in models[1:]] + [f"{m} fa1/fa0" for m in models]
+        header += [f"rep/first ({', '.join(models)})"]
+        out += [f"### {partition}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for key in dict.fromkeys((r.test, r.config, r.flash_attn) for r in part):
+            by_model = {r.model: r for r in part if (r.test, r.config, r.flash_attn) == key}
+            cells = [key[0], key[1], str(key[2])]
+            cells += [f"{_num(by_model[m].mean)} ± {_num(by_model[m].stddev)}" if m in by_model else "-"
+                      for m in models]
+            cells += [_num(by_model[first].ratio.get(m), 3) if first in by_model else "-" for m in models[1:]]
+            cells += [_num(by_model[m].fa1_fa0, 3) if m in by_model else "-" for m in models]
+            cells += [", ".join(_num(by_model[m].rep_first, 3) if m in by_model else "-" for m in models)]
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def to_csv(rows: Sequence[SummaryRow]) -> str:
+    """One line per partition, test, config, fa and model (ratios as ``ratio_to`` pairs)."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(["partition", "test", "config", "flash_attn", "model", "n", "cells", "mean_ts", "stddev_ts",
+                     "rep_first", "fa1_fa0", "ratio_to"])
+    for r in rows:
+        ratios = ";".join(f"{m}={v:.6g}" for m, v in r.ratio.items())
+        writer.writerow([r.partition, r.test, r.config, r.flash_attn, r.model, r.n, r.cells, f"{r.mean:.6g}",
+                         f"{r.stddev:.6g}", _num(r.rep_first, 6), _num(r.fa1_fa0, 6), ratios])
+    return buffer.getvalue()
+
+
+def to_png(rows: Sequence[SummaryRow], path: Path) -> Path:
+    """Bars of mean tokens/s with stddev error bars, one panel per partition, models side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    partitions = list(dict.fromkeys(r.partition for r in rows))
+    if not partitions:
+        raise ConfigError("nothing to plot: no bench samples")
+    fig, axes = plt.subplots(len(partitions), 1, figsize=(9, 3.6 * len(partitions)), squeeze=False)
+    for ax, partition in zip(axes[:, 0], partitions, strict=True):
+        part = [r for r in rows if r.partition == partition]
+        models = list(dict.fromkeys(r.model for r in part))
+        keys = list(dict.fromkeys((r.test, r.config, r.flash_attn) for r in part))
+        width = 0.8 / len(models)
+        for i, model in enumerate(models):
+            by_key = {(r.test, r.config, r.flash_attn): r for r in part if r.model == model}
+            xs = [k + i * width for k in range(len(keys))]
+            ax.bar(xs, [by_key[k].mean if k in by_key else 0 for k in keys], width,
+                   yerr=[by_key[k].stddev if k in by_key else 0 for k in keys], capsize=3, label=model)
+        ax.set_xticks([k + width * (len(models) - 1) / 2 for k in range(len(keys))])
+        ax.set_xticklabels([f"{t}\nfa{fa}" for t, _, fa in keys])
+        ax.set_ylabel("tokens/s")
+        ax.set_title(partition)
+        ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

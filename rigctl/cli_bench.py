@@ -1,0 +1,193 @@
+"""`rigctl bench run|summary|server|spec`, `rigctl jobs`, `rigctl pull`: rendering only; the work is
+in :mod:`rigctl.bench`, :mod:`rigctl.bench_server`, :mod:`rigctl.bench_spec` and :mod:`rigctl.jobs`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from rigctl.cli import _inventory, app, console, err_console
+from rigctl.errors import ConfigError, RigctlError
+
+bench_app = typer.Typer(no_args_is_help=True, help="Speed benches: llama-bench matrices, server speed, drafter race.")
+app.add_typer(bench_app, name="bench")
+
+ResultsOption = Annotated[Path | None, typer.Option("--results", envvar="RIGCTL_RESULTS",
+                                                    help="Results store (default ./results).")]
+
+
+def _ints(value: str | None, flag: str) -> list[int] | None:
+    if value is None:
+        return None
+    try:
+        return [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag} {value!r}: expected whole numbers separated by commas") from None
+
+
+def _words(value: str | None) -> list[str] | None:
+    return None if value is None else [v.strip() for v in value.split(",") if v.strip()]
+
+
+def _store(results: Path | None):
+    from rigctl.results import ResultsStore
+
+    return ResultsStore(results)
+
+
+def _print_progress(info) -> None:
+    progress = f"{info.done}/{info.total}" if info.total else "-"
+    console.print(f"{info.host}: {info.id} {info.state} [{progress}] {info.message}", markup=False, highlight=False)
+
+
+def _print_pull(results: dict[str, Any]) -> bool:
+    ok = True
+    for host, outcome in results.items():
+        if isinstance(outcome, RigctlError):
+            err_console.print(f"{host}: pull failed: {outcome}", markup=False, highlight=False, soft_wrap=True)
+            ok = False
+            continue
+        line = (f"{host}: copied {len(outcome.copied)} run(s) ({outcome.files} files, {outcome.bytes} bytes), "
+                f"{len(outcome.skipped)} already here, {len(outcome.running)} still running")
+        console.print(line, markup=False, highlight=False)
+        for run_id in outcome.copied:
+            console.print(f"  + {host}/{run_id}", markup=False, highlight=False)
+    return ok
+
+
+# ----------------------------------------------------------------------------------------------- bench run
+
+
+@bench_app.command("run")
+def bench_run(
+    spec_file: Annotated[Path | None, typer.Argument(help="YAML bench spec; flags override its keys.")] = None,
+    hosts: Annotated[str | None, typer.Option("--hosts", "-H", help="Hosts or groups, comma-separated.")] = None,
+    models: Annotated[str | None, typer.Option("--models", "-m", help="Artifacts, comma-separated.")] = None,
+    p: Annotated[str | None, typer.Option("-p", help="Prompt lengths (pp), e.g. 512,2048.")] = None,
+    n: Annotated[str | None, typer.Option("-n", help="Generation lengths (tg), e.g. 128.")] = None,
+    r: Annotated[int | None, typer.Option("-r", help="Repetitions per test.")] = None,
+    fa: Annotated[str | None, typer.Option("--fa", help="Flash attention: 0, 1 or 0,1.")] = None,
+    ngl: Annotated[str | None, typer.Option("--ngl", help="GPU layers, e.g. 99.")] = None,
+    t: Annotated[str | None, typer.Option("-t", help="Threads, e.g. 6.")] = None,
+    ctk: Annotated[str | None, typer.Option("--ctk", help="K cache types, e.g. f16,q8_0.")] = None,
+    ctv: Annotated[str | None, typer.Option("--ctv", help="V cache types.")] = None,
+    d: Annotated[str | None, typer.Option("-d", help="Depths (tokens already in the context).")] = None,
+    rounds: Annotated[int | None, typer.Option("--rounds", help="Cells per model.")] = None,
+    order: Annotated[str | None, typer.Option("--order", help="alternate (A,B,A,B) or grouped.")] = None,
+    cooldown: Annotated[float | None, typer.Option("--cooldown", help="Start each cell at or below this °C.")] = None,
+    no_cooldown: Annotated[bool, typer.Option("--no-cooldown", help="Do not wait for the GPU to cool.")] = False,
+    cooldown_timeout: Annotated[float | None, typer.Option("--cooldown-timeout", help="Max wait per cell, s.")] = None,
+    cooldown_poll: Annotated[float | None, typer.Option("--cooldown-poll", help="Seconds between readings.")] = None,
+    keep_servers: Annotated[bool, typer.Option("--keep-servers", help="Leave llama-server instances running.")] = False,
+    wait: Annotated[bool, typer.Option("--wait", help="Stream progress and pull the results at the end.")] = False,
+    results: ResultsOption = None,
+) -> None:
+    """Start a thermally gated llama-bench run as a detached job on each host."""
+    from rigctl import jobs
+    from rigctl.bench import load_spec, parse_spec, start_bench
+
+    matrix = {k: v for k, v in {"p": _ints(p, "-p"), "n": _ints(n, "-n"), "r": r, "fa": _ints(fa, "--fa"),
+                                "ngl": _ints(ngl, "--ngl"), "t": _ints(t, "-t"), "ctk": _words(ctk),
+                                "ctv": _words(ctv), "d": _ints(d, "-d")}.items() if v is not None}
+    cool = {k: v for k, v in {"threshold_c": cooldown, "timeout_s": cooldown_timeout,
+                              "poll_s": cooldown_poll}.items() if v is not None}
+    if no_cooldown:
+        cool["threshold_c"] = None
+    overrides: dict[str, Any] = {k: v for k, v in {"hosts": _words(hosts), "models": _words(models),
+                                                   "rounds": rounds, "order": order}.items() if v is not None}
+    if matrix:
+        overrides["matrix"] = matrix
+    if cool:
+        overrides["cooldown"] = cool
+    if keep_servers:
+        overrides["stop_servers"] = False
+    spec = load_spec(spec_file, overrides) if spec_file else parse_spec(overrides, "command line")
+    inv = _inventory()
+    started = start_bench(inv, spec)
+    failed = False
+    for host, outcome in started.items():
+        if isinstance(outcome, RigctlError):
+            err_console.print(f"error: {outcome}", markup=False, highlight=False, soft_wrap=True)
+            failed = True
+        else:
+            console.print(f"{host}: started {outcome.id} (unit {outcome.unit})", markup=False, highlight=False)
+    if wait:
+        for host, outcome in started.items():
+            if isinstance(outcome, RigctlError):
+                continue
+            info = jobs.wait(inv.host(host), outcome.id, on_progress=_print_progress)
+            if info.state != "done":
+                failed = True
+        failed |= not _print_pull(jobs.pull_hosts([inv.host(h) for h in started], _store(results)))
+    if failed:
+        raise typer.Exit(1)
+
+
+# ----------------------------------------------------------------------------------------------- summary
+
+
+@bench_app.command("summary")
+def bench_summary(
+    runs: Annotated[list[str], typer.Argument(help="Run ids, host/id or run directories.")],
+    merge: Annotated[bool, typer.Option("--merge", help="Summarise different hosts and builds together.")] = False,
+    csv_file: Annotated[Path | None, typer.Option("--csv", help="Also write the summary as CSV here.")] = None,
+    png_file: Annotated[Path | None, typer.Option("--png", help="Also draw a bar chart with error bars here.")] = None,
+    md_file: Annotated[Path | None, typer.Option("--md", help="Also write the Markdown tables here.")] = None,
+    results: ResultsOption = None,
+) -> None:
+    """Per test and model: mean ± stddev t/s, ratio between models, fa1/fa0, rep/first (from the raw JSON)."""
+    from rigctl.bench import load_run_samples, summarize, to_csv, to_markdown, to_png
+
+    store = _store(results)
+    samples = [s for ref in runs for s in load_run_samples(store.find(ref))]
+    rows = summarize(samples, merge=merge)
+    markdown = to_markdown(rows)
+    console.print(markdown, markup=False, highlight=False)
+    if md_file:
+        md_file.write_text(markdown)
+    if csv_file:
+        csv_file.write_text(to_csv(rows))
+        console.print(f"wrote {csv_file}", highlight=False)
+    if png_file:
+        to_png(rows, png_file)
+        console.print(f"wrote {png_file}", highlight=False)
+
+
+# ----------------------------------------------------------------------------------------------- jobs, pull
+
+
+@app.command("jobs")
+def jobs_list(host: Annotated[str | None, typer.Argument(help="Host or group (default: all).")] = None) -> None:
+    """Jobs on the hosts: state and progress, newest last."""
+    from rigctl import jobs
+
+    table = Table(title="jobs")
+    for column in ("host", "job", "state", "progress", "message", "started", "ended"):
+        table.add_column(column)
+    failed = False
+    for name, outcome in jobs.jobs_on_hosts(_inventory().select(host)).items():
+        if isinstance(outcome, RigctlError):
+            err_console.print(f"{name}: {outcome}", markup=False, highlight=False, soft_wrap=True)
+            failed = True
+            continue
+        for info in outcome:
+            table.add_row(info.host, info.id, info.state, f"{info.done}/{info.total}" if info.total else "-",
+                          info.error or info.message, info.started or "-", info.ended or "-")
+    console.print(table)
+    if failed:
+        raise typer.Exit(1)
+
+
+@app.command("pull")
+def pull(
+    host: Annotated[str | None, typer.Argument(help="Host or group (default: all).")] = None,
+    results: ResultsOption = None,
+) -> None:
+    """Copy finished runs home over SFTP (sha256-checked); runs already here are not copied again."""
+    from rigctl import jobs
+
+    if not _print_pull(jobs.pull_hosts(_inventory().select(host), _store(results))):
+        raise typer.Exit(1)

@@ -1,0 +1,186 @@
+"""rigctl bench: pure parsers and summaries on real llama-bench JSON; lab benches on the rigs."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rigctl.bench import (
+    BenchSample,
+    bench_test_name,
+    load_run_samples,
+    parse_llama_bench_json,
+    parse_spec,
+    rep_over_first,
+    samples_from_cell,
+    summarize,
+    to_csv,
+    to_markdown,
+    to_png,
+)
+from rigctl.errors import ConfigError
+from rigctl.remote.bench_task import llama_bench_argv, parse_temperature, plan_cells
+from rigctl.results import ResultsStore, RunRecord
+
+FIXTURES = Path(__file__).parent / "fixtures"
+# Real output of `llama-bench -m smollm2-135m-q4_0.gguf -p 32 -n 16 -r 2 -fa 0,1 -ngl 99 -t 2 -o json` on a lab rig.
+RAW = (FIXTURES / "llama_bench_smollm2_q4_0.json").read_text()
+
+
+def _other_model(entries: list[dict], factor: float) -> list[dict]:
+    """The same tests as another model whose every repetition is ``factor`` times as fast."""
+    out = copy.deepcopy(entries)
+    for e in out:
+        e["model_filename"] = "/var/lib/rigctl/models/smollm2-135m-q4_1.gguf"
+        e["samples_ts"] = [v * factor for v in e["samples_ts"]]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- parsers
+
+
+def test_parse_real_llama_bench_json() -> None:
+    entries = parse_llama_bench_json(RAW)
+    assert [(e["n_prompt"], e["n_gen"], e["flash_attn"]) for e in entries] == [(32, 0, 0), (0, 16, 0), (32, 0, 1),
+                                                                               (0, 16, 1)]
+    samples = samples_from_cell(entries, host="desktop", run_id="bench-1", build="", model="q4_0", cell=1)
+    assert [s.test for s in samples] == ["pp32", "tg16", "pp32", "tg16"]
+    assert [s.flash_attn for s in samples] == [0, 0, 1, 1]
+    assert samples[0].build == "b11434"  # llama-bench's own build_commit when the record has none
+    assert samples[0].config == "ngl99 t2 f16/f16"
+    assert samples[0].samples_ts == tuple(entries[0]["samples_ts"])
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("not json", "not JSON"),
+    ('{"a": 1}', "expected a JSON array"),
+    ('[{"n_prompt": 1, "n_gen": 0, "samples_ts": []}]', "result 0 lacks model_filename"),
+])
+def test_parse_rejects_what_is_not_llama_bench_output(text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as info:
+        parse_llama_bench_json(text, "cell-001.json")
+    assert str(info.value).startswith("cell-001.json: ")
+
+
+def test_names_follow_llama_bench() -> None:
+    assert bench_test_name(512, 0) == "pp512"
+    assert bench_test_name(0, 128) == "tg128"
+    assert bench_test_name(512, 128) == "pp512+tg128"
+    assert bench_test_name(0, 128, 4096) == "tg128 @ d4096"
+
+
+def test_llama_bench_argv_and_cell_order() -> None:
+    matrix = parse_spec({"hosts": ["h"], "models": ["a"], "matrix": {"p": [512, 2048], "n": [128], "r": 5,
+                                                                     "fa": [0, 1], "t": [6], "ctk": ["q8_0"]}},
+                        "spec").matrix.flags()
+    assert llama_bench_argv("/bin/llama-bench", "/m/a.gguf", matrix) == [
+        "/bin/llama-bench", "-m", "/m/a.gguf", "-p", "512,2048", "-n", "128", "-r", "5", "-fa", "0,1",
+        "-ngl", "99", "-t", "6", "-ctk", "q8_0", "-o", "json"]
+    a, b = {"name": "a"}, {"name": "b"}
+    assert [(r, m["name"]) for r, m in plan_cells([a, b], 2, "alternate")] == [(1, "a"), (1, "b"), (2, "a"), (2, "b")]
+    assert [(r, m["name"]) for r, m in plan_cells([a, b], 2, "grouped")] == [(1, "a"), (2, "a"), (1, "b"), (2, "b")]
+    with pytest.raises(ValueError, match="alternate or grouped"):
+        plan_cells([a], 1, "random")
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    ({"hosts": ["h"], "models": ["a"], "order": "random"}, "spec: order: "),
+    ({"hosts": ["h"], "models": ["a"], "matrix": {"fa": [2]}}, "spec: matrix.fa.0: "),
+    ({"hosts": ["h"], "models": []}, "spec: models: "),
+    ({"hosts": ["h"], "models": ["a"], "matrix": {"ctk": ["q3"]}}, "spec: matrix.ctk.0: "),
+    ({"hosts": ["h"], "models": ["a"], "colour": "red"}, "spec: colour: "),
+])
+def test_bad_specs_name_the_key(data: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_spec(data, "spec")
+
+
+def test_parse_temperature() -> None:
+    assert parse_temperature("41\n") == 41
+    assert parse_temperature("38, 0\n55, 1\n") == 38  # GPU 0
+
+
+# ----------------------------------------------------------------------------------------------- summary
+
+
+def _samples(build: str = "b11434", host: str = "desktop") -> list[BenchSample]:
+    q4_0 = parse_llama_bench_json(RAW)
+    out = []
+    for cell, (model, entries) in enumerate([("q4_0", q4_0), ("q4_1", _other_model(q4_0, 2.0))], 1):
+        out += samples_from_cell(entries, host=host, run_id="bench-1", build=build, model=model, cell=cell)
+    return out
+
+
+def test_summary_statistics_come_from_the_repetitions() -> None:
+    entries = parse_llama_bench_json(RAW)
+    rows = summarize(_samples())
+    assert len(rows) == 8  # 2 tests x 2 fa x 2 models
+    pp_fa0 = next(r for r in rows if r.test == "pp32" and r.flash_attn == 0 and r.model == "q4_0")
+    values = entries[0]["samples_ts"]
+    assert pp_fa0.mean == pytest.approx(np.mean(values))
+    assert pp_fa0.stddev == pytest.approx(np.std(values, ddof=1))
+    assert pp_fa0.rep_first == pytest.approx(values[1] / values[0])
+    assert pp_fa0.ratio == {"q4_1": pytest.approx(0.5)}  # q4_0 / q4_1, the other model twice as fast
+    assert pp_fa0.fa1_fa0 is None
+    pp_fa1 = next(r for r in rows if r.test == "pp32" and r.flash_attn == 1 and r.model == "q4_1")
+    assert pp_fa1.fa1_fa0 == pytest.approx(np.mean(entries[2]["samples_ts"]) / np.mean(entries[0]["samples_ts"]))
+    assert pp_fa1.ratio == {"q4_0": pytest.approx(2.0)}
+
+
+def test_rep_over_first() -> None:
+    assert rep_over_first([100.0, 99.0, 97.0]) == pytest.approx(0.98)
+    assert math.isnan(rep_over_first([100.0]))
+
+
+def test_builds_and_hosts_are_kept_apart_unless_merged() -> None:
+    samples = _samples("aaaa") + _samples("bbbb") + _samples("aaaa", host="laptop")
+    rows = summarize(samples)
+    assert {r.partition for r in rows} == {"desktop @ aaaa", "desktop @ bbbb", "laptop @ aaaa"}
+    assert all(r.n == 2 for r in rows)
+    merged = summarize(samples, merge=True)
+    assert {r.partition for r in merged} == {"all"}
+    assert all(r.n == 6 for r in merged)
+
+
+def test_markdown_csv_and_png(tmp_path: Path) -> None:
+    rows = summarize(_samples())
+    markdown = to_markdown(rows)
+    assert "| test | config | fa | q4_0 t/s | q4_1 t/s | q4_0/q4_1 | q4_0 fa1/fa0 | q4_1 fa1/fa0 |" in markdown
+    pp_fa0 = next(r for r in rows if r.test == "pp32" and r.flash_attn == 0 and r.model == "q4_0")
+    assert f"| pp32 | ngl99 t2 f16/f16 | 0 | {pp_fa0.mean:.2f} ± {pp_fa0.stddev:.2f} |" in markdown
+    lines = to_csv(rows).splitlines()
+    assert lines[0].startswith("partition,test,config,flash_attn,model,n,cells,mean_ts")
+    assert len(lines) == 1 + len(rows)
+    assert "q4_1=0.5" in lines[1]
+    png = to_png(rows, tmp_path / "chart.png")
+    header = png.read_bytes()[:24]
+    assert header[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", header[16:24])
+    assert width > 500 and height > 200
+
+
+def test_load_run_samples_reads_the_raw_files(tmp_path: Path) -> None:
+    store = ResultsStore(tmp_path)
+    run_dir = store.run_dir("desktop", "bench-20261130T000000Z-abcd")
+    (run_dir / "llama-bench").mkdir(parents=True)
+    q4_0 = json.loads(RAW)
+    cells = []
+    for index, (name, entries) in enumerate([("q4_0", q4_0), ("q4_1", _other_model(q4_0, 1.5))], 1):
+        raw = f"llama-bench/cell-{index:03d}-{name}.json"
+        (run_dir / raw).write_text(json.dumps(entries))
+        cells.append({"index": index, "artifact": name, "rc": 0, "raw": raw, "temp_start_c": 39, "temp_end_c": 61})
+    (run_dir / "cells.jsonl").write_text("".join(json.dumps(c) + "\n" for c in cells))
+    record = RunRecord(id=run_dir.name, kind="bench", host="desktop", started="x", llama_cpp={"commit": "abc123"})
+    record.seal(run_dir)
+    samples = load_run_samples(store.find(run_dir.name))
+    assert len(samples) == 8
+    assert {s.build for s in samples} == {"abc123"}
+    assert {(s.temp_start_c, s.temp_end_c) for s in samples} == {(39, 61)}
+    rows = summarize(samples)
+    assert next(r for r in rows if r.model == "q4_1").ratio["q4_0"] == pytest.approx(1.5)
