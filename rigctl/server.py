@@ -18,6 +18,7 @@ the same methods, the async ones awaited::
         stream = server.chat_stream(messages, max_tokens=128)      # ChatResult + ttft_s, wall_s
         done = server.complete(prompt, n_predict=1, n_probs=20)    # CompletionResult, .probs[0].top
         server.metrics().value("llamacpp:prompt_seconds_total")    # Metrics (Prometheus text, parsed)
+        server.post_json("/v1/chat/completions", body)             # any JSON endpoint, raw answer
 
 Requests are greedy and thinking-off unless asked otherwise: ``temperature=0.0``, a fixed ``seed`` and
 ``chat_template_kwargs={"enable_thinking": False}``. With thinking on, ``reasoning_content`` holds the
@@ -590,6 +591,11 @@ class ServerClient(_Base):
         response = self._send(call)
         return self._parse(call, parse_metrics, response.text)
 
+    def post_json(self, path: str, body: Any) -> Any:
+        """Any JSON endpoint, raw: the decoded answer (same timeouts, retries and errors)."""
+        call = _Call("POST", path, body)
+        return self._json(call, self._send(call))
+
 
 class AsyncServerClient(_Base):
     """Asynchronous client (httpx.AsyncClient) with the same methods, awaited; an async context manager.
@@ -705,6 +711,10 @@ class AsyncServerClient(_Base):
         call = _Call("GET", "/metrics")
         response = await self._send(call)
         return self._parse(call, parse_metrics, response.text)
+
+    async def post_json(self, path: str, body: Any) -> Any:
+        call = _Call("POST", path, body)
+        return self._json(call, await self._send(call))
 
 
 def _parse_tokens(data: Mapping[str, Any]) -> list[Token]:

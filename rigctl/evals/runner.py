@@ -43,13 +43,9 @@ class Options:
 # ----------------------------------------------------------------------------------------------- asking
 
 
-def _messages(system: str | None, user: Sequence[Mapping[str, Any]] | str) -> list[dict[str, Any]]:
-    turns = [{"role": "user", "content": user}] if isinstance(user, str) else [dict(m) for m in user]
-    return ([{"role": "system", "content": system}] if system else []) + turns
-
-
 class _Asker:
-    """One scorer's way of asking a question and scoring the reply."""
+    """One scorer's way of asking a question; request bodies and records come from :mod:`scorers`, the
+    same functions the host's eval job uses."""
 
     def __init__(self, task: LoadedTask, options: Options):
         self.task = task
@@ -60,38 +56,11 @@ class _Asker:
         return {}
 
     async def ask(self, client: AsyncServerClient, question: Question) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def _generation(self, reply: Any) -> dict[str, Any]:
-        extra: dict[str, Any] = {"reply": reply.content, "finish_reason": reply.finish_reason,
-                                 "tokens": reply.usage.get("completion_tokens")}
-        if reply.reasoning_content:
-            extra["reasoning"] = reply.reasoning_content
-        return extra
-
-
-class _Gsm8k(_Asker):
-    async def ask(self, client: AsyncServerClient, question: Question) -> dict[str, Any]:
-        data = question.data
-        reply = await client.chat(_messages(data["system"], data["prompt"]), max_tokens=self.task.spec.max_tokens,
-                                  seed=self.options.seed, thinking=self.options.thinking)
-        return {**self._generation(reply), **scorers.score_gsm8k(reply.content, data["gold"], reply.finish_reason)}
-
-
-class _Bfcl(_Asker):
-    async def ask(self, client: AsyncServerClient, question: Question) -> dict[str, Any]:
-        data = question.data
-        reply = await client.chat(_messages(data["system"], data["messages"]), max_tokens=self.task.spec.max_tokens,
-                                  seed=self.options.seed, thinking=self.options.thinking,
-                                  tools=scorers.bfcl_tools([data["function"]]))
-        calls = [(c.name, c.parsed_arguments() if c.parsed_arguments() is not None else c.arguments)
-                 for c in reply.tool_calls]
-        check = scorers.check_simple_call(data["function"], calls, data["possible_answer"])
-        toolless = not reply.tool_calls
-        return {**self._generation(reply), "tool_calls": [{"name": n, "arguments": a} for n, a in calls],
-                "score": int(check.valid), "error": check.error, "error_type": check.error_type,
-                "toolless": toolless, "missed_call": toolless and scorers.looks_like_missed_call(reply.content),
-                "cutoff": reply.finish_reason == "length"}
+        body = scorers.chat_request(self.task.scorer, question.data, max_tokens=self.task.spec.max_tokens,
+                                    seed=self.options.seed, thinking=self.options.thinking)
+        answer = await client.post_json("/v1/chat/completions", body)
+        record = scorers.gsm8k_record if self.task.scorer == "gsm8k" else scorers.bfcl_record
+        return _scored(client, "POST /v1/chat/completions", record, question.data, answer)
 
 
 class _Choice(_Asker):
@@ -101,37 +70,47 @@ class _Choice(_Asker):
 
     async def prepare(self, client: AsyncServerClient) -> dict[str, Any]:
         """Each label's first token, from the server's own tokenizer; labels of one set must differ in it."""
-        labels = sorted({label for q in self.task.questions for label in q.data["labels"]})
-        for label in labels:
-            tokens = await client.tokenize(label)
-            if not tokens:
-                raise EvalError(f"label {label!r}: the server's tokenizer gives no tokens")
-            self.label_tokens[label] = {"id": tokens[0].id, "piece": tokens[0].piece, "n_tokens": len(tokens)}
-        for set_name in sorted({q.set for q in self.task.questions}):
-            set_labels = next(q.data["labels"] for q in self.task.questions if q.set == set_name)
-            ids: dict[int, str] = {}
-            for label in set_labels:
-                first = self.label_tokens[label]["id"]
-                if first in ids:
-                    piece = self.label_tokens[label]["piece"]
-                    raise EvalError(f"set {set_name}: labels {ids[first]!r} and {label!r} start with the same token "
-                                    f"{piece!r}; pick labels that differ in their first token")
-                ids[first] = label
+        for label in sorted({label for q in self.task.questions for label in q.data["labels"]}):
+            answer = await client.post_json("/tokenize", {"content": label, "add_special": False,
+                                                          "with_pieces": True})
+            try:
+                self.label_tokens[label] = scorers.label_token(label, answer)
+            except (ValueError, KeyError, TypeError) as exc:
+                raise EvalError(f"{client.endpoint}: POST /tokenize: {exc}") from None
+        for set_name, labels in _set_labels(self.task.questions).items():
+            clash = scorers.clashing_labels(labels, self.label_tokens)
+            if clash:
+                piece = self.label_tokens[clash[0]]["piece"]
+                raise EvalError(f"set {set_name}: labels {clash[0]!r} and {clash[1]!r} start with the same token "
+                                f"{piece!r}; pick labels that differ in their first token")
         return {"label_tokens": self.label_tokens}
 
     async def ask(self, client: AsyncServerClient, question: Question) -> dict[str, Any]:
-        data = question.data
-        prompt = await client.apply_template(_messages(data["system"], data["prompt"]), enable_thinking=False)
-        done = await client.complete(prompt, n_predict=1, n_probs=self.task.spec.n_probs, seed=self.options.seed)
-        if not done.probs:
-            raise ServerError(str(client.endpoint), "POST /completion", "no completion_probabilities in the answer")
-        top = done.probs[0]
-        label_probs = {label: top.top_ids.get(self.label_tokens[label]["id"]) for label in data["labels"]}
-        best = max(top.top.items(), key=lambda kv: kv[1])[0] if top.top else top.token
-        return {**scorers.score_choice(label_probs, data["gold"]), "top_token": best}
+        rendered = await client.post_json("/apply-template", scorers.template_request(question.data))
+        if not isinstance(rendered, dict) or not isinstance(rendered.get("prompt"), str):
+            raise ServerError(str(client.endpoint), "POST /apply-template", "no prompt in the answer")
+        body = scorers.completion_request(rendered["prompt"], n_probs=self.task.spec.n_probs, seed=self.options.seed)
+        answer = await client.post_json("/completion", body)
+        return _scored(client, "POST /completion", lambda d, a: scorers.choice_record(d, a, self.label_tokens),
+                       question.data, answer)
 
 
-ASKERS: dict[str, type[_Asker]] = {"gsm8k": _Gsm8k, "bfcl_simple": _Bfcl, "choice": _Choice}
+def _scored(client: AsyncServerClient, what: str, record: Callable[[Any, Any], dict[str, Any]],
+            data: Mapping[str, Any], answer: Any) -> dict[str, Any]:
+    try:
+        return record(data, answer)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ServerError(str(client.endpoint), what, f"unexpected answer: {exc}") from None
+
+
+def _set_labels(questions: Sequence[Question]) -> dict[str, list[str]]:
+    labels: dict[str, list[str]] = {}
+    for question in questions:
+        labels.setdefault(question.set, list(question.data["labels"]))
+    return labels
+
+
+ASKERS: dict[str, type[_Asker]] = {"gsm8k": _Asker, "bfcl_simple": _Asker, "choice": _Choice}
 
 
 # ----------------------------------------------------------------------------------------------- runs

@@ -20,7 +20,9 @@ BFCL's rules (its ``ast_checker``, simple category, Python), restated:
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -293,3 +295,130 @@ def score_choice(label_probs: Mapping[str, float | None], gold: str) -> dict[str
     pred = max(seen, key=lambda label: seen[label]) if seen else None
     return {"pred": pred, "gold": gold, "score": int(pred == gold), "label_probs": dict(label_probs),
             "label_mass": sum(seen.values()), "cutoff": False}
+
+
+# ----------------------------------------------------------------------------------------------- requests, records
+# Request bodies and answer records from raw JSON, shared by the controller's async runner and the host's
+# eval job (which ships this file and speaks HTTP with the standard library): one set of rules for both.
+
+DEFAULT_SEED = 1234
+
+
+def messages(system: str | None, user: Sequence[Mapping[str, Any]] | str) -> list[dict[str, Any]]:
+    turns = [{"role": "user", "content": user}] if isinstance(user, str) else [dict(m) for m in user]
+    return ([{"role": "system", "content": system}] if system else []) + turns
+
+
+def chat_request(scorer: str, data: Mapping[str, Any], *, max_tokens: int, seed: int = DEFAULT_SEED,
+                 thinking: bool = False) -> dict[str, Any]:
+    """The ``/v1/chat/completions`` body for a gsm8k or bfcl_simple question: greedy, seeded, thinking off
+    unless asked (``chat_template_kwargs.enable_thinking``)."""
+    body: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 0.0, "seed": seed,
+                            "chat_template_kwargs": {"enable_thinking": thinking}}
+    if scorer == "gsm8k":
+        body["messages"] = messages(data["system"], data["prompt"])
+    elif scorer == "bfcl_simple":
+        body["messages"] = messages(data["system"], data["messages"])
+        body["tools"] = bfcl_tools([data["function"]])
+    else:
+        raise ValueError(f"scorer {scorer!r} does not chat")
+    return body
+
+
+def _chat_reply(answer: Mapping[str, Any]) -> dict[str, Any]:
+    try:
+        choice = answer["choices"][0]
+    except (KeyError, IndexError, TypeError):
+        raise ValueError(f"no choices in the answer: {json.dumps(answer)[:200]}") from None
+    message = choice.get("message") or {}
+    out: dict[str, Any] = {"reply": message.get("content") or "", "finish_reason": choice.get("finish_reason") or "",
+                           "tokens": (answer.get("usage") or {}).get("completion_tokens")}
+    if message.get("reasoning_content"):
+        out["reasoning"] = message["reasoning_content"]
+    return out
+
+
+def _calls(answer: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    calls = []
+    for item in ((answer["choices"][0].get("message") or {}).get("tool_calls") or []):
+        function = item.get("function") or {}
+        arguments = function.get("arguments", "")
+        if isinstance(arguments, str):
+            with contextlib.suppress(json.JSONDecodeError):  # not JSON: kept as text, the checker reports it
+                arguments = json.loads(arguments)
+        calls.append((str(function.get("name", "")), arguments))
+    return calls
+
+
+def gsm8k_record(data: Mapping[str, Any], answer: Mapping[str, Any]) -> dict[str, Any]:
+    reply = _chat_reply(answer)
+    return {**reply, **score_gsm8k(reply["reply"], data["gold"], reply["finish_reason"])}
+
+
+def bfcl_record(data: Mapping[str, Any], answer: Mapping[str, Any]) -> dict[str, Any]:
+    reply = _chat_reply(answer)
+    calls = _calls(answer)
+    check = check_simple_call(data["function"], calls, data["possible_answer"])
+    toolless = not calls
+    return {**reply, "tool_calls": [{"name": n, "arguments": a} for n, a in calls], "score": int(check.valid),
+            "error": check.error, "error_type": check.error_type, "toolless": toolless,
+            "missed_call": toolless and looks_like_missed_call(reply["reply"]),
+            "cutoff": reply["finish_reason"] == "length"}
+
+
+def template_request(data: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``/apply-template`` body of a choice question: the model's own chat template, thinking closed."""
+    return {"messages": messages(data["system"], data["prompt"]), "chat_template_kwargs": {"enable_thinking": False}}
+
+
+def completion_request(prompt: str, *, n_probs: int, seed: int = DEFAULT_SEED) -> dict[str, Any]:
+    """One greedy token from ``/completion`` with the top ``n_probs`` candidates' probabilities."""
+    return {"prompt": prompt, "n_predict": 1, "n_probs": n_probs, "temperature": 0.0, "seed": seed,
+            "cache_prompt": True}
+
+
+def _probability(entry: Mapping[str, Any]) -> float:
+    return math.exp(float(entry["logprob"])) if "logprob" in entry else float(entry.get("prob", 0.0))
+
+
+def first_token_probs(answer: Mapping[str, Any]) -> tuple[dict[int, float], str]:
+    """Token id -> probability of the first generated position's top candidates, and the most probable
+    token's text."""
+    positions = answer.get("completion_probabilities") or []
+    if not positions:
+        raise ValueError("no completion_probabilities in the answer (was n_probs sent?)")
+    entries = positions[0].get("top_logprobs") or positions[0].get("top_probs") or positions[0].get("probs") or []
+    probs = {int(e.get("id", -1)): _probability(e) for e in entries}
+    best = max(entries, key=_probability) if entries else positions[0]
+    return probs, str(best.get("token", best.get("tok_str", "")))
+
+
+def label_token(label: str, tokenize_answer: Mapping[str, Any]) -> dict[str, Any]:
+    """A label's first token from the server's ``/tokenize`` answer (``with_pieces``)."""
+    tokens = tokenize_answer.get("tokens") or []
+    if not tokens:
+        raise ValueError(f"label {label!r}: the server's tokenizer gives no tokens")
+    first = tokens[0]
+    if isinstance(first, Mapping):
+        piece = first.get("piece", "")
+        piece = bytes(piece).decode("utf-8", errors="replace") if isinstance(piece, list) else str(piece)
+        return {"id": int(first["id"]), "piece": piece, "n_tokens": len(tokens)}
+    return {"id": int(first), "piece": "", "n_tokens": len(tokens)}
+
+
+def clashing_labels(labels: Sequence[str], tokens: Mapping[str, Mapping[str, Any]]) -> tuple[str, str] | None:
+    """Two labels of one set that start with the same token (they could not be told apart), or None."""
+    seen: dict[int, str] = {}
+    for label in labels:
+        first = int(tokens[label]["id"])
+        if first in seen:
+            return seen[first], label
+        seen[first] = label
+    return None
+
+
+def choice_record(data: Mapping[str, Any], answer: Mapping[str, Any],
+                  tokens: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    probs, best = first_token_probs(answer)
+    label_probs = {label: probs.get(int(tokens[label]["id"])) for label in data["labels"]}
+    return {**score_choice(label_probs, data["gold"]), "top_token": best}
