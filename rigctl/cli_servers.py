@@ -1,0 +1,72 @@
+"""`rigctl servers`: the fleet's llama-server instances (state, restart, logs)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from rigctl.cli import _inventory, app, console
+
+servers_app = typer.Typer(no_args_is_help=False, invoke_without_command=True,
+                          help="llama-server instances: state, port, model, build, health; restart; logs.")
+app.add_typer(servers_app, name="servers")
+
+_STATE_STYLE = {"active": "green", "failed": "red", "unreachable": "red", "activating": "yellow"}
+
+
+@servers_app.callback()
+def servers_list(
+    ctx: typer.Context,
+    limit: Annotated[str | None, typer.Option("--limit", "-l", help="Hosts or groups, comma-separated.")] = None,
+) -> None:
+    """Every instance: systemd state and main PID, port, model and build (/props), health."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from rigctl.servers import list_servers
+
+    rows = list_servers(_inventory(), limit)
+    table = Table(title="llama-server instances")
+    for column in ("host", "server", "state", "pid", "port", "artifact", "profile", "model", "build", "health"):
+        table.add_column(column)
+    for row in rows:
+        style = _STATE_STYLE.get(row.state, "yellow")
+        state = f"[{style}]{row.state}[/{style}]" + ("" if row.enabled else " (disabled)")
+        if row.healthy and row.health == "ok":
+            health = "[green]ok[/green]"
+        elif row.health == "disabled":
+            health = "[dim]-[/dim]"
+        else:
+            health = f"[red]{row.error or row.health}[/red]"
+        table.add_row(row.host, row.name, state, str(row.main_pid or "-"), str(row.port), row.artifact, row.profile,
+                      row.model or "-", row.build or "-", health)
+    console.print(table)
+    if any(r.enabled and not r.healthy for r in rows):
+        raise typer.Exit(1)
+
+
+@servers_app.command("restart")
+def servers_restart(
+    host: Annotated[str, typer.Argument(help="Host from the inventory.")],
+    server: Annotated[str, typer.Argument(help="Instance name (llama_server_instances).")],
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for /health 200.")] = 120.0,
+) -> None:
+    """Restart one instance and wait until it answers /health 200."""
+    from rigctl.servers import restart
+
+    status = restart(_inventory(), host, server, timeout)
+    console.print(f"{status.host}/{status.name}: {status.state}, pid {status.main_pid}, {status.model} "
+                  f"({status.build})", highlight=False)
+
+
+@servers_app.command("logs")
+def servers_logs(
+    host: Annotated[str, typer.Argument(help="Host from the inventory.")],
+    server: Annotated[str, typer.Argument(help="Instance name (llama_server_instances).")],
+    lines: Annotated[int, typer.Option("-n", "--lines", help="Journal lines.")] = 50,
+) -> None:
+    """The last journal lines of one instance."""
+    from rigctl.servers import logs
+
+    console.print(logs(_inventory(), host, server, lines), markup=False, highlight=False, end="")
