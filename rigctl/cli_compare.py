@@ -237,3 +237,47 @@ def check_logits_cmd(
 
 def _num(x: float) -> str:
     return "-" if math.isnan(x) else f"{x:.4f}"
+
+
+# ----------------------------------------------------------------------------------------------- report
+
+
+CampaignArg = Annotated[Path, typer.Argument(help="Campaign file (YAML).")]
+
+
+@app.command("report")
+def report(
+    campaign: CampaignArg,
+    results: ResultsOption = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Report directory (default reports/<campaign name>).")
+                   ] = None,
+) -> None:
+    """Build the campaign's Markdown report with PNG charts from pulled results: speed with ratios,
+    quality with intervals, comparisons, sensitivity, answer habits and a scope line; every number
+    links to its raw files."""
+    from rigctl.campaign import load_campaign
+    from rigctl.report import build_report, default_out_dir
+
+    loaded = load_campaign(campaign)
+    built = build_report(loaded, ResultsStore(results), out or default_out_dir(loaded))
+    console.print(built.headline, markup=False, highlight=False, soft_wrap=True)
+    console.print(f"\nreport: {built.path} ({len(built.charts)} charts)", markup=False, highlight=False)
+    if built.missing:
+        err_console.print(f"not pulled yet: {'; '.join(built.missing)} (rigctl campaign run {campaign})",
+                          markup=False, highlight=False, soft_wrap=True)
+
+
+@campaign_app.command("run")
+def campaign_run(campaign: CampaignArg, results: ResultsOption = None) -> None:
+    """Pull every host, then run the benches and evals the campaign's report still lacks (stopped eval
+    runs resume). Safe to interrupt and run again."""
+    from rigctl.campaign import describe, load_campaign, run_campaign
+
+    loaded = load_campaign(campaign)
+    outcomes = run_campaign(loaded, _inventory(), ResultsStore(results),
+                            on_step=lambda line: err_console.print(line, markup=False, highlight=False))
+    for line, outcome in zip(describe(outcomes), outcomes, strict=True):
+        (err_console if outcome.status == "failed" else console).print(line, markup=False, highlight=False,
+                                                                        soft_wrap=True)
+    if any(o.status == "failed" for o in outcomes):
+        raise typer.Exit(1)

@@ -67,9 +67,20 @@ class RunRef:
         return f"{self.host}/{self.id}"
 
 
-def task_identity(run: StoredRun) -> tuple[str | None, str | None, str | None]:
+def _dataset_hashes(value: Any) -> tuple[str, ...]:
+    """A task's dataset identity by content: the sha256s, whatever keys (paths, URLs) they were read under."""
+    if isinstance(value, dict):
+        return tuple(sorted(str(v) for v in value.values()))
+    return () if value is None else (str(value),)
+
+
+def _short(hashes: tuple[str, ...]) -> str:
+    return ",".join(h[:12] for h in hashes) or "none"
+
+
+def task_identity(run: StoredRun) -> tuple[str | None, str | None, tuple[str, ...]]:
     task = run.record.task or {}
-    return task.get("name"), task.get("file_sha256"), task.get("dataset_sha256")
+    return task.get("name"), task.get("file_sha256"), _dataset_hashes(task.get("dataset_sha256"))
 
 
 def task_mismatch(a: StoredRun, b: StoredRun) -> str | None:
@@ -85,8 +96,8 @@ def task_mismatch(a: StoredRun, b: StoredRun) -> str | None:
         return (f"different task files: {a.host}/{a.id} ran {name_a} (sha256 {str(file_a)[:12]}), "
                 f"{b.host}/{b.id} ran {name_b} (sha256 {str(file_b)[:12]})")
     if data_a != data_b:
-        return (f"different datasets for task {name_a}: {a.host}/{a.id} has sha256 {str(data_a)[:12]}, "
-                f"{b.host}/{b.id} has {str(data_b)[:12]}")
+        return (f"different datasets for task {name_a}: {a.host}/{a.id} has sha256 {_short(data_a)}, "
+                f"{b.host}/{b.id} has {_short(data_b)}")
     return None
 
 

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from rigctl.bench import Matrix
 from rigctl.results import ANSWERS_FILE, RunRecord
 
 TASK_FILE = "a" * 64
@@ -39,7 +40,8 @@ def bench_record(test: tuple[int, int], samples: list[float], *, fa: int = 1,
 
 
 def bench_run(root: Path, host: str, run_id: str, cells: list[tuple[str, list[dict[str, Any]]]], *,
-              commit: str = "7182ef71e", started: str = "2026-11-30T04:00:00.000000Z") -> Path:
+              commit: str = "7182ef71e", started: str = "2026-11-30T04:00:00.000000Z",
+              matrix: dict[str, Any] | None = None) -> Path:
     """A bench run as rigctl.remote.bench_task writes it: cells.jsonl plus one llama-bench JSON per
     cell (``cells``: artifact and its test objects, in the order they ran)."""
     run_dir = root / host / run_id
@@ -53,6 +55,7 @@ def bench_run(root: Path, host: str, run_id: str, cells: list[tuple[str, list[di
     (run_dir / "cells.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     artifacts = list(dict.fromkeys(a for a, _ in cells))
     record = RunRecord(id=run_id, kind="bench", host=host, started=started, llama_cpp={"commit": commit},
-                       artifacts=[{"name": a} for a in artifacts], matrix={"p": [512], "n": [128], "r": 5})
+                       artifacts=[{"name": a} for a in artifacts],
+                       matrix={**(matrix or Matrix().flags()), "rounds": len(cells) // max(1, len(artifacts))})
     record.seal(run_dir)
     return run_dir

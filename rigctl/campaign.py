@@ -1,0 +1,378 @@
+"""Campaign files: a whole study (hosts, artifacts, benches, evals, the comparisons that matter) as one
+YAML file, the pulled runs that answer it, and running what is missing.
+
+    name: lab
+    title: SmolLM2 Q4_1 vs the Q4_0 requantized from it
+    hosts: [desktop]
+    artifacts:                       # artifact name -> how tables call it
+      smollm2-135m-q4_1: {label: SmolLM2 Q4_1}
+    benches:                         # rigctl.bench.BenchSpec fields, plus a name
+      - {name: speed, hosts: [desktop], models: [smollm2-135m-q4_1, smollm2-135m-q4_0], matrix: {...}}
+    evals:                           # a task (shipped name or file, relative to the campaign file) and
+      - name: suite                  # the servers that answer it
+        task: tasks/suite.yaml
+        limit: null
+        runs: [{host: desktop, server: smollm2, artifact: smollm2-135m-q4_1}]
+    comparisons:                     # B - A per eval task (targets as "<artifact>@<host>")
+      - {name: ..., section: quantisation, a: smollm2-135m-q4_1@desktop, b: smollm2-135m-q4_0@desktop}
+    sensitivity: {cutoff_as_right: true, toolless_as_right: true, exclude: [civil_comments]}
+    not_measured: [thinking on, ...] # for the report's scope line
+
+:func:`locate` finds, for every bench (per host) and every eval target, the newest pulled run that
+answers it; :func:`run_campaign` runs only what is still missing (and resumes stopped eval runs),
+so it can be interrupted and started again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from rigctl.bench import BenchSpec
+from rigctl.errors import ConfigError, JobBusyError, RigctlError
+from rigctl.inventory import Inventory
+from rigctl.results import ResultsStore, StoredRun
+
+log = logging.getLogger(__name__)
+
+SERVER_START_TIMEOUT_S = 180.0
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ArtifactInfo(_Strict):
+    label: str
+    note: str = ""
+
+
+class CampaignBench(BenchSpec):
+    """A bench of the campaign: a name and rigctl.bench's spec."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+
+    def spec(self, host: str) -> BenchSpec:
+        return BenchSpec(**{**self.model_dump(exclude={"name"}), "hosts": [host]})
+
+
+class EvalTarget(_Strict):
+    host: str
+    server: str
+    artifact: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.artifact}@{self.host}"
+
+
+class CampaignEval(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    task: str
+    limit: int | None = Field(default=None, ge=1)
+    concurrency: int = Field(default=8, ge=1)
+    runs: list[EvalTarget] = Field(min_length=1)
+
+
+class CampaignComparison(_Strict):
+    name: str
+    section: Literal["headline", "quantisation", "qat", "other"] = "headline"
+    a: str  # eval target ids (<artifact>@<host>)
+    b: str
+    evals: list[str] = []  # none: every eval both targets ran
+
+
+class Sensitivity(_Strict):
+    cutoff_as_right: bool = False
+    toolless_as_right: bool = False
+    exclude: list[str] = []
+
+
+class Campaign(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    title: str
+    hosts: list[str] = Field(min_length=1)
+    artifacts: dict[str, ArtifactInfo] = {}
+    benches: list[CampaignBench] = []
+    evals: list[CampaignEval] = []
+    comparisons: list[CampaignComparison] = []
+    sensitivity: Sensitivity = Sensitivity()
+    not_measured: list[str] = []
+    seed: int = 0
+    resamples: int = Field(default=10_000, ge=100)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Campaign:
+        targets = {t.id for e in self.evals for t in e.runs}
+        for comparison in self.comparisons:
+            for side in (comparison.a, comparison.b):
+                if side not in targets:
+                    raise ValueError(f"comparison {comparison.name!r}: {side!r} is no eval target "
+                                     f"(targets: {', '.join(sorted(targets)) or 'none'})")
+            unknown = sorted(set(comparison.evals) - {e.name for e in self.evals})
+            if unknown:
+                raise ValueError(f"comparison {comparison.name!r}: no eval named {', '.join(unknown)}")
+        hosts = set(self.hosts)
+        used = {h for b in self.benches for h in b.hosts} | {t.host for e in self.evals for t in e.runs}
+        if used - hosts:
+            raise ValueError(f"hosts not listed under hosts: {', '.join(sorted(used - hosts))}")
+        for name in [m for b in self.benches for m in b.models] + [t.artifact for e in self.evals for t in e.runs]:
+            if self.artifacts and name not in self.artifacts:
+                raise ValueError(f"artifact {name!r} is not listed under artifacts")
+        for kind, names in (("bench", [b.name for b in self.benches]), ("eval", [e.name for e in self.evals])):
+            duplicates = sorted({n for n in names if names.count(n) > 1})
+            if duplicates:
+                raise ValueError(f"{kind} names must be unique: {', '.join(duplicates)}")
+        return self
+
+    def label(self, artifact: str) -> str:
+        info = self.artifacts.get(artifact)
+        return info.label if info else artifact
+
+    def target_label(self, target_id: str) -> str:
+        artifact, _, host = target_id.partition("@")
+        hosts_of = {t.host for e in self.evals for t in e.runs if t.artifact == artifact}
+        return self.label(artifact) + (f" ({host})" if len(hosts_of) > 1 else "")
+
+
+@dataclass(frozen=True)
+class LoadedCampaign:
+    campaign: Campaign
+    path: Path
+
+    def task_ref(self, evaluation: CampaignEval) -> str:
+        """A task file relative to the campaign file when it is there, else the ref as given (a shipped name)."""
+        beside = (self.path.parent / evaluation.task).resolve()
+        return str(beside) if beside.is_file() else evaluation.task
+
+
+def load_campaign(path: Path) -> LoadedCampaign:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"campaign {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"campaign {path}: not YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"campaign {path}: expected a mapping at the top")
+    try:
+        return LoadedCampaign(Campaign.model_validate(data), path)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "campaign"
+        raise ConfigError(f"campaign {path}: {where}: {first['msg'].removeprefix('Value error, ')}") from None
+
+
+# ----------------------------------------------------------------------------------------------- locate
+
+
+def _artifact_names(run: StoredRun) -> set[str]:
+    return {str(a.get("name")) for a in run.record.artifacts if a.get("name")}
+
+
+def bench_matches(run: StoredRun, bench: CampaignBench, host: str) -> bool:
+    record = run.record
+    if record.kind != "bench" or run.host != host or record.status != "done":
+        return False
+    matrix = record.matrix or {}
+    return _artifact_names(run) == set(bench.models) and all(
+        matrix.get(k) == v for k, v in bench.matrix.flags().items())
+
+
+def eval_matches(run: StoredRun, task_name: str, target: EvalTarget) -> bool:
+    record = run.record
+    if record.kind != "eval" or run.host != target.host or (record.task or {}).get("name") != task_name:
+        return False
+    server = record.server or {}
+    return target.artifact in _artifact_names(run) or server.get("name") == target.server
+
+
+@dataclass
+class Located:
+    """The newest pulled run for each bench (per host) and eval target; None where nothing is pulled."""
+
+    benches: dict[tuple[str, str], StoredRun | None] = field(default_factory=dict)  # (bench, host)
+    evals: dict[tuple[str, str], StoredRun | None] = field(default_factory=dict)  # (eval, target id)
+    unfinished: dict[tuple[str, str], StoredRun] = field(default_factory=dict)  # eval runs to resume
+    task_names: dict[str, str] = field(default_factory=dict)  # eval name -> task name
+
+    def runs(self) -> list[StoredRun]:
+        return [r for r in [*self.benches.values(), *self.evals.values()] if r is not None]
+
+
+def task_name(loaded: LoadedCampaign, evaluation: CampaignEval) -> str:
+    from rigctl.evals.tasks import find_task, parse_task
+
+    path = find_task(loaded.task_ref(evaluation))
+    return parse_task(path.read_text(), str(path)).name
+
+
+def locate(loaded: LoadedCampaign, store: ResultsStore) -> Located:
+    campaign = loaded.campaign
+    runs = list(store.runs())
+    found = Located()
+    for bench in campaign.benches:
+        for host in bench.hosts:
+            matching = [r for r in runs if bench_matches(r, bench, host)]
+            found.benches[(bench.name, host)] = max(matching, key=lambda r: r.record.started, default=None)
+    for evaluation in campaign.evals:
+        name = task_name(loaded, evaluation)
+        found.task_names[evaluation.name] = name
+        for target in evaluation.runs:
+            matching = [r for r in runs if eval_matches(r, name, target)]
+            done = [r for r in matching if r.record.status == "done"]
+            found.evals[(evaluation.name, target.id)] = max(done, key=lambda r: r.record.started, default=None)
+            stopped = [r for r in matching if r.record.status in ("stopped", "failed")]
+            if not done and stopped:
+                found.unfinished[(evaluation.name, target.id)] = max(stopped, key=lambda r: r.record.started)
+    return found
+
+
+# ----------------------------------------------------------------------------------------------- run
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    step: str  # "bench speed on desktop", "eval suite smollm2-135m-q4_1@desktop"
+    status: Literal["pulled", "ran", "resumed", "failed"]
+    run: str | None = None  # host/run id
+    error: str | None = None
+
+
+OnStep = Callable[[str], None]
+
+
+def _run_bench(inventory: Inventory, bench: CampaignBench, host_name: str, store: ResultsStore,
+               on_step: OnStep) -> str:
+    from rigctl import jobs
+    from rigctl.bench import bench_job_spec
+
+    host = inventory.host(host_name)
+    try:
+        info = jobs.start(host, bench_job_spec(host, bench.spec(host_name)))
+        on_step(f"bench {bench.name} on {host_name}: started job {info.id}")
+        job_id = info.id
+    except JobBusyError as exc:
+        # A campaign run stopped earlier left its bench running: follow that one instead.
+        on_step(f"bench {bench.name} on {host_name}: following running job {exc.running}")
+        job_id = exc.running
+    final = jobs.wait(host, job_id, on_progress=lambda i: on_step(i.describe()))
+    if final.state != "done":
+        raise RigctlError(f"bench job {job_id} on {host_name} ended {final.state}" +
+                          (f": {final.error}" if final.error else ""))
+    jobs.pull(host, store)
+    return f"{host_name}/{job_id}"
+
+
+def _ensure_server(inventory: Inventory, target: EvalTarget, on_step: OnStep) -> bool:
+    """Start the target's llama-server unit when it is not answering; True when this call started it."""
+    from rigctl.server import Endpoint, ServerClient
+    from rigctl.ssh import SshClient, SshTarget
+
+    host = inventory.host(target.host)
+    with ServerClient(Endpoint.from_inventory(host, target.server)) as client:
+        if client.health().ok:
+            return False
+        on_step(f"{target.host}: starting llama-server@{target.server} for the eval")
+        with SshClient(SshTarget.from_host(host)) as ssh:
+            ssh.run(f"systemctl start llama-server@{target.server}.service", timeout=60, check=True)
+        client.wait_healthy(SERVER_START_TIMEOUT_S)
+    return True
+
+
+def _stop_server(inventory: Inventory, target: EvalTarget) -> None:
+    from rigctl.ssh import SshClient, SshTarget
+
+    with SshClient(SshTarget.from_host(inventory.host(target.host))) as ssh:
+        ssh.run(f"systemctl stop llama-server@{target.server}.service", timeout=60, check=True)
+
+
+def _run_eval(inventory: Inventory, loaded: LoadedCampaign, evaluation: CampaignEval, target: EvalTarget,
+              store: ResultsStore, unfinished: StoredRun | None, on_step: OnStep) -> str:
+    from rigctl.build import read_builds
+    from rigctl.evals import runner
+    from rigctl.evals.tasks import load_task
+    from rigctl.server import Endpoint
+
+    host = inventory.host(target.host)
+    endpoint = Endpoint.from_inventory(host, target.server)
+    started_here = _ensure_server(inventory, target, on_step)
+    try:
+        if unfinished is not None:
+            run_dir, record, task, options = runner.resume_run(store, f"{unfinished.host}/{unfinished.id}", endpoint)
+        else:
+            task = load_task(loaded.task_ref(evaluation), limit=evaluation.limit)
+            options = runner.Options(concurrency=evaluation.concurrency, seed=loaded.campaign.seed)
+            build = read_builds(host).current
+            instance = next((s for s in host.servers if s.name == target.server), None)
+            gpu = host.gpu
+            run_dir, record = runner.start_run(
+                task, endpoint, store, target.host, options=options, limit=evaluation.limit,
+                server={"name": target.server, "host": target.host,
+                        "profile": instance.profile if instance else None},
+                artifacts=[{"name": target.artifact}],
+                gpu={"name": gpu.name, "vram_mib": gpu.vram_mib, "compute_capability": gpu.compute_capability}
+                if gpu else None,
+                llama_cpp={"commit": build.commit, "version": build.version, "build_key": build.key} if build else None,
+                extra={"campaign": loaded.campaign.name})
+        on_step(f"eval {evaluation.name} {target.id}: run {record.id} ({len(task.questions)} questions)")
+        runner.run(task, endpoint, run_dir, record, options)
+    finally:
+        if started_here:
+            _stop_server(inventory, target)
+    return f"{target.host}/{record.id}"
+
+
+def run_campaign(loaded: LoadedCampaign, inventory: Inventory, store: ResultsStore, *,
+                 on_step: OnStep = lambda _: None) -> list[StepOutcome]:
+    """Pull every host, then run each bench and eval the campaign still lacks; per step the outcome.
+
+    A failed step is reported and the others go on (their results are kept); running again picks up
+    only what is still missing, and resumes eval runs that stopped part-way."""
+    from rigctl import jobs
+
+    campaign = loaded.campaign
+    for name in campaign.hosts:
+        try:
+            jobs.pull(inventory.host(name), store)
+        except RigctlError as exc:
+            on_step(f"{name}: pull failed: {exc}")
+    found = locate(loaded, store)
+    outcomes: list[StepOutcome] = []
+    for bench in campaign.benches:
+        for host in bench.hosts:
+            step = f"bench {bench.name} on {host}"
+            run = found.benches[(bench.name, host)]
+            if run is not None:
+                outcomes.append(StepOutcome(step, "pulled", f"{run.host}/{run.id}"))
+                continue
+            try:
+                outcomes.append(StepOutcome(step, "ran", _run_bench(inventory, bench, host, store, on_step)))
+            except RigctlError as exc:
+                outcomes.append(StepOutcome(step, "failed", error=str(exc)))
+    for evaluation in campaign.evals:
+        for target in evaluation.runs:
+            step = f"eval {evaluation.name} {target.id}"
+            key = (evaluation.name, target.id)
+            run = found.evals[key]
+            if run is not None:
+                outcomes.append(StepOutcome(step, "pulled", f"{run.host}/{run.id}"))
+                continue
+            unfinished = found.unfinished.get(key)
+            try:
+                ref = _run_eval(inventory, loaded, evaluation, target, store, unfinished, on_step)
+                outcomes.append(StepOutcome(step, "resumed" if unfinished else "ran", ref))
+            except RigctlError as exc:
+                outcomes.append(StepOutcome(step, "failed", error=str(exc)))
+    return outcomes
+
+
+def describe(outcomes: list[StepOutcome]) -> list[str]:
+    return [f"{o.step}: {o.status}" + (f" {o.run}" if o.run else "") + (f": {o.error}" if o.error else "")
+            for o in outcomes]

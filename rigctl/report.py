@@ -1,0 +1,411 @@
+"""The campaign report: Markdown with PNG charts, built only from pulled raw result files.
+
+Sections: scope line (hosts, builds, dates, repeats, runs, what is missing or was not measured);
+speed (mean t/s ± sd per test and model, ratio with a bootstrap interval from the per-repetition
+samples); quality (score per set and overall with intervals); the campaign's comparisons grouped as
+head-to-head, quantisation cost and what QAT is worth (paired gaps in points); sensitivity (the gap
+under each switch); answer habits; the runs used. Every number is a link to the raw file(s) it was
+computed from (llama-bench JSON of each cell, ``answers.jsonl``), relative to the report, so the
+report stays valid when the results tree and the report move together.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from rigctl.bench import BenchSample, load_run_samples
+from rigctl.campaign import CampaignBench, LoadedCampaign, Located, locate
+from rigctl.compare import (
+    OVERALL,
+    PairComparison,
+    Scoring,
+    SetGap,
+    answer_habits,
+    answers_path,
+    compare_bench,
+    compare_pair,
+    run_scores,
+    sample_file,
+)
+from rigctl.errors import RigctlError
+from rigctl.results import RUN_FILE, ResultsStore, StoredRun
+from rigctl.stats import Interval
+
+log = logging.getLogger(__name__)
+
+SECTION_TITLES = {"headline": "Head to head", "quantisation": "Quantisation cost", "qat": "What QAT is worth",
+                  "other": "Other comparisons"}
+
+
+@dataclass
+class Report:
+    path: Path
+    markdown: str
+    charts: list[Path] = field(default_factory=list)
+    headline: str = ""  # the speed and quality tables, for printing after a run
+    missing: list[str] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------------------------- formatting
+
+
+class _Links:
+    """Markdown links relative to the report's directory."""
+
+    def __init__(self, out_dir: Path, results_root: Path) -> None:
+        self.out_dir = out_dir.resolve()
+        self.root = results_root.resolve()
+
+    def rel(self, path: Path) -> str:
+        return os.path.relpath(path.resolve(), self.out_dir).replace(" ", "%20")
+
+    def result(self, relative: str) -> Path:
+        return self.root / relative
+
+    def number(self, text: str, files: Sequence[Path]) -> str:
+        """``text`` linked to the first file, the others as numbered superscript links."""
+        if not files:
+            return text
+        first, *rest = files
+        extra = "".join(f"<sup>[{i}]({self.rel(p)})</sup>" for i, p in enumerate(rest, 2))
+        return f"[{text}]({self.rel(first)}){extra}"
+
+
+def _row(cells: Sequence[str]) -> str:
+    return "| " + " | ".join(c.replace("\n", " ") for c in cells) + " |"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str = "") -> list[str]:
+    aligns = [("---:" if (align[i:i + 1] or "r") == "r" else ":---") for i in range(len(header))]
+    return [_row(header), _row(aligns), *(_row(r) for r in rows)]
+
+
+def score_text(interval: Interval) -> str:
+    if interval.empty:
+        return "-"
+    return f"{interval.estimate:.3f} ({interval.low:.3f}-{interval.high:.3f})"
+
+
+def gap_text(interval: Interval) -> str:
+    if interval.empty:
+        return "-"
+    return f"{interval.estimate * 100:+.1f} ({interval.low * 100:+.1f} to {interval.high * 100:+.1f})"
+
+
+def ratio_md(interval: Interval) -> str:
+    if interval.empty:
+        return "-"
+    return f"{interval.estimate:.3f} ({interval.low:.3f}-{interval.high:.3f})"
+
+
+def _mean_sd(values: Sequence[float]) -> str:
+    mean = float(np.mean(values))
+    sd = float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
+    return f"{mean:.2f} ± {sd:.2f}"
+
+
+# ----------------------------------------------------------------------------------------------- sections
+
+
+def _scope(loaded: LoadedCampaign, found: Located, missing: list[str]) -> list[str]:
+    campaign = loaded.campaign
+    runs = found.runs()
+    hosts = []
+    for host in campaign.hosts:
+        gpus = {str(r.record.gpu.get("name")) for r in runs if r.host == host and r.record.gpu.get("name")}
+        hosts.append(f"{host} ({', '.join(sorted(gpus))})" if gpus else host)
+    builds = sorted({str(r.record.llama_cpp.get("commit") or r.record.llama_cpp.get("version"))
+                     for r in runs if r.record.llama_cpp})
+    dates = sorted(r.record.started[:10] for r in runs)
+    repeats = sorted({f"{b.matrix.r} repetitions x {b.rounds} cells per model" for b in campaign.benches})
+    per_target: dict[str, int] = {}
+    for (name, _), run in found.evals.items():
+        if run is not None:
+            per_target[name] = per_target.get(name, 0) + 1
+    parts = [
+        f"**Scope.** Hosts: {', '.join(hosts)}.",
+        f"Builds: {', '.join(builds) or 'none pulled'}.",
+        f"Measured: {dates[0]} to {dates[-1]}." if dates else "Measured: nothing pulled yet.",
+        f"Speed: {'; '.join(repeats)}." if repeats else "",
+        "Runs per eval target: 1 (the newest finished run)." if per_target else "",
+        f"Not measured: {', '.join(campaign.not_measured)}." if campaign.not_measured else "",
+        f"Not pulled yet: {'; '.join(missing)}." if missing else "",
+    ]
+    return [" ".join(p for p in parts if p), ""]
+
+
+def _bench_section(bench: CampaignBench, host: str, run: StoredRun, links: _Links, out_dir: Path,
+                   loaded: LoadedCampaign, charts: list[Path]) -> list[str]:
+    campaign = loaded.campaign
+    samples = load_run_samples(run)
+    models = [m for m in bench.models if any(s.model == m for s in samples)]
+    lines = [f"### {bench.name} on {host}", ""]
+    if not models:
+        return [*lines, "No llama-bench results in this run.", ""]
+    by_key: dict[tuple[str, str, int], dict[str, list[BenchSample]]] = {}
+    for s in samples:
+        by_key.setdefault((s.test, s.config, s.flash_attn), {}).setdefault(s.model, []).append(s)
+    first = models[0]
+    header = ["test", "settings", *(f"{campaign.label(m)} t/s" for m in models),
+              *(f"{campaign.label(first)} / {campaign.label(m)}" for m in models[1:])]
+    rows = []
+    chart_rows: list[tuple[str, dict[str, tuple[float, float]]]] = []
+    for (test, config, fa), per_model in by_key.items():
+        row = [test, f"{config} fa{fa}"]
+        stats: dict[str, tuple[float, float]] = {}
+        for m in models:
+            group = per_model.get(m, [])
+            values = [v for s in group for v in s.samples_ts]
+            files = [links.result(sample_file(s)) for s in group]
+            row.append(links.number(_mean_sd(values), files) if values else "-")
+            if values:
+                stats[m] = (float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else 0.0)
+        for m in models[1:]:
+            ratio = compare_bench(m, per_model.get(m, []), first, per_model.get(first, []),
+                                  resamples=campaign.resamples, seed=campaign.seed)
+            if ratio.ratios:
+                r = ratio.ratios[0]
+                row.append(links.number(ratio_md(r.ratio), [links.result(f) for f in r.files]))
+            else:
+                row.append("-")
+        rows.append(row)
+        chart_rows.append((f"{test}\n{config} fa{fa}" if len(by_key) > 1 and len({k[1:] for k in by_key}) > 1
+                           else test, stats))
+    lines += _table(header, rows, align="ll")
+    chart = out_dir / f"speed-{bench.name}-{host}.png"
+    _speed_chart(chart, chart_rows, models, campaign.label, f"{bench.name} on {host}: tokens/s (mean ± sd)")
+    charts.append(chart)
+    lines += ["", f"![{bench.name} on {host}]({chart.name})", ""]
+    return lines
+
+
+def _speed_chart(path: Path, rows: list[tuple[str, dict[str, tuple[float, float]]]], models: list[str],
+                 label, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(rows), figsize=(max(4, 2.6 * len(rows)), 3.4), squeeze=False)
+    for ax, (test, stats) in zip(axes[0], rows, strict=True):
+        names = [m for m in models if m in stats]
+        ax.bar(range(len(names)), [stats[m][0] for m in names], yerr=[stats[m][1] for m in names], capsize=4,
+               color=[f"C{models.index(m)}" for m in names])
+        ax.set_xticks(range(len(names)), [label(m) for m in names], rotation=20, ha="right", fontsize=8)
+        ax.set_title(test, fontsize=9)
+        ax.set_ylabel("t/s")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _quality_section(loaded: LoadedCampaign, found: Located, links: _Links, out_dir: Path,
+                     charts: list[Path]) -> list[str]:
+    campaign = loaded.campaign
+    lines = ["## Quality", ""]
+    for evaluation in campaign.evals:
+        pulled = [(t, found.evals[(evaluation.name, t.id)]) for t in evaluation.runs]
+        pulled = [(t, r) for t, r in pulled if r is not None]
+        lines += [f"### {evaluation.name} (task {found.task_names.get(evaluation.name, evaluation.task)})", ""]
+        if not pulled:
+            lines += ["Nothing pulled yet.", ""]
+            continue
+        scores = {t.id: run_scores(r, resamples=campaign.resamples, seed=campaign.seed) for t, r in pulled}
+        sets = sorted({g.set for gaps in scores.values() for g in gaps if g.set != OVERALL})
+        header = ["model", "host", *(sets if len(sets) > 1 else []), "overall", "n"]
+        rows = []
+        overall: list[tuple[str, Interval]] = []
+        for target, run in pulled:
+            by_set = {g.set: g for g in scores[target.id]}
+            file = [answers_path(run)]
+            cells = [links.number(score_text(by_set[s].gap), file) if s in by_set else "-"
+                     for s in (sets if len(sets) > 1 else [])]
+            total = by_set[OVERALL]
+            rows.append([campaign.label(target.artifact), target.host, *cells,
+                         links.number(score_text(total.gap), file), links.number(str(total.n), file)])
+            overall.append((campaign.target_label(target.id), total.gap))
+        lines += _table(header, rows, align="ll")
+        chart = out_dir / f"quality-{evaluation.name}.png"
+        _quality_chart(chart, overall, f"{evaluation.name}: overall score (95% interval)")
+        charts.append(chart)
+        lines += ["", f"![{evaluation.name}]({chart.name})", ""]
+    return lines
+
+
+def _quality_chart(path: Path, overall: list[tuple[str, Interval]], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 0.5 + 0.45 * len(overall)))
+    ys = range(len(overall))
+    est = [i.estimate for _, i in overall]
+    err = [[i.estimate - i.low for _, i in overall], [i.high - i.estimate for _, i in overall]]
+    ax.barh(list(ys), est, xerr=err, capsize=4, color=[f"C{k}" for k in ys])
+    ax.set_yticks(list(ys), [name for name, _ in overall], fontsize=8)
+    ax.set_xlim(0, 1)
+    ax.set_xlabel("score")
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+@dataclass(frozen=True)
+class _Compared:
+    name: str
+    section: str
+    evaluation: str
+    pair: PairComparison
+
+
+def _comparisons(loaded: LoadedCampaign, found: Located) -> tuple[list[_Compared], list[str]]:
+    campaign = loaded.campaign
+    scoring = Scoring(cutoff_as_right=campaign.sensitivity.cutoff_as_right,
+                      toolless_as_right=campaign.sensitivity.toolless_as_right,
+                      exclude=tuple(campaign.sensitivity.exclude))
+    out, problems = [], []
+    for comparison in campaign.comparisons:
+        for evaluation in campaign.evals:
+            if comparison.evals and evaluation.name not in comparison.evals:
+                continue
+            run_a = found.evals.get((evaluation.name, comparison.a))
+            run_b = found.evals.get((evaluation.name, comparison.b))
+            if run_a is None or run_b is None:
+                continue
+            try:
+                pair = compare_pair(run_a, run_b, scoring=scoring, resamples=campaign.resamples, seed=campaign.seed)
+            except RigctlError as exc:  # a refusal (different tasks) is reported, not fatal to the report
+                problems.append(f"{comparison.name} on {evaluation.name}: {exc}")
+                continue
+            out.append(_Compared(comparison.name, comparison.section, evaluation.name, pair))
+    return out, problems
+
+
+def _comparison_sections(loaded: LoadedCampaign, compared: list[_Compared], problems: list[str],
+                         links: _Links) -> list[str]:
+    lines: list[str] = []
+    for section, title in SECTION_TITLES.items():
+        items = [c for c in compared if c.section == section]
+        if not items:
+            continue
+        lines += [f"## {title}", "", "B - A in points (95% paired bootstrap interval), question by question.", ""]
+        rows = []
+        for c in items:
+            gap = c.pair.recorded.overall
+            files = list(c.pair.files)
+            rows.append([c.name, c.evaluation, links.number(str(gap.n), files),
+                         links.number(f"{gap.score_a:.3f}", files[:1]), links.number(f"{gap.score_b:.3f}", files[1:]),
+                         links.number(gap_text(gap.gap), files)])
+        lines += _table(["comparison", "eval", "n", "A", "B", "B - A, points"], rows, align="ll")
+        lines.append("")
+    if problems:
+        lines += ["Comparisons not made:", "", *(f"- {p}" for p in problems), ""]
+    return lines
+
+
+def _sensitivity_section(compared: list[_Compared], links: _Links) -> list[str]:
+    rows = []
+    for c in compared:
+        if len(c.pair.variants) < 2:
+            continue
+        base = c.pair.recorded.overall.gap.estimate
+        files = list(c.pair.files)
+        for variant in c.pair.variants:
+            gap: SetGap = variant.overall
+            moved = "" if variant is c.pair.recorded or gap.gap.empty else f"{(gap.gap.estimate - base) * 100:+.1f}"
+            rows.append([c.name, c.evaluation, variant.label, links.number(str(gap.n), files),
+                         links.number(gap_text(gap.gap), files), moved])
+    if not rows:
+        return []
+    return ["## Sensitivity", "", "The overall gap when the sceptic's switches are applied (B - A, points).", "",
+            *_table(["comparison", "eval", "scoring", "n", "B - A, points", "moved"], rows, align="lll"), ""]
+
+
+def _habits_section(loaded: LoadedCampaign, found: Located, links: _Links) -> list[str]:
+    campaign = loaded.campaign
+    rows = []
+    for evaluation in campaign.evals:
+        for target in evaluation.runs:
+            run = found.evals.get((evaluation.name, target.id))
+            if run is None:
+                continue
+            habits = answer_habits(run)
+            file = [habits.file]
+            for s in habits.sets:
+                top = s.top_label
+                rows.append([
+                    campaign.target_label(target.id), evaluation.name, s.set, links.number(str(s.n), file),
+                    links.number(f"{top[0]} {top[1]}", file) if top else "-",
+                    links.number(", ".join(f"{k} {v}" for k, v in s.gold.items()), file) if s.gold else "-",
+                    links.number(f"{s.cutoff}", file),
+                    links.number(f"{s.toolless} of {s.tool_rows}", file) if s.tool_rows else "-",
+                    links.number(str(s.missed_calls), file) if s.tool_rows else "-",
+                ])
+    if not rows:
+        return []
+    header = ["model", "eval", "set", "n", "most predicted", "gold", "cut off", "no tool call",
+              "look like missed calls"]
+    return ["## Answer habits", "", *_table(header, rows, align="lll"), ""]
+
+
+def _runs_section(found: Located, links: _Links) -> list[str]:
+    rows = []
+    for run in sorted(found.runs(), key=lambda r: r.record.started):
+        record = run.record
+        what = (record.task or {}).get("name") or ", ".join(str(a.get("name")) for a in record.artifacts)
+        rows.append([f"[{run.host}/{run.id}]({links.rel(run.path / RUN_FILE)})", record.kind, what,
+                     record.started[:19], record.status])
+    if not rows:
+        return []
+    return ["## Runs", "", *_table(["run", "kind", "what", "started", "status"], rows, align="lllll"), ""]
+
+
+# ----------------------------------------------------------------------------------------------- build
+
+
+def build_report(loaded: LoadedCampaign, store: ResultsStore, out_dir: Path) -> Report:
+    """Write ``out_dir/report.md`` and its charts from the pulled runs the campaign names."""
+    campaign = loaded.campaign
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in out_dir.glob("*.png"):
+        old.unlink()
+    found = locate(loaded, store)
+    links = _Links(out_dir, store.root)
+    missing = [f"bench {b} on {h}" for (b, h), r in found.benches.items() if r is None]
+    missing += [f"eval {e} {t}" for (e, t), r in found.evals.items() if r is None]
+    charts: list[Path] = []
+    speed: list[str] = ["## Speed", ""]
+    for bench in campaign.benches:
+        for host in bench.hosts:
+            run = found.benches[(bench.name, host)]
+            if run is None:
+                speed += [f"### {bench.name} on {host}", "", "Nothing pulled yet.", ""]
+            else:
+                speed += _bench_section(bench, host, run, links, out_dir, loaded, charts)
+    if not campaign.benches:
+        speed = []
+    quality = _quality_section(loaded, found, links, out_dir, charts) if campaign.evals else []
+    compared, problems = _comparisons(loaded, found)
+    lines = [f"# {campaign.title}", "", *_scope(loaded, found, missing), *speed, *quality,
+             *_comparison_sections(loaded, compared, problems, links), *_sensitivity_section(compared, links),
+             *_habits_section(loaded, found, links), *_runs_section(found, links)]
+    markdown = "\n".join(lines).rstrip() + "\n"
+    path = out_dir / "report.md"
+    tmp = path.with_name(".report.md.tmp")
+    tmp.write_text(markdown)
+    os.replace(tmp, path)
+    headline = "\n".join([*speed, *quality, *_comparison_sections(loaded, compared, problems, links)]).strip()
+    return Report(path=path, markdown=markdown, charts=charts, headline=headline, missing=missing)
+
+
+def default_out_dir(loaded: LoadedCampaign) -> Path:
+    return Path("reports") / loaded.campaign.name
