@@ -7,7 +7,7 @@ import pytest
 
 from rigctl.errors import EvalError
 from rigctl.evals import scorers
-from rigctl.evals.runner import summarise
+from rigctl.evals.scorers import summarise
 from rigctl.evals.tasks import parse_task
 
 # ----------------------------------------------------------------------------------------------- GSM8K

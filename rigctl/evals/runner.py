@@ -3,7 +3,7 @@
 ``start_run`` makes the run directory and its record; ``execute`` asks every question not yet in
 ``answers.jsonl`` (so a resumed run answers each question exactly once), appending and flushing one line
 per answer as it completes; ``resume_run`` reopens a stopped run after checking that the task file, the
-datasets and the server's model and build are the ones it started with. ``summarise`` turns the answer
+datasets and the server's model and build are the ones it started with. ``scorers.summarise`` turns the answer
 lines into per-set and overall scores.
 """
 
@@ -15,13 +15,14 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rigctl.errors import EvalError, RigctlError, ServerError
 from rigctl.evals import scorers
+from rigctl.evals.scorers import summarise
 from rigctl.evals.tasks import LoadedTask, Question, load_task
 from rigctl.results import ANSWERS_FILE, ResultsStore, RunRecord, new_run_id, read_jsonl, utc_now
 from rigctl.server import DEFAULT_SEED, AsyncServerClient, Endpoint, Props, Retry, ServerClient, Timeouts
@@ -265,34 +266,3 @@ def run(task: LoadedTask, endpoint: Endpoint, run_dir: Path, record: RunRecord, 
         on_answer: OnAnswer | None = None) -> dict[str, Any]:
     """``execute`` from synchronous code."""
     return asyncio.run(execute(task, endpoint, run_dir, record, options, on_answer))
-
-
-# ----------------------------------------------------------------------------------------------- summary
-
-
-def _mean(values: Iterable[float]) -> float | None:
-    values = list(values)
-    return sum(values) / len(values) if values else None
-
-
-def summarise(rows: Sequence[Mapping[str, Any]], scorer: str) -> dict[str, Any]:
-    """Per set and overall: n, score (mean), cut-offs; tool-less and missed calls for bfcl_simple;
-    strict score for gsm8k. ``overall.score`` averages questions, ``overall.macro`` averages sets."""
-
-    def block(items: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {"n": len(items), "score": _mean(float(r["score"]) for r in items),
-                               "cutoffs": sum(1 for r in items if r.get("cutoff"))}
-        if scorer == "gsm8k":
-            out["strict_score"] = _mean(float(r.get("strict_score", 0)) for r in items)
-        if scorer == "bfcl_simple":
-            out["toolless"] = sum(1 for r in items if r.get("toolless"))
-            out["missed_calls"] = sum(1 for r in items if r.get("missed_call"))
-        return out
-
-    sets: dict[str, list[Mapping[str, Any]]] = {}
-    for row in rows:
-        sets.setdefault(str(row["set"]), []).append(row)
-    per_set = {name: block(items) for name, items in sorted(sets.items())}
-    overall = block(rows)
-    overall["macro"] = _mean(s["score"] for s in per_set.values() if s["score"] is not None)
-    return {"sets": per_set, "overall": overall}

@@ -24,7 +24,7 @@ import contextlib
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
@@ -422,3 +422,34 @@ def choice_record(data: Mapping[str, Any], answer: Mapping[str, Any],
     probs, best = first_token_probs(answer)
     label_probs = {label: probs.get(int(tokens[label]["id"])) for label in data["labels"]}
     return {**score_choice(label_probs, data["gold"]), "top_token": best}
+
+
+# ----------------------------------------------------------------------------------------------- summary
+
+
+def _mean(values: Iterable[float]) -> float | None:
+    values = list(values)
+    return sum(values) / len(values) if values else None
+
+
+def summarise(rows: Sequence[Mapping[str, Any]], scorer: str) -> dict[str, Any]:
+    """Per set and overall: n, score (mean), cut-offs; tool-less and missed calls for bfcl_simple;
+    strict score for gsm8k. ``overall.score`` averages questions, ``overall.macro`` averages sets."""
+
+    def block(items: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {"n": len(items), "score": _mean(float(r["score"]) for r in items),
+                               "cutoffs": sum(1 for r in items if r.get("cutoff"))}
+        if scorer == "gsm8k":
+            out["strict_score"] = _mean(float(r.get("strict_score", 0)) for r in items)
+        if scorer == "bfcl_simple":
+            out["toolless"] = sum(1 for r in items if r.get("toolless"))
+            out["missed_calls"] = sum(1 for r in items if r.get("missed_call"))
+        return out
+
+    sets: dict[str, list[Mapping[str, Any]]] = {}
+    for row in rows:
+        sets.setdefault(str(row["set"]), []).append(row)
+    per_set = {name: block(items) for name, items in sorted(sets.items())}
+    overall = block(rows)
+    overall["macro"] = _mean(s["score"] for s in per_set.values() if s["score"] is not None)
+    return {"sets": per_set, "overall": overall}

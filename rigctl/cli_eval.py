@@ -1,0 +1,175 @@
+"""`rigctl eval run|tasks|fetch`: rendering only; the work is in :mod:`rigctl.evals`."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from rigctl.cli import _inventory, app, console
+from rigctl.errors import ConfigError
+
+eval_app = typer.Typer(no_args_is_help=True, help="Quality evals (GSM8K, BFCL simple, choice suites) against a server.")
+app.add_typer(eval_app, name="eval")
+
+
+def _fmt(value: Any) -> str:
+    return "-" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def print_summary(summary: dict[str, Any], scorer: str, title: str) -> None:
+    table = Table(title=title)
+    columns = ["set", "n", "score"] + (["strict"] if scorer == "gsm8k" else []) + ["cut-offs"]
+    columns += ["tool-less", "missed calls"] if scorer == "bfcl_simple" else []
+    for column in columns:
+        table.add_column(column, justify="left" if column == "set" else "right")
+
+    def row(name: str, block: dict[str, Any]) -> list[str]:
+        cells = [name, str(block["n"]), _fmt(block["score"])]
+        cells += [_fmt(block.get("strict_score"))] if scorer == "gsm8k" else []
+        cells += [str(block["cutoffs"])]
+        cells += [str(block.get("toolless", 0)), str(block.get("missed_calls", 0))] if scorer == "bfcl_simple" else []
+        return cells
+
+    for name, block in summary["sets"].items():
+        table.add_row(*row(name, block))
+    if len(summary["sets"]) > 1:
+        overall = summary["overall"]
+        table.add_row(*row("overall", overall), end_section=False)
+        console.print(table)
+        console.print(f"overall: {_fmt(overall['score'])} over questions, {_fmt(overall['macro'])} over sets",
+                      highlight=False)
+        return
+    console.print(table)
+
+
+class _Bar:
+    """A progress bar with ETA and the running score."""
+
+    def __init__(self, total: int, done: int):
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                                 TextColumn("{task.fields[score]}"), console=console, transient=False)
+        self.bar = self.progress.add_task("eval", total=total, completed=done, score="")
+        self.scores: list[float] = []
+
+    def answer(self, row: dict[str, Any], done: int, total: int) -> None:
+        self.scores.append(float(row["score"]))
+        score = f"score {sum(self.scores) / len(self.scores):.3f}"
+        self.progress.update(self.bar, completed=done, total=total, score=score)
+
+    def job(self, info: Any) -> None:
+        self.progress.update(self.bar, completed=info.done, total=info.total or None, score=info.message)
+
+
+@eval_app.command("run")
+def eval_run(
+    task: Annotated[str | None, typer.Option("--task", "-t", help="Shipped task name (see `rigctl eval tasks`) "
+                                             "or a task file.")] = None,
+    host: Annotated[str | None, typer.Option("--host", help="Inventory host (with --server).")] = None,
+    server: Annotated[str | None, typer.Option("--server", "-s", help="llama_server instance on --host.")] = None,
+    url: Annotated[str | None, typer.Option("--url", help="Server URL: any OpenAI-compatible endpoint, or an "
+                                            "override for --host/--server.")] = None,
+    api_key: Annotated[str | None, typer.Option("--api-key", envvar="RIGCTL_API_KEY",
+                                                help="Bearer key (default: the inventory's).")] = None,
+    concurrency: Annotated[int, typer.Option("--concurrency", "-c", min=1, help="Requests in flight.")] = 8,
+    limit: Annotated[int | None, typer.Option("--limit", "-n", min=1, help="First N questions of each set.")] = None,
+    resume: Annotated[str | None, typer.Option("--resume", help="Finish a stopped run (id, host/id or path).")]
+    = None,
+    remote: Annotated[bool, typer.Option("--remote", help="Run as a detached job on the host; pull the results.")]
+    = False,
+    thinking: Annotated[bool, typer.Option("--thinking", help="Let the model think (reasoning kept apart).")]
+    = False,
+    seed: Annotated[int, typer.Option("--seed", help="Sampling seed (greedy anyway).")] = 1234,
+    timeout: Annotated[float, typer.Option("--timeout", min=1, help="Seconds per request.")] = 600.0,
+    results: Annotated[Path | None, typer.Option("--results", envvar="RIGCTL_RESULTS",
+                                                 help="Results store (default ./results).")] = None,
+) -> None:
+    """Run a task against one server: N requests at a time, greedy, thinking off, every answer kept."""
+    from rigctl.evals import runner
+    from rigctl.evals.target import inventory_target, url_target
+    from rigctl.evals.tasks import load_task
+    from rigctl.results import ResultsStore
+
+    store = ResultsStore(results)
+    if (host is None) != (server is None):
+        raise ConfigError("--host and --server go together (or give --url alone)")
+    if host and server:
+        target = inventory_target(_inventory().host(host), server, url=url, api_key=api_key)
+    elif url:
+        target = url_target(url, api_key=api_key)
+    elif resume:
+        run = store.find(resume)
+        endpoint = (run.record.server or {}).get("endpoint")
+        if not endpoint:
+            raise ConfigError(f"run {resume}: no server endpoint recorded; give --url or --host/--server")
+        target = url_target(endpoint, api_key=api_key, host=run.host)
+    else:
+        raise ConfigError("give --host and --server, or --url")
+
+    if resume:
+        if remote:
+            raise ConfigError("--resume runs from here; a remote run is redone with --remote")
+        run_dir, record, loaded, options = runner.resume_run(store, resume, target.endpoint)
+        console.print(f"resuming {record.host}/{record.id}: {loaded.name} against {target.endpoint}", highlight=False)
+    else:
+        if task is None:
+            raise ConfigError("--task is required (or --resume RUN)")
+        options = runner.Options(concurrency=concurrency, seed=seed, thinking=thinking, timeout=timeout)
+        with console.status(f"loading {task} and its datasets"):
+            loaded = load_task(task, limit=limit)
+        if remote:
+            from rigctl.evals.remote import run_remote
+
+            console.print(f"{loaded.name}: {len(loaded.questions)} questions, job on {target.host}", highlight=False)
+            bar = _Bar(len(loaded.questions), 0)
+            with bar.progress:
+                run = run_remote(loaded, target, options, store, limit=limit, on_progress=bar.job)
+            summary = run.record.extra.get("summary") or {}
+            print_summary(summary, loaded.scorer, f"{loaded.name} on {target.endpoint} ({run.host}/{run.id})")
+            return
+        run_dir, record = runner.start_run(loaded, target.endpoint, store, target.host, options=options, limit=limit,
+                                           server=target.server, artifacts=target.artifacts, gpu=target.gpu,
+                                           llama_cpp=target.llama_cpp)
+        console.print(f"{record.host}/{record.id}: {loaded.name}, {len(loaded.questions)} questions against "
+                      f"{target.endpoint}, {options.concurrency} at a time", highlight=False)
+    done = len(runner.answered(run_dir / "answers.jsonl"))
+    bar = _Bar(len(loaded.questions), done)
+    started = time.monotonic()
+    with bar.progress:
+        summary = runner.run(loaded, target.endpoint, run_dir, record, options, on_answer=bar.answer)
+    print_summary(summary, loaded.scorer, f"{loaded.name} on {target.endpoint} ({record.host}/{record.id}, "
+                  f"{time.monotonic() - started:.0f} s)")
+    console.print(f"answers: {run_dir / 'answers.jsonl'}", highlight=False)
+
+
+@eval_app.command("tasks")
+def eval_tasks() -> None:
+    """The shipped task files: name, scorer, sets and where their data comes from."""
+    from rigctl.evals.tasks import load_task, shipped_tasks
+
+    table = Table(title="shipped eval tasks")
+    for column in ("task", "scorer", "sets", "data", "description"):
+        table.add_column(column)
+    for path in shipped_tasks():
+        spec = load_task(str(path), fetch=False).spec
+        sources = [s.dataset for s in spec.sets] if spec.scorer == "choice" else [spec.dataset]
+        data = "\n".join(f"{s.hf}@{s.revision[:12]}/{s.file}" if s.hf else (s.url or s.path or "") for s in sources)
+        sets = ", ".join(s.name for s in spec.sets) if spec.scorer == "choice" else spec.name
+        table.add_row(path.stem, spec.scorer, sets, data, spec.description)
+    console.print(table)
+
+
+@eval_app.command("fetch")
+def eval_fetch(task: Annotated[str, typer.Argument(help="Shipped task name or task file.")]) -> None:
+    """Download and verify a task's datasets into the cache (for offline runs); records first hashes."""
+    from rigctl.evals.tasks import load_task
+
+    loaded = load_task(task)
+    for file in loaded.files:
+        console.print(f"{file.key}: {file.sha256} {file.path}", markup=False, highlight=False)
+    console.print(f"{loaded.name}: {len(loaded.questions)} questions", highlight=False)

@@ -1,0 +1,72 @@
+"""``rigctl eval run --remote``: the eval as a detached job on the host (:mod:`rigctl.jobs`).
+
+The rigs have Python 3.11 and no rigctl, and may have no network, so the controller does what needs
+rigctl's dependencies or the network — loading the task file, fetching and verifying its datasets,
+building the questions — and ships the questions with a copy of the stdlib-only
+:mod:`rigctl.evals.scorers`; :mod:`rigctl.remote.eval_task` then asks the local server (127.0.0.1) over
+urllib with the same request bodies and scoring rules, and the job machinery pulls the run home
+(sha256-checked). The job takes the host's ``gpu`` lock, so an eval never overlaps a bench.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rigctl import jobs
+from rigctl.errors import ConfigError, EvalError
+from rigctl.evals import scorers
+from rigctl.evals.runner import Options
+from rigctl.evals.target import Target
+from rigctl.evals.tasks import LoadedTask
+from rigctl.results import ANSWERS_FILE, ResultsStore, StoredRun, read_jsonl
+
+
+def job_spec(task: LoadedTask, target: Target, options: Options, questions_file: Path,
+             limit: int | None = None) -> jobs.JobSpec:
+    if target.inventory_host is None or not target.server.get("port"):
+        raise ConfigError("--remote needs an inventory server (--host and --server), not a bare --url")
+    params: dict[str, Any] = {
+        "scorer": task.scorer, "port": target.server["port"], "api_key": target.endpoint.api_key,
+        "concurrency": options.concurrency, "seed": options.seed, "thinking": options.thinking,
+        "timeout_s": options.timeout, "retries": options.retry.attempts,
+        "max_tokens": getattr(task.spec, "max_tokens", None), "n_probs": getattr(task.spec, "n_probs", None),
+    }
+    if target.artifacts:
+        params["artifact"] = {"name": target.artifacts[0]["name"], "path": target.artifacts[0]["path"]}
+    record = {
+        "server": {k: v for k, v in target.server.items()},
+        "task": {"name": task.name, "scorer": task.scorer, "file": str(task.path.resolve()),
+                 "file_sha256": task.file_sha256, "dataset_sha256": task.dataset_sha256,
+                 "questions": len(task.questions)},
+        "seed": options.seed, "concurrency": options.concurrency,
+        "extra": {"thinking": options.thinking, "limit": limit, "timeout_s": options.timeout, "remote": True},
+    }
+    return jobs.JobSpec(kind="eval", task="eval_task", params=params, lock="gpu", record=record,
+                        files={"questions.jsonl": questions_file, "eval_scorers.py": Path(scorers.__file__)},
+                        max_runtime_s=int(options.timeout * max(1, len(task.questions))))
+
+
+def run_remote(task: LoadedTask, target: Target, options: Options, store: ResultsStore, *,
+               limit: int | None = None, on_progress: Callable[[jobs.JobInfo], None] | None = None) -> StoredRun:
+    """Start the job, follow it to the end, pull its run home; the stored run (failed jobs raise)."""
+    host = target.inventory_host
+    assert host is not None
+    with tempfile.TemporaryDirectory(prefix="rigctl-eval-") as tmp:
+        questions = Path(tmp) / "questions.jsonl"
+        with questions.open("w", encoding="utf-8") as out:
+            for question in task.questions:
+                out.write(json.dumps({"id": question.id, "set": question.set, "data": question.data}) + "\n")
+        info = jobs.start(host, job_spec(task, target, options, questions, limit))
+    info = jobs.wait(host, info.id, on_progress=on_progress)
+    jobs.pull(host, store)
+    if info.state != "done":
+        raise EvalError(f"{host.name}: eval job {info.id} {info.state}: {info.error or info.message}")
+    run = store.find(f"{host.name}/{info.id}")
+    answered = len(read_jsonl(run.path / ANSWERS_FILE))
+    if answered != len(task.questions):
+        raise EvalError(f"{host.name}/{info.id}: {answered} answers for {len(task.questions)} questions")
+    return run
