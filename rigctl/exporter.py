@@ -25,17 +25,20 @@ import json
 import logging
 import math
 import shlex
+import socket
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
-from pathlib import Path
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector, CollectorRegistry
+from prometheus_client.utils import floatToGoString
 
 from rigctl.build import Builds, parse_fact
 from rigctl.errors import ConfigError, RigctlError
@@ -197,6 +200,7 @@ class BenchResult:
     host: str
     artifact: str
     test: str
+    config: str  # llama-bench settings besides the model: ngl, threads, cache types, flash attention
     tokens_per_second: float
     run_id: str
     ended: float  # unix time
@@ -335,24 +339,25 @@ def _unix(stamp: str | None) -> float:
         return 0.0
 
 
-def _artifact_of(run: StoredRun, model_stem: str = "") -> str:
-    """The artifact a run measured: the record's artifact whose file is ``model_stem``, else its first."""
-    artifacts = [a for a in run.record.artifacts if a.get("name")]
-    for artifact in artifacts:
-        if model_stem and Path(str(artifact.get("path", ""))).stem == model_stem:
+def _artifact_of(run: StoredRun) -> str:
+    """The artifact an eval run asked: the record's first artifact, else its server's."""
+    for artifact in run.record.artifacts:
+        if artifact.get("name"):
             return str(artifact["name"])
-    if artifacts and not model_stem:
-        return str(artifacts[0]["name"])
-    return model_stem or "unknown"
+    return str((run.record.server or {}).get("artifact") or "unknown")
 
 
 def bench_results(run: StoredRun) -> list[BenchResult]:
-    """Mean t/s per test and model from the llama-bench output among a bench run's raw files."""
-    from rigctl.compare import bench_cells
+    """Mean t/s per model, test and configuration of a bench run, over every repetition of every cell."""
+    from rigctl.bench import load_run_samples
 
+    pooled: dict[tuple[str, str, str], list[float]] = {}
+    for sample in load_run_samples(run):
+        key = (sample.model, sample.test, f"{sample.config} fa{sample.flash_attn}")
+        pooled.setdefault(key, []).extend(sample.samples_ts)
     ended = _unix(run.record.ended)
-    return [BenchResult(run.host, _artifact_of(run, cell.model), cell.test, cell.mean_ts, run.id, ended)
-            for cell in bench_cells(run) if cell.samples_ts]
+    return [BenchResult(run.host, model, test, config, sum(values) / len(values), run.id, ended)
+            for (model, test, config), values in sorted(pooled.items()) if values]
 
 
 def eval_score(run: StoredRun) -> EvalScore | None:
@@ -378,7 +383,7 @@ class ResultsReader:
         self._evals: dict[str, EvalScore | None] = {}
 
     def latest(self) -> tuple[list[BenchResult], list[EvalScore]]:
-        bench: dict[tuple[str, str, str], BenchResult] = {}
+        bench: dict[tuple[str, str, str, str], BenchResult] = {}
         evals: dict[tuple[str, str, str], EvalScore] = {}
         if not self.store.root.is_dir():
             return [], []
@@ -388,9 +393,13 @@ class ResultsReader:
             key = f"{run.host}/{run.id}"
             if run.record.kind == "bench":
                 if key not in self._bench:
-                    self._bench[key] = bench_results(run)
+                    try:
+                        self._bench[key] = bench_results(run)
+                    except (RigctlError, OSError, ValueError) as exc:
+                        log.warning("bench run %s: %s", key, exc)
+                        self._bench[key] = []
                 for result in self._bench[key]:
-                    slot = (result.host, result.artifact, result.test)
+                    slot = (result.host, result.artifact, result.test, result.config)
                     if slot not in bench or bench[slot].ended <= result.ended:
                         bench[slot] = result
             elif run.record.kind == "eval":
@@ -401,19 +410,19 @@ class ResultsReader:
                     slot = (score.host, score.task, score.artifact)
                     if slot not in evals or evals[slot].ended <= score.ended:
                         evals[slot] = score
-        return sorted(bench.values(), key=lambda b: (b.host, b.artifact, b.test)), sorted(
+        return sorted(bench.values(), key=lambda b: (b.host, b.artifact, b.test, b.config)), sorted(
             evals.values(), key=lambda e: (e.host, e.task, e.artifact))
 
 
 # ----------------------------------------------------------------------------------------------- metrics
 
 
-def metric_families(snapshot: Snapshot | None, plans: Mapping[str, HostPlan], now: float) -> list[Metric]:
-    """The exposition of one snapshot: every family, with HELP and TYPE even when it has no samples."""
+def metric_families(snapshot: Snapshot | None, plans: Mapping[str, HostPlan]) -> list[Metric]:
+    """Every family of one snapshot, with HELP and TYPE even when it has no samples; all but the
+    snapshot's age, which changes with every scrape (:func:`age_exposition`)."""
     g = GaugeMetricFamily
     up = g("rigctl_host_up", "1 if the host answered over SSH in the last collection, else 0", labels=["host"])
     probe = g("rigctl_host_probe_duration_seconds", "Time the last collection took on the host", labels=["host"])
-    age = g("rigctl_collection_age_seconds", "Seconds since the last completed collection (NaN before the first)")
     completed = g("rigctl_collection_timestamp_seconds", "Unix time the last collection completed")
     duration = g("rigctl_collection_duration_seconds", "Time the last collection took over all hosts")
     build_info = InfoMetricFamily(
@@ -440,8 +449,9 @@ def metric_families(snapshot: Snapshot | None, plans: Mapping[str, HostPlan], no
     mem_total = g("rigctl_gpu_memory_total_bytes", "GPU memory in total", labels=gpu_labels)
     utilization = g("rigctl_gpu_utilization_ratio", "GPU utilisation over the last sample period (0-1)",
                     labels=gpu_labels)
-    bench = g("rigctl_bench_tokens_per_second", "Latest pulled llama-bench result: mean tokens/s per test and model",
-              labels=["host", "artifact", "test", "run"])
+    bench = g("rigctl_bench_tokens_per_second",
+              "Latest pulled llama-bench result: mean tokens/s per model, test and configuration",
+              labels=["host", "artifact", "test", "config", "run"])
     bench_time = g("rigctl_bench_run_end_timestamp_seconds", "Unix time the latest bench run per model ended",
                    labels=["host", "artifact", "run"])
     eval_gauge = g("rigctl_eval_score_ratio", "Latest pulled eval result: mean score per task and artifact (0-1)",
@@ -451,7 +461,6 @@ def metric_families(snapshot: Snapshot | None, plans: Mapping[str, HostPlan], no
     results_ok = g("rigctl_results_readable", "1 if the results store was read in the last collection")
 
     if snapshot is not None:
-        age.add_metric([], max(0.0, now - snapshot.completed_at))
         completed.add_metric([], snapshot.completed_at)
         duration.add_metric([], snapshot.duration_seconds)
         results_ok.add_metric([], 0.0 if snapshot.results_error else 1.0)
@@ -493,7 +502,8 @@ def metric_families(snapshot: Snapshot | None, plans: Mapping[str, HostPlan], no
                         family.add_metric(labels, value)
         run_ends: dict[tuple[str, str, str], float] = {}
         for result in snapshot.bench:
-            bench.add_metric([result.host, result.artifact, result.test, result.run_id], result.tokens_per_second)
+            bench.add_metric([result.host, result.artifact, result.test, result.config, result.run_id],
+                             result.tokens_per_second)
             run_ends[(result.host, result.artifact, result.run_id)] = result.ended
         for (host, artifact, run_id), ended in sorted(run_ends.items()):
             bench_time.add_metric([host, artifact, run_id], ended)
@@ -501,11 +511,32 @@ def metric_families(snapshot: Snapshot | None, plans: Mapping[str, HostPlan], no
             labels = [score.host, score.task, score.artifact, score.run_id]
             eval_gauge.add_metric(labels, score.score)
             eval_n.add_metric(labels, float(score.questions))
-    else:
-        age.add_metric([], math.nan)
-    return [up, probe, age, completed, duration, results_ok, build_info, build_drift, model_info, model_drift,
+    return [up, probe, completed, duration, results_ok, build_info, build_drift, model_info, model_drift,
             model_bytes, server_info, server_state, server_pid, server_restarts, temperature, mem_used, mem_total,
             utilization, bench, bench_time, eval_gauge, eval_n]
+
+
+AGE_METRIC = "rigctl_collection_age_seconds"
+_AGE_HEAD = (f"# HELP {AGE_METRIC} Seconds since the last completed collection (NaN before the first)\n"
+             f"# TYPE {AGE_METRIC} gauge\n").encode()
+
+
+def age_exposition(age_seconds: float) -> bytes:
+    """The one family computed per scrape: the age of the collection being served."""
+    return _AGE_HEAD + f"{AGE_METRIC} {floatToGoString(age_seconds)}\n".encode()
+
+
+def exposition(families: Iterable[Metric]) -> bytes:
+    """Families in Prometheus's text format (prometheus-client's own encoder)."""
+    registry = CollectorRegistry(auto_describe=False)
+    fixed = list(families)
+
+    class _Fixed(Collector):
+        def collect(self) -> Iterable[Metric]:
+            return fixed
+
+    registry.register(_Fixed())
+    return generate_latest(registry)
 
 
 # ----------------------------------------------------------------------------------------------- collection
@@ -537,6 +568,7 @@ class Exporter:
         self.host_timeout = host_timeout
         self.hash_timeout = hash_timeout
         self._snapshot: Snapshot | None = None
+        self._static = exposition(metric_families(None, self.plans))
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -555,35 +587,49 @@ class Exporter:
         with self._lock:
             return self._snapshot
 
-    def collector(self) -> Collector:
+    def render(self) -> bytes:
+        """What a scrape gets: the last collection's exposition, rendered when it was published, and its
+        age now."""
+        with self._lock:
+            snapshot, static = self._snapshot, self._static
+        age = math.nan if snapshot is None else max(0.0, time.time() - snapshot.completed_at)
+        return static + age_exposition(age)
+
+    def serve(self, listen: str = DEFAULT_LISTEN) -> tuple[ThreadingHTTPServer, threading.Thread]:
+        """Serve ``GET /metrics`` on ``listen`` from a thread; returns the server (``shutdown()`` stops it)."""
+        address, port = parse_listen(listen)
         exporter = self
 
-        class _FleetCollector(Collector):
-            def collect(self) -> Iterable[Metric]:
-                return metric_families(exporter.snapshot, exporter.plans, time.time())
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive: Prometheus reuses its connection to a target
+            disable_nagle_algorithm = True  # headers and body are two writes; no delayed-ACK stall between
 
-        return _FleetCollector()
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                if self.path.split("?", 1)[0] != "/metrics":
+                    self._reply(404, b"rigctl exporter: see /metrics\n", "text/plain; charset=utf-8")
+                    return
+                self._reply(200, exporter.render(), CONTENT_TYPE_LATEST)
 
-    def registry(self) -> CollectorRegistry:
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(self.collector())
-        return registry
+            def _reply(self, status: int, body: bytes, content_type: str) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
 
-    def render(self) -> bytes:
-        """The exposition text of the last collection, as a scrape gets it."""
-        from prometheus_client import generate_latest
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+                log.debug("%s %s", self.address_string(), format % args)
 
-        return generate_latest(self.registry())
-
-    def serve(self, listen: str = DEFAULT_LISTEN) -> tuple[Any, threading.Thread]:
-        """Serve ``/metrics`` on ``listen`` from a thread (prometheus-client's HTTP server)."""
-        from prometheus_client import start_http_server
-
-        address, port = parse_listen(listen)
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        server_class = type("ExporterHTTPServer", (ThreadingHTTPServer,),
+                            {"address_family": family, "daemon_threads": True})
         try:
-            return start_http_server(port, addr=address, registry=self.registry())
+            server = server_class((address, port), Handler)
         except OSError as exc:
             raise ConfigError(f"exporter: cannot listen on {listen}: {exc.strerror or exc}") from None
+        thread = threading.Thread(target=server.serve_forever, name="rigctl-exporter-http", daemon=True)
+        thread.start()
+        return server, thread
 
     def start(self) -> None:
         """Collect now and then every ``interval`` seconds, in a background thread."""
@@ -638,8 +684,9 @@ class Exporter:
                 log.warning("%s: no answer within %gs", name, self.host_timeout)
         snapshot = Snapshot(completed_at=time.time(), duration_seconds=time.monotonic() - started, hosts=hosts,
                             bench=bench, evals=evals, results_error=results_error)
+        static = exposition(metric_families(snapshot, self.plans))
         with self._lock:
-            self._snapshot = snapshot
+            self._snapshot, self._static = snapshot, static
             self.collections += 1
         return snapshot
 
