@@ -1,0 +1,39 @@
+"""Helpers shared by the bench and jobs lab tests: a provisioned lab and the CLI as a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rigctl.inventory import Inventory
+
+REPO = Path(__file__).resolve().parent.parent
+RIGCTL = [str(Path(sys.executable).parent / "rigctl")]  # the installed script, as users run it
+
+
+def served_inventory(request: pytest.FixtureRequest) -> Inventory:
+    """The lab up with site.yml applied: the suite's ``lab_served`` when conftest has it, else ``lab_up``
+    provisioned here."""
+    try:
+        return request.getfixturevalue("lab_served")
+    except pytest.FixtureLookupError:
+        pass
+    from rigctl.deploy import run_playbook
+
+    inventory = request.getfixturevalue("lab_up")
+    run_playbook(inventory, "site.yml", timeout=3600).raise_for_failures()
+    return inventory
+
+
+def cli_env(results: Path) -> dict[str, str]:
+    return {**os.environ, "RIGCTL_INVENTORY": str(REPO / "inventory" / "lab"), "RIGCTL_RESULTS": str(results),
+            "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
+
+
+def rigctl(*args: str, results: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*RIGCTL, *args], capture_output=True, text=True, timeout=timeout, env=cli_env(results),
+                          cwd=REPO, check=False)
