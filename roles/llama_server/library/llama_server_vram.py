@@ -159,7 +159,8 @@ def model_shape(header: dict) -> dict:
     n_vocab = int(tokens["length"] if isinstance(tokens, dict) else len(tokens or []) or key("vocab_size", 0) or 0)
     kv_layers = []
     for i in range(n_layer):
-        if is_recurrent[i] or n_head_kv[i] == 0 or i >= n_layer - shared:
+        # Multi-token-prediction blocks (nextn) only hold a cache when they draft; not counted here.
+        if is_recurrent[i] or n_head_kv[i] == 0 or i >= n_layer - shared or i >= n_layer - nextn:
             continue
         swa = is_swa[i]
         kv_layers.append({"k": n_head_kv[i] * (k_len_swa if swa else k_len),
