@@ -13,8 +13,8 @@ A background loop collects from every host concurrently, each host bounded by it
 dead host costs one timeout and never stalls the others; a scrape only renders the last completed
 collection (with its age), so it never waits on SSH.
 
-Each host is read with one SSH command (:data:`PROBE_SCRIPT`) whose raw outputs are parsed by the pure
-functions here (:func:`parse_nvidia_smi`, :func:`parse_systemctl_show`, :func:`rigctl.build.parse_fact`,
+Each host is read with one SSH command (:data:`PROBE_SCRIPT`) whose raw outputs are parsed by pure functions
+(:func:`parse_nvidia_smi` here, :func:`rigctl.servers.parse_unit_show`, :func:`rigctl.build.parse_fact`,
 :func:`rigctl.models.parse_manifest`). Model files are re-hashed only when their size, mtime, ctime or
 inode change, on a slower lane of their own, so a 4 GB file never holds up a collection.
 """
@@ -45,6 +45,7 @@ from rigctl.errors import ConfigError, RigctlError
 from rigctl.inventory import Host, Inventory
 from rigctl.models import artifact_path, host_artifacts, host_pins, parse_manifest
 from rigctl.results import ANSWERS_FILE, ResultsStore, StoredRun, read_jsonl
+from rigctl.servers import UNIT_PROPERTIES, UnitState, parse_unit_show, unit_name
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +86,7 @@ for line in listed["out"].splitlines():
     name = line.split(None, 1)[0] if line.strip() else ""
     if name.endswith(".service") and name not in units:
         units.append(name)
-out["units"] = run(["systemctl", "show", "--no-pager",
-                    "--property=Id,LoadState,ActiveState,SubState,MainPID,NRestarts", "--"] + units,
+out["units"] = run(["systemctl", "show", "--no-pager", "--property=" + args["unit_properties"], "--"] + units,
                    args["timeout"]) if units else {"rc": 0, "out": "", "err": ""}
 models = out["models"] = {}
 for name, path in args["models"].items():
@@ -134,22 +134,6 @@ class GpuSample:
     memory_used_bytes: float | None
     memory_total_bytes: float | None
     utilization_ratio: float | None
-
-
-@dataclass(frozen=True)
-class UnitState:
-    unit: str
-    load_state: str
-    active_state: str
-    sub_state: str
-    main_pid: int
-    restarts: int | None
-
-    @property
-    def instance(self) -> str:
-        """``smollm2`` for ``llama-server@smollm2.service``."""
-        stem = self.unit.removesuffix(".service")
-        return stem.split("@", 1)[1] if "@" in stem else stem
 
 
 @dataclass(frozen=True)
@@ -297,24 +281,10 @@ def parse_nvidia_smi(text: str) -> list[GpuSample]:
     return samples
 
 
-def parse_systemctl_show(text: str) -> list[UnitState]:
-    """``systemctl show --property=Id,LoadState,ActiveState,SubState,MainPID,NRestarts -- UNITS...``:
-    one block of KEY=VALUE lines per unit, blocks separated by a blank line."""
-    states = []
-    for block in text.strip().split("\n\n"):
-        props = dict(line.split("=", 1) for line in block.splitlines() if "=" in line)
-        if not props.get("Id"):
-            continue
-        restarts = props.get("NRestarts", "")
-        states.append(UnitState(
-            unit=props["Id"],
-            load_state=props.get("LoadState", ""),
-            active_state=props.get("ActiveState", ""),
-            sub_state=props.get("SubState", ""),
-            main_pid=int(props.get("MainPID") or 0),
-            restarts=int(restarts) if restarts.isdigit() else None,
-        ))
-    return states
+def unit_instance(unit: str) -> str:
+    """``smollm2`` for ``llama-server@smollm2.service``."""
+    stem = unit.removesuffix(".service")
+    return stem.split("@", 1)[1] if "@" in stem else stem
 
 
 def parse_listen(listen: str) -> tuple[str, int]:
@@ -489,11 +459,11 @@ def metric_families(snapshot: Snapshot | None, plans: Mapping[str, HostPlan]) ->
                 if model.bytes is not None:
                     model_bytes.add_metric([name, model.artifact], float(model.bytes))
             for unit in facts.units:
+                instance = unit_instance(unit.unit)
                 for state in UNIT_STATES:
-                    server_state.add_metric([name, unit.instance, state], 1.0 if unit.active_state == state else 0.0)
-                server_pid.add_metric([name, unit.instance], float(unit.main_pid))
-                if unit.restarts is not None:
-                    server_restarts.add_metric([name, unit.instance], float(unit.restarts))
+                    server_state.add_metric([name, instance, state], 1.0 if unit.active_state == state else 0.0)
+                server_pid.add_metric([name, instance], float(unit.main_pid))
+                server_restarts.add_metric([name, instance], float(unit.n_restarts))
             for gpu in facts.gpus:
                 labels = [name, gpu.index, gpu.name, gpu.uuid]
                 for family, value in ((temperature, gpu.temperature_celsius), (mem_used, gpu.memory_used_bytes),
@@ -700,7 +670,8 @@ class Exporter:
             "fact": "/etc/ansible/facts.d/llama_cpp.fact",
             "gpu_fields": ",".join(NVIDIA_SMI_FIELDS),
             "unit_pattern": UNIT_PATTERN,
-            "units": [f"llama-server@{name}.service" for name in plan.servers],
+            "unit_properties": ",".join(UNIT_PROPERTIES),
+            "units": [unit_name(name) for name in plan.servers],
             "models": models,
             "timeout": max(1.0, self.host_timeout / 2),
         }
@@ -734,7 +705,7 @@ class Exporter:
             facts.gpu_error = (smi.get("err") or "").strip() or f"nvidia-smi exited {smi.get('rc')}"
         if facts.gpu_error:
             log.info("%s: no GPU sample: %s", host.name, facts.gpu_error)
-        facts.units = parse_systemctl_show((raw.get("units") or {}).get("out", ""))
+        facts.units = list(parse_unit_show((raw.get("units") or {}).get("out", "")).values())
         pins = host_pins(host)
         to_hash: dict[str, list[int]] = {}
         for name, entry in sorted((raw.get("models") or {}).items()):
