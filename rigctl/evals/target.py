@@ -45,7 +45,7 @@ def inventory_target(host: Host, server: str, *, url: str | None = None, api_key
     if url or api_key:
         endpoint = Endpoint(url or endpoint.url, api_key or endpoint.api_key, f"{host.name}/{server}")
     profile = str(spec.get("profile", ""))
-    flags = dict((host.vars.get("llama_server_profiles") or {}).get(profile) or {})
+    flags = profile_settings(host, profile)
     flags.update({k: v for k, v in spec.items() if k not in {"artifact", "profile", "port", "enabled", "api_key"}})
     artifact = str(spec.get("artifact", ""))
     target = Target(host=host.name, endpoint=endpoint, inventory_host=host,
@@ -57,6 +57,26 @@ def inventory_target(host: Host, server: str, *, url: str | None = None, api_key
     if facts:
         _read_facts(target, host, artifact)
     return target
+
+
+def profile_settings(host: Host, name: str) -> dict[str, Any]:
+    """Profile ``name`` as the llama_server role resolves it: its ``extends`` chain (the child wins) and the
+    host's ``llama_server_profile_overrides`` on top."""
+    profiles = host.vars.get("llama_server_profiles") or {}
+    chain: list[str] = []
+    current: str | None = name
+    while current is not None and current in profiles and current not in chain:
+        chain.append(current)
+        current = (profiles[current] or {}).get("extends")
+    merged: dict[str, Any] = {}
+    for link in [*reversed(chain), None]:
+        layer = profiles[link] or {} if link else ((host.vars.get("llama_server_profile_overrides") or {}).get(name)
+                                                   or {})
+        for key, value in layer.items():
+            merged[key] = {**merged[key], **value} if isinstance(value, dict) and isinstance(merged.get(key), dict) \
+                else value
+    merged.pop("extends", None)
+    return merged
 
 
 def _read_facts(target: Target, host: Host, artifact: str) -> None:
