@@ -130,7 +130,8 @@ def eval_run(
             with bar.progress:
                 run = run_remote(loaded, target, options, store, limit=limit, on_progress=bar.job)
             summary = run.record.extra.get("summary") or {}
-            print_summary(summary, loaded.scorer, f"{loaded.name} on {target.endpoint} ({run.host}/{run.id})")
+            print_summary(summary, loaded.scorer, f"{loaded.name} on {target.endpoint} (job)")
+            console.print(f"{run.host}/{run.id}: pulled to {run.path}", highlight=False)
             return
         run_dir, record = runner.start_run(loaded, target.endpoint, store, target.host, options=options, limit=limit,
                                            server=target.server, artifacts=target.artifacts, gpu=target.gpu,
@@ -142,9 +143,9 @@ def eval_run(
     started = time.monotonic()
     with bar.progress:
         summary = runner.run(loaded, target.endpoint, run_dir, record, options, on_answer=bar.answer)
-    print_summary(summary, loaded.scorer, f"{loaded.name} on {target.endpoint} ({record.host}/{record.id}, "
-                  f"{time.monotonic() - started:.0f} s)")
-    console.print(f"answers: {run_dir / 'answers.jsonl'}", highlight=False)
+    print_summary(summary, loaded.scorer, f"{loaded.name} on {target.endpoint}")
+    console.print(f"{record.host}/{record.id}: {time.monotonic() - started:.0f} s, answers in "
+                  f"{run_dir / 'answers.jsonl'}", highlight=False)
 
 
 @eval_app.command("tasks")

@@ -227,3 +227,13 @@ def test_bad_task_files_name_the_culprit(text, message):
         parse_task(text, "bad.yaml")
     assert str(info.value).startswith("bad.yaml: ")
     assert "\n" not in str(info.value)
+
+
+def test_answered_cuts_a_torn_last_line(tmp_path):
+    from rigctl.evals.runner import answered
+
+    path = tmp_path / "answers.jsonl"
+    assert answered(path) == set()
+    path.write_text('{"id": "a", "set": "s", "score": 1}\n{"id": "b", "set": "s", "sc')
+    assert answered(path) == {("s", "a")}
+    assert path.read_text() == '{"id": "a", "set": "s", "score": 1}\n'
