@@ -145,7 +145,7 @@ def bench_summary(
     samples = [s for ref in runs for s in load_run_samples(store.find(ref))]
     rows = summarize(samples, merge=merge)
     markdown = to_markdown(rows)
-    console.print(markdown, markup=False, highlight=False)
+    console.print(markdown, markup=False, highlight=False, soft_wrap=True)
     if md_file:
         md_file.write_text(markdown)
     if csv_file:
@@ -191,3 +191,44 @@ def pull(
 
     if not _print_pull(jobs.pull_hosts(_inventory().select(host), _store(results))):
         raise typer.Exit(1)
+
+
+# ----------------------------------------------------------------------------------------------- spec
+
+
+@bench_app.command("spec")
+def bench_spec(
+    host: Annotated[str, typer.Argument(help="Host from the inventory.")],
+    baseline: Annotated[str, typer.Option("--baseline", "-b", help="Instance without drafting.")],
+    drafters: Annotated[str | None, typer.Option(
+        "--drafters", "-d", help="Drafting instances (default: all of the baseline's artifact).")] = None,
+    prompts: Annotated[str | None, typer.Option("--prompts", help="Prompt kinds (default: all).")] = None,
+    prompts_file: Annotated[Path | None, typer.Option("--prompts-file", help="YAML: kind -> chat messages.")] = None,
+    repeats: Annotated[int, typer.Option("--repeats", "-n", help="Requests per prompt and contender.")] = 3,
+    temperatures: Annotated[str, typer.Option("--temperatures", help="Comma-separated; 0 is greedy.")] = "0,0.8",
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens per reply.")] = 256,
+    no_start: Annotated[bool, typer.Option("--no-start", help="Do not start instances that are stopped.")] = False,
+    results: ResultsOption = None,
+) -> None:
+    """The drafter race: speedup (geometric mean), acceptance and greedy byte-identity against no drafting."""
+    from rigctl.bench_spec import run_race, to_markdown
+
+    try:
+        temps = [float(t) for t in temperatures.split(",") if t.strip()]
+    except ValueError:
+        raise ConfigError(f"--temperatures {temperatures!r}: expected numbers separated by commas") from None
+
+    def show(r) -> None:
+        accepted = f", accepted {r.draft_n_accepted}/{r.draft_n}" if r.draft_n else ""
+        console.print(f"  {r.contender} {r.prompt} t={r.temperature:g} #{r.repeat}: {r.tokens} tokens, "
+                      f"{r.tokens_per_s:.2f} tok/s{accepted}", markup=False, highlight=False)
+
+    result = run_race(_inventory().host(host), baseline, _words(drafters), kinds=_words(prompts),
+                      prompts_file=prompts_file, repeats=repeats, temperatures=temps, max_tokens=max_tokens,
+                      start=not no_start, store=_store(results), on_request=show)
+    console.print(to_markdown(result.rows), markup=False, highlight=False, soft_wrap=True)
+    for name, deltas in result.metrics.items():
+        if deltas:
+            console.print(f"{name}: " + ", ".join(f"{k.removeprefix('llamacpp:')}={v:g}" for k, v in deltas.items()),
+                          markup=False, highlight=False, soft_wrap=True)
+    console.print(f"run: {result.host}/{result.run_dir.name if result.run_dir else '?'}", highlight=False)

@@ -184,3 +184,128 @@ def test_load_run_samples_reads_the_raw_files(tmp_path: Path) -> None:
     assert {(s.temp_start_c, s.temp_end_c) for s in samples} == {(39, 61)}
     rows = summarize(samples)
     assert next(r for r in rows if r.model == "q4_1").ratio["q4_0"] == pytest.approx(1.5)
+
+
+# ----------------------------------------------------------------------------------------------- lab
+
+
+@pytest.fixture(scope="module")
+def served(request: pytest.FixtureRequest):
+    from benchlab import served_inventory
+
+    return served_inventory(request)
+
+
+# What the stand-in nvidia-smi answers, one reading per call: hot, cooling, and hot again after cells.
+TEMPERATURES = [72, 55, 38, 66, 47, 39, 58, 36, 61, 35]
+
+
+@pytest.mark.lab
+def test_two_artifact_bench_alternates_waits_while_hot_and_summarises(served, tmp_path: Path) -> None:
+    from benchlab import rigctl
+
+    from rigctl.lab import Lab
+
+    Lab.from_inventory(served).set_gpu("desktop", temperature=80, temperature_sequence=TEMPERATURES)
+    done = rigctl("bench", "run", "-H", "desktop", "-m", "smollm2-135m-q4_1,smollm2-135m-q4_0", "-p", "16",
+                  "-n", "4", "-r", "1", "-t", "2", "--rounds", "2", "--order", "alternate", "--cooldown", "40",
+                  "--cooldown-poll", "0.2", "--wait", results=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "cooling down" in done.stdout  # progress streamed while it waited
+    job_id = next(line.split()[2] for line in done.stdout.splitlines() if " started " in line)
+    store = ResultsStore(tmp_path)
+    run = store.find(f"desktop/{job_id}")  # the pull also brings the host's earlier runs
+    record = run.record
+    assert record.status == "done" and store.verify(run) == []
+    assert [a["name"] for a in record.artifacts] == ["smollm2-135m-q4_1", "smollm2-135m-q4_0"]
+    for artifact in record.artifacts:
+        assert artifact["sha256"] == artifact["manifest"]["sha256"]
+    assert record.llama_cpp["commit"] and record.llama_cpp["build_key"]
+    assert record.gpu["name"] == "Lab stand-in for RTX 3050 OEM" and record.gpu["vram_mib"] == 8192
+    assert len(record.commands) == 4 and all(" -p 16 -n 4 -r 1 " in c for c in record.commands)
+
+    cells = [json.loads(line) for line in (run.path / "cells.jsonl").read_text().splitlines()]
+    assert [c["artifact"] for c in cells] == ["smollm2-135m-q4_1", "smollm2-135m-q4_0"] * 2
+    readings = [t for c in cells for t in c["cooldown"]["readings"]]
+    # Every reading came from the sequence in order; each cell started at or below 40 °C, after every
+    # hotter reading before it, and the first cell had to wait.
+    assert readings == [t for t in TEMPERATURES if t in readings][: len(readings)]
+    for c in cells:
+        *hot, start = c["cooldown"]["readings"]
+        assert start <= 40 and all(t > 40 for t in hot) and c["temp_start_c"] == start
+        assert c["temp_end_c"] in TEMPERATURES
+    assert cells[0]["cooldown"]["readings"][:2] == [72, 55] and cells[0]["cooldown"]["waited_s"] > 0
+
+    summary = rigctl("bench", "summary", run.id, "--csv", str(tmp_path / "s.csv"), "--png", str(tmp_path / "s.png"),
+                     results=tmp_path, timeout=120)
+    assert summary.returncode == 0, summary.stderr
+    rows = summarize(load_run_samples(run))
+    # The ratio recomputed here from the raw llama-bench files, independently of the summary code.
+    per_model: dict[tuple[str, str], list[float]] = {}
+    for c in cells:
+        for entry in json.loads((run.path / c["raw"]).read_text()):
+            name = bench_test_name(entry["n_prompt"], entry["n_gen"])
+            per_model.setdefault((name, c["artifact"]), []).extend(entry["samples_ts"])
+    for test in ("pp16", "tg4"):
+        q4_1 = next(r for r in rows if r.test == test and r.model == "smollm2-135m-q4_1")
+        expected = np.mean(per_model[(test, "smollm2-135m-q4_1")]) / np.mean(per_model[(test, "smollm2-135m-q4_0")])
+        assert q4_1.n == 2 and q4_1.cells == 2  # one repetition in each of two cells
+        assert q4_1.ratio["smollm2-135m-q4_0"] == pytest.approx(expected)
+        assert f"{q4_1.ratio['smollm2-135m-q4_0']:.3f}" in summary.stdout
+    assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
+    assert len((tmp_path / "s.csv").read_text().splitlines()) == 1 + len(rows)
+
+
+# ----------------------------------------------------------------------------------------------- drafter race
+
+
+def _reply(text: str, predicted_n: int, predicted_ms: float, draft_n: int = 0, accepted: int = 0) -> dict:
+    timings = {"predicted_n": predicted_n, "predicted_ms": predicted_ms, "prompt_n": 10, "prompt_ms": 5.0}
+    if draft_n:
+        timings |= {"draft_n": draft_n, "draft_n_accepted": accepted}
+    return {"choices": [{"message": {"content": text}, "finish_reason": "length"}], "timings": timings}
+
+
+def test_race_summary_speedup_acceptance_and_identity() -> None:
+    from rigctl.bench_spec import geometric_mean, parse_request, summarize_race
+
+    requests = [
+        parse_request("base", "code", 0.0, 1, _reply("def f(): pass", 100, 1000.0), 1.2),
+        parse_request("draft", "code", 0.0, 1, _reply("def f(): pass", 100, 500.0, 60, 54), 0.7),
+        parse_request("base", "story", 0.0, 1, _reply("Once upon", 100, 1000.0), 1.1),
+        parse_request("draft", "story", 0.0, 1, _reply("Once upon a", 100, 800.0, 40, 20), 0.9),
+        parse_request("base", "story", 0.8, 1, _reply("A", 50, 1000.0), 1.0),
+        parse_request("draft", "story", 0.8, 1, _reply("B", 50, 900.0, 30, 15), 1.0),
+    ]
+    assert requests[1].tokens_per_s == pytest.approx(200.0)
+    assert (requests[1].draft_n, requests[1].draft_n_accepted) == (60, 54)
+    rows = summarize_race(requests, "base")
+    get = {(r.contender, r.temperature, r.prompt): r for r in rows}
+    assert get[("draft", 0.0, "code")].speedup == pytest.approx(2.0)
+    assert get[("draft", 0.0, "story")].speedup == pytest.approx(1.25)
+    assert get[("draft", 0.0, "overall")].speedup == pytest.approx(math.sqrt(2.0 * 1.25))
+    assert get[("draft", 0.0, "overall")].acceptance == pytest.approx(74 / 100)
+    assert get[("draft", 0.0, "code")].identical == (1, 1)
+    assert get[("draft", 0.0, "story")].identical == (0, 1)  # one byte differs: not identical
+    assert get[("draft", 0.8, "overall")].identical is None  # sampled replies are not compared
+    assert get[("base", 0.0, "overall")].speedup is None and get[("base", 0.0, "code")].acceptance is None
+    assert geometric_mean([2.0, 0.5]) == pytest.approx(1.0)
+
+
+def test_race_contenders_from_the_lab_inventory() -> None:
+    from rigctl.bench_spec import contenders, load_prompts
+    from rigctl.inventory import Inventory
+
+    host = Inventory.load(Path(__file__).resolve().parent.parent / "inventory" / "lab").host("desktop")
+    base, draft = contenders(host, "smollm2-q4_0")
+    assert not base.drafting and draft.name == "smollm2-q4_0-draft"
+    assert draft.spec == {"type": "draft-simple", "draft_n_max": 3, "draft_model": "smollm2-135m-q4_1"}
+    with pytest.raises(ConfigError, match="baseline 'smollm2-q4_0-draft' drafts"):
+        contenders(host, "smollm2-q4_0-draft")
+    with pytest.raises(ConfigError, match="no llama_server instance 'nope'"):
+        contenders(host, "smollm2-q4_0", ["nope"])
+    prompts = load_prompts()
+    assert list(prompts) == ["code", "chat", "story", "explain", "facts", "summary"]
+    assert all(m[0]["role"] == "user" and len(m[0]["content"]) > 40 for m in prompts.values())
+    with pytest.raises(ConfigError, match="no prompt kind poetry"):
+        load_prompts(kinds=["poetry"])
