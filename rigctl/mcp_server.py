@@ -89,7 +89,7 @@ class FleetTools:
         return {"inventory": str(self.inventory.source), "hosts": hosts}
 
     def fleet_status(self, limit: str | None = None) -> dict[str, Any]:
-        from rigctl.exporter import Exporter
+        from rigctl.exporter import Exporter, unit_instance
 
         exporter = Exporter(self.inventory, limit=limit, results=self.store, host_timeout=STATUS_HOST_TIMEOUT)
         try:
@@ -125,7 +125,7 @@ class FleetTools:
             entry["models"] = [{"artifact": m.artifact, "present": m.present, "sha256": m.sha256,
                                 "expected_sha256": m.expected[0], "pinned_by": m.expected[1], "drift": m.drift}
                                for m in facts.models]
-            units = {u.instance: u for u in facts.units}
+            units = {unit_instance(u.unit): u for u in facts.units}
             servers = {}
             for instance in host.servers:
                 unit = units.get(instance.name)
