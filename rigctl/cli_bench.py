@@ -232,3 +232,28 @@ def bench_spec(
             console.print(f"{name}: " + ", ".join(f"{k.removeprefix('llamacpp:')}={v:g}" for k, v in deltas.items()),
                           markup=False, highlight=False, soft_wrap=True)
     console.print(f"run: {result.host}/{result.run_dir.name if result.run_dir else '?'}", highlight=False)
+
+
+# ----------------------------------------------------------------------------------------------- server
+
+
+@bench_app.command("server")
+def bench_server(
+    host: Annotated[str, typer.Argument(help="Host from the inventory.")],
+    instance: Annotated[str, typer.Argument(help="llama_server instance on that host.")],
+    prompt_lengths: Annotated[str, typer.Option("--prompt-lengths", help="Prompt tokens to sweep.")] = "128,512,1024",
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens generated per request.")] = 64,
+    load_runs: Annotated[int, typer.Option("--load-runs", help="Restarts timed to /health 200.")] = 1,
+    ctx_sizes: Annotated[str | None, typer.Option("--ctx-sizes", help="Context sizes for GPU memory "
+                                                  "(stops the instance meanwhile), e.g. 4096,8192.")] = None,
+    results: ResultsOption = None,
+) -> None:
+    """TTFT and decode t/s over a prompt-length sweep, model load time, GPU memory per context size."""
+    from rigctl.bench_server import run_server_bench, to_markdown
+
+    result = run_server_bench(
+        _inventory().host(host), instance, prompt_lengths=_ints(prompt_lengths, "--prompt-lengths") or [],
+        max_tokens=max_tokens, load_runs=load_runs, ctx_sizes=_ints(ctx_sizes, "--ctx-sizes") or [],
+        store=_store(results), on_step=lambda m: console.print(f"  {m}", markup=False, highlight=False))
+    console.print(to_markdown(result), markup=False, highlight=False, soft_wrap=True)
+    console.print(f"run: {result.host}/{result.run_dir.name if result.run_dir else '?'}", highlight=False)

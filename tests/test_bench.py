@@ -309,3 +309,52 @@ def test_race_contenders_from_the_lab_inventory() -> None:
     assert all(m[0]["role"] == "user" and len(m[0]["content"]) > 40 for m in prompts.values())
     with pytest.raises(ConfigError, match="no prompt kind poetry"):
         load_prompts(kinds=["poetry"])
+
+
+@pytest.mark.lab
+def test_drafter_race_reports_acceptance_and_identical_greedy_text(served, tmp_path: Path) -> None:
+    from benchlab import rigctl
+
+    done = rigctl("bench", "spec", "desktop", "--baseline", "smollm2-q4_0", "--prompts", "code,facts",
+                  "--repeats", "1", "--temperatures", "0", "--max-tokens", "24", results=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    [run] = list(ResultsStore(tmp_path).runs("desktop", kind="spec"))
+    requests = [json.loads(line) for line in (run.path / "requests.jsonl").read_text().splitlines()]
+    assert [(r["contender"], r["prompt"]) for r in requests] == [
+        ("smollm2-q4_0", "code"), ("smollm2-q4_0-draft", "code"), ("smollm2-q4_0", "facts"),
+        ("smollm2-q4_0-draft", "facts")]
+    drafted = [r for r in requests if r["contender"] == "smollm2-q4_0-draft"]
+    assert all(r["draft_n"] > 0 and 0 < r["draft_n_accepted"] <= r["draft_n"] for r in drafted)
+    assert all(r["tokens"] > 0 for r in requests)
+    # SmolLM2 Q4_1 drafting for its own Q4_0 changes the speed, never the greedy text.
+    base = {r["prompt"]: r["text"] for r in requests if r["contender"] == "smollm2-q4_0"}
+    assert all(r["text"] == base[r["prompt"]] for r in drafted)
+    summary = {(s["contender"], s["prompt"]): s for s in run.record.extra["summary"]}
+    overall = summary[("smollm2-q4_0-draft", "overall")]
+    accepted = sum(r["draft_n_accepted"] for r in drafted)
+    assert overall["acceptance"] == pytest.approx(accepted / sum(r["draft_n"] for r in drafted))
+    assert list(overall["identical"]) == [2, 2]
+    assert "| smollm2-q4_0-draft | overall | 2 |" in done.stdout
+    metrics = json.loads((run.path / "metrics.json").read_text())
+    assert metrics["smollm2-q4_0-draft"]["llamacpp:spec_decode_num_accepted_tokens_total"] == accepted
+    assert run.record.extra["started_instances"] == ["smollm2-q4_0", "smollm2-q4_0-draft"]  # and stopped after
+
+
+# ----------------------------------------------------------------------------------------------- server speed
+
+
+def test_server_bench_helpers() -> None:
+    from rigctl.bench_server import MemoryPoint, filler_prompt, kv_bytes_per_token, parse_args_file, with_flag
+
+    argv = parse_args_file("#\n# Ansible managed\n--model /m/a.gguf\n--port 8080\n-c 2048\n--metrics\n"
+                           "-ot blk\\.(1|2)\\.=CPU\n")
+    assert argv == ["--model", "/m/a.gguf", "--port", "8080", "-c", "2048", "--metrics", "-ot", "blk\\.(1|2)\\.=CPU"]
+    probe = with_flag(with_flag(argv, ("-c", "--ctx-size"), "4096"), ("--port",), "8180")
+    assert probe[probe.index("-c") + 1] == "4096" and probe[probe.index("--port") + 1] == "8180"
+    assert with_flag(["--metrics"], ("-c",), "512") == ["--metrics", "-c", "512"]
+    # 2 MiB more for 1024 more tokens: 2048 bytes per token.
+    points = [MemoryPoint(1024, 300), MemoryPoint(2048, 302), MemoryPoint(4096, 306)]
+    assert kv_bytes_per_token(points) == pytest.approx(2048.0)
+    assert kv_bytes_per_token(points[:1]) is None
+    words = lambda text: len(text.split())  # noqa: E731 (a tokenizer stand-in: one token a word)
+    assert words(filler_prompt(100, words)) == 100
