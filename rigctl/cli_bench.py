@@ -118,7 +118,7 @@ def bench_run(
         for host, outcome in started.items():
             if isinstance(outcome, RigctlError):
                 continue
-            info = jobs.wait(inv.host(host), outcome.id, on_progress=_print_progress)
+            info = jobs.wait(inv.host(host), outcome.id, on_progress=_print_progress, poll_s=0.5)
             if info.state != "done":
                 failed = True
         failed |= not _print_pull(jobs.pull_hosts([inv.host(h) for h in started], _store(results)))

@@ -208,7 +208,7 @@ def test_two_artifact_bench_alternates_waits_while_hot_and_summarises(served, tm
 
     Lab.from_inventory(served).set_gpu("desktop", temperature=80, temperature_sequence=TEMPERATURES)
     done = rigctl("bench", "run", "-H", "desktop", "-m", "smollm2-135m-q4_1,smollm2-135m-q4_0", "-p", "16",
-                  "-n", "4", "-r", "1", "-t", "2", "--rounds", "2", "--order", "alternate", "--cooldown", "40",
+                  "-n", "4", "-r", "1", "-t", "1", "--rounds", "2", "--order", "alternate", "--cooldown", "40",
                   "--cooldown-poll", "0.2", "--wait", results=tmp_path, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "cooling down" in done.stdout  # progress streamed while it waited

@@ -63,7 +63,7 @@ def test_second_bench_on_a_host_is_refused(served: Inventory, tmp_path: Path) ->
     lab = Lab.from_inventory(served)
     host = served.host("desktop")
     lab.set_gpu("desktop", temperature=85, temperature_sequence=[])  # the first job waits for the card to cool
-    spec = parse_spec({"hosts": ["desktop"], "models": MODELS[:1], "matrix": {"p": [16], "n": [4], "r": 1},
+    spec = parse_spec({"hosts": ["desktop"], "models": MODELS[:1], "matrix": {"p": [16], "n": [4], "r": 1, "t": [1]},
                        "cooldown": {"threshold_c": 40, "timeout_s": 300, "poll_s": 0.5}}, "test")
     first = jobs.start(host, bench_job_spec(host, spec))
     try:
@@ -73,7 +73,7 @@ def test_second_bench_on_a_host_is_refused(served: Inventory, tmp_path: Path) ->
             time.sleep(0.5)
         with pytest.raises(JobBusyError, match=f"desktop: refused: job {first.id} is running"):
             jobs.start(host, bench_job_spec(host, spec))
-        cli = rigctl("bench", "run", "-H", "desktop", "-m", MODELS[1], "-p", "16", "-n", "4", "-r", "1",
+        cli = rigctl("bench", "run", "-H", "desktop", "-m", MODELS[1], "-p", "16", "-n", "4", "-r", "1", "-t", "1",
                      results=tmp_path, timeout=120)
         assert cli.returncode == 1
         assert f"error: desktop: refused: job {first.id} is running and holds the 'gpu' lock" in cli.stderr
@@ -95,7 +95,7 @@ def test_second_bench_on_a_host_is_refused(served: Inventory, tmp_path: Path) ->
 def test_job_outlives_a_cut_connection_and_pull_brings_it_home(served: Inventory, tmp_path: Path) -> None:
     Lab.from_inventory(served).set_gpu("desktop", temperature=35, temperature_sequence=[])
     argv = [*RIGCTL, "bench", "run", "-H", "desktop", "-m", ",".join(MODELS), "-p", "16", "-n", "4", "-r", "1",
-            "--cooldown-poll", "0.2", "--wait"]
+            "-t", "1", "--cooldown-poll", "0.2", "--wait"]
     follower = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=cli_env(tmp_path))
     assert follower.stdout is not None

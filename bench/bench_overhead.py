@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""Wall time of `rigctl bench run --wait` for a small matrix against the same llama-bench commands run
+directly over SSH, measured side by side (alternating, the order swapped every repeat), as a ratio.
+
+Aim: at most 1.05x, cool-down waits excluded (the time each cell waited for the GPU, recorded in
+cells.jsonl, is taken off rigctl's wall time). rigctl's time covers all it adds: CLI start-up,
+inventory load, shipping the job, model hashing and facts, following progress and the
+sha256-checked pull. The direct run is one `ssh` session running the commands rigctl recorded.
+Needs the lab provisioned (`rigctl lab up && rigctl provision`).
+
+    RIGCTL_LAB_SLOT=N .venv/bin/python bench/bench_overhead.py [--repeats 3] [--host desktop]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rigctl.inventory import Inventory
+from rigctl.results import ResultsStore
+
+REPO = Path(__file__).resolve().parent.parent
+RIGCTL = str(Path(sys.executable).parent / "rigctl")
+MODELS = "smollm2-135m-q4_1,smollm2-135m-q4_0"
+MATRIX = ["-p", "64", "-n", "16", "-r", "2", "-t", "1"]
+
+
+def rigctl_run(host: str, inventory: str, results: Path) -> tuple[float, float, list[str]]:
+    """Wall time, cool-down wait and the recorded commands of one `rigctl bench run --wait`."""
+    env = {**os.environ, "RIGCTL_INVENTORY": inventory, "RIGCTL_RESULTS": str(results)}
+    before = set(p.name for p in (results / host).glob("*")) if (results / host).is_dir() else set()
+    started = time.monotonic()
+    done = subprocess.run([RIGCTL, "bench", "run", "-H", host, "-m", MODELS, *MATRIX, "--cooldown-poll", "0.5",
+                           "--wait"], env=env, capture_output=True, text=True, timeout=1800, check=False)
+    wall = time.monotonic() - started
+    if done.returncode != 0:
+        raise SystemExit(f"rigctl bench run failed: {done.stderr.strip() or done.stdout.strip()}")
+    [new] = [p for p in (results / host).glob("*") if p.name not in before]
+    run = ResultsStore(results).find(str(new))
+    cells = [json.loads(line) for line in (run.path / "cells.jsonl").read_text().splitlines()]
+    return wall, sum(c["cooldown"]["waited_s"] for c in cells), run.record.commands
+
+
+def ssh_run(inventory: Inventory, host_name: str, commands: list[str]) -> float:
+    """Wall time of the same commands in one plain `ssh` session (strict host keys, the inventory's key)."""
+    host = inventory.host(host_name)
+    argv = ["ssh", "-o", f"UserKnownHostsFile={host.known_hosts}", "-o", "StrictHostKeyChecking=yes", "-o",
+            "BatchMode=yes", "-p", str(host.port)]
+    if host.key_file:
+        argv += ["-i", str(host.key_file), "-o", "IdentitiesOnly=yes"]
+    argv += [f"{host.user}@{host.address}", " && ".join(commands)]
+    started = time.monotonic()
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=1800, check=False)
+    wall = time.monotonic() - started
+    if done.returncode != 0:
+        raise SystemExit(f"direct ssh failed: {done.stderr.strip()[-500:]}")
+    return wall
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--host", default="desktop")
+    parser.add_argument("-i", "--inventory", default=str(REPO / "inventory" / "lab"))
+    args = parser.parse_args()
+    inventory = Inventory.load(args.inventory)
+    ratios = []
+    with tempfile.TemporaryDirectory(prefix="rigctl-bench-overhead-") as tmp:
+        results = Path(tmp)
+        # The first rigctl run tells which commands to time directly (and warms the page cache).
+        _, _, commands = rigctl_run(args.host, args.inventory, results)
+        print(f"matrix: {' '.join(MATRIX)} on {MODELS}, {len(commands)} cells; commands:")
+        for command in commands:
+            print(f"  {command}")
+        for repeat in range(args.repeats):
+            order = ["rigctl", "ssh"] if repeat % 2 == 0 else ["ssh", "rigctl"]
+            times: dict[str, float] = {}
+            for which in order:
+                if which == "rigctl":
+                    wall, waited, _ = rigctl_run(args.host, args.inventory, results)
+                    times["rigctl"] = wall - waited
+                else:
+                    times["ssh"] = ssh_run(inventory, args.host, commands)
+            ratios.append(times["rigctl"] / times["ssh"])
+            print(f"repeat {repeat + 1}: rigctl {times['rigctl']:.2f} s (cool-down excluded), "
+                  f"direct ssh {times['ssh']:.2f} s, ratio {ratios[-1]:.3f}x")
+    median = statistics.median(ratios)
+    print(f"rigctl bench run / direct ssh: median {median:.3f}x over {len(ratios)} repeats (aim <= 1.05x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
