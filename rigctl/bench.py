@@ -141,7 +141,6 @@ def bench_job_spec(host: Host, spec: BenchSpec) -> jobs.JobSpec:
             raise ConfigError(f"host {host.name}: bench model {name!r} is not an artifact of this host "
                               f"(it has: {', '.join(available) or 'none'})")
     models = [{"name": name, "path": artifact_path(host, name)} for name in spec.models]
-    stop = [s.name for s in host.servers if s.enabled] if spec.stop_servers else []
     params = {
         "llama_bench": llama_bench_path(host),
         "models": models,
@@ -149,7 +148,7 @@ def bench_job_spec(host: Host, spec: BenchSpec) -> jobs.JobSpec:
         "rounds": spec.rounds,
         "order": spec.order,
         "cooldown": spec.cooldown.model_dump(),
-        "stop_servers": stop,
+        "stop_servers": spec.stop_servers,
         "cell_timeout_s": spec.cell_timeout_s,
     }
     cells = len(plan_cells(models, spec.rounds, spec.order))

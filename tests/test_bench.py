@@ -223,6 +223,12 @@ def test_two_artifact_bench_alternates_waits_while_hot_and_summarises(served, tm
     assert record.llama_cpp["commit"] and record.llama_cpp["build_key"]
     assert record.gpu["name"] == "Lab stand-in for RTX 3050 OEM" and record.gpu["vram_mib"] == 8192
     assert len(record.commands) == 4 and all(" -p 16 -n 4 -r 1 " in c for c in record.commands)
+    # The instance serving on the rig gave the card up for the run and is back.
+    assert record.extra["servers_stopped"] == ["smollm2"] and "restore_problems" not in record.extra
+    from rigctl.ssh import SshClient, SshTarget
+
+    with SshClient(SshTarget.from_host(served.host("desktop"))) as ssh:
+        assert ssh.run("systemctl is-active llama-server@smollm2.service", timeout=30).stdout.strip() == "active"
 
     cells = [json.loads(line) for line in (run.path / "cells.jsonl").read_text().splitlines()]
     assert [c["artifact"] for c in cells] == ["smollm2-135m-q4_1", "smollm2-135m-q4_0"] * 2

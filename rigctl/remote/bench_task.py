@@ -19,8 +19,8 @@ Raw files in the run directory (what summaries and reports read):
 
 Params (from :func:`rigctl.bench.bench_job_spec`): ``llama_bench`` (binary), ``models`` [{name,
 path}], ``matrix`` {p, n, r, fa, ngl, t, ctk, ctv, d}, ``rounds``, ``order``, ``cooldown``
-{threshold_c (null: no gating), timeout_s, poll_s}, ``stop_servers`` (instance names),
-``cell_timeout_s``.
+{threshold_c (null: no gating), timeout_s, poll_s}, ``stop_servers`` (true: stop every running
+``llama-server@`` unit for the run and start them again after), ``cell_timeout_s``.
 """
 
 from __future__ import annotations
@@ -86,13 +86,19 @@ def cool_down(job: Any, threshold: float | None, timeout_s: float, poll_s: float
         time.sleep(poll_s)
 
 
+def active_servers() -> list[str]:
+    """Instance names of the llama-server units running now (enabled or started by hand)."""
+    listing = subprocess.run(["systemctl", "list-units", "llama-server@*.service", "--state=active", "--plain",
+                              "--no-legend"], capture_output=True, text=True, check=False, timeout=30).stdout
+    units = [line.split()[0] for line in listing.splitlines() if line.strip()]
+    return sorted(u.removeprefix("llama-server@").removesuffix(".service") for u in units)
+
+
 def stop_servers(job: Any, names: list[str]) -> list[str]:
-    """Stop the named llama-server units that are active; the ones stopped, to start again after."""
+    """Stop the named llama-server units; the ones stopped, to start again after."""
     stopped = []
     for name in names:
         unit = SERVER_UNIT.format(name)
-        if subprocess.run(["systemctl", "is-active", "--quiet", unit], check=False, timeout=30).returncode != 0:
-            continue
         job.log(f"stopping {unit} for the bench")
         done = job.run(["systemctl", "stop", unit], timeout=120, record=False)
         if done.returncode != 0:
@@ -128,7 +134,7 @@ def run(job: Any) -> None:
     job.save_record()
     raw_dir = job.run_dir / "llama-bench"
     raw_dir.mkdir(parents=True, exist_ok=True)
-    stopped = stop_servers(job, list(p.get("stop_servers") or []))
+    stopped = stop_servers(job, active_servers() if p.get("stop_servers") else [])
     job.record["extra"]["servers_stopped"] = stopped
     try:
         for index, (round_no, model) in enumerate(cells, 1):
