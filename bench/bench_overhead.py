@@ -6,6 +6,7 @@ Aim: at most 1.05x, cool-down waits excluded (the time each cell waited for the 
 cells.jsonl, is taken off rigctl's wall time). rigctl's time covers all it adds: CLI start-up,
 inventory load, shipping the job, model hashing and facts, following progress and the
 sha256-checked pull. The direct run is one `ssh` session running the commands rigctl recorded.
+llama-server instances are left running in both (`--keep-servers`), so both see the same machine.
 Needs the lab provisioned (`rigctl lab up && rigctl provision`).
 
     RIGCTL_LAB_SLOT=N .venv/bin/python bench/bench_overhead.py [--repeats 3] [--host desktop]
@@ -35,15 +36,15 @@ MATRIX = ["-p", "64", "-n", "16", "-r", "2", "-t", "1"]
 def rigctl_run(host: str, inventory: str, results: Path) -> tuple[float, float, list[str]]:
     """Wall time, cool-down wait and the recorded commands of one `rigctl bench run --wait`."""
     env = {**os.environ, "RIGCTL_INVENTORY": inventory, "RIGCTL_RESULTS": str(results)}
-    before = set(p.name for p in (results / host).glob("*")) if (results / host).is_dir() else set()
     started = time.monotonic()
     done = subprocess.run([RIGCTL, "bench", "run", "-H", host, "-m", MODELS, *MATRIX, "--cooldown-poll", "0.5",
-                           "--wait"], env=env, capture_output=True, text=True, timeout=1800, check=False)
+                           "--keep-servers", "--wait"], env=env, capture_output=True, text=True, timeout=1800,
+                          check=False)
     wall = time.monotonic() - started
     if done.returncode != 0:
         raise SystemExit(f"rigctl bench run failed: {done.stderr.strip() or done.stdout.strip()}")
-    [new] = [p for p in (results / host).glob("*") if p.name not in before]
-    run = ResultsStore(results).find(str(new))
+    job_id = next(line.split()[2] for line in done.stdout.splitlines() if " started " in line)
+    run = ResultsStore(results).find(f"{host}/{job_id}")
     cells = [json.loads(line) for line in (run.path / "cells.jsonl").read_text().splitlines()]
     return wall, sum(c["cooldown"]["waited_s"] for c in cells), run.record.commands
 

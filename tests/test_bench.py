@@ -101,6 +101,21 @@ def test_bad_specs_name_the_key(data: dict, message: str) -> None:
         parse_spec(data, "spec")
 
 
+def test_yaml_spec_with_flag_overrides(tmp_path: Path) -> None:
+    from rigctl.bench import load_spec
+
+    path = tmp_path / "study.yml"
+    path.write_text("hosts: [desktop]\nmodels: [a, b]\n"
+                    "matrix: {p: [512, 2048], n: [128], r: 5, ngl: [99], fa: [1], t: [6]}\n"
+                    "rounds: 5\ncooldown: {threshold_c: 40, timeout_s: 900}\n")
+    spec = load_spec(path, {"matrix": {"fa": [0, 1]}, "cooldown": {"poll_s": 1.0}})
+    assert spec.matrix.p == [512, 2048] and spec.matrix.fa == [0, 1] and spec.rounds == 5
+    assert (spec.cooldown.threshold_c, spec.cooldown.timeout_s, spec.cooldown.poll_s) == (40, 900, 1.0)
+    path.write_text("hosts: [desktop]\nmodels: [a]\nmatrix: {p: fast}\n")
+    with pytest.raises(ConfigError, match=f"{path}: matrix.p: "):
+        load_spec(path)
+
+
 def test_parse_temperature() -> None:
     assert parse_temperature("41\n") == 41
     assert parse_temperature("38, 0\n55, 1\n") == 38  # GPU 0
