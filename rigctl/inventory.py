@@ -170,6 +170,7 @@ class Inventory:
 
         _init_ansible_plugins(init_plugin_loader)
         loader = DataLoader()
+        _set_vault_secrets(loader)
         try:
             manager = InventoryManager(loader=loader, sources=[str(path)], parse=True)
             if not manager.get_hosts():
@@ -261,6 +262,35 @@ def _init_ansible_plugins(init_plugin_loader: Any) -> None:
     if not _plugins_ready:
         init_plugin_loader()
         _plugins_ready = True
+
+
+def _set_vault_secrets(loader: Any) -> None:
+    """Vault-encrypted values (API keys, Hugging Face tokens) decrypt with the password file Ansible itself
+    would use: $ANSIBLE_VAULT_PASSWORD_FILE, else ansible.cfg's vault_password_file / vault_identity_list.
+    Never prompts; without a password, an encrypted value fails to load naming its key."""
+    from ansible import constants
+    from ansible.cli import CLI
+    from ansible.errors import AnsibleError
+    from ansible.parsing.vault import VaultSecretsContext
+
+    password_file = os.environ.get("ANSIBLE_VAULT_PASSWORD_FILE") or constants.DEFAULT_VAULT_PASSWORD_FILE
+    identities = list(constants.DEFAULT_VAULT_IDENTITY_LIST or [])
+    if not password_file and not identities:
+        return
+    try:
+        secrets = CLI.setup_vault_secrets(loader, vault_ids=identities,
+                                          vault_password_files=[password_file] if password_file else [],
+                                          ask_vault_pass=False, auto_prompt=False, initialize_context=False)
+    except AnsibleError as exc:
+        raise ConfigError(f"vault password {password_file or identities}: {_first_line(exc)}") from None
+    loader.set_vault_secrets(secrets)
+    # Templating decrypts through one process-wide context, which can be initialised only once:
+    # later loads (another inventory, another password file) add their secrets to it.
+    context = VaultSecretsContext.current(optional=True)
+    if context is None:
+        VaultSecretsContext.initialize(VaultSecretsContext(list(secrets)))
+    else:
+        context.secrets.extend(secret for secret in secrets if secret not in context.secrets)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -74,11 +74,20 @@ class ConvertArtifact(_Strict):
     outtype: Literal["bf16", "f16", "f32", "q8_0"]
 
 
+class ImatrixSpec(_Strict):
+    """llama-imatrix over the quantization's input with a calibration text from the controller."""
+
+    calibration: str = Field(min_length=1)
+    chunks: int | None = Field(default=None, ge=1)
+    ctx_size: int = Field(default=512, ge=16)
+    extra_args: list[str] = Field(default_factory=list)
+
+
 class QuantizeArtifact(_Strict):
     type: Literal["quantize"]
     from_: str = Field(alias="from", min_length=1)
     qtype: Annotated[str, Field(pattern=r"^[A-Za-z0-9_]+$")]
-    imatrix: Mapping[str, str] | None = None
+    imatrix: ImatrixSpec | None = None
 
 
 class ModelSpec(_Strict):
@@ -98,8 +107,8 @@ class SpecDecoding(_Strict):
         # At this llama.cpp build `-md` alone drafts nothing: draft-simple needs both.
         if self.type == "draft-simple" and not self.draft_model:
             raise ValueError("draft-simple needs draft_model (an artifact name)")
-        if self.type == "draft-mtp" and self.draft_model:
-            raise ValueError("draft-mtp drafts with the model's own MTP head; remove draft_model")
+        # draft-mtp drafts with the model's own MTP head, or with a separate one given as draft_model
+        # (Gemma 4's "assistant" drafters load with -md and --spec-type draft-mtp).
         return self
 
 
@@ -117,7 +126,7 @@ class ProfileSpec(_Strict):
     reasoning: Literal["on", "off", "auto"] | None = None
     metrics: bool | None = None
     alias: str | None = None
-    override_tensor: str | None = None
+    override_tensor: str | list[str] | None = None
     spec: SpecDecoding | None = None
     extra_args: list[str] | None = None
 
@@ -155,6 +164,9 @@ SCHEMA: dict[str, Any] = {
     "models_catalog": dict[str, ModelSpec],
     "llama_server_profiles": dict[str, ProfileSpec],
     "llama_server_instances": dict[str, InstanceSpec],
+    "llama_server_profile_overrides": dict[str, ProfileSpec],
+    "llama_server_bind_address": str,
+    "llama_server_api_key": str,
     "models_pins": dict[str, Annotated[str, Field(pattern=SHA256.pattern)]],
     "models_pin_policy": Literal["fail", "warn"],
     "rigctl_lab": LabSpec,
@@ -332,6 +344,10 @@ def _check_servers(where: str, parsed: Mapping[str, Any]) -> list[Problem]:
         if profile.spec and profile.spec.draft_model and artifacts and profile.spec.draft_model not in artifacts:
             out.append(Problem(where, f"llama_server_profiles.{name}.spec.draft_model",
                                f"{profile.spec.draft_model!r} is not an artifact in models_catalog"))
+    for name in parsed.get("llama_server_profile_overrides") or {}:
+        if "llama_server_profiles" in parsed and name not in profiles:
+            out.append(Problem(where, f"llama_server_profile_overrides.{name}",
+                               f"{name!r} is not in llama_server_profiles"))
     ports: dict[int, str] = {}
     for name, inst in sorted(instances.items()):
         base = f"llama_server_instances.{name}"

@@ -14,6 +14,7 @@ import logging
 import re
 import shlex
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -176,13 +177,17 @@ def inspect_host(host: Host, *, rehash: bool, timeout: float = SSH_TIMEOUT) -> l
 
 
 def _fleet(inventory: Inventory, limit: str | None, *, rehash: bool) -> dict[str, list[ArtifactStatus] | RigctlError]:
-    out: dict[str, list[ArtifactStatus] | RigctlError] = {}
-    for host in inventory.select(limit):
+    hosts = inventory.select(limit)
+
+    def one(host: Host) -> list[ArtifactStatus] | RigctlError:
         try:
-            out[host.name] = inspect_host(host, rehash=rehash)
+            return inspect_host(host, rehash=rehash)
         except RigctlError as exc:  # one unreachable host never hides the others
-            out[host.name] = exc
-    return out
+            return exc
+
+    # Hosts hash their files at the same time: a fleet check takes as long as its slowest host.
+    with ThreadPoolExecutor(max_workers=max(1, min(len(hosts), 16))) as pool:
+        return dict(zip([h.name for h in hosts], pool.map(one, hosts), strict=True))
 
 
 def list_artifacts(inventory: Inventory, limit: str | None = None) -> dict[str, list[ArtifactStatus] | RigctlError]:

@@ -47,9 +47,10 @@ def test_reference_rigs_load_with_their_pins_and_servers() -> None:
     assert desktop.gpu is not None and desktop.gpu.compute_capability == "8.6" and desktop.gpu.vram_mib == 8192
     assert laptop.gpu is not None and laptop.gpu.cuda_arch == "75" and laptop.gpu.vram_mib == 4096
     assert desktop.llama_cpp.version == laptop.llama_cpp.version == "7182ef71e"
-    assert {s.name for s in laptop.servers} == {"qwen", "gemma", "qwen-bf16"}
+    assert {s.name for s in laptop.servers} == {s.name for s in desktop.servers} >= {"qwen", "gemma", "qwen-bf16"}
     assert desktop.vars["llama_server_profiles"]["rig"]["ctx_size"] == 131072
-    assert laptop.vars["llama_server_profiles"]["rig-4gb-bf16"]["override_tensor"] == r"blk\.(18|19|20|21|22|23)\.=CPU"
+    bf16 = laptop.vars["llama_server_profile_overrides"]["rig-bf16"]
+    assert bf16["override_tensor"] == r"blk\.(18|19|20|21|22|23)\.=CPU" and bf16["ctx_size"] == 8192
     assert lines(REPO / "inventory" / "rigs") == []
 
 
@@ -91,9 +92,13 @@ def test_misspelled_profile_key_and_missing_key(rigs: Path) -> None:
     ]
 
 
+# The laptop's own instance list (host_vars), with two instances on one port.
+LAPTOP_CLASH = {"gemma": {"artifact": "gemma-4-e2b-qat-q4_0", "profile": "rig", "port": 8081},
+                "qwen-bf16": {"artifact": "qwen3.5-2b-bf16", "profile": "rig-bf16", "port": 8081}}
+
+
 def test_port_clash_is_reported_on_the_host_that_defines_it(rigs: Path) -> None:
-    edit(rigs / "host_vars/laptop-1650ti.yml",
-         lambda d: d["llama_server_instances"]["qwen-bf16"].update(port=8081))
+    edit(rigs / "host_vars/laptop-1650ti.yml", lambda d: d.update(llama_server_instances=LAPTOP_CLASH))
     assert lines(rigs) == ["host laptop-1650ti: llama_server_instances.qwen-bf16.port: port 8081 is also used by gemma"]
 
 
@@ -147,10 +152,10 @@ def test_cli_inventory_check_exit_codes(rigs: Path) -> None:
     ok = rigctl("-i", str(REPO / "inventory" / "lab"), "inventory", "check")
     assert ok.returncode == 0, ok.stderr
     assert "2 hosts, 0 errors, 0 warnings" in ok.stdout
-    edit(rigs / "host_vars/laptop-1650ti.yml", lambda d: d["llama_server_instances"]["gemma"].update(port=8080))
+    edit(rigs / "host_vars/laptop-1650ti.yml", lambda d: d.update(llama_server_instances=LAPTOP_CLASH))
     bad = rigctl("-i", str(rigs), "inventory", "check")
     assert bad.returncode == 2
-    assert "host laptop-1650ti: llama_server_instances.qwen.port: port 8080 is also used by gemma" in bad.stderr
+    assert "host laptop-1650ti: llama_server_instances.qwen-bf16.port: port 8081 is also used by gemma" in bad.stderr
     assert "Traceback" not in bad.stderr
 
 
@@ -200,3 +205,30 @@ def test_problem_paths_keep_keys_named_like_union_tags(tmp_path: Path) -> None:
         "group all: models_catalog.smollm2-135m.artifacts.smollm2-135m-q4_1.file: required but not set",
         "group all: models_catalog.smollm2-135m.source.url: unknown key",
     ]
+
+
+def _vault_inventory(tmp_path: Path, password: str) -> Path:
+    from ansible.parsing.vault import VaultLib, VaultSecret
+
+    ciphertext = VaultLib([("default", VaultSecret(password.encode()))]).encrypt("hf_secret_token").decode()
+    inv = tmp_path / "inv"
+    (inv / "group_vars" / "all").mkdir(parents=True)
+    (inv / "hosts.yml").write_text("all:\n  hosts:\n    rig:\n      ansible_host: 127.0.0.1\n")
+    (inv / "group_vars" / "all" / "secrets.yml").write_text(
+        "models_hf_token: !vault |\n" + "".join(f"  {line}\n" for line in ciphertext.splitlines()))
+    return inv
+
+
+def test_vault_values_decrypt_with_the_password_file_ansible_uses(tmp_path: Path, monkeypatch) -> None:
+    inv = _vault_inventory(tmp_path, "correct horse")
+    (tmp_path / "vault-pass").write_text("correct horse\n")
+    monkeypatch.setenv("ANSIBLE_VAULT_PASSWORD_FILE", str(tmp_path / "vault-pass"))
+    assert Inventory.load(inv).host("rig").vars["models_hf_token"] == "hf_secret_token"
+
+
+def test_vault_value_without_its_password_names_the_key(tmp_path: Path, monkeypatch) -> None:
+    inv = _vault_inventory(tmp_path, "another password")
+    (tmp_path / "wrong-pass").write_text("not it\n")
+    monkeypatch.setenv("ANSIBLE_VAULT_PASSWORD_FILE", str(tmp_path / "wrong-pass"))
+    with pytest.raises(ConfigError, match=r"^host rig: models_hf_token: .*decrypt"):
+        Inventory.load(inv)

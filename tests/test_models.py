@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -27,6 +28,7 @@ from hf_server import HfRepo, HfServer  # noqa: E402
 from make_hf_checkout import gguf_file, make_checkout, tools_python  # noqa: E402
 
 REVISION = "0123456789abcdef0123456789abcdef01234567"
+CALIBRATION = Path(__file__).parent / "fixtures" / "calibration.txt"
 BRIDGE = f"10.213.{os.environ.get('RIGCTL_LAB_SLOT') or 0}.1"
 
 
@@ -118,7 +120,11 @@ def inv_dir(tmp_path, lab_up, checkout) -> Path:
             "smollm2-ckpt": {"source": {"type": "controller", "path": str(checkout)},
                              "artifacts": {"ckpt-bf16": {"type": "convert", "outtype": "bf16"},
                                            "ckpt-q4_0": {"type": "quantize", "from": "ckpt-bf16",
-                                                         "qtype": "Q4_0"}}},
+                                                         "qtype": "Q4_0"},
+                                           "ckpt-q4_k-im": {"type": "quantize", "from": "ckpt-bf16",
+                                                            "qtype": "Q4_K_M",
+                                                            "imatrix": {"calibration": str(CALIBRATION),
+                                                                        "ctx_size": 128, "chunks": 2}}}},
         },
     }))
     return inv
@@ -149,9 +155,15 @@ def test_pipeline_on_the_rigs(inv_dir, checkout, tmp_path):
     inv = Inventory.load(inv_dir)
     manifests = Path(inv.hosts["desktop"].vars["rigctl_cache_dir"]) / "manifests"
     for host in ("desktop", "laptop"):
-        for art in ("hf-bf16", "hf-q4_0", "ckpt-bf16", "ckpt-q4_0"):
+        for art in ("hf-bf16", "hf-q4_0", "ckpt-bf16", "ckpt-q4_0", "ckpt-q4_k-im"):
             m = parse_manifest((manifests / host / f"{art}.json").read_text(), host)
             assert m.llama_cpp["commit"] == "b11434" and m.command and m.wall_s > 0
+    # The importance matrix: made from the calibration text by llama-imatrix, passed to llama-quantize.
+    imq = parse_manifest((manifests / "desktop" / "ckpt-q4_k-im.json").read_text())
+    imatrix = imq.raw["imatrix"]
+    assert "llama-imatrix" in imatrix["command"] and "--chunks 2" in imatrix["command"]
+    assert f"--imatrix {imatrix['path']}" in imq.command and "Q4_K" in imq.types
+    assert imatrix["calibration_id"] == "sha256:" + hashlib.sha256(CALIBRATION.read_bytes()).hexdigest()
     hf_q4 = parse_manifest((manifests / "desktop" / "hf-q4_0.json").read_text())
     assert hf_q4.raw["input"]["id"].startswith("sha256:")
     assert "Q4_0" in hf_q4.types and "llama-quantize" in hf_q4.command
@@ -190,7 +202,7 @@ def test_pins_fail_warn_and_pin_command(inv_dir, checkout):
         inv = Inventory.load(inv_dir)
         written = pin(inv, "laptop")
         # models_test.yml's catalog replaces the lab's (group_vars files override, they don't merge).
-        assert set(written["laptop"]) == {"hf-bf16", "hf-q4_0", "ckpt-bf16", "ckpt-q4_0"}
+        assert set(written["laptop"]) == {"hf-bf16", "hf-q4_0", "ckpt-bf16", "ckpt-q4_0", "ckpt-q4_k-im"}
         inv = Inventory.load(inv_dir)
         assert problems(verify(inv)) == []
         wrong = "f" * 64
@@ -223,6 +235,17 @@ def test_truncated_download_is_caught(inv_dir, checkout):
     for outcome in result.hosts.values():
         assert "model.safetensors" in (outcome.failure or "")
         assert "smollm2-hf" in (outcome.failure or "")
+
+
+@pytest.mark.lab
+def test_missing_calibration_text_is_refused(inv_dir, tmp_path):
+    catalog = yaml.safe_load((inv_dir / "group_vars" / "all" / "models_test.yml").read_text())["models_catalog"]
+    missing = tmp_path / "no-such-calibration.txt"
+    catalog["smollm2-ckpt"]["artifacts"]["ckpt-q4_k-im"]["imatrix"]["calibration"] = str(missing)
+    result = provision(inv_dir, "http://127.0.0.1:9", models_catalog=catalog, models_artifacts=["ckpt-q4_k-im"])
+    assert not result.succeeded
+    for outcome in result.hosts.values():
+        assert f"ckpt-q4_k-im: imatrix calibration file {missing} does not exist" in (outcome.failure or "")
 
 
 def _catalog_with_revision(inv_dir: Path, revision: str) -> dict:

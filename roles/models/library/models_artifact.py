@@ -41,11 +41,20 @@ options:
   pin: {description: Pinned sha256 for this host, empty for none., type: str, default: ""}
   pin_policy: {description: What a pin mismatch does., type: str, default: fail, choices: [fail, warn]}
   expect_sha256: {description: For copy, the sha256 the file must have (the builder's)., type: str, default: ""}
+  imatrix:
+    description:
+      - For quantize with an importance matrix - argv (llama-imatrix; {input}, {calibration} and {output}
+        are replaced), calibration (text file on the host) and dir (where matrices are kept). The matrix
+        is named by a key over the input, the calibration text and the command, so it is made once and
+        remade only when one of them changes; {imatrix} in I(argv) becomes its path.
+    type: dict
+    default: {}
 """
 
 import hashlib
 import json
 import os
+import re
 import shlex
 import shutil
 import struct
@@ -192,7 +201,7 @@ def input_identity(path: str) -> str:
     return "tree:" + digest.hexdigest()
 
 
-def artifact_key(p: dict, input_id: str) -> str:
+def artifact_key(p: dict, input_id: str, imatrix_key: str = "") -> str:
     inputs = {
         "kind": p["kind"],
         "argv": p["argv"],
@@ -201,6 +210,8 @@ def artifact_key(p: dict, input_id: str) -> str:
         "build": p["build"].get("key", "") if p["key_build"] else "",
         "manifest_version": MANIFEST_VERSION,
     }
+    if imatrix_key:  # only then, so artifacts without a matrix keep their keys
+        inputs["imatrix"] = imatrix_key
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
 
 
@@ -245,6 +256,7 @@ def main() -> None:
             "pin": {"type": "str", "default": ""},
             "pin_policy": {"type": "str", "default": "fail", "choices": ["fail", "warn"]},
             "expect_sha256": {"type": "str", "default": ""},
+            "imatrix": {"type": "dict", "default": {}},
         },
         supports_check_mode=True,
     )
@@ -256,7 +268,10 @@ def main() -> None:
             module.exit_json(changed=True, manifest={}, path=path, msg=f"would make {name} ({p['kind']})")
         module.fail_json(msg=f"{host}: {name}: input {p['input']} does not exist")
     input_id = p["input_id"] or input_identity(p["input"])
-    key = artifact_key(p, input_id)
+    imatrix = _imatrix_plan(module, p, input_id) if p["imatrix"] else None
+    if imatrix:
+        p["argv"] = [a.replace("{imatrix}", imatrix["path"]) for a in p["argv"]]
+    key = artifact_key(p, input_id, imatrix["key"] if imatrix else "")
     manifest = current_manifest(path, key)
     if manifest is not None:
         _check_pin(module, manifest, p, staged=False)
@@ -270,8 +285,10 @@ def main() -> None:
         if os.path.exists(stale):
             os.unlink(stale)
     argv = [a.replace("{input}", p["input"]).replace("{output}", tmp) for a in p["argv"]]
-    started = time.monotonic()
     try:
+        if imatrix:
+            _make_imatrix(module, p, imatrix)
+        started = time.monotonic()
         if argv:
             env = dict(os.environ, **{k: str(v) for k, v in p["env"].items()})
             proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=p["timeout"], check=False)
@@ -309,6 +326,8 @@ def main() -> None:
             "llama_cpp": p["build"],
             "command": shlex.join(argv).replace(tmp, path) if argv else "",
             "wall_s": round(wall, 3),
+            **({"imatrix": {k: imatrix[k] for k in ("path", "calibration", "calibration_id", "command", "wall_s")}}
+               if imatrix else {}),
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "key": key,
         }
@@ -324,6 +343,43 @@ def main() -> None:
             if os.path.exists(stale):
                 os.unlink(stale)
     module.exit_json(changed=True, manifest=manifest, path=path)
+
+
+def _imatrix_plan(module: AnsibleModule, p: dict, input_id: str) -> dict:
+    spec = p["imatrix"]
+    host, name = p["host"], p["name"]
+    calibration = spec.get("calibration", "")
+    if not os.path.isfile(calibration):
+        module.fail_json(msg=f"{host}: {name}: imatrix calibration file {calibration} does not exist")
+    calibration_id = input_identity(calibration)
+    argv = [str(a).replace("{calibration}", calibration) for a in spec.get("argv", [])]
+    key = hashlib.sha256(json.dumps([input_id, calibration_id, argv]).encode()).hexdigest()[:16]
+    path = os.path.join(spec["dir"], f"{name}-{key}.imatrix.gguf")
+    return {"key": key, "path": path, "argv": argv, "dir": spec["dir"], "calibration": calibration,
+            "calibration_id": calibration_id, "command": "", "wall_s": 0.0}
+
+
+def _make_imatrix(module: AnsibleModule, p: dict, imatrix: dict) -> None:
+    """Make the importance matrix unless one with this key exists; drop this artifact's older ones."""
+    host, name, path = p["host"], p["name"], imatrix["path"]
+    argv = [a.replace("{input}", p["input"]).replace("{output}", path + ".partial") for a in imatrix["argv"]]
+    imatrix["command"] = shlex.join(argv).replace(path + ".partial", path)
+    if not os.path.isfile(path):
+        os.makedirs(imatrix["dir"], exist_ok=True)
+        started = time.monotonic()
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=p["timeout"], check=False)
+        if proc.returncode != 0 or not os.path.isfile(path + ".partial"):
+            tail = [ln for ln in (proc.stderr + proc.stdout).strip().splitlines() if ln.strip()]
+            if os.path.exists(path + ".partial"):
+                os.unlink(path + ".partial")
+            module.fail_json(msg=f"{host}: {name}: `{shlex.join(argv)}` exited {proc.returncode}: "
+                                 f"{tail[-1] if tail else 'no output'}", stderr=proc.stderr[-4000:])
+        imatrix["wall_s"] = round(time.monotonic() - started, 3)
+        os.rename(path + ".partial", path)
+    own = re.compile(rf"^{re.escape(name)}-[0-9a-f]{{16}}\.imatrix\.gguf$")
+    for entry in os.listdir(imatrix["dir"]):
+        if own.match(entry) and entry != os.path.basename(path):
+            os.unlink(os.path.join(imatrix["dir"], entry))
 
 
 def _check_pin(module: AnsibleModule, manifest: dict, p: dict, *, staged: bool) -> None:
