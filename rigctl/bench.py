@@ -36,18 +36,20 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from rigctl import jobs
 from rigctl.errors import ConfigError, RigctlError
 from rigctl.inventory import Host, Inventory
 from rigctl.models import artifact_path, host_artifacts
 from rigctl.remote.bench_task import plan_cells
 from rigctl.results import StoredRun, read_jsonl
+
+if TYPE_CHECKING:  # rigctl.jobs brings paramiko; summaries (and rigctl.compare) do not need it
+    from rigctl import jobs
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +137,8 @@ def llama_bench_path(host: Host) -> str:
 
 def bench_job_spec(host: Host, spec: BenchSpec) -> jobs.JobSpec:
     """The job that runs ``spec`` on ``host``; ConfigError when the host lacks one of the artifacts."""
+    from rigctl import jobs
+
     available = host_artifacts(host)
     for name in spec.models:
         if name not in available:
@@ -158,6 +162,8 @@ def bench_job_spec(host: Host, spec: BenchSpec) -> jobs.JobSpec:
 
 def start_bench(inventory: Inventory, spec: BenchSpec) -> dict[str, jobs.JobInfo | RigctlError]:
     """One bench job per host of the spec; per host its job or the error (a busy lock, a bad artifact)."""
+    from rigctl import jobs
+
     hosts = inventory.select(spec.hosts)
     out: dict[str, jobs.JobInfo | RigctlError] = {}
     for host in hosts:
