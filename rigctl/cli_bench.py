@@ -3,6 +3,7 @@ in :mod:`rigctl.bench`, :mod:`rigctl.bench_server`, :mod:`rigctl.bench_spec` and
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -88,6 +89,7 @@ def bench_run(
     """Start a thermally gated llama-bench run as a detached job on each host."""
     from rigctl import jobs
     from rigctl.bench import load_spec, parse_spec, start_bench
+    from rigctl.ssh import SshClient, SshTarget
 
     matrix = {k: v for k, v in {"p": _ints(p, "-p"), "n": _ints(n, "-n"), "r": r, "fa": _ints(fa, "--fa"),
                                 "ngl": _ints(ngl, "--ngl"), "t": _ints(t, "-t"), "ctk": _words(ctk),
@@ -106,22 +108,32 @@ def bench_run(
         overrides["stop_servers"] = False
     spec = load_spec(spec_file, overrides) if spec_file else parse_spec(overrides, "command line")
     inv = _inventory()
-    started = start_bench(inv, spec)
-    failed = False
-    for host, outcome in started.items():
-        if isinstance(outcome, RigctlError):
-            err_console.print(f"error: {outcome}", markup=False, highlight=False, soft_wrap=True)
-            failed = True
-        else:
-            console.print(f"{host}: started {outcome.id} (unit {outcome.unit})", markup=False, highlight=False)
-    if wait:
+    with ExitStack() as stack:
+        # One connection per host for start, following and pulling (connected on first use).
+        clients = {h.name: SshClient(SshTarget.from_host(h)) for h in inv.select(spec.hosts)}
+        for client in clients.values():
+            stack.callback(client.close)
+        started = start_bench(inv, spec, clients)
+        failed = False
         for host, outcome in started.items():
             if isinstance(outcome, RigctlError):
-                continue
-            info = jobs.wait(inv.host(host), outcome.id, on_progress=_print_progress, poll_s=0.5)
-            if info.state != "done":
+                err_console.print(f"error: {outcome}", markup=False, highlight=False, soft_wrap=True)
                 failed = True
-        failed |= not _print_pull(jobs.pull_hosts([inv.host(h) for h in started], _store(results)))
+            else:
+                console.print(f"{host}: started {outcome.id} (unit {outcome.unit})", markup=False, highlight=False)
+        if wait:
+            pulled: dict[str, Any] = {}
+            for host, outcome in started.items():
+                if isinstance(outcome, RigctlError):
+                    continue
+                try:
+                    info = jobs.wait(inv.host(host), outcome.id, on_progress=_print_progress, poll_s=0.5,
+                                     client=clients[host])
+                    failed |= info.state != "done"
+                    pulled[host] = jobs.pull(inv.host(host), _store(results), client=clients[host])
+                except RigctlError as exc:
+                    pulled[host] = exc
+            failed |= not _print_pull(pulled)
     if failed:
         raise typer.Exit(1)
 

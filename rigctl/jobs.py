@@ -4,7 +4,7 @@ A job is one run (bench, eval, spec, server-speed) executed *on the host*. The h
 3.11 and no rigctl, so the job's code travels with it: :func:`start` copies the stdlib-only job
 runtime :mod:`rigctl.remote.jobrun` and one task module from :mod:`rigctl.remote` (``bench_task``,
 ``eval_task``, ...) into ``/var/lib/rigctl/jobs/<id>/`` with ``spec.json`` (the task's parameters
-and the run record's first fields) and any extra files, and starts::
+and the run record's first fields) and any extra files (in one round trip), and starts::
 
     systemd-run --unit rigctl-<id> --collect -p RuntimeMaxSec=... python3 jobrun.py /var/lib/rigctl/jobs/<id>
 
@@ -51,10 +51,10 @@ import json
 import logging
 import shlex
 import shutil
-import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import metadata, resources
 from pathlib import Path, PurePosixPath
@@ -74,11 +74,18 @@ FINAL_STATES = frozenset({"done", "failed", "stopped", "lost"})
 COMMAND_TIMEOUT = 60.0
 TRANSFER_TIMEOUT = 600.0
 
-# Runs on the host under a mutex: refuse while the lock's holder is active, else take it and start
-# the unit. Prints one JSON object: {"started": unit} or {"refused": holder} or {"error": text}.
+# Runs on the host: writes the job directory from stdin ({file name: text}, spec.json among them),
+# then, under a mutex, refuses while the lock's holder is active, else takes it and starts the unit.
+# One round trip. Prints one JSON object: {"started": unit} or {"refused": holder} or {"error": text}.
 _START_SCRIPT = r"""
-import fcntl, json, os, subprocess, sys
-spec = json.load(open(sys.argv[1]))
+import fcntl, json, os, shutil, subprocess, sys
+files = json.load(sys.stdin)
+spec = json.loads(files["spec.json"])
+os.makedirs(spec["job_dir"], exist_ok=True)
+os.makedirs(spec["results_dir"], exist_ok=True)
+for name, text in files.items():
+    with open(os.path.join(spec["job_dir"], name), "w") as out:
+        out.write(text)
 locks = os.path.join(os.path.dirname(spec["job_dir"]), "locks")
 os.makedirs(locks, exist_ok=True)
 with open(os.path.join(locks, ".mutex"), "a") as mutex:
@@ -90,6 +97,7 @@ with open(os.path.join(locks, ".mutex"), "a") as mutex:
         except (OSError, ValueError):
             holder = None
         if holder and subprocess.run(["systemctl", "is-active", "--quiet", holder["unit"]]).returncode == 0:
+            shutil.rmtree(spec["job_dir"])
             print(json.dumps({"refused": holder}))
             sys.exit(0)
         with open(lock_file + ".tmp", "w") as out:
@@ -106,6 +114,7 @@ with open(os.path.join(locks, ".mutex"), "a") as mutex:
     if done.returncode != 0:
         if lock_file:
             os.unlink(lock_file)
+        shutil.rmtree(spec["job_dir"])
         print(json.dumps({"error": (done.stderr or done.stdout).strip() or "systemd-run exited %d" % done.returncode}))
     else:
         print(json.dumps({"started": spec["unit"]}))
@@ -247,10 +256,21 @@ def _client(host: Host) -> SshClient:
     return SshClient(SshTarget.from_host(host))
 
 
-def start(host: Host, spec: JobSpec, *, job_id: str | None = None) -> JobInfo:
+@contextmanager
+def _session(host: Host, client: SshClient | None) -> Iterator[SshClient]:
+    """``client`` as given (left open), or a new connection closed afterwards."""
+    if client is not None:
+        yield client
+        return
+    with _client(host) as ssh:
+        yield ssh
+
+
+def start(host: Host, spec: JobSpec, *, job_id: str | None = None, client: SshClient | None = None) -> JobInfo:
     """Ship the runtime, the task and its files to ``host`` and start the job's unit.
 
     Raises :class:`JobBusyError` (nothing left behind) when ``spec.lock`` is held by an active job.
+    ``client``: an open connection to reuse (else one is made and closed).
     """
     job_id = job_id or new_run_id(spec.kind)
     job_dir = f"{JOBS_DIR}/{job_id}"
@@ -268,18 +288,14 @@ def start(host: Host, spec: JobSpec, *, job_id: str | None = None) -> JobInfo:
     }
     sources = {"jobrun.py": task_source("jobrun"), f"{spec.task}.py": task_source(spec.task),
                "spec.json": json.dumps(remote_spec, indent=2, sort_keys=True) + "\n"}
-    with _client(host) as ssh, tempfile.TemporaryDirectory(prefix="rigctl-job-") as tmp:
-        ssh.run(f"mkdir -p {shlex.quote(job_dir)} {shlex.quote(RESULTS_DIR)}", timeout=COMMAND_TIMEOUT, check=True)
-        for name, text in sources.items():
-            local = Path(tmp) / name
-            local.write_text(text)
-            ssh.put(local, f"{job_dir}/{name}", timeout=TRANSFER_TIMEOUT)
-        for name, path in spec.files.items():
-            ssh.put(path, f"{job_dir}/{name}", timeout=TRANSFER_TIMEOUT)
-        result = ssh.run(_python(_START_SCRIPT, f"{job_dir}/spec.json"), timeout=COMMAND_TIMEOUT, check=True)
+    with _session(host, client) as ssh:
+        if spec.files:  # data files (datasets) may be large or binary: SFTP, before the unit can start
+            ssh.run(f"mkdir -p {shlex.quote(job_dir)}", timeout=COMMAND_TIMEOUT, check=True)
+            for name, path in spec.files.items():
+                ssh.put(path, f"{job_dir}/{name}", timeout=TRANSFER_TIMEOUT)
+        result = ssh.run(_python(_START_SCRIPT), timeout=COMMAND_TIMEOUT, check=True, input=json.dumps(sources))
         answer = json.loads(result.stdout)
         if "started" not in answer:
-            ssh.run(f"rm -rf {shlex.quote(job_dir)}", timeout=COMMAND_TIMEOUT, check=False)
             if "refused" in answer:
                 raise JobBusyError(host.name, str(spec.lock), str(answer["refused"].get("job")))
             raise JobError(f"{host.name}: cannot start job {job_id}: {answer.get('error')}")
@@ -302,11 +318,8 @@ def status(host: Host, job_id: str, *, client: SshClient | None = None) -> JobIn
 
 def _list(host: Host, only: str | None, client: SshClient | None) -> list[JobInfo]:
     cmd = _python(_LIST_SCRIPT, JOBS_DIR, *([only] if only else []))
-    if client is not None:
-        result = client.run(cmd, timeout=COMMAND_TIMEOUT, check=True)
-    else:
-        with _client(host) as ssh:
-            result = ssh.run(cmd, timeout=COMMAND_TIMEOUT, check=True)
+    with _session(host, client) as ssh:
+        result = ssh.run(cmd, timeout=COMMAND_TIMEOUT, check=True)
     return [parse_job(host.name, entry) for entry in json.loads(result.stdout)]
 
 
@@ -318,22 +331,26 @@ def wait(
     poll_s: float = 1.0,
     timeout_s: float = 24 * 3600,
     reconnect_s: float = 5.0,
+    client: SshClient | None = None,
 ) -> JobInfo:
     """Follow ``job_id`` until it ends; ``on_progress`` gets each changed state. A lost connection is
-    retried until ``timeout_s`` (the job does not depend on it)."""
+    retried until ``timeout_s`` (the job does not depend on it). ``client``: a connection to use first
+    (never closed here)."""
     deadline = time.monotonic() + timeout_s
     last: tuple[Any, ...] | None = None
-    ssh: SshClient | None = None
+    ssh: SshClient | None = client
+    owned = client is None
     try:
         while True:
             try:
                 if ssh is None:
                     ssh = _client(host)
+                    owned = True
                     ssh.connect()
                 info = status(host, job_id, client=ssh)
             except (ConnectError, TransferError) as exc:
                 log.warning("%s: lost the connection while following %s (%s); retrying", host.name, job_id, exc)
-                if ssh is not None:
+                if ssh is not None and owned:
                     ssh.close()
                 ssh = None
                 if time.monotonic() + reconnect_s > deadline:
@@ -350,7 +367,7 @@ def wait(
                 raise JobError(f"{host.name}: job {job_id} still {info.state} after {timeout_s:g} s")
             time.sleep(poll_s)
     finally:
-        if ssh is not None:
+        if ssh is not None and owned:
             ssh.close()
 
 
@@ -363,13 +380,14 @@ def stop(host: Host, job_id: str, *, timeout: float = 180.0) -> JobInfo:
         return status(host, job_id, client=ssh)
 
 
-def pull(host: Host, store: ResultsStore | None = None, *, timeout: float = TRANSFER_TIMEOUT) -> PullResult:
+def pull(host: Host, store: ResultsStore | None = None, *, timeout: float = TRANSFER_TIMEOUT,
+         client: SshClient | None = None) -> PullResult:
     """Copy ``host``'s finished run directories that ``store`` lacks, every file checked against the
     sha256 in its ``run.json``. A run appears in the store only once all of it has arrived."""
     store = store or ResultsStore()
     result = PullResult(host=host.name)
     remote_root = f"{RESULTS_DIR}/{host.name}"
-    with _client(host) as ssh:
+    with _session(host, client) as ssh:
         listing = json.loads(ssh.run(_python(_RUNS_SCRIPT, remote_root), timeout=COMMAND_TIMEOUT, check=True).stdout)
         for run_id, data in sorted(listing.items()):
             if (store.run_dir(host.name, run_id) / RUN_FILE).is_file():
