@@ -202,20 +202,25 @@ def _write_run(root: Path, host: str, run_id: str, kind: str, ended: str, files:
     record.save(run_dir)
 
 
-def test_results_reader_keeps_the_latest_run_per_test_and_per_task(tmp_path: Path):
-    from rigctl.exporter import ResultsReader
-
+def _seed_results(root: Path) -> None:
+    """Two bench runs of one model on desktop (the later one wins) and an eval run on laptop."""
     art = [{"name": "smol-q4_1", "path": "/var/lib/rigctl/models/smol-q4_1.gguf"}]
     model_file = "/var/lib/rigctl/models/smol-q4_1.gguf"
     for run_id, ended, rounds in (("bench-a", "2026-11-30T01:00:00.0Z", ([100.0, 110.0], [90.0])),
                                   ("bench-b", "2026-11-30T02:00:00.0Z", ([140.0, 142.0], [138.0, 140.0]))):
         files = {f"cell-{i}.json": json.dumps([_bench_json(model_file, 0, 128, tps)]) for i, tps in enumerate(rounds)}
         files["cells.jsonl"] = _cells(*((i, "smol-q4_1", f"cell-{i}.json") for i in range(len(rounds))))
-        _write_run(tmp_path, "desktop", run_id, "bench", ended, files, artifacts=art)
+        _write_run(root, "desktop", run_id, "bench", ended, files, artifacts=art)
     answers = "\n".join(json.dumps({"id": str(i), "set": "s", "score": s, "cutoff": False})
                         for i, s in enumerate([1, 0, 1, 1]))
-    _write_run(tmp_path, "laptop", "eval-a", "eval", "2026-11-30T03:00:00.0Z", {"answers.jsonl": answers},
+    _write_run(root, "laptop", "eval-a", "eval", "2026-11-30T03:00:00.0Z", {"answers.jsonl": answers},
                artifacts=art, task={"name": "gsm8k"})
+
+
+def test_results_reader_keeps_the_latest_run_per_test_and_per_task(tmp_path: Path):
+    from rigctl.exporter import ResultsReader
+
+    _seed_results(tmp_path)
     bench, evals = ResultsReader(ResultsStore(tmp_path)).latest()
     # Every repetition of every cell of the latest run, pooled.
     assert [(b.host, b.artifact, b.test, b.config, b.tokens_per_second, b.run_id) for b in bench] == [
@@ -469,6 +474,7 @@ def test_monitoring_role_runs_the_exporter_and_its_prometheus_scrapes_it(lab: In
     etc.mkdir()
     units.mkdir()
     slot = os.environ.get("RIGCTL_LAB_SLOT", "0")
+    _seed_results(tmp_path / "results")
     run_playbook(lab, "monitoring.yml", extravars={
         "monitoring_install": False, "monitoring_manage_service": False, "monitoring_config_dir": str(etc),
         "monitoring_scrape_interval": "1s", "monitoring_scrape_timeout": "1s",
@@ -508,6 +514,19 @@ def test_monitoring_role_runs_the_exporter_and_its_prometheus_scrapes_it(lab: In
         served = _wait(lambda: query("llamacpp:requests_processing"), 60, "llama-server metrics in Prometheus")
         assert sorted((r["metric"]["host"], r["metric"]["server"]) for r in served) == [
             ("desktop", "smollm2"), ("laptop", "smollm2")]
+        # Every series the dashboard reads is in this Prometheus, under the names the dashboard uses.
+        dashboard = json.loads(resources.files("rigctl").joinpath("dashboards/fleet.json").read_text())
+        exprs = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
+        wanted = set().union(*(dashboard_metric_names(e) for e in exprs))
+
+        def missing() -> set[str]:
+            names = query('count by (__name__) ({__name__=~"rigctl_.*|llamacpp:.*"})')
+            return wanted - {r["metric"]["__name__"] for r in names}
+
+        deadline = time.monotonic() + 30
+        while missing() and time.monotonic() < deadline:
+            time.sleep(1)
+        assert not missing(), f"the dashboard reads series Prometheus does not have: {sorted(missing())}"
     finally:
         server.terminate()
         exporter.terminate()
