@@ -1,0 +1,108 @@
+"""Lab: check template/logits against transformers on SmolLM2, and the lab campaign end to end
+(bench + evals on a rig, compare, habits, report) with the report's numbers recomputed from the raw files."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from report_check import check_report, tables
+
+from rigctl.inventory import Inventory
+from rigctl.results import ResultsStore
+
+sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
+from make_hf_checkout import cache_dir, make_checkout, tools_python  # noqa: E402
+
+pytestmark = pytest.mark.lab
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """SmolLM2's HF checkout (tokenizer and weights saved from the GGUF) and the tools venv's Python."""
+    from rigctl.check import HfReference
+
+    cache = cache_dir()
+    return HfReference(make_checkout(cache), python=tools_python(cache))
+
+
+@pytest.fixture
+def client(lab_served: Inventory):
+    from rigctl.server import Endpoint, ServerClient
+
+    with ServerClient(Endpoint.from_inventory(lab_served.host("desktop"), "smollm2")) as server:
+        yield server
+
+
+def test_check_template_identical_and_a_different_template_caught(client, reference):
+    from rigctl.check import BUILTIN_PROMPTS, check_template
+
+    result = check_template(client, reference, BUILTIN_PROMPTS)
+    assert len(result.results) == len(BUILTIN_PROMPTS) and any(c.tools for c in BUILTIN_PROMPTS)
+    assert result.identical == len(BUILTIN_PROMPTS), [(d.name, d.position) for d in result.differing]
+    assert all(r.server.startswith("<|im_start|>") for r in result.results)
+
+    template = (reference.checkout / "chat_template.jinja").read_text()
+    altered = template.replace("named SmolLM,", "named SmolLM2,")
+    assert altered != template
+    caught = check_template(client, reference, BUILTIN_PROMPTS[:3], chat_template=altered)
+    # math-system brings its own system prompt, so the altered default never shows there.
+    assert caught.identical == 1 and [d.name for d in caught.differing] == ["math-apples", "math-train"]
+    for diff in caught.differing:
+        marker = "named SmolLM"
+        assert diff.position == diff.server.index(marker) + len(marker)
+        assert diff.server[diff.position] == "," and diff.reference[diff.position] == "2"
+
+
+def test_check_logits_agree_with_the_float32_reference(client, reference):
+    from rigctl.check import BUILTIN_PROMPTS, check_logits
+
+    result = check_logits(client, reference, BUILTIN_PROMPTS[:3], top_k=20)
+    assert result.model_path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf") or "smollm2" in result.model_path.lower()
+    assert result.agreement >= 2, result.results
+    # Q4_1 against bf16 weights in float32: close, but not the same distribution.
+    assert 0.0 < result.mean_kl < 0.05, result.results
+    assert all(0.3 < r.server_mass <= 1.0001 for r in result.results)
+
+
+def test_lab_campaign_end_to_end(lab_served: Inventory, tmp_path: Path):
+    from rigctl.campaign import load_campaign, run_campaign
+    from rigctl.compare import answer_habits, compare_runs
+    from rigctl.report import build_report
+
+    loaded = load_campaign(REPO / "campaigns" / "lab.yml")
+    store = ResultsStore(tmp_path / "results")
+    steps: list[str] = []
+    outcomes = run_campaign(loaded, lab_served, store, on_step=steps.append)
+    assert [o.status for o in outcomes] == ["ran"] * 7, [(o.step, o.status, o.error) for o in outcomes]
+
+    # Compare and habits on the pulled runs: Q4_0 against Q4_1 per eval, question by question.
+    runs = {(r.record.task or {}).get("name", "bench") + "/" + ",".join(a["name"] for a in r.record.artifacts): r
+            for r in store.runs()}
+    for task in ("lab-suite", "lab-gsm8k", "lab-bfcl"):
+        a, b = runs[f"{task}/smollm2-135m-q4_1"], runs[f"{task}/smollm2-135m-q4_0"]
+        pair = compare_runs([a, b], cutoff_as_right=True).pairs[0]
+        assert pair.forced is None and pair.only_a == pair.only_b == 0
+        assert pair.recorded.overall.n == {"lab-suite": 9, "lab-gsm8k": 3, "lab-bfcl": 3}[task]
+        assert pair.recorded.overall.gap.low <= pair.recorded.overall.gap.estimate <= pair.recorded.overall.gap.high
+    gsm8k = {s.set: s for s in answer_habits(runs["lab-gsm8k/smollm2-135m-q4_1"]).sets}["lab-gsm8k"]
+    assert gsm8k.n == 3 and gsm8k.cutoff >= 1  # SmolLM2 answers in prose: replies hit the 16-token limit
+    bfcl = answer_habits(runs["lab-bfcl/smollm2-135m-q4_1"]).sets[0]
+    assert bfcl.tool_rows == 3 and bfcl.toolless == 3  # it makes no tool calls
+    suite = {s.set: s for s in answer_habits(runs["lab-suite/smollm2-135m-q4_0"]).sets}
+    assert sum(suite["boolq"].predicted.values()) == 3 and sum(suite["boolq"].gold.values()) == 3
+
+    report = build_report(loaded, store, tmp_path / "report")
+    checked = check_report(report.path)
+    assert checked["speed"] == 4 and checked["ratio"] == 2  # pp16 and tg4, two models
+    assert checked["quality"] == 2 * (3 + 1) + 2 + 2  # suite: 3 sets + overall; gsm8k, bfcl: overall
+    assert checked["gap"] == 3 and checked["habits"] == 2 * (3 + 1 + 2)
+    sections = {section for section, _, _ in tables(report.markdown)}
+    assert {"Speed", "Quality", "Quantisation cost", "Sensitivity", "Answer habits", "Runs"} <= sections
+    assert "Not pulled yet" not in report.markdown and len(report.charts) == 4
+
+    # Resumable: a second run finds everything pulled and runs nothing.
+    again = run_campaign(loaded, lab_served, store)
+    assert [o.status for o in again] == ["pulled"] * 7
