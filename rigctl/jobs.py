@@ -41,8 +41,10 @@ and ``job.now()``. Then::
     info = jobs.wait(host, info.id, on_progress=print)   # follows state.json, survives SSH drops
     result = jobs.pull(host)                   # PullResult: copied / skipped run ids
 
-Other entry points: :func:`status` (one job), :func:`list_jobs` (a host's jobs, newest last),
-:func:`stop`, :func:`jobs_on_hosts` and :func:`pull_hosts` (per-host results, failures kept).
+``start``, ``wait`` and ``pull`` take ``client=`` (an open :class:`rigctl.ssh.SshClient`) to share one
+connection. Other entry points: :func:`status` (one job), :func:`list_jobs` (a host's jobs by id:
+kind, then start time), :func:`stop`, :func:`jobs_on_hosts` and :func:`pull_hosts` (per-host
+results, failures kept). Job directories stay on the host (a few KiB each).
 """
 
 from __future__ import annotations
@@ -305,7 +307,7 @@ def start(host: Host, spec: JobSpec, *, job_id: str | None = None, client: SshCl
 
 
 def list_jobs(host: Host, *, client: SshClient | None = None) -> list[JobInfo]:
-    """Every job on ``host`` (oldest first), from its state file and unit."""
+    """Every job on ``host`` by id (kind, then start time), from its state file and unit."""
     return _list(host, None, client)
 
 
