@@ -1,0 +1,68 @@
+"""check's pure parts: first difference with context, KL over the server's top-k, prompt files, and the
+message when the reference Python lacks transformers."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from rigctl.check import BUILTIN_PROMPTS, HfReference, context, first_difference, kl_over_top, load_prompts
+from rigctl.errors import ConfigError
+
+
+def test_first_difference_and_context():
+    assert first_difference("abc", "abc") is None
+    assert first_difference("abcd", "abXd") == 2
+    assert first_difference("abc", "abcdef") == 3  # one is a prefix of the other
+    text = "<|im_start|>system\nYou are SmolLM"
+    pos = text.index("Smol")
+    shown = context(text, pos, width=9)
+    assert shown == "…\\nYou are ⟦S⟧molLM"
+
+
+def test_kl_over_top_k():
+    same = {1: 0.5, 2: 0.3, 3: 0.1}
+    assert kl_over_top(same, {k: math.log(v) for k, v in same.items()}) == pytest.approx(0.0, abs=1e-12)
+    # Renormalised to the server's tokens: a reference with the same ratios but less mass is identical.
+    assert kl_over_top(same, {k: math.log(v / 2) for k, v in same.items()}) == pytest.approx(0.0, abs=1e-12)
+    shifted = {1: math.log(0.3), 2: math.log(0.5), 3: math.log(0.1)}
+    p = [0.5 / 0.9, 0.3 / 0.9, 0.1 / 0.9]
+    q = [0.3 / 0.9, 0.5 / 0.9, 0.1 / 0.9]
+    assert kl_over_top(same, shifted) == pytest.approx(sum(a * math.log(a / b) for a, b in zip(p, q, strict=True)))
+    assert math.isnan(kl_over_top({}, shifted))
+
+
+def test_prompt_files(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"name": "x", "messages": [{"role": "user", "content": "hi"}]}\n\n{"messages": []}\n')
+    prompts = load_prompts(path)
+    assert [p.name for p in prompts] == ["x", "prompts-3"] and prompts[0].tools is None
+    path.write_text('{"name": "x"}\n')
+    with pytest.raises(ConfigError, match=r"prompts.jsonl:1: not a conversation \(KeyError"):
+        load_prompts(path)
+    assert {c.name.split("-")[0] for c in BUILTIN_PROMPTS} == {"math", "tools"}
+
+
+def test_a_python_without_transformers_gets_a_clear_message(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    reference = HfReference(tmp_path, python=Path(sys.executable))
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("this Python has transformers")
+    with pytest.raises(ConfigError, match=r"transformers is not installed for .*pip install 'rigctl\[verify\]'\) "
+                                          r"or pass --python"):
+        reference.render(BUILTIN_PROMPTS[:1])
+
+
+def test_not_a_checkout_and_no_interpreter(tmp_path):
+    with pytest.raises(ConfigError, match="not a Hugging Face checkout"):
+        HfReference(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="--python /nonexistent/python: no such interpreter"):
+        HfReference(tmp_path, python=Path("/nonexistent/python")).render(BUILTIN_PROMPTS[:1])
