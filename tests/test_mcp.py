@@ -49,22 +49,12 @@ def _data(result) -> dict[str, Any]:
     return result.structured_content if result.structured_content is not None else json.loads(_text(result))
 
 
-def test_tools_are_listed_with_read_only_and_action_hints(tmp_path: Path):
+def test_tools_listed_actions_refused_and_bad_input_are_tool_errors_not_crashes(tmp_path: Path):
+    """One read-only server: every tool listed with its hint; actions refused; bad input answered as tool
+    errors, after which it still serves."""
+
     async def body(client: Client):
-        return (await client.list_tools()).tools
-
-    tools = {t.name: t for t in _session(tmp_path, body=body)}
-    assert set(tools) == READ_ONLY | ACTIONS
-    for name in READ_ONLY:
-        assert tools[name].annotations.read_only_hint is True, name
-    for name in ACTIONS:
-        assert tools[name].annotations.read_only_hint is False, name
-        assert "--allow-actions" in tools[name].description
-    assert tools["server_logs"].input_schema["properties"]["lines"]["maximum"] == 2000
-
-
-def test_actions_refused_and_bad_input_are_tool_errors_not_crashes(tmp_path: Path):
-    async def body(client: Client):
+        tools = (await client.list_tools()).tools
         refused = await client.call_tool("restart_server", {"host": "desktop", "server": "smollm2"})
         refused_eval = await client.call_tool("start_eval", {"host": "desktop", "server": "smollm2", "task": "x"})
         unknown_host = await client.call_tool("server_logs", {"host": "nowhere", "server": "smollm2"})
@@ -73,10 +63,19 @@ def test_actions_refused_and_bad_input_are_tool_errors_not_crashes(tmp_path: Pat
         bad_name = await client.call_tool("server_logs", {"host": "desktop; reboot", "server": "smollm2"})
         missing_run = await client.call_tool("compare_runs", {"run_a": "desktop/eval-x", "run_b": "desktop/eval-y"})
         still_serving = await client.call_tool("list_hosts", {})
-        return refused, refused_eval, unknown_host, unknown_server, bad_lines, bad_name, missing_run, still_serving
+        return tools, refused, refused_eval, unknown_host, unknown_server, bad_lines, bad_name, missing_run, \
+            still_serving
 
-    (refused, refused_eval, unknown_host, unknown_server, bad_lines, bad_name, missing_run,
+    (tools, refused, refused_eval, unknown_host, unknown_server, bad_lines, bad_name, missing_run,
      still_serving) = _session(tmp_path, body=body)
+    by_name = {t.name: t for t in tools}
+    assert set(by_name) == READ_ONLY | ACTIONS
+    for name in READ_ONLY:
+        assert by_name[name].annotations.read_only_hint is True, name
+    for name in ACTIONS:
+        assert by_name[name].annotations.read_only_hint is False, name
+        assert "--allow-actions" in by_name[name].description
+    assert by_name["server_logs"].input_schema["properties"]["lines"]["maximum"] == 2000
     for result in (refused, refused_eval):
         assert result.is_error and "refused" in _text(result) and "--allow-actions" in _text(result)
     assert unknown_host.is_error and "unknown host 'nowhere'" in _text(unknown_host)
