@@ -38,11 +38,13 @@ import json
 import logging
 import math
 import random
+import ssl
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import certifi
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -425,6 +427,18 @@ def _error_reason(response: httpx.Response) -> str:
     return f"HTTP {response.status_code}: {first}"
 
 
+_SSL_CONTEXT: ssl.SSLContext | None = None
+
+
+def _ssl_context() -> ssl.SSLContext:
+    """One verifying TLS context per process: loading the CA bundle costs tens of milliseconds of CPU, and an
+    eval or bench opens a client per run."""
+    global _SSL_CONTEXT
+    if _SSL_CONTEXT is None:
+        _SSL_CONTEXT = ssl.create_default_context(cafile=certifi.where())  # what httpx verifies against
+    return _SSL_CONTEXT
+
+
 _RETRYABLE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.ConnectTimeout)
 
 
@@ -467,7 +481,7 @@ class ServerClient(_Base):
     def __init__(self, endpoint: Endpoint | str, *, timeouts: Timeouts = Timeouts(), retry: Retry = Retry()):
         super().__init__(endpoint, timeouts=timeouts, retry=retry)
         self.http = httpx.Client(base_url=self.endpoint.url, headers=self.endpoint.headers(),
-                                 timeout=timeouts.httpx())
+                                 timeout=timeouts.httpx(), verify=_ssl_context())
 
     def __enter__(self) -> ServerClient:
         return self
@@ -607,7 +621,7 @@ class AsyncServerClient(_Base):
                  max_connections: int = 16):
         super().__init__(endpoint, timeouts=timeouts, retry=retry)
         self.http = httpx.AsyncClient(base_url=self.endpoint.url, headers=self.endpoint.headers(),
-                                      timeout=timeouts.httpx(),
+                                      timeout=timeouts.httpx(), verify=_ssl_context(),
                                       limits=httpx.Limits(max_connections=max_connections,
                                                           max_keepalive_connections=max_connections))
 

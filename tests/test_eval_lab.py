@@ -56,7 +56,7 @@ def env(hub, tmp_path_factory):
                      "RIGCTL_CACHE_DIR": str(tmp_path_factory.mktemp("cache"))}
 
 
-def rigctl(env, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def rigctl(env, *args: str, timeout: float = 800) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*RIGCTL, *args], capture_output=True, text=True, timeout=timeout, env=env[1], cwd=REPO,
                           check=False)
 
@@ -90,38 +90,40 @@ def check_record(path: Path, task_file: Path, lab) -> RunRecord:
     return record
 
 
-def test_gsm8k_and_bfcl_scores_follow_from_the_raw_replies(lab, env):
-    for name, n in (("fixture-gsm8k", 10), ("fixture-bfcl", 8)):
-        before = set((env[0] / HOST).glob("eval-*"))
-        done = rigctl(env, "eval", "run", "--host", HOST, "--server", SERVER, "--task", str(TASKS / f"{name}.yaml"))
-        assert done.returncode == 0, done.stderr
-        assert "score" in done.stdout and "cut-offs" in done.stdout
-        path = run_dir(env, before)
-        record = check_record(path, TASKS / f"{name}.yaml", lab)
-        rows = read_jsonl(path / "answers.jsonl")
-        assert len(rows) == n and len({r["id"] for r in rows}) == n
-        for row in rows:
-            assert row["cutoff"] == (row["finish_reason"] == "length")
-            if name == "fixture-gsm8k":
-                numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", row["reply"].replace("$", ""))
-                last = numbers[-1].replace(",", "").rstrip(".") if numbers else None
-                expected = last is not None and float(last) == float(row["gold"])
-                assert row["score"] == int(expected), row
-            else:
-                calls = [(c["name"], c["arguments"]) for c in row["tool_calls"]]
-                question = next(json.loads(line) for line in (FIXTURES / "hf" / "bfcl_simple.json").open()
-                                if json.loads(line)["id"] == row["id"])
-                truth = next(json.loads(line) for line in (FIXTURES / "hf" / "possible_answer" / "bfcl_simple.json")
-                             .open() if json.loads(line)["id"] == row["id"])["ground_truth"][0]
-                assert row["score"] == int(scorers.check_simple_call(question["function"][0], calls, truth).valid)
-                assert row["toolless"] == (not calls)
-                assert row["missed_call"] == (not calls and scorers.looks_like_missed_call(row["reply"]))
-                if not calls:
-                    assert row["score"] == 0
-        overall = record.extra["summary"]["overall"]
-        assert overall["n"] == n
-        assert overall["score"] == pytest.approx(sum(r["score"] for r in rows) / n)
-        assert overall["cutoffs"] == sum(r["cutoff"] for r in rows)
+@pytest.mark.parametrize(("name", "n"), [("fixture-gsm8k", 6), ("fixture-bfcl", 8)])
+def test_scores_follow_from_the_raw_replies(lab, env, name, n):
+    before = set((env[0] / HOST).glob("eval-*"))
+    done = rigctl(env, "eval", "run", "--host", HOST, "--server", SERVER, "--task", str(TASKS / f"{name}.yaml"),
+                  "--limit", str(n))
+    assert done.returncode == 0, done.stderr
+    assert "score" in done.stdout and "cut-offs" in done.stdout
+    path = run_dir(env, before)
+    record = check_record(path, TASKS / f"{name}.yaml", lab)
+    rows = read_jsonl(path / "answers.jsonl")
+    assert len(rows) == n and len({r["id"] for r in rows}) == n
+    for row in rows:
+        assert row["cutoff"] == (row["finish_reason"] == "length")
+        if name == "fixture-gsm8k":
+            # An independent reading of "the last number": thousands separators in groups of three.
+            numbers = re.findall(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?", row["reply"].replace("$", ""))
+            last = numbers[-1].replace(",", "") if numbers else None
+            expected = last is not None and float(last) == float(row["gold"])
+            assert row["score"] == int(expected), row
+        else:
+            calls = [(c["name"], c["arguments"]) for c in row["tool_calls"]]
+            question = next(json.loads(line) for line in (FIXTURES / "hf" / "bfcl_simple.json").open()
+                            if json.loads(line)["id"] == row["id"])
+            truth = next(json.loads(line) for line in (FIXTURES / "hf" / "possible_answer" / "bfcl_simple.json")
+                         .open() if json.loads(line)["id"] == row["id"])["ground_truth"][0]
+            assert row["score"] == int(scorers.check_simple_call(question["function"][0], calls, truth).valid)
+            assert row["toolless"] == (not calls)
+            assert row["missed_call"] == (not calls and scorers.looks_like_missed_call(row["reply"]))
+            if not calls:
+                assert row["score"] == 0
+    overall = record.extra["summary"]["overall"]
+    assert overall["n"] == n
+    assert overall["score"] == pytest.approx(sum(r["score"] for r in rows) / n)
+    assert overall["cutoffs"] == sum(r["cutoff"] for r in rows)
 
 
 def test_choice_labels_come_from_the_servers_tokenizer(lab, env):
@@ -175,16 +177,16 @@ def test_server_stopped_midway_then_resume_answers_each_question_once(lab, env):
                                env=env[1], cwd=REPO)
     with SshClient(SshTarget.from_host(host)) as ssh:
         try:
-            deadline = time.monotonic() + 120
+            deadline = time.monotonic() + 600
             answers = None
             while time.monotonic() < deadline:
                 found = [p for p in (env[0] / HOST).glob("eval-*") if p not in before]
                 answers = found[0] / "answers.jsonl" if found else None
-                if answers and answers.is_file() and len(answers.read_text().splitlines()) >= 3:
+                if answers and answers.is_file() and len(answers.read_text().splitlines()) >= 2:
                     break
                 time.sleep(0.2)
             ssh.run(f"systemctl stop {UNIT}", timeout=60, check=True)
-            _, stderr = running.communicate(timeout=120)
+            _, stderr = running.communicate(timeout=300)
         finally:
             ssh.run(f"systemctl start {UNIT}", timeout=60, check=True)
     assert running.returncode != 0
@@ -192,7 +194,7 @@ def test_server_stopped_midway_then_resume_answers_each_question_once(lab, env):
     path = run_dir(env, before)
     stopped = RunRecord.load(path)
     partial = read_jsonl(path / "answers.jsonl")
-    assert stopped.status == "failed" and 3 <= len(partial) < 10
+    assert stopped.status == "failed" and 2 <= len(partial) < 10
     deadline = time.monotonic() + 120
     while not _healthy(lab):
         assert time.monotonic() < deadline, "llama-server did not come back"
