@@ -19,9 +19,11 @@ Everything here is pure over run directories already on the controller; nothing 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
+import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -222,6 +224,10 @@ class Comparison:
                 return pair
         raise KeyError((a, b))
 
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready (paths as strings, NaN as null), for the MCP tools and ``--json`` style callers."""
+        return _jsonable(dataclasses.asdict(self))
+
     def matrix(self) -> list[list[SetGap | None]]:
         """Row i, column j: the overall gap (column run minus row run); None on the diagonal."""
         index = {run.name: i for i, run in enumerate(self.runs)}
@@ -234,6 +240,18 @@ class Comparison:
                                gap.gap.level, gap.gap.method)
             grid[j][i] = SetGap(gap.set, gap.n, gap.score_b, gap.score_a, flipped)
         return grid
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    return value
 
 
 def _set_gap(name: str, keys: Sequence[tuple[str, str]], a: dict, b: dict, resamples: int, seed: int) -> SetGap:

@@ -59,6 +59,10 @@ def test_paired_gap_per_set_and_overall(store):
     assert points(overall.gap).startswith("+30.0 [")
     assert pair.only_a == pair.only_b == 0 and pair.forced is None
     assert len(pair.variants) == 1  # no switches: as recorded only
+    data = json.loads(json.dumps(result.to_dict(), allow_nan=False))
+    overall_dict = data["pairs"][0]["variants"][0]["overall"]
+    assert overall_dict["n"] == 120 and overall_dict["gap"]["estimate"] == pytest.approx(0.3)
+    assert data["runs"][0]["path"].endswith("desktop/eval-a")
 
 
 def test_switches_move_the_gap_the_expected_way(store):
