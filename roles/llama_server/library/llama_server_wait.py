@@ -69,7 +69,9 @@ def main() -> None:
     while time.monotonic() - started < p["timeout"]:
         state = unit_state(p["unit"])
         if state.get("ActiveState") == "failed" or state.get("NRestarts", "0") != restarts:
-            module.fail_json(msg=f"{p['unit']} exited ({state.get('Result', '?')}) instead of serving", state=state)
+            crashes = int(state.get("NRestarts", "0")) - int(restarts)
+            how = "failed" if crashes <= 0 else f"systemd restarted it {crashes} times"
+            module.fail_json(msg=f"{p['unit']} exited instead of serving ({how})", state=state)
         status, body = get(f"{base}/health", "")
         if status == 200:
             status, body = get(f"{base}/props", p["api_key"])
