@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -245,7 +246,7 @@ def _quality_chart(path: Path, overall: list[tuple[str, Interval]], title: str) 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 0.5 + 0.45 * len(overall)))
+    fig, ax = plt.subplots(figsize=(6, 1.3 + 0.45 * len(overall)))
     ys = range(len(overall))
     est = [i.estimate for _, i in overall]
     err = [[i.estimate - i.low for _, i in overall], [i.high - i.estimate for _, i in overall]]
@@ -404,7 +405,14 @@ def build_report(loaded: LoadedCampaign, store: ResultsStore, out_dir: Path) -> 
     tmp.write_text(markdown)
     os.replace(tmp, path)
     headline = "\n".join([*speed, *quality, *_comparison_sections(loaded, compared, problems, links)]).strip()
-    return Report(path=path, markdown=markdown, charts=charts, headline=headline, missing=missing)
+    return Report(path=path, markdown=markdown, charts=charts, headline=plain(headline), missing=missing)
+
+
+def plain(markdown: str) -> str:
+    """Markdown tables for a terminal: link text kept, link targets, superscript links and images dropped."""
+    text = re.sub(r"<sup>\[\d+\]\([^)]*\)</sup>", "", markdown)
+    text = re.sub(r"!\[[^\]]*\]\([^)]*\)\n?", "", text)
+    return re.sub(r"\[([^\]]+)\]\([^)]*\)", r"\1", text)
 
 
 def default_out_dir(loaded: LoadedCampaign) -> Path:

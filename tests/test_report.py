@@ -80,6 +80,7 @@ def test_report_numbers_recompute_from_the_raw_files(tmp_path, results):
         assert part in scope, part
     # The quantisation comparison lacks its bf16 run: left out, not invented.
     assert "Rounding Qwen" not in text
+    assert "](" not in report.headline and "| pp512 | ngl99 t6 f16/f16 fa1 |" in report.headline
     sections = [section for section, _, _ in tables(text)]
     assert sections.index("Speed") < sections.index("Quality") < sections.index("Head to head")
 
