@@ -221,7 +221,10 @@ def test_remote_run_is_a_job_on_the_rig_pulled_home(lab, env):
     done = rigctl(env, "eval", "run", "--host", HOST, "--server", SERVER, "--task", str(TASKS / "fixture-bfcl.yaml"),
                   "--limit", "4", "--remote")
     assert done.returncode == 0, done.stderr
-    path = run_dir(env, before)
+    # The pull brings home every finished run on the rig; this one is the run the command names.
+    run_id = re.search(rf"{HOST}/(eval-\S+): pulled to", done.stdout).group(1)
+    path = env[0] / HOST / run_id
+    assert path in set((env[0] / HOST).glob("eval-*")) - before
     record = RunRecord.load(path)
     assert record.status == "done" and record.extra["remote"] is True
     assert record.server["build_info"] and record.server["endpoint"] == "http://127.0.0.1:8080"
