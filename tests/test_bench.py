@@ -379,3 +379,31 @@ def test_server_bench_helpers() -> None:
     assert kv_bytes_per_token(points[:1]) is None
     words = lambda text: len(text.split())  # noqa: E731 (a tokenizer stand-in: one token a word)
     assert words(filler_prompt(100, words)) == 100
+
+
+@pytest.mark.lab
+def test_server_speed_sweep_load_time_and_memory_per_context(served, tmp_path: Path) -> None:
+    from benchlab import rigctl
+
+    from rigctl.lab import Lab
+
+    Lab.from_inventory(served).set_gpu("desktop", memory_used_mib=1234)
+    done = rigctl("bench", "server", "desktop", "smollm2", "--prompt-lengths", "16,48", "--max-tokens", "4",
+                  "--ctx-sizes", "512,1024", results=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    [run] = list(ResultsStore(tmp_path).runs("desktop", kind="server-speed"))
+    sweep = [json.loads(line) for line in (run.path / "sweep.jsonl").read_text().splitlines()]
+    assert [p["prompt_tokens"] for p in sweep] == [16, 48]  # built to length with the server's tokenizer
+    assert all(p["ttft_s"] > 0 and p["decode_per_s"] > 0 and p["predicted_n"] == 4 for p in sweep)
+    [load] = [json.loads(line) for line in (run.path / "load.jsonl").read_text().splitlines()]
+    assert load["load_s"] > 0
+    memory = [json.loads(line) for line in (run.path / "memory.jsonl").read_text().splitlines()]
+    assert memory == [{"ctx_size": 512, "memory_used_mib": 1234}, {"ctx_size": 1024, "memory_used_mib": 1234}]
+    assert run.record.extra["kv_bytes_per_token"] == pytest.approx(0.0, abs=1e-6)  # the stand-in's memory is flat
+    assert run.record.server["build_info"].startswith("b11434")
+    from rigctl.ssh import SshClient, SshTarget
+
+    with SshClient(SshTarget.from_host(served.host("desktop"))) as ssh:  # the instance is back, the probe gone
+        states = ssh.run("systemctl is-active llama-server@smollm2.service rigctl-ctxprobe-smollm2.service",
+                         timeout=30, check=False).stdout.split()
+    assert states == ["active", "inactive"]
