@@ -7,7 +7,8 @@ RIGCTL := $(VENV)/bin/rigctl
 export RIGCTL_CACHE_DIR ?= $(HOME)/.cache/rigctl
 export PIP_CACHE_DIR ?= $(RIGCTL_CACHE_DIR)/pip
 # The lab rigs need these from the distribution (systemd-nspawn, debootstrap, ip, ssh, zstd).
-HOST_PACKAGES := systemd-container debootstrap iproute2 openssh-client zstd
+# Prometheus (and promtool) from Debian: the monitoring tests start the real thing.
+HOST_PACKAGES := systemd-container debootstrap iproute2 openssh-client zstd prometheus
 
 .PHONY: demo test lint venv host-deps lab-down clean
 
