@@ -16,6 +16,8 @@ YAML file, the pulled runs that answer it, and running what is missing.
     comparisons:                     # B - A per eval task (targets as "<artifact>@<host>")
       - {name: ..., section: quantisation, a: smollm2-135m-q4_1@desktop, b: smollm2-135m-q4_0@desktop}
     sensitivity: {cutoff_as_right: true, toolless_as_right: true, exclude: [civil_comments]}
+    drafting:                        # drafter races (rigctl bench spec) through running instances
+      - {name: mtp, host: desktop, baseline: qwen, drafters: [qwen-mtp], repeats: 3}
     not_measured: [thinking on, ...] # for the report's scope line
 
 :func:`locate` finds, for every bench (per host) and every eval target, the newest pulled run that
@@ -94,6 +96,18 @@ class Sensitivity(_Strict):
     exclude: list[str] = []
 
 
+class CampaignDrafting(_Strict):
+    """A drafter race (rigctl.bench_spec.run_race): a baseline instance against its drafting instances."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    host: str
+    baseline: str  # llama_server instance without drafting
+    drafters: list[str] = []  # none: every instance of the same artifact with a drafting profile
+    repeats: int = Field(default=3, ge=1)
+    max_tokens: int = Field(default=256, ge=1)
+    temperatures: list[float] = [0.0, 0.8]
+
+
 class Campaign(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     title: str
@@ -103,6 +117,7 @@ class Campaign(_Strict):
     evals: list[CampaignEval] = []
     comparisons: list[CampaignComparison] = []
     sensitivity: Sensitivity = Sensitivity()
+    drafting: list[CampaignDrafting] = []
     not_measured: list[str] = []
     seed: int = 0
     resamples: int = Field(default=10_000, ge=100)
@@ -119,13 +134,15 @@ class Campaign(_Strict):
             if unknown:
                 raise ValueError(f"comparison {comparison.name!r}: no eval named {', '.join(unknown)}")
         hosts = set(self.hosts)
-        used = {h for b in self.benches for h in b.hosts} | {t.host for e in self.evals for t in e.runs}
+        used = {h for b in self.benches for h in b.hosts} | {t.host for e in self.evals for t in e.runs} | {
+            d.host for d in self.drafting}
         if used - hosts:
             raise ValueError(f"hosts not listed under hosts: {', '.join(sorted(used - hosts))}")
         for name in [m for b in self.benches for m in b.models] + [t.artifact for e in self.evals for t in e.runs]:
             if self.artifacts and name not in self.artifacts:
                 raise ValueError(f"artifact {name!r} is not listed under artifacts")
-        for kind, names in (("bench", [b.name for b in self.benches]), ("eval", [e.name for e in self.evals])):
+        for kind, names in (("bench", [b.name for b in self.benches]), ("eval", [e.name for e in self.evals]),
+                            ("drafting", [d.name for d in self.drafting])):
             duplicates = sorted({n for n in names if names.count(n) > 1})
             if duplicates:
                 raise ValueError(f"{kind} names must be unique: {', '.join(duplicates)}")
@@ -185,6 +202,18 @@ def bench_matches(run: StoredRun, bench: CampaignBench, host: str) -> bool:
         matrix.get(k) == v for k, v in bench.matrix.flags().items())
 
 
+def drafting_matches(run: StoredRun, race: CampaignDrafting) -> bool:
+    record = run.record
+    if record.kind != "spec" or run.host != race.host or record.status != "done":
+        return False
+    server = record.server or {}
+    names = {str(c.get("name")) for c in server.get("contenders", [])}
+    extra = record.extra
+    return (server.get("baseline") == race.baseline and set(race.drafters) <= names
+            and extra.get("repeats") == race.repeats and extra.get("max_tokens") == race.max_tokens
+            and extra.get("temperatures") == race.temperatures)
+
+
 def eval_matches(run: StoredRun, task_name: str, target: EvalTarget) -> bool:
     record = run.record
     if record.kind != "eval" or run.host != target.host or (record.task or {}).get("name") != task_name:
@@ -199,11 +228,12 @@ class Located:
 
     benches: dict[tuple[str, str], StoredRun | None] = field(default_factory=dict)  # (bench, host)
     evals: dict[tuple[str, str], StoredRun | None] = field(default_factory=dict)  # (eval, target id)
+    drafting: dict[str, StoredRun | None] = field(default_factory=dict)  # drafting name -> spec run
     unfinished: dict[tuple[str, str], StoredRun] = field(default_factory=dict)  # eval runs to resume
     task_names: dict[str, str] = field(default_factory=dict)  # eval name -> task name
 
     def runs(self) -> list[StoredRun]:
-        return [r for r in [*self.benches.values(), *self.evals.values()] if r is not None]
+        return [r for r in [*self.benches.values(), *self.evals.values(), *self.drafting.values()] if r is not None]
 
 
 def task_name(loaded: LoadedCampaign, evaluation: CampaignEval) -> str:
@@ -221,6 +251,9 @@ def locate(loaded: LoadedCampaign, store: ResultsStore) -> Located:
         for host in bench.hosts:
             matching = [r for r in runs if bench_matches(r, bench, host)]
             found.benches[(bench.name, host)] = max(matching, key=lambda r: r.record.started, default=None)
+    for race in campaign.drafting:
+        matching = [r for r in runs if drafting_matches(r, race)]
+        found.drafting[race.name] = max(matching, key=lambda r: r.record.started, default=None)
     for evaluation in campaign.evals:
         name = task_name(loaded, evaluation)
         found.task_names[evaluation.name] = name
@@ -370,7 +403,27 @@ def run_campaign(loaded: LoadedCampaign, inventory: Inventory, store: ResultsSto
                 outcomes.append(StepOutcome(step, "resumed" if unfinished else "ran", ref))
             except RigctlError as exc:
                 outcomes.append(StepOutcome(step, "failed", error=str(exc)))
+    for race in campaign.drafting:
+        step = f"drafting {race.name} on {race.host}"
+        run = found.drafting[race.name]
+        if run is not None:
+            outcomes.append(StepOutcome(step, "pulled", f"{run.host}/{run.id}"))
+            continue
+        try:
+            outcomes.append(StepOutcome(step, "ran", _run_drafting(inventory, race, store, on_step)))
+        except RigctlError as exc:
+            outcomes.append(StepOutcome(step, "failed", error=str(exc)))
     return outcomes
+
+
+def _run_drafting(inventory: Inventory, race: CampaignDrafting, store: ResultsStore, on_step: OnStep) -> str:
+    from rigctl.bench_spec import run_race
+
+    against = ", ".join(race.drafters) or "its drafting instances"
+    on_step(f"drafting {race.name} on {race.host}: {race.baseline} against {against}")
+    result = run_race(inventory.host(race.host), race.baseline, race.drafters or None, repeats=race.repeats,
+                      max_tokens=race.max_tokens, temperatures=race.temperatures, store=store)
+    return f"{race.host}/{result.run_dir.name if result.run_dir else '?'}"
 
 
 def describe(outcomes: list[StepOutcome]) -> list[str]:

@@ -3,10 +3,11 @@
 Sections: scope line (hosts, builds, dates, repeats, runs, what is missing or was not measured);
 speed (mean t/s ± sd per test and model, ratio with a bootstrap interval from the per-repetition
 samples); quality (score per set and overall with intervals); the campaign's comparisons grouped as
-head-to-head, quantisation cost and what QAT is worth (paired gaps in points); sensitivity (the gap
-under each switch); answer habits; the runs used. Every number is a link to the raw file(s) it was
-computed from (llama-bench JSON of each cell, ``answers.jsonl``), relative to the report, so the
-report stays valid when the results tree and the report move together.
+head-to-head, quantisation cost and what QAT is worth (paired gaps in points); drafting speedups
+(rigctl bench spec races); sensitivity (the gap under each switch); answer habits; the runs used.
+Every number is a link to the raw file(s) it was computed from (llama-bench JSON of each cell,
+``answers.jsonl``, the race's ``requests.jsonl``), relative to the report, so the report stays
+valid when the results tree and the report move together.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from rigctl.compare import (
     sample_file,
 )
 from rigctl.errors import RigctlError
-from rigctl.results import RUN_FILE, ResultsStore, StoredRun
+from rigctl.results import RUN_FILE, ResultsStore, StoredRun, read_jsonl
 from rigctl.stats import Interval
 
 log = logging.getLogger(__name__)
@@ -313,6 +314,39 @@ def _comparison_sections(loaded: LoadedCampaign, compared: list[_Compared], prob
     return lines
 
 
+def _drafting_section(loaded: LoadedCampaign, found: Located, links: _Links) -> list[str]:
+    """Per race: each contender's decode t/s, speedup over the baseline (geometric mean of the per-prompt
+    speedups), draft acceptance and greedy replies byte-identical to the baseline's, per temperature."""
+    from rigctl.bench_spec import REQUESTS_FILE, RaceRequest, summarize_race
+
+    campaign = loaded.campaign
+    if not campaign.drafting:
+        return []
+    lines = ["## Drafting", ""]
+    for race in campaign.drafting:
+        run = found.drafting.get(race.name)
+        lines += [f"### {race.name} on {race.host}", ""]
+        if run is None:
+            lines += ["Nothing pulled yet.", ""]
+            continue
+        path = run.path / REQUESTS_FILE
+        requests = [RaceRequest(**row) for row in read_jsonl(path)]
+        file = [path]
+        rows = []
+        for row in summarize_race(requests, race.baseline):
+            if row.prompt != "overall":
+                continue
+            identical = f"{row.identical[0]} of {row.identical[1]}" if row.identical else "-"
+            rows.append([row.contender, f"{row.temperature:g}", links.number(f"{row.tokens_per_s:.2f}", file),
+                         links.number(f"{row.speedup:.3f}", file) if row.speedup is not None else "-",
+                         links.number(f"{row.acceptance:.3f}", file) if row.acceptance is not None else "-",
+                         links.number(identical, file) if row.identical else "-"])
+        lines += _table(["contender", "temperature", "t/s", "speedup", "acceptance", "greedy identical"], rows,
+                        align="ll")
+        lines.append("")
+    return lines
+
+
 def _sensitivity_section(compared: list[_Compared], links: _Links) -> list[str]:
     rows = []
     for c in compared:
@@ -383,6 +417,7 @@ def build_report(loaded: LoadedCampaign, store: ResultsStore, out_dir: Path) -> 
     links = _Links(out_dir, store.root)
     missing = [f"bench {b} on {h}" for (b, h), r in found.benches.items() if r is None]
     missing += [f"eval {e} {t}" for (e, t), r in found.evals.items() if r is None]
+    missing += [f"drafting {d}" for d, r in found.drafting.items() if r is None]
     charts: list[Path] = []
     speed: list[str] = ["## Speed", ""]
     for bench in campaign.benches:
@@ -397,14 +432,16 @@ def build_report(loaded: LoadedCampaign, store: ResultsStore, out_dir: Path) -> 
     quality = _quality_section(loaded, found, links, out_dir, charts) if campaign.evals else []
     compared, problems = _comparisons(loaded, found)
     lines = [f"# {campaign.title}", "", *_scope(loaded, found, missing), *speed, *quality,
-             *_comparison_sections(loaded, compared, problems, links), *_sensitivity_section(compared, links),
+             *_comparison_sections(loaded, compared, problems, links), *_drafting_section(loaded, found, links),
+             *_sensitivity_section(compared, links),
              *_habits_section(loaded, found, links), *_runs_section(found, links)]
     markdown = "\n".join(lines).rstrip() + "\n"
     path = out_dir / "report.md"
     tmp = path.with_name(".report.md.tmp")
     tmp.write_text(markdown)
     os.replace(tmp, path)
-    headline = "\n".join([*speed, *quality, *_comparison_sections(loaded, compared, problems, links)]).strip()
+    headline = "\n".join([*speed, *quality, *_comparison_sections(loaded, compared, problems, links),
+                          *_drafting_section(loaded, found, links)]).strip()
     return Report(path=path, markdown=markdown, charts=charts, headline=plain(headline), missing=missing)
 
 

@@ -59,3 +59,17 @@ def bench_run(root: Path, host: str, run_id: str, cells: list[tuple[str, list[di
                        matrix={**(matrix or Matrix().flags()), "rounds": len(cells) // max(1, len(artifacts))})
     record.seal(run_dir)
     return run_dir
+
+
+def spec_run(root: Path, host: str, run_id: str, requests: list[dict[str, Any]], *, baseline: str,
+             contenders: list[str], repeats: int, max_tokens: int = 256,
+             temperatures: tuple[float, ...] = (0.0, 0.8)) -> Path:
+    """A drafter race as rigctl.bench_spec.run_race writes it: requests.jsonl and the run record."""
+    run_dir = root / host / run_id
+    run_dir.mkdir(parents=True)
+    (run_dir / "requests.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in requests))
+    record = RunRecord(id=run_id, kind="spec", host=host, started="2026-11-30T06:00:00.000000Z",
+                       server={"baseline": baseline, "contenders": [{"name": c} for c in contenders]},
+                       extra={"repeats": repeats, "max_tokens": max_tokens, "temperatures": list(temperatures)})
+    record.seal(run_dir)
+    return run_dir

@@ -89,7 +89,7 @@ def _artifact(path: Path) -> str:
 def check_report(report: Path) -> dict[str, int]:
     """Recompute every speed, quality, comparison and habit number of the report; count what was checked."""
     base = report.parent
-    checked = {"speed": 0, "ratio": 0, "quality": 0, "gap": 0, "habits": 0, "links": 0}
+    checked = {"speed": 0, "ratio": 0, "quality": 0, "gap": 0, "habits": 0, "drafting": 0, "links": 0}
     markdown = report.read_text()
     for _, target in LINK.findall(markdown):
         assert (base / target).resolve().is_file(), f"dead link {target}"
@@ -126,6 +126,23 @@ def check_report(report: Path) -> dict[str, int]:
                     assert int(links(row["n"], base)[0]) == n
                     assert leading_number(text) == round(gap * 100, 1), (row, text)
                     checked["gap"] += 1
+                elif section == "Drafting" and column in ("t/s", "speedup"):
+                    rows_ = [r for r in answers(files[0]) if r["temperature"] == float(row["temperature"])]
+                    mine = [r for r in rows_ if r["contender"] == row["contender"]]
+                    if column == "t/s":
+                        expected = np.mean([r["tokens_per_s"] for r in mine])
+                        assert float(text) == round(float(expected), 2), (row, text)
+                    else:
+                        baseline = rows_[0]["contender"]  # the race asks the baseline first
+                        ratios = []
+                        for prompt in dict.fromkeys(r["prompt"] for r in mine):
+                            own = np.mean([r["tokens_per_s"] for r in mine if r["prompt"] == prompt])
+                            theirs = np.mean([r["tokens_per_s"] for r in rows_
+                                              if r["contender"] == baseline and r["prompt"] == prompt])
+                            ratios.append(own / theirs)
+                        expected = np.exp(np.mean(np.log(ratios)))
+                        assert float(text) == round(float(expected), 3), (row, text)
+                    checked["drafting"] += 1
                 elif section == "Answer habits" and column == "cut off":
                     rows_ = [r for r in answers(files[0]) if r["set"] == row["set"]]
                     assert int(text) == sum(bool(r.get("cutoff")) for r in rows_)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import yaml
-from handmade_runs import bench_record, bench_run, eval_run
+from handmade_runs import bench_record, bench_run, eval_run, spec_run
 from report_check import check_report, tables
 from test_compare import _rows
 
@@ -29,6 +29,8 @@ CAMPAIGN = {
                     {"name": "Rounding Qwen", "section": "quantisation", "a": "qwen-bf16@laptop",
                      "b": "qwen-q4_0@desktop"}],
     "sensitivity": {"cutoff_as_right": True, "toolless_as_right": True, "exclude": ["choice"]},
+    "drafting": [{"name": "mtp", "host": "desktop", "baseline": "qwen", "drafters": ["qwen-mtp"], "repeats": 2,
+                  "temperatures": [0.0]}],
     "not_measured": ["thinking on"],
 }
 
@@ -57,6 +59,16 @@ def results(tmp_path):
               cutoff={20, 21})
     eval_run(root, "desktop", "eval-q", "qwen-q4_0", a, started="2026-11-29T10:00:00.000000Z")
     eval_run(root, "desktop", "eval-g", "gemma-qat", b, started="2026-11-30T10:00:00.000000Z")
+    requests = []
+    for repeat in (1, 2):
+        for prompt, base_speed, gain in (("code", 130.0, 1.25), ("story", 128.0, 1.09)):
+            for contender, speed, drafted in (("qwen", base_speed, 0), ("qwen-mtp", base_speed * gain, 40)):
+                requests.append({"contender": contender, "prompt": prompt, "temperature": 0.0, "repeat": repeat,
+                                 "tokens": 256, "tokens_per_s": speed + repeat, "wall_s": 2.0, "draft_n": drafted,
+                                 "draft_n_accepted": int(drafted * 0.9), "finish_reason": "length",
+                                 "text": f"{prompt} reply" + ("!" if contender == "qwen-mtp" and repeat == 2 else "")})
+    spec_run(root, "desktop", "spec-1", requests, baseline="qwen", contenders=["qwen", "qwen-mtp"], repeats=2,
+             temperatures=(0.0,))
     return root
 
 
@@ -68,10 +80,15 @@ def test_report_numbers_recompute_from_the_raw_files(tmp_path, results):
     assert checked["speed"] == 4 and checked["ratio"] == 2
     assert checked["quality"] == 8 and checked["gap"] == 1
     assert checked["habits"] == 2 * 3 + 2
+    assert checked["drafting"] == 3  # t/s of both contenders, the drafter's speedup
+    (race,) = [rows for section, _, rows in tables(report.markdown) if section == "Drafting"]
+    assert [r["contender"] for r in race] == ["qwen", "qwen-mtp"]
+    assert race[1]["acceptance"].startswith("[0.900]") and race[1]["greedy identical"].startswith("[2 of 4]")
     assert checked["links"] > 30
     for chart in report.charts:
         assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert {c.name for c in report.charts} == {"speed-speed-desktop.png", "quality-suite.png"}
+    assert "Drafting" in report.headline
     text = report.markdown
     # The scope line names hosts, builds, dates, repeats, what was not measured and what is missing.
     scope = next(line for line in text.splitlines() if line.startswith("**Scope.**"))
@@ -106,6 +123,7 @@ def test_locate_takes_the_newest_finished_run_and_notes_unfinished_ones(tmp_path
     assert found.evals[("suite", "qwen-bf16@laptop")] is None
     assert found.unfinished[("suite", "qwen-bf16@laptop")].id == "eval-bf16"
     assert found.benches[("speed", "desktop")].id == "bench-1"
+    assert found.drafting["mtp"].id == "spec-1"
 
 
 def test_bench_runs_with_another_matrix_do_not_answer_the_campaign(tmp_path):
@@ -144,3 +162,4 @@ def test_shipped_campaigns_validate():
     assert {c.section for c in reference.comparisons} >= {"headline", "quantisation", "qat"}
     lab = load_campaign(root / "lab.yml").campaign
     assert lab.benches[0].models == ["smollm2-135m-q4_1", "smollm2-135m-q4_0"]
+    assert {(d.host, d.baseline) for d in reference.drafting} == {("desktop-3050", "qwen"), ("laptop-1650ti", "qwen")}
