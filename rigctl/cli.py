@@ -296,6 +296,10 @@ def models_pin(limit: LimitOption = None) -> None:
         console.print(f"{host}: pinned {len(pins)} artifacts", highlight=False)
 
 
+# Each of these modules registers its command group on `app` when imported.
+from rigctl import cli_bench, cli_compare, cli_eval, cli_exporter, cli_servers  # noqa: E402,F401
+
+
 def main() -> None:
     try:
         # Without standalone mode click hands back typer.Exit's code instead of exiting.

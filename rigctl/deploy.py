@@ -41,7 +41,7 @@ class HostOutcome:
     failed: int = 0
     unreachable: int = 0
     skipped: int = 0
-    #: The first task that failed or could not reach the host, with its message.
+    #: The task that failed or could not reach the host (not one a block rescued), with its message.
     failed_task: str | None = None
     failure: str | None = None
 
@@ -136,6 +136,9 @@ class _EventCollector:
             for key, attr in self._STATS:
                 for host, count in (data.get(key) or {}).items():
                     setattr(self.outcome(host), attr, int(count))
+            for outcome in self.hosts.values():
+                if outcome.succeeded:  # its only failures were rescued
+                    outcome.failed_task = outcome.failure = None
         elif kind in self._STATUS:
             self._task_result(self._STATUS[kind], data)
         return True
@@ -151,8 +154,8 @@ class _EventCollector:
         if status in {"failed", "unreachable"}:
             message = _message(res)
             outcome = self.outcome(host)
-            if outcome.failed_task is None:
-                outcome.failed_task, outcome.failure = task, message
+            # The last failure is the one that stopped the host; an earlier one was rescued by a block.
+            outcome.failed_task, outcome.failure = task, message
         if self.on_event:
             self.on_event(TaskEvent(host, task, status, message))
 

@@ -77,3 +77,35 @@ class BuildError(RigctlError):
 
 class PinError(RigctlError):
     """A model file's sha256 differs from its pin, or a manifest is missing or unreadable."""
+
+
+class ServerError(RigctlError):
+    """A llama-server (or OpenAI-compatible endpoint) could not be reached or answered with an error."""
+
+    def __init__(self, endpoint: str, what: str, reason: str, status: int | None = None):
+        self.endpoint = endpoint
+        self.status = status
+        super().__init__(f"{endpoint}: {what}: {reason}")
+
+
+class EvalError(RigctlError):
+    """An eval task, its dataset or a run cannot be loaded, verified or resumed."""
+
+
+class CheckError(RigctlError):
+    """A runtime check (`rigctl check template|logits`) cannot run its reference side."""
+
+
+class JobError(RigctlError):
+    """A job on a host cannot be started, found, followed or pulled, or it failed."""
+
+
+class JobBusyError(JobError):
+    """A host's job lock is held: ``running`` names the job that holds it."""
+
+    def __init__(self, host: str, lock: str, running: str):
+        self.host = host
+        self.lock = lock
+        self.running = running
+        super().__init__(f"{host}: refused: job {running} is running and holds the {lock!r} lock; "
+                         f"wait for it (`rigctl jobs {host}`) or stop it")

@@ -47,3 +47,37 @@ def lab_up(lab_inventory: Inventory) -> Iterator[Inventory]:
     finally:
         if not was_up:
             lab.down()
+
+
+def wait_healthy(inventory: Inventory, timeout: float = 180.0) -> None:
+    """Wait until every enabled llama-server instance of ``inventory`` answers /health 200."""
+    import time
+
+    import httpx
+
+    pending = {(h.address, s.port) for h in inventory.hosts.values() for s in h.servers if s.enabled}
+    deadline = time.monotonic() + timeout
+    while pending and time.monotonic() < deadline:
+        for address, port in sorted(pending):
+            try:
+                if httpx.get(f"http://{address}:{port}/health", timeout=5).status_code == 200:
+                    pending.discard((address, port))
+            except httpx.HTTPError:
+                pass
+        if pending:
+            time.sleep(1)
+    if pending:
+        raise TimeoutError(f"llama-server not healthy after {timeout:.0f} s: {sorted(pending)}")
+
+
+@pytest.fixture(scope="session")
+def lab_served(lab_up: Inventory) -> Iterator[Inventory]:
+    """The lab rigs provisioned once per session with playbooks/site.yml (toolchain, llama.cpp,
+    models, llama-server units) and every enabled llama-server instance answering /health 200:
+    SmolLM2 as instance ``smollm2`` on port 8080 of each rig (``host.servers``, ``host.address``).
+    Raises DeployError when the play fails on any host."""
+    from rigctl.deploy import run_playbook
+
+    run_playbook(lab_up, "site.yml").raise_for_failures()
+    wait_healthy(lab_up)
+    yield lab_up
