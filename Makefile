@@ -37,6 +37,9 @@ demo: venv host-deps
 	$(RIGCTL) lab up
 	$(RIGCTL) provision
 	$(RIGCTL) hosts
+	$(RIGCTL) servers
+	$(RIGCTL) campaign run campaigns/lab.yml
+	$(RIGCTL) report campaigns/lab.yml
 	@echo "The lab rigs stay up: '$(RIGCTL) lab ssh desktop' to look around, '$(RIGCTL) lab down' to remove them."
 
 lab-down: venv
