@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 
 from rigctl.errors import EvalError
+from rigctl.results import file_sha256
 
 log = logging.getLogger(__name__)
 
@@ -61,14 +62,6 @@ class DatasetFile:
     path: Path
     sha256: str
     origin: str  # URL or local path it came from
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 class Lock:
@@ -131,7 +124,7 @@ def fetch_url(url: str, *, sha256: str | None = None, timeout: float = 120.0, lo
 def local_file(path: Path, *, sha256: str | None = None) -> DatasetFile:
     if not path.is_file():
         raise EvalError(f"dataset file {path} does not exist")
-    actual = _sha256(path)
+    actual = file_sha256(path)
     if sha256 and actual != sha256.lower():
         raise EvalError(f"dataset file {path}: sha256 {actual} does not match the task's {sha256}")
     return DatasetFile(f"path:{path}", path, actual, str(path))
@@ -144,7 +137,7 @@ def _fetch(key: str, url: str, local: Path, sha256: str | None, timeout: float, 
         raise EvalError(f"{key}: the task pins sha256 {pinned} but the lock file {lock.path} has {locked}")
     expected = pinned or locked
     if local.is_file():
-        actual = _sha256(local)
+        actual = file_sha256(local)
         if expected is None or actual == expected:
             if expected is None:
                 lock.record(key, actual)
