@@ -950,7 +950,13 @@ class Lab:
         if (NETNS_DIR / ns).exists():
             _run(["ip", "netns", "del", ns], timeout=COMMAND_TIMEOUT_S)
         if _link_exists(veth, self.config.link_marker):
-            _run(["ip", "link", "del", veth], timeout=COMMAND_TIMEOUT_S)
+            try:
+                _run(["ip", "link", "del", veth], timeout=COMMAND_TIMEOUT_S)
+            except LabError:
+                # The kernel removes a veth pair with its namespace, a moment after `ip netns del`
+                # (or a killed nspawn): gone by the time we delete it is gone all the same.
+                if _link_exists(veth, self.config.link_marker):
+                    raise
 
     def _remove_nspawn_runtime(self, rig: RigSpec) -> None:
         if NSPAWN_RUNTIME_DIR.is_dir():
