@@ -154,7 +154,8 @@ def run_server_bench(
             say(f"prompt {tokens} tokens: ttft {point.ttft_s:.3f} s, decode {point.decode_per_s:.2f} tok/s")
         for _ in range(load_runs):
             began = time.monotonic()
-            ssh.run(f"systemctl restart {shlex.quote(unit)}", timeout=300, check=True)
+            ssh.run(f"systemctl reset-failed {shlex.quote(unit)}; "
+                    f"systemctl restart {shlex.quote(unit)}", timeout=300, check=True)
             server.wait_healthy(HEALTH_TIMEOUT_S)
             result.load_s.append(time.monotonic() - began)
             say(f"load (restart to /health 200): {result.load_s[-1]:.2f} s")
@@ -204,7 +205,8 @@ def _memory_sweep(ssh: SshClient, host: Host, instance: str, unit: str, ctx_size
             finally:
                 ssh.run(f"systemctl stop {probe}", timeout=120, check=False)
     finally:
-        ssh.run(f"systemctl start {shlex.quote(unit)}", timeout=300, check=True)
+        ssh.run(f"systemctl reset-failed {shlex.quote(unit)}; "
+                f"systemctl start {shlex.quote(unit)}", timeout=300, check=True)
     return points
 
 

@@ -282,7 +282,9 @@ def _systemctl(host: Host, action: str, names: Sequence[str]) -> list[str]:
             result = ssh.run(f"systemctl is-active {shlex.join(units)}", timeout=60, check=False)
             states = result.stdout.split()
             return [n for n, s in zip(names, states, strict=False) if s == "active"]
-        result = ssh.run(f"systemctl {action} {shlex.join(units)}", timeout=300, check=False)
+        # An operator's start is not a crash loop: clear the units' start-limit counters first.
+        reset = f"systemctl reset-failed {shlex.join(units)}; " if action in ("start", "restart") else ""
+        result = ssh.run(f"{reset}systemctl {action} {shlex.join(units)}", timeout=300, check=False)
         if result.rc != 0:
             raise RemoteCommandError(host.name, f"systemctl {action} {' '.join(units)}", result.rc, result.stderr)
     return list(names)

@@ -314,7 +314,8 @@ def _ensure_server(inventory: Inventory, target: EvalTarget, on_step: OnStep) ->
             return False
         on_step(f"{target.host}: starting llama-server@{target.server} for the eval")
         with SshClient(SshTarget.from_host(host)) as ssh:
-            ssh.run(f"systemctl start llama-server@{target.server}.service", timeout=60, check=True)
+            ssh.run(f"systemctl reset-failed llama-server@{target.server}.service; "
+                    f"systemctl start llama-server@{target.server}.service", timeout=60, check=True)
         client.wait_healthy(SERVER_START_TIMEOUT_S)
     return True
 

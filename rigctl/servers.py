@@ -170,7 +170,8 @@ def restart(inventory: Inventory, host_name: str, server: str, timeout: float = 
     host = inventory.host(host_name)
     instance = _instance(host, server)
     with SshClient(SshTarget.from_host(host)) as ssh:
-        ssh.run(f"systemctl restart {shlex.quote(unit_name(server))}", timeout=SSH_TIMEOUT, check=True)
+        ssh.run(f"systemctl reset-failed {shlex.quote(unit_name(server))}; "
+                f"systemctl restart {shlex.quote(unit_name(server))}", timeout=SSH_TIMEOUT, check=True)
     deadline = time.monotonic() + timeout
     while True:
         healthy, health, model, build = probe(host, instance)

@@ -113,6 +113,8 @@ def restore_servers(job: Any, names: list[str]) -> list[str]:
     for name in names:
         unit = SERVER_UNIT.format(name)
         job.log(f"starting {unit} again")
+        # Not a crash loop: clear the unit's start-limit counter, which counts every start.
+        subprocess.run(["systemctl", "reset-failed", unit], capture_output=True, timeout=60, check=False)
         done = subprocess.run(["systemctl", "start", unit], capture_output=True, text=True, timeout=120,
                               check=False)
         if done.returncode != 0:
