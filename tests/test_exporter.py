@@ -508,12 +508,22 @@ def test_monitoring_role_runs_the_exporter_and_its_prometheus_scrapes_it(lab: In
 
         up = _wait(lambda: query('up{job="rigctl-exporter"} == 1'), 60, "Prometheus scraping the exporter")
         assert up[0]["metric"]["instance"] == f"127.0.0.1:{port}"
-        hosts = _wait(lambda: query("rigctl_host_up == 1"), 60, "rigctl_host_up == 1 in Prometheus")
+        # Each target is scraped at its own offset within the interval: wait for the whole set, not the first.
+        hosts = _wait(lambda: len(found := query("rigctl_host_up == 1")) == 2 and found, 60,
+                      "rigctl_host_up == 1 for both hosts in Prometheus")
         assert sorted(r["metric"]["host"] for r in hosts) == ["desktop", "laptop"]
         # The same Prometheus scrapes the llama-servers, labelled so the dashboard can join them by host.
-        served = _wait(lambda: query("llamacpp:requests_processing"), 60, "llama-server metrics in Prometheus")
-        assert sorted((r["metric"]["host"], r["metric"]["server"]) for r in served) == [
-            ("desktop", "smollm2"), ("laptop", "smollm2")]
+        expected = [("desktop", "smollm2"), ("laptop", "smollm2")]
+
+        def served() -> list:
+            return sorted((r["metric"]["host"], r["metric"]["server"]) for r in query("llamacpp:requests_processing"))
+
+        deadline = time.monotonic() + 60
+        while served() != expected and time.monotonic() < deadline:
+            time.sleep(0.5)
+        targets = [(r["metric"].get("host"), r["metric"].get("instance"), r["value"][1])
+                   for r in query('up{job=~"llama-server.*"}')]
+        assert served() == expected, f"llama-server targets' up series: {targets}"
         # Every series the dashboard reads is in this Prometheus, under the names the dashboard uses.
         dashboard = json.loads(resources.files("rigctl").joinpath("dashboards/fleet.json").read_text())
         exprs = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
