@@ -484,7 +484,8 @@ def test_monitoring_role_runs_the_exporter_and_its_prometheus_scrapes_it(lab: In
         "monitoring_exporter_environment": {"RIGCTL_LAB_SLOT": slot},
     }).raise_for_failures()
     unit = (units / "rigctl-exporter.service").read_text()
-    exec_start = shlex.split(re.search(r"^ExecStart=(.*)$", unit, re.MULTILINE).group(1))
+    # One flag per line in the unit: systemd joins lines ending in a backslash.
+    exec_start = shlex.split(re.search(r"^ExecStart=(.*)$", unit.replace("\\\n", " "), re.MULTILINE).group(1))
     assert exec_start[0] == str(Path(sys.executable).with_name("rigctl"))
     assert exec_start[1:3] == ["--inventory", str(REPO / "inventory" / "lab")]
     environment = dict(re.findall(r'^Environment="?([A-Z_]+)=([^"\n]*)"?$', unit, re.MULTILINE))
