@@ -261,7 +261,7 @@ def locate(loaded: LoadedCampaign, store: ResultsStore) -> Located:
             matching = [r for r in runs if eval_matches(r, name, target)]
             done = [r for r in matching if r.record.status == "done"]
             found.evals[(evaluation.name, target.id)] = max(done, key=lambda r: r.record.started, default=None)
-            stopped = [r for r in matching if r.record.status in ("stopped", "failed")]
+            stopped = [r for r in matching if r.record.status in ("stopped", "failed", "lost")]
             if not done and stopped:
                 found.unfinished[(evaluation.name, target.id)] = max(stopped, key=lambda r: r.record.started)
     return found

@@ -15,7 +15,8 @@ directory ``/var/lib/rigctl/results/<host>/<id>/`` (``run.json`` + raw files), s
 raw file's sha256 when the job ends. :func:`pull` copies finished run directories into the
 controller's :class:`rigctl.results.ResultsStore` (same layout), each file checked against the
 sha256 in ``run.json``, a run directory appearing only once complete; runs the store already has
-are never copied again.
+are never copied again. A run whose unit died without sealing it (SIGKILL, the host going down) is
+sealed as ``lost`` on the host first, so what it wrote comes home too (an eval resumes from it).
 
 **Locks.** A job may name a lock (bench jobs: ``"gpu"``). Starting takes
 ``/var/lib/rigctl/jobs/locks/<lock>.json`` under a mutex: if the job named there still has an
@@ -148,17 +149,21 @@ for name in names:
 print(json.dumps(out))
 """
 
-# The run records under <results>/<host>/, for pull: {run id: run.json's content}.
+# The run records under <results>/<host>/, for pull: {run id: {"record": run.json, "active": its job's
+# unit is active}} (the unit is only asked about for runs still "running").
 _RUNS_SCRIPT = r"""
-import json, os, sys
-root = sys.argv[1]
+import json, os, subprocess, sys
+root, prefix = sys.argv[1], sys.argv[2]
 out = {}
 if os.path.isdir(root):
     for name in sorted(os.listdir(root)):
         try:
-            out[name] = json.load(open(os.path.join(root, name, "run.json")))
+            record = json.load(open(os.path.join(root, name, "run.json")))
         except (OSError, ValueError):
-            pass
+            continue
+        active = record.get("status") == "running" and subprocess.run(
+            ["systemctl", "is-active", "--quiet", prefix + name]).returncode == 0
+        out[name] = {"record": record, "active": active}
 print(json.dumps(out))
 """
 
@@ -211,6 +216,7 @@ class PullResult:
     copied: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # already in the store
     running: list[str] = field(default_factory=list)  # not finished on the host yet
+    lost: list[str] = field(default_factory=list)  # their unit died unsealed: sealed as lost, then copied
     files: int = 0
     bytes: int = 0
 
@@ -390,18 +396,35 @@ def pull(host: Host, store: ResultsStore | None = None, *, timeout: float = TRAN
     result = PullResult(host=host.name)
     remote_root = f"{RESULTS_DIR}/{host.name}"
     with _session(host, client) as ssh:
-        listing = json.loads(ssh.run(_python(_RUNS_SCRIPT, remote_root), timeout=COMMAND_TIMEOUT, check=True).stdout)
-        for run_id, data in sorted(listing.items()):
+        listing = json.loads(ssh.run(_python(_RUNS_SCRIPT, remote_root, UNIT_PREFIX), timeout=COMMAND_TIMEOUT,
+                                     check=True).stdout)
+        for run_id, entry in sorted(listing.items()):
             if (store.run_dir(host.name, run_id) / RUN_FILE).is_file():
                 result.skipped.append(run_id)
                 continue
+            data = entry["record"]
             if data.get("status") == "running":
-                result.running.append(run_id)
-                continue
+                if entry["active"]:
+                    result.running.append(run_id)
+                    continue
+                data = _seal_lost(ssh, run_id)
+                result.lost.append(run_id)
             record = RunRecord.from_dict(data)
             _copy_run(ssh, f"{remote_root}/{run_id}", store.run_dir(host.name, run_id), record, result, timeout)
             result.copied.append(run_id)
     return result
+
+
+def _seal_lost(ssh: SshClient, job_id: str) -> dict[str, Any]:
+    """Have the job's own runtime seal its unsealed run as ``lost`` (what it wrote is kept); the record."""
+    job_dir = f"{JOBS_DIR}/{job_id}"
+    done = ssh.run(f"python3 {shlex.quote(job_dir + '/jobrun.py')} --seal-lost {shlex.quote(job_dir)}",
+                   timeout=COMMAND_TIMEOUT, check=False)
+    if not done.ok:
+        raise JobError(f"{ssh.host}: run {job_id} was left running by a dead job and cannot be sealed: "
+                       f"{done.stderr.strip() or done.stdout.strip()}")
+    log.warning("%s: job %s died without sealing its run; sealed it as lost", ssh.host, job_id)
+    return json.loads(done.stdout)
 
 
 def _copy_run(

@@ -131,3 +131,42 @@ def test_job_outlives_a_cut_connection_and_pull_brings_it_home(served: Inventory
     # A second pull copies nothing again.
     again = jobs.pull(host, store)
     assert again.copied == [] and job_id in again.skipped
+
+
+@pytest.mark.lab
+def test_a_killed_job_is_sealed_as_lost_by_pull_and_comes_home(served: Inventory, tmp_path: Path) -> None:
+    lab = Lab.from_inventory(served)
+    host = served.host("desktop")
+    lab.set_gpu("desktop", temperature=85, temperature_sequence=[])  # the job waits for the card to cool
+    spec = parse_spec({"hosts": ["desktop"], "models": MODELS[:1], "matrix": {"p": [16], "n": [4], "r": 1, "t": [1]},
+                       "cooldown": {"threshold_c": 40, "timeout_s": 300, "poll_s": 0.5}, "stop_servers": False},
+                      "test")
+    job = jobs.start(host, bench_job_spec(host, spec))
+    try:
+        deadline = time.monotonic() + 60
+        while (info := jobs.status(host, job.id)).message != "cell 1/1 smollm2-135m-q4_1: cooling down":
+            assert time.monotonic() < deadline, info
+            time.sleep(0.5)
+        # SIGKILL leaves the runtime no chance to seal its run or free its lock.
+        _remote(served, "desktop", f"systemctl kill --signal=KILL {shlex.quote(job.unit)}")
+        deadline = time.monotonic() + 30
+        while (info := jobs.status(host, job.id)).state != "lost":
+            assert time.monotonic() < deadline, info
+            time.sleep(0.5)
+    finally:
+        lab.set_gpu("desktop", temperature=35, temperature_sequence=[])
+    record = json.loads(_remote(served, "desktop", f"cat {shlex.quote(job.run_dir or '')}/run.json"))
+    assert record["status"] == "running"  # as the dead job left it
+
+    pulled = rigctl("pull", "desktop", results=tmp_path, timeout=120)
+    assert pulled.returncode == 0, pulled.stderr
+    assert f"+ desktop/{job.id} (lost: its job died without sealing it; partial)" in pulled.stdout
+    store = ResultsStore(tmp_path)
+    run = store.find(job.id)
+    assert run.record.status == "lost" and "killed" in run.record.extra["error"]
+    assert run.record.extra["host_facts"] and store.verify(run) == []
+    # Sealed on the host too: the job reads lost from its own state, and its lock is gone.
+    assert jobs.status(host, job.id).state == "lost"
+    assert _remote(served, "desktop", f"ls {jobs.JOBS_DIR}/locks/").split() == []
+    again = jobs.pull(host, store)
+    assert job.id in again.skipped and again.lost == [] and again.copied == []

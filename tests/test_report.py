@@ -112,11 +112,12 @@ def test_sensitivity_rows_move_the_gap(tmp_path, results):
         assert float(by[label]["moved"]) < 0, label  # every switch favours the weaker run A here
 
 
-def test_locate_takes_the_newest_finished_run_and_notes_unfinished_ones(tmp_path, results):
+@pytest.mark.parametrize("unfinished", ["stopped", "failed", "lost"])
+def test_locate_takes_the_newest_finished_run_and_notes_unfinished_ones(tmp_path, results, unfinished):
     a = _rows({"math": [1, 0]})
     eval_run(results, "desktop", "eval-q-old", "qwen-q4_0", a, started="2026-11-01T00:00:00.000000Z")
     stopped = eval_run(results, "laptop", "eval-bf16", "qwen-bf16", a)
-    record = (stopped / "run.json").read_text().replace('"status": "done"', '"status": "stopped"')
+    record = (stopped / "run.json").read_text().replace('"status": "done"', f'"status": "{unfinished}"')
     (stopped / "run.json").write_text(record)
     found = locate(load_campaign(_write_campaign(tmp_path)), ResultsStore(results))
     assert found.evals[("suite", "qwen-q4_0@desktop")].id == "eval-q"

@@ -10,7 +10,7 @@ Invoked as ``python3 jobrun.py JOB_DIR``. ``JOB_DIR`` holds what the controller 
 
 and what this runtime writes::
 
-    state.json     progress: state running|done|failed|stopped, done/total, message, run_dir, error
+    state.json     progress: state running|done|failed|stopped|lost, done/total, message, run_dir, error
     output.log     stdout and stderr of the unit (systemd appends; also in the journal)
 
 The run directory ``<results_dir>/<host>/<id>/`` gets ``run.json`` (the run record, the layout of
@@ -21,11 +21,17 @@ llama.cpp build (from the llama_cpp role's fact file) are filled in before the t
 On SIGTERM (``systemctl stop``, RuntimeMaxSec) the running child is terminated, the task's
 ``finally`` blocks run (a bench restores the llama-server units it stopped) and the run is sealed
 as ``stopped``. The lock file is released whatever the outcome.
+
+A unit that dies without sealing (SIGKILL, out of memory, the host rebooting) leaves its run
+``running``. ``python3 jobrun.py --seal-lost JOB_DIR`` (what :func:`rigctl.jobs.pull` runs for such
+a run) seals it as ``lost`` with the raw files it did write, and releases its lock; it refuses while
+the unit is active.
 """
 
 from __future__ import annotations
 
 import configparser
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -305,5 +311,27 @@ def main(job_dir: Path) -> int:
     return 0 if status == "done" else 1
 
 
+LOST_ERROR = "the job's unit ended without sealing its run (killed, or the host went down)"
+
+
+def seal_lost(job_dir: Path) -> int:
+    """Seal the run of a job whose unit is gone but never sealed it, as ``lost``; prints the record."""
+    job = Job(job_dir)
+    if subprocess.run(["systemctl", "is-active", "--quiet", job.spec["unit"]]).returncode == 0:
+        print(f"job {job.id}: unit {job.spec['unit']} is still active", file=sys.stderr)
+        return 1
+    # A file the unit died before writing leaves the fresh one standing.
+    for path, into in ((job.run_dir / RUN_FILE, job.record), (job_dir / STATE_FILE, job._state)):
+        with contextlib.suppress(OSError, ValueError):
+            into.update(json.loads(path.read_text()))
+    if job.record["status"] == "running":
+        job.seal("lost", LOST_ERROR)
+        job.release_lock()
+    print(json.dumps(job.record))
+    return 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--seal-lost":
+        sys.exit(seal_lost(Path(sys.argv[2]).resolve()))
     sys.exit(main(Path(sys.argv[1]).resolve()))
