@@ -3,6 +3,7 @@ in :mod:`rigctl.bench`, :mod:`rigctl.bench_server`, :mod:`rigctl.bench_spec` and
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Annotated, Any
@@ -55,7 +56,8 @@ def _print_pull(results: dict[str, Any]) -> bool:
                 f"{len(outcome.skipped)} already here, {len(outcome.running)} still running")
         console.print(line, markup=False, highlight=False)
         for run_id in outcome.copied:
-            console.print(f"  + {host}/{run_id}", markup=False, highlight=False)
+            lost = " (lost: its job died without sealing it; partial)" if run_id in outcome.lost else ""
+            console.print(f"  + {host}/{run_id}{lost}", markup=False, highlight=False)
     return ok
 
 
@@ -122,18 +124,24 @@ def bench_run(
             else:
                 console.print(f"{host}: started {outcome.id} (unit {outcome.unit})", markup=False, highlight=False)
         if wait:
-            pulled: dict[str, Any] = {}
-            for host, outcome in started.items():
-                if isinstance(outcome, RigctlError):
-                    continue
+            store = _store(results)
+
+            def follow(host: str, job_id: str) -> tuple[bool, Any]:
+                """(the job ended done, its pull or the error) for one host, on that host's connection."""
                 try:
-                    info = jobs.wait(inv.host(host), outcome.id, on_progress=_print_progress, poll_s=0.5,
+                    info = jobs.wait(inv.host(host), job_id, on_progress=_print_progress, poll_s=0.5,
                                      client=clients[host])
-                    failed |= info.state != "done"
-                    pulled[host] = jobs.pull(inv.host(host), _store(results), client=clients[host])
+                    return info.state == "done", jobs.pull(inv.host(host), store, client=clients[host])
                 except RigctlError as exc:
-                    pulled[host] = exc
-            failed |= not _print_pull(pulled)
+                    return False, exc
+
+            followed = {host: outcome.id for host, outcome in started.items() if not isinstance(outcome, RigctlError)}
+            # Every host followed at once: each pulls as soon as its own job ends.
+            with ThreadPoolExecutor(max_workers=max(1, len(followed)), thread_name_prefix="rigctl-follow") as pool:
+                futures = {host: pool.submit(follow, host, job_id) for host, job_id in followed.items()}
+                ended = {host: future.result() for host, future in futures.items()}
+            failed |= not all(done for done, _ in ended.values())
+            failed |= not _print_pull({host: pulled for host, (_, pulled) in ended.items()})
     if failed:
         raise typer.Exit(1)
 

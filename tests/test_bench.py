@@ -277,6 +277,37 @@ def test_two_artifact_bench_alternates_waits_while_hot_and_summarises(served, tm
     assert len((tmp_path / "s.csv").read_text().splitlines()) == 1 + len(rows)
 
 
+@pytest.mark.lab
+def test_wait_follows_every_host_at_once(served, tmp_path: Path) -> None:
+    from benchlab import rigctl
+
+    from rigctl.lab import Lab
+
+    lab = Lab.from_inventory(served)
+    # Desktop stays hot until its cool-down times out; laptop is cool and done long before.
+    lab.set_gpu("desktop", temperature=80, temperature_sequence=[])
+    lab.set_gpu("laptop", temperature=35, temperature_sequence=[])
+    try:
+        done = rigctl("bench", "run", "-H", "desktop,laptop", "-m", "smollm2-135m-q4_1", "-p", "16", "-n", "4",
+                      "-r", "1", "-t", "1", "--cooldown", "40", "--cooldown-timeout", "20", "--cooldown-poll", "0.5",
+                      "--keep-servers", "--wait", results=tmp_path, timeout=600)
+    finally:
+        lab.set_gpu("desktop", temperature=35, temperature_sequence=[])
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    ids = {line.split(":")[0]: line.split()[2] for line in lines if " started " in line}
+    assert set(ids) == {"desktop", "laptop"}
+    ended = {host: lines.index(next(line for line in lines if line.startswith(f"{host}: {job_id} done")))
+             for host, job_id in ids.items()}
+    # Followed one after the other, laptop's end would only show after desktop's.
+    assert ended["laptop"] < ended["desktop"], done.stdout
+    store = ResultsStore(tmp_path)
+    for host, job_id in ids.items():
+        assert f"+ {host}/{job_id}" in done.stdout
+        run = store.find(f"{host}/{job_id}")
+        assert run.record.status == "done" and store.verify(run) == []
+
+
 # ----------------------------------------------------------------------------------------------- drafter race
 
 
