@@ -11,7 +11,11 @@ in cgroups of its own, under a small supervisor (``lab_assets/rig-supervisor``) 
 again when the guest reboots.
 
 Everything ``up`` makes is named after the rig and marked as the lab's, so ``down`` (and a failed
-``up``) can remove exactly that, including what a crashed run left behind.
+``up``) can remove exactly that, including what a crashed run left behind. One thing stays on
+purpose: the *fence*, an ``unreachable`` route for the lab network at the lowest priority. While the
+bridge is up its own route wins; once the lab is down, anything still aimed at a rig's address (a
+bench, an SSH retry) fails at once with "No route to host" instead of leaving this machine by its
+default route.
 """
 
 from __future__ import annotations
@@ -103,6 +107,8 @@ KILL_TIMEOUT_S = 10
 CGROUP_REMOVE_TIMEOUT_S = 5
 REMOVE_TREE_TIMEOUT_S = 900
 GPU_LOCK_TIMEOUT_S = 10
+#: The fence route's metric: the lowest priority, so the bridge's own route for the network always wins.
+FENCE_METRIC = 2**32 - 1
 POLL_S = 0.1
 
 _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -546,6 +552,7 @@ class Lab:
         self._preflight()
         with self._locked():
             self._check_host_conflicts()
+            self._fence()
             self._refresh_known_hosts()
             pending = [s.name for s in self.status() if not s.ready]
             pending = [name for name in pending if not self._recovers(self.rig(name))]
@@ -557,11 +564,13 @@ class Lab:
         return self.status()
 
     def down(self) -> None:
-        """Stop every rig and remove all the lab made outside the cache; fine when nothing is up."""
+        """Stop every rig and remove all the lab made outside the cache but the fence; fine when nothing
+        is up."""
         started = time.monotonic()
         _check_root()
         _check_tools(("ip",))
         with self._locked():
+            self._fence()  # before the bridge goes: a lab brought up before the fence existed gets it too
             problems = self._remove_rigs(self.config.rigs)
             problems += _collect(self._remove_bridge, "bridge")
             problems += _collect(lambda: self.config.known_hosts.unlink(missing_ok=True), "known_hosts")
@@ -690,6 +699,12 @@ class Lab:
         public = _run(["ssh-keygen", "-y", "-f", str(key)], timeout=COMMAND_TIMEOUT_S).stdout
         _write_file_atomically(key.with_name(key.name + ".pub"), public, 0o644)
         return public
+
+    def _fence(self) -> None:
+        """The lab network unreachable whenever the bridge is not there (kept by ``down``)."""
+        network = str(ipaddress.IPv4Interface(self.config.bridge_address).network)
+        _run(["ip", "route", "replace", "unreachable", network, "metric", str(FENCE_METRIC)],
+             timeout=COMMAND_TIMEOUT_S)
 
     def _ensure_bridge(self) -> bool:
         """The bridge up with its address; True when this call made it."""

@@ -8,9 +8,11 @@ and GPU values as the real lab, but never touches a real lab that a developer or
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -788,6 +790,12 @@ def test_down_leaves_nothing_and_is_safe_to_repeat(test_lab: LabRun) -> None:
     lab.down()
     assert time.monotonic() - started < 60
     assert leftovers(lab) == []
+    # The fence stays: what is still aimed at a rig fails here at once instead of taking the default route.
+    for rig in lab.config.rigs:
+        with socket.socket() as probe, pytest.raises(OSError) as unreachable:
+            probe.settimeout(5)
+            probe.connect((rig.address, 22))
+        assert unreachable.value.errno == errno.EHOSTUNREACH, rig.name
     assert lab.config.key_file.is_file() and lab.image_path.is_file()
     assert all(not s.exists and not s.running and not s.sshd for s in lab.status())
     lab.down()
