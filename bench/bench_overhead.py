@@ -9,7 +9,11 @@ sha256-checked pull. The direct run is one `ssh` session running the commands ri
 llama-server instances are left running in both (`--keep-servers`), so both see the same machine.
 Needs the lab provisioned (`rigctl lab up && rigctl provision`).
 
-    RIGCTL_LAB_SLOT=N .venv/bin/python bench/bench_overhead.py [--repeats 3] [--host desktop]
+The default matrix is llama-bench's own default test sizes (`--matrix` takes others): rigctl's fixed
+cost (CLI start-up, inventory, SSH, pull: about 2 s here) is what the ratio shows, and it only reads
+against a matrix of the size people run.
+
+    RIGCTL_LAB_SLOT=N .venv/bin/python bench/bench_overhead.py [--repeats 3] [--host desktop] [--matrix "-p 64 -n 16"]
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -31,19 +36,21 @@ from rigctl.results import ResultsStore
 REPO = Path(__file__).resolve().parent.parent
 RIGCTL = str(Path(sys.executable).parent / "rigctl")
 MODELS = "smollm2-135m-q4_1,smollm2-135m-q4_0"
-MATRIX = ["-p", "64", "-n", "16", "-r", "2", "-t", "1"]
+# llama-bench's own default test sizes (pp512, tg128, 5 repetitions), on one thread as the lab rigs have
+# few cores: the smallest matrix people publish.
+MATRIX = "-p 512 -n 128 -r 5 -t 1"
 
 
 def _seconds(stamp: str) -> float:
     return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC).timestamp()
 
 
-def rigctl_run(host: str, inventory: str, results: Path) -> tuple[float, float, list[str], float]:
+def rigctl_run(host: str, inventory: str, results: Path, matrix: list[str]) -> tuple[float, float, list[str], float]:
     """Wall time, cool-down wait, the recorded commands and the job's own time on the host (its run
     record's start to end) of one `rigctl bench run --wait`."""
     env = {**os.environ, "RIGCTL_INVENTORY": inventory, "RIGCTL_RESULTS": str(results)}
     started = time.monotonic()
-    done = subprocess.run([RIGCTL, "bench", "run", "-H", host, "-m", MODELS, *MATRIX, "--cooldown-poll", "0.5",
+    done = subprocess.run([RIGCTL, "bench", "run", "-H", host, "-m", MODELS, *matrix, "--cooldown-poll", "0.5",
                            "--keep-servers", "--wait"], env=env, capture_output=True, text=True, timeout=1800,
                           check=False)
     wall = time.monotonic() - started
@@ -77,15 +84,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--host", default="desktop")
+    parser.add_argument("--matrix", default=MATRIX, help=f"rigctl bench run's matrix flags (default: {MATRIX})")
     parser.add_argument("-i", "--inventory", default=str(REPO / "inventory" / "lab"))
     args = parser.parse_args()
     inventory = Inventory.load(args.inventory)
+    matrix = shlex.split(args.matrix)
     ratios, host_ratios = [], []
     with tempfile.TemporaryDirectory(prefix="rigctl-bench-overhead-") as tmp:
         results = Path(tmp)
         # The first rigctl run tells which commands to time directly (and warms the page cache).
-        _, _, commands, _ = rigctl_run(args.host, args.inventory, results)
-        print(f"matrix: {' '.join(MATRIX)} on {MODELS}, {len(commands)} cells; commands:")
+        _, _, commands, _ = rigctl_run(args.host, args.inventory, results, matrix)
+        print(f"matrix: {args.matrix} on {MODELS}, {len(commands)} cells; commands:")
         for command in commands:
             print(f"  {command}")
         for repeat in range(args.repeats):
@@ -93,7 +102,7 @@ def main() -> int:
             times: dict[str, float] = {}
             for which in order:
                 if which == "rigctl":
-                    wall, waited, _, on_host = rigctl_run(args.host, args.inventory, results)
+                    wall, waited, _, on_host = rigctl_run(args.host, args.inventory, results, matrix)
                     times["rigctl"] = wall - waited
                     times["job"] = on_host
                 else:

@@ -7,6 +7,7 @@ import shlex
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -14,9 +15,9 @@ import pytest
 from benchlab import RIGCTL, cli_env, rigctl, served_inventory
 
 from rigctl import jobs
-from rigctl.bench import bench_job_spec, parse_spec
+from rigctl.bench import BenchSpec, bench_job_spec, parse_spec
 from rigctl.errors import ConfigError, JobBusyError
-from rigctl.inventory import Inventory
+from rigctl.inventory import Host, Inventory
 from rigctl.lab import Lab
 from rigctl.results import ResultsStore, file_sha256
 from rigctl.ssh import SshClient, SshTarget
@@ -53,6 +54,23 @@ def served(request: pytest.FixtureRequest) -> Inventory:
     return served_inventory(request)
 
 
+COOLING = "cell 1/1 smollm2-135m-q4_1: cooling down"
+
+
+def _one_cell_spec(**fields: object) -> BenchSpec:
+    """One tiny cell that waits for a card cooler than 40 °C (tests set the stand-in hotter)."""
+    return parse_spec({"hosts": ["desktop"], "models": MODELS[:1], "matrix": {"p": [16], "n": [4], "r": 1, "t": [1]},
+                       "cooldown": {"threshold_c": 40, "timeout_s": 300, "poll_s": 0.5}, **fields}, "test")
+
+
+def _wait_job(host: Host, job_id: str, reached: Callable[[jobs.JobInfo], bool], timeout: float) -> jobs.JobInfo:
+    deadline = time.monotonic() + timeout
+    while not reached(info := jobs.status(host, job_id)):
+        assert time.monotonic() < deadline, info
+        time.sleep(0.5)
+    return info
+
+
 def _remote(inventory: Inventory, host: str, cmd: str) -> str:
     with SshClient(SshTarget.from_host(inventory.host(host))) as ssh:
         return ssh.run(cmd, timeout=60, check=True).stdout
@@ -63,14 +81,10 @@ def test_second_bench_on_a_host_is_refused(served: Inventory, tmp_path: Path) ->
     lab = Lab.from_inventory(served)
     host = served.host("desktop")
     lab.set_gpu("desktop", temperature=85, temperature_sequence=[])  # the first job waits for the card to cool
-    spec = parse_spec({"hosts": ["desktop"], "models": MODELS[:1], "matrix": {"p": [16], "n": [4], "r": 1, "t": [1]},
-                       "cooldown": {"threshold_c": 40, "timeout_s": 300, "poll_s": 0.5}}, "test")
+    spec = _one_cell_spec()
     first = jobs.start(host, bench_job_spec(host, spec))
     try:
-        deadline = time.monotonic() + 60
-        while (info := jobs.status(host, first.id)).message != "cell 1/1 smollm2-135m-q4_1: cooling down":
-            assert time.monotonic() < deadline, info
-            time.sleep(0.5)
+        _wait_job(host, first.id, lambda info: info.message == COOLING, 60)
         with pytest.raises(JobBusyError, match=f"desktop: refused: job {first.id} is running"):
             jobs.start(host, bench_job_spec(host, spec))
         cli = rigctl("bench", "run", "-H", "desktop", "-m", MODELS[1], "-p", "16", "-n", "4", "-r", "1", "-t", "1",
@@ -138,21 +152,12 @@ def test_a_killed_job_is_sealed_as_lost_by_pull_and_comes_home(served: Inventory
     lab = Lab.from_inventory(served)
     host = served.host("desktop")
     lab.set_gpu("desktop", temperature=85, temperature_sequence=[])  # the job waits for the card to cool
-    spec = parse_spec({"hosts": ["desktop"], "models": MODELS[:1], "matrix": {"p": [16], "n": [4], "r": 1, "t": [1]},
-                       "cooldown": {"threshold_c": 40, "timeout_s": 300, "poll_s": 0.5}, "stop_servers": False},
-                      "test")
-    job = jobs.start(host, bench_job_spec(host, spec))
+    job = jobs.start(host, bench_job_spec(host, _one_cell_spec(stop_servers=False)))
     try:
-        deadline = time.monotonic() + 60
-        while (info := jobs.status(host, job.id)).message != "cell 1/1 smollm2-135m-q4_1: cooling down":
-            assert time.monotonic() < deadline, info
-            time.sleep(0.5)
+        _wait_job(host, job.id, lambda info: info.message == COOLING, 60)
         # SIGKILL leaves the runtime no chance to seal its run or free its lock.
         _remote(served, "desktop", f"systemctl kill --signal=KILL {shlex.quote(job.unit)}")
-        deadline = time.monotonic() + 30
-        while (info := jobs.status(host, job.id)).state != "lost":
-            assert time.monotonic() < deadline, info
-            time.sleep(0.5)
+        _wait_job(host, job.id, lambda info: info.state == "lost", 30)
     finally:
         lab.set_gpu("desktop", temperature=35, temperature_sequence=[])
     record = json.loads(_remote(served, "desktop", f"cat {shlex.quote(job.run_dir or '')}/run.json"))
