@@ -7,16 +7,18 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
 
 from rigctl.cli import _inventory, app, console, err_console
-from rigctl.compare import Comparison, RunHabits, points, ratio_text
 from rigctl.errors import ConfigError
 from rigctl.results import ResultsStore
 from rigctl.stats import DEFAULT_RESAMPLES, DEFAULT_SEED
+
+if TYPE_CHECKING:  # rigctl.compare pulls in the bench and pydantic: imported where used
+    from rigctl.compare import Comparison, RunHabits
 
 check_app = typer.Typer(no_args_is_help=True,
                         help="Runtime checks against a transformers reference: chat template and next-token logits.")
@@ -41,6 +43,8 @@ def _labels(counts: dict[str, int], limit: int = 4) -> str:
 
 
 def print_eval_comparison(result: Comparison) -> None:
+    from rigctl.compare import points
+
     for pair in result.pairs:
         title = f"{pair.b.name} ({pair.b.label}) - {pair.a.name} ({pair.a.label}): task {pair.task}"
         if pair.forced:
@@ -110,7 +114,7 @@ def compare(
     """Paired per-question gaps with 95% bootstrap intervals per set and overall (a matrix for more than
     two runs), how the gap moves under each sensitivity switch, and answer habits; for bench runs,
     t/s ratios per test with intervals from the per-repetition samples."""
-    from rigctl.compare import answer_habits, compare_bench_runs, compare_runs
+    from rigctl.compare import answer_habits, compare_bench_runs, compare_runs, ratio_text
 
     store = ResultsStore(results)
     stored = [store.find(ref) for ref in runs]
