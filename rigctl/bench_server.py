@@ -31,6 +31,7 @@ from rigctl.inventory import Host
 from rigctl.jobs import rigctl_version
 from rigctl.results import ResultsStore, RunRecord, new_run_id, utc_now
 from rigctl.server import Endpoint, ServerClient, Timeouts
+from rigctl.servers import operator_start, unit_name
 from rigctl.ssh import SshClient, SshTarget
 
 log = logging.getLogger(__name__)
@@ -135,7 +136,7 @@ def run_server_bench(
                           f"(instances: {', '.join(servers) or 'none'})")
     say = on_step or (lambda message: None)
     endpoint = Endpoint.from_inventory(host, instance)
-    unit = f"llama-server@{instance}.service"
+    unit = unit_name(instance)
     record = RunRecord(id=new_run_id("server-speed"), kind="server-speed", host=host.name, started=utc_now(),
                        rigctl_version=rigctl_version(), concurrency=1)
     result = ServerBenchResult(host=host.name, instance=instance)
@@ -154,8 +155,7 @@ def run_server_bench(
             say(f"prompt {tokens} tokens: ttft {point.ttft_s:.3f} s, decode {point.decode_per_s:.2f} tok/s")
         for _ in range(load_runs):
             began = time.monotonic()
-            ssh.run(f"systemctl reset-failed {shlex.quote(unit)}; "
-                    f"systemctl restart {shlex.quote(unit)}", timeout=300, check=True)
+            ssh.run(operator_start([unit], "restart"), timeout=300, check=True)
             server.wait_healthy(HEALTH_TIMEOUT_S)
             result.load_s.append(time.monotonic() - began)
             say(f"load (restart to /health 200): {result.load_s[-1]:.2f} s")
@@ -205,8 +205,7 @@ def _memory_sweep(ssh: SshClient, host: Host, instance: str, unit: str, ctx_size
             finally:
                 ssh.run(f"systemctl stop {probe}", timeout=120, check=False)
     finally:
-        ssh.run(f"systemctl reset-failed {shlex.quote(unit)}; "
-                f"systemctl start {shlex.quote(unit)}", timeout=300, check=True)
+        ssh.run(operator_start([unit]), timeout=300, check=True)
     return points
 
 

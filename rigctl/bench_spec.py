@@ -38,6 +38,7 @@ from rigctl.inventory import Host
 from rigctl.jobs import rigctl_version
 from rigctl.results import ResultsStore, RunRecord, new_run_id, utc_now
 from rigctl.server import Endpoint, ServerClient, Timeouts
+from rigctl.servers import operator_start, unit_name
 from rigctl.ssh import SshClient, SshTarget
 
 log = logging.getLogger(__name__)
@@ -276,15 +277,15 @@ def to_markdown(rows: Sequence[RaceRow]) -> str:
 
 def _systemctl(host: Host, action: str, names: Sequence[str]) -> list[str]:
     """``systemctl ACTION`` on the named instances' units; for ``is-active``, the active ones."""
-    units = [f"llama-server@{n}.service" for n in names]
+    units = [unit_name(n) for n in names]
     with SshClient(SshTarget.from_host(host)) as ssh:
         if action == "is-active":
             result = ssh.run(f"systemctl is-active {shlex.join(units)}", timeout=60, check=False)
             states = result.stdout.split()
             return [n for n, s in zip(names, states, strict=False) if s == "active"]
-        # An operator's start is not a crash loop: clear the units' start-limit counters first.
-        reset = f"systemctl reset-failed {shlex.join(units)}; " if action in ("start", "restart") else ""
-        result = ssh.run(f"{reset}systemctl {action} {shlex.join(units)}", timeout=300, check=False)
+        command = operator_start(units, action) if action in ("start", "restart") else \
+            f"systemctl {action} {shlex.join(units)}"
+        result = ssh.run(command, timeout=300, check=False)
         if result.rc != 0:
             raise RemoteCommandError(host.name, f"systemctl {action} {' '.join(units)}", result.rc, result.stderr)
     return list(names)

@@ -306,6 +306,7 @@ def _run_bench(inventory: Inventory, bench: CampaignBench, host_name: str, store
 def _ensure_server(inventory: Inventory, target: EvalTarget, on_step: OnStep) -> bool:
     """Start the target's llama-server unit when it is not answering; True when this call started it."""
     from rigctl.server import Endpoint, ServerClient
+    from rigctl.servers import operator_start, unit_name
     from rigctl.ssh import SshClient, SshTarget
 
     host = inventory.host(target.host)
@@ -314,8 +315,7 @@ def _ensure_server(inventory: Inventory, target: EvalTarget, on_step: OnStep) ->
             return False
         on_step(f"{target.host}: starting llama-server@{target.server} for the eval")
         with SshClient(SshTarget.from_host(host)) as ssh:
-            ssh.run(f"systemctl reset-failed llama-server@{target.server}.service; "
-                    f"systemctl start llama-server@{target.server}.service", timeout=60, check=True)
+            ssh.run(operator_start([unit_name(target.server)]), timeout=60, check=True)
         client.wait_healthy(SERVER_START_TIMEOUT_S)
     return True
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import shlex
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from rigctl.errors import ConfigError, RigctlError, ServerError
@@ -35,6 +35,14 @@ UNIT_PROPERTIES = ("Id", "ActiveState", "SubState", "MainPID", "NRestarts")
 def unit_name(server: str) -> str:
     """The systemd unit of instance ``server``."""
     return f"llama-server@{server}.service"
+
+
+def operator_start(units: Sequence[str], action: str = "start") -> str:
+    """The shell command for an operator's ``systemctl start|restart`` of ``units``. systemd's
+    StartLimitBurst counts every start, so benches and restarts in quick succession would trip it like
+    a crash loop: the units' counters are cleared first, leaving the limit to crash loops."""
+    names = shlex.join(units)
+    return f"systemctl reset-failed {names}; systemctl {action} {names}"
 
 
 @dataclass(frozen=True)
@@ -170,8 +178,7 @@ def restart(inventory: Inventory, host_name: str, server: str, timeout: float = 
     host = inventory.host(host_name)
     instance = _instance(host, server)
     with SshClient(SshTarget.from_host(host)) as ssh:
-        ssh.run(f"systemctl reset-failed {shlex.quote(unit_name(server))}; "
-                f"systemctl restart {shlex.quote(unit_name(server))}", timeout=SSH_TIMEOUT, check=True)
+        ssh.run(operator_start([unit_name(server)], "restart"), timeout=SSH_TIMEOUT, check=True)
     deadline = time.monotonic() + timeout
     while True:
         healthy, health, model, build = probe(host, instance)
