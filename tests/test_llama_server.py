@@ -7,18 +7,18 @@ from __future__ import annotations
 import importlib.util
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from conftest import wait_healthy
 
 from rigctl.deploy import run_playbook
 from rigctl.errors import DeployError
 from rigctl.inventory import Inventory
 from rigctl.server import Endpoint, ServerClient
-from rigctl.servers import list_servers, parse_unit_show, unit_states
+from rigctl.servers import list_servers, operator_start, parse_unit_show, restart, unit_states
 from rigctl.ssh import SshClient, SshTarget
 
 ROLE = Path(__file__).resolve().parent.parent / "roles" / "llama_server"
@@ -107,30 +107,6 @@ def _expected_build(inv: Inventory) -> str:
 # ----------------------------------------------------------------------------------------------- lab
 
 
-_converged: list[bool] = []
-
-
-@pytest.fixture(autouse=True)
-def _fleet_converged(request: pytest.FixtureRequest) -> None:
-    """The lab tests here start from a converged fleet. Earlier modules share the session's lab and may
-    leave an instance down (one CI run found desktop's smollm2 `failed` here): before the first lab test,
-    say which, with its journal, then converge it with the role, so what follows tests this role rather
-    than that history."""
-    if request.node.get_closest_marker("lab") is None or _converged:
-        return
-    _converged.append(True)
-    inv: Inventory = request.getfixturevalue("lab_served")
-    down = [row for row in list_servers(inv) if row.enabled and not (row.state == "active" and row.healthy)]
-    if not down:
-        return
-    for row in down:
-        journal = _remote(inv, row.host, f"journalctl -u llama-server@{row.name} --no-pager -n 15 -o cat", timeout=30)
-        warnings.warn(f"{row.host}/{row.name} was {row.state} ({row.health}) before this module; journal:\n{journal}",
-                      stacklevel=1)
-    run_playbook(inv, "site.yml", tags=["llama_server"]).raise_for_failures()
-    wait_healthy(inv, timeout=120)
-
-
 @pytest.mark.lab
 def test_units_serve_the_pinned_build_and_answer(lab_served: Inventory) -> None:
     rows = [r for r in list_servers(lab_served) if r.enabled]
@@ -145,6 +121,26 @@ def test_units_serve_the_pinned_build_and_answer(lab_served: Inventory) -> None:
         hardening = _remote(lab_served, host, "systemctl show -p ProtectSystem,PrivateDevices,NoNewPrivileges,User "
                                               "llama-server@smollm2.service").split()
         assert sorted(hardening) == ["NoNewPrivileges=yes", "PrivateDevices=no", "ProtectSystem=strict", "User=llama"]
+
+
+def test_operator_start_clears_the_start_limit_first() -> None:
+    units = ["llama-server@a.service", "llama-server@b c.service"]
+    quoted = "llama-server@a.service 'llama-server@b c.service'"
+    assert operator_start(units, "restart") == f"systemctl reset-failed {quoted}; systemctl restart {quoted}"
+
+
+@pytest.mark.lab
+def test_operator_restarts_beyond_the_start_limit_burst(lab_served: Inventory) -> None:
+    """systemd's StartLimitBurst counts every start; restarts an operator asks for must not trip it."""
+    defaults = yaml.safe_load((ROLE / "defaults" / "main.yml").read_text())
+    burst = int(lab_served.host("desktop").vars.get("llama_server_start_limit_burst",
+                                                    defaults["llama_server_start_limit_burst"]))
+    pids = set()
+    for _ in range(burst + 2):
+        status = restart(lab_served, "desktop", "smollm2")
+        assert status.state == "active" and status.healthy, status
+        pids.add(status.main_pid)
+    assert len(pids) == burst + 2  # every restart was a real one
 
 
 @pytest.mark.lab
