@@ -37,11 +37,20 @@ class Build:
     cuda_version: str
     built_on: str
     built_at: str
+    cpu_target: str = ""  # "native" (-march=native) or "portable"; "" from a role older than the field
+    cpu_isa_hash: str = ""  # native: the hash of the instruction-set extensions it was compiled for
     cmake_flags: tuple[str, ...] = ()
     binaries: dict[str, str] = field(default_factory=dict)  # name -> sha256
 
     def __str__(self) -> str:
         return f"{self.name} (build {self.build_number}, commit {self.commit})"
+
+    @property
+    def cpu(self) -> str:
+        """What the CPU code targets, short: ``native 9246a338`` (the instruction set's hash), ``portable``."""
+        if self.cpu_target == "native":
+            return f"native {self.cpu_isa_hash[:8]}" if self.cpu_isa_hash else "native"
+        return self.cpu_target or "-"
 
 
 @dataclass(frozen=True)
@@ -85,6 +94,8 @@ def parse_fact(text: str, host: str = "?") -> Builds:
             cuda_version=s.get("cuda_version", ""),
             built_on=s.get("built_on", ""),
             built_at=s.get("built_at", ""),
+            cpu_target=s.get("cpu_target", ""),
+            cpu_isa_hash=s.get("cpu_isa_hash", ""),
             cmake_flags=tuple(line.strip() for line in s.get("cmake_flags", "").splitlines() if line.strip()),
             binaries=binaries,
         )

@@ -232,12 +232,12 @@ def build_status(
     from rigctl.build import read_builds
 
     table = Table(title="llama.cpp builds")
-    for column in ("host", "current", "key", "CUDA", "built on", "previous"):
+    for column in ("host", "current", "key", "CPU", "CUDA", "built on", "previous"):
         table.add_column(column)
     for host in _inventory().select(limit):
         builds = read_builds(host)
         cur = builds.current
-        table.add_row(host.name, str(cur) if cur else "-", cur.key if cur else "-",
+        table.add_row(host.name, str(cur) if cur else "-", cur.key if cur else "-", cur.cpu if cur else "-",
                       (cur.cuda_architectures or "on") if cur and cur.cuda else "off",
                       cur.built_on if cur else "-", str(builds.previous) if builds.previous else "-")
     console.print(table)

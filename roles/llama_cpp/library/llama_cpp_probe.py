@@ -9,7 +9,9 @@ module: llama_cpp_probe
 short_description: Report what a llama.cpp build needs to know about the host
 description:
   - Versions of cmake, the C++ compiler, ccache, git and nvcc; the driver's CUDA version and the
-    GPUs' compute capabilities from nvidia-smi; the CPU model; free space under the given paths.
+    GPUs' compute capabilities from nvidia-smi; the CPU model and the instruction-set extensions
+    C(-march=native) compiles for (from /proc/cpuinfo flags) with their short hash; free space under
+    the given paths.
   - Never changes the host; supports check mode.
 options:
   paths:
@@ -27,7 +29,9 @@ options:
     default: true
 """
 
+import hashlib
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -61,15 +65,49 @@ def _free_mib(path: str) -> int:
     return st.f_bavail * st.f_frsize // (1024 * 1024)
 
 
-def _cpu_model() -> str:
+#: x86 /proc/cpuinfo flags that name instruction-set extensions a compiler may use with -march=native
+#: (ggml's own SSE/AVX/AVX-512/AMX/F16C/FMA/BMI2 among them). Everything else in `flags` (hypervisor,
+#: constant_tsc, nopl...) says nothing about what a binary may execute and would only split the key.
+X86_ISA_FLAGS = frozenset("""
+    cmov cx8 cx16 mmx sse sse2 pni ssse3 sse4_1 sse4_2 sse4a popcnt abm lahf_lm 3dnowprefetch movbe
+    bmi1 bmi2 adx tbm fma fma4 xop f16c avx avx2 avx_vnni avx_vnni_int8 avx_ne_convert avx_ifma
+    avx512f avx512dq avx512cd avx512bw avx512vl avx512ifma avx512vbmi avx512_vbmi2 avx512_vnni
+    avx512_bitalg avx512_vpopcntdq avx512_bf16 avx512_fp16 avx512_vp2intersect
+    amx_tile amx_int8 amx_bf16 amx_fp16 amx_complex
+    aes vaes pclmulqdq vpclmulqdq sha_ni gfni rdrand rdseed rdpid fsgsbase clflushopt clwb clzero
+    xsave xsaveopt xsavec xsaves movdiri movdir64b serialize waitpkg cldemote ptwrite pku mwaitx
+    wbnoinvd enqcmd uintr hreset
+""".split())
+
+
+def cpu_info(text: str, machine: str) -> tuple[str, list[str]]:
+    """(model, sorted instruction-set extensions) from /proc/cpuinfo text. x86: the `flags` of the
+    first processor that are in X86_ISA_FLAGS; other machines (aarch64 `Features`): all of them."""
+    model, flags = "unknown", None
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        name = name.strip()
+        if name in ("model name", "Model", "cpu model") and model == "unknown":
+            model = value.strip() or model
+        elif name in ("flags", "Features") and flags is None:
+            flags = value.split()
+    found = set(flags or ())
+    if machine in ("x86_64", "amd64", "i386", "i686"):
+        found &= X86_ISA_FLAGS
+    return model, sorted(found)
+
+
+def isa_hash(machine: str, isa: list[str]) -> str:
+    """Short, stable name of a machine type and instruction set: what a native build's key holds."""
+    return hashlib.sha256(f"{machine}:{' '.join(sorted(isa))}".encode()).hexdigest()[:12]
+
+
+def _cpu() -> tuple[str, list[str]]:
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+            return cpu_info(f.read(), platform.machine())
     except OSError:
-        pass
-    return "unknown"
+        return "unknown", []
 
 
 def main() -> None:
@@ -82,6 +120,7 @@ def main() -> None:
         supports_check_mode=True,
     )
     p = module.params
+    cpu_model, isa = _cpu()
     nvcc = os.path.join(p["cuda_home"], "bin", "nvcc")
     if not os.access(nvcc, os.X_OK):
         nvcc = shutil.which("nvcc") or ""
@@ -99,7 +138,10 @@ def main() -> None:
         "driver_version": None,
         "compute_caps": [],
         "nvidia_smi": shutil.which("nvidia-smi"),
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model,
+        "machine": platform.machine(),
+        "cpu_isa": isa,
+        "cpu_isa_hash": isa_hash(platform.machine(), isa),
         "free_mib": {path: _free_mib(path) for path in p["paths"]},
     }
     if p["nvidia_smi"] and result["nvidia_smi"]:
