@@ -374,7 +374,7 @@ def run_campaign(loaded: LoadedCampaign, inventory: Inventory, store: ResultsSto
     campaign = loaded.campaign
     for name in campaign.hosts:
         try:
-            jobs.pull(inventory.host(name), store)
+            jobs.pull(inventory.host(name), store)  # a refused run is logged in one line
         except RigctlError as exc:
             on_step(f"{name}: pull failed: {exc}")
     found = locate(loaded, store)

@@ -53,11 +53,13 @@ def _print_pull(results: dict[str, Any]) -> bool:
             ok = False
             continue
         line = (f"{host}: copied {len(outcome.copied)} run(s) ({outcome.files} files, {outcome.bytes} bytes), "
-                f"{len(outcome.skipped)} already here, {len(outcome.running)} still running")
+                f"{len(outcome.skipped)} already here, {len(outcome.running)} still running"
+                + (f", {len(outcome.refused)} refused" if outcome.refused else ""))
         console.print(line, markup=False, highlight=False)
         for run_id in outcome.copied:
             lost = " (lost: its job died without sealing it; partial)" if run_id in outcome.lost else ""
             console.print(f"  + {host}/{run_id}{lost}", markup=False, highlight=False)
+        ok = ok and not outcome.refused  # each refused run was logged in one line as it was refused
     return ok
 
 

@@ -262,7 +262,8 @@ class FleetTools:
                 out[name] = {"error": str(result)}
             else:
                 out[name] = {"copied": result.copied, "skipped": len(result.skipped), "running": result.running,
-                             "lost": result.lost, "files": result.files, "bytes": result.bytes}
+                             "lost": result.lost, "refused": result.refused, "files": result.files,
+                             "bytes": result.bytes}
         return {"results_root": str(self.store.root), "hosts": out}
 
 def _mib(value: float | None) -> float | None:
