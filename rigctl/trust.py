@@ -43,11 +43,15 @@ def relative_path(value: object, what: str) -> PurePosixPath:
 
 def inside(root: Path, relative: str | PurePosixPath, what: str) -> Path:
     """``root / relative`` resolved (symlinks followed); TrustError unless it is still under ``root``."""
-    path = (root / relative_path(str(relative), what)).resolve()
-    base = root.resolve()
-    if path != base and not path.is_relative_to(base):
-        raise TrustError(f"{what}: {relative} resolves to {path}, outside {base}")
-    return path
+    return contained(root, root / relative_path(str(relative), what), what)
+
+
+def contained(root: Path, path: Path, what: str) -> Path:
+    """``path`` resolved (symlinks followed); TrustError unless it is ``root`` or under it."""
+    resolved, base = path.resolve(), root.resolve()
+    if resolved != base and not resolved.is_relative_to(base):
+        raise TrustError(f"{what}: {path} resolves to {resolved}, outside {base}")
+    return resolved
 
 
 def origin(url: str) -> tuple[str, str, int]:
