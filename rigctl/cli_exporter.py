@@ -14,7 +14,8 @@ from rigctl.cli import _inventory, app, err_console
 
 @app.command("exporter")
 def exporter(
-    listen: Annotated[str, typer.Option("--listen", help="ADDRESS:PORT to serve /metrics on.")] = "127.0.0.1:9840",
+    listen: Annotated[str, typer.Option("--listen", help="ADDRESS:PORT to serve /metrics on (':PORT' is loopback; "
+                                        "every interface only as 0.0.0.0:PORT).")] = "127.0.0.1:9840",
     interval: Annotated[float, typer.Option("--interval", min=1.0, help="Seconds between collections.")] = 15.0,
     host_timeout: Annotated[float, typer.Option("--host-timeout", min=1.0,
                                                 help="Seconds one host may take before it shows as down.")] = 10.0,
@@ -48,9 +49,12 @@ def mcp(
                                                      "start a bench or an eval, pull results.")] = False,
     results: Annotated[Path | None, typer.Option("--results", envvar="RIGCTL_RESULTS",
                                                  help="Results store (default ./results).")] = None,
+    task_dirs: Annotated[list[Path] | None, typer.Option(
+        "--task-dir", help="A directory start_eval may take task files from (besides the shipped tasks).")] = None,
 ) -> None:
     """Serve the fleet as MCP tools over stdio (for Claude Code or any MCP client); read-only unless
     --allow-actions."""
     from rigctl.mcp_server import build_server
 
-    build_server(_inventory(), allow_actions=allow_actions, results_root=results).run("stdio")
+    build_server(_inventory(), allow_actions=allow_actions, results_root=results,
+                 task_dirs=task_dirs or ()).run("stdio")
