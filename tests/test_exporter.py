@@ -85,7 +85,8 @@ def test_unit_instance():
 def test_parse_listen():
     assert parse_listen("127.0.0.1:9840") == ("127.0.0.1", 9840)
     assert parse_listen("[::1]:9840") == ("::1", 9840)
-    assert parse_listen(":9840") == ("0.0.0.0", 9840)
+    assert parse_listen(":9840") == ("127.0.0.1", 9840)  # every interface only when spelled out
+    assert parse_listen("0.0.0.0:9840") == ("0.0.0.0", 9840)
     for bad in ("9840", "host:", "host:70000", "host:http"):
         with pytest.raises(ConfigError, match="--listen"):
             parse_listen(bad)

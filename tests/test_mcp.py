@@ -140,7 +140,7 @@ def test_start_a_short_eval_and_read_its_result_through_the_tools(lab_served: In
 
     async def body(client: Client):
         started = _data(await client.call_tool(
-            "start_eval", {"host": "desktop", "server": "smollm2", "task": str(task), "concurrency": 2}))
+            "start_eval", {"host": "desktop", "server": "smollm2", "task": task.name, "concurrency": 2}))
         job_id = started["job"]["id"]
         deadline = time.monotonic() + 180
         while True:
@@ -152,7 +152,7 @@ def test_start_a_short_eval_and_read_its_result_through_the_tools(lab_served: In
         listed = _data(await client.call_tool("list_results", {"host": "desktop", "kind": "eval"}))
         return started, jobs[0], pulled, listed
 
-    started, job, pulled, listed = _session(results, "--allow-actions", body=body)
+    started, job, pulled, listed = _session(results, "--allow-actions", "--task-dir", str(tmp_path), body=body)
     assert started["questions"] == len(questions)
     assert job["state"] == "done", job
     assert job["done"] == job["total"] == len(questions)
