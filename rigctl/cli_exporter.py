@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import threading
 from pathlib import Path
@@ -22,13 +23,24 @@ def exporter(
     results: Annotated[Path | None, typer.Option("--results", envvar="RIGCTL_RESULTS",
                                                  help="Results store of pulled runs (default ./results).")] = None,
     limit: Annotated[str | None, typer.Option("--limit", "-l", help="Hosts or groups, comma-separated.")] = None,
+    ssh_key: Annotated[Path | None, typer.Option(
+        "--ssh-key", help="SSH private key for every host, over the inventory's (a service's credential).")] = None,
+    known_hosts: Annotated[Path | None, typer.Option(
+        "--known-hosts", help="known_hosts for every host, over the inventory's rigctl_known_hosts.")] = None,
 ) -> None:
     """Serve the fleet's state as Prometheus metrics: reachability, builds and model pins against the
     inventory, llama-server units, GPUs, and the latest pulled bench and eval results."""
     from rigctl.exporter import Exporter
     from rigctl.results import ResultsStore
 
-    exp = Exporter(_inventory(), limit=limit, results=ResultsStore(results), interval=interval,
+    inventory = _inventory()
+    overrides = {**({"ansible_ssh_private_key_file": str(ssh_key)} if ssh_key else {}),
+                 **({"rigctl_known_hosts": str(known_hosts)} if known_hosts else {})}
+    if overrides:
+        # The service runs as its own user and gets the key and known_hosts from systemd (LoadCredential=).
+        inventory = dataclasses.replace(inventory, hosts={
+            name: dataclasses.replace(host, vars={**host.vars, **overrides}) for name, host in inventory.hosts.items()})
+    exp = Exporter(inventory, limit=limit, results=ResultsStore(results), interval=interval,
                    host_timeout=host_timeout)
     server, _thread = exp.serve(listen)
     exp.start()

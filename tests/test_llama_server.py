@@ -118,9 +118,10 @@ def test_units_serve_the_pinned_build_and_answer(lab_served: Inventory) -> None:
         assert row.model == f"/var/lib/rigctl/models/{row.artifact}.gguf", row
     for host in ("desktop", "laptop"):
         assert _ask(lab_served, host, "smollm2").strip()
-        hardening = _remote(lab_served, host, "systemctl show -p ProtectSystem,PrivateDevices,NoNewPrivileges,User "
-                                              "llama-server@smollm2.service").split()
-        assert sorted(hardening) == ["NoNewPrivileges=yes", "PrivateDevices=no", "ProtectSystem=strict", "User=llama"]
+        hardening = _remote(lab_served, host, "systemctl show -p ProtectSystem,PrivateDevices,NoNewPrivileges,User,"
+                                              "DevicePolicy llama-server@smollm2.service").split()
+        assert sorted(hardening) == ["DevicePolicy=closed", "NoNewPrivileges=yes", "PrivateDevices=no",
+                                     "ProtectSystem=strict", "User=llama"]
 
 
 def test_operator_start_clears_the_start_limit_first() -> None:
