@@ -59,7 +59,9 @@ def _print_pull(results: dict[str, Any]) -> bool:
         for run_id in outcome.copied:
             lost = " (lost: its job died without sealing it; partial)" if run_id in outcome.lost else ""
             console.print(f"  + {host}/{run_id}{lost}", markup=False, highlight=False)
-        ok = ok and not outcome.refused  # each refused run was logged in one line as it was refused
+        for line in outcome.refused:
+            err_console.print(line, markup=False, highlight=False, soft_wrap=True)
+            ok = False
     return ok
 
 

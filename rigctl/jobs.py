@@ -400,7 +400,7 @@ def pull(host: Host, store: ResultsStore | None = None, *, timeout: float = TRAN
 
     What the host sends is data: a run whose id is not one rigctl makes or differs from its record's,
     whose record names another host, or whose record or ``cells.jsonl`` points outside the run is
-    refused (one line in ``refused``, logged) and nothing of it is written. Every path is resolved and
+    refused (one line in ``refused``, for the caller to report) and nothing of it is written. Every path is resolved and
     must stay in the store; files land 0644 and directories 0755 whatever their mode on the host.
     """
     store = store or ResultsStore()
@@ -434,7 +434,7 @@ def pull(host: Host, store: ResultsStore | None = None, *, timeout: float = TRAN
                 _copy_run(ssh, f"{remote_root}/{run_id}", host_dir, record, result, timeout)
             except (TrustError, ConfigError) as exc:
                 line = f"{host.name}: run {run_id!r} refused: {exc}"
-                log.warning("%s", line)
+                log.info("%s", line)
                 result.refused.append(line)
                 if run_id in result.lost:
                     result.lost.remove(run_id)

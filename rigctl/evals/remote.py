@@ -65,7 +65,10 @@ def run_remote(task: LoadedTask, target: Target, options: Options, store: Result
                 out.write(json.dumps({"id": question.id, "set": question.set, "data": question.data}) + "\n")
         info = jobs.start(host, job_spec(task, target, options, questions, limit))
     info = jobs.wait(host, info.id, on_progress=on_progress)
-    jobs.pull(host, store)
+    pulled = jobs.pull(host, store)
+    mine = [line for line in pulled.refused if f"run {info.id!r} " in line]
+    if mine:
+        raise EvalError(mine[0])
     if info.state != "done":
         raise EvalError(f"{host.name}: eval job {info.id} {info.state}: {info.error or info.message}")
     run = store.find(f"{host.name}/{info.id}")
