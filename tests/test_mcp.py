@@ -61,7 +61,8 @@ def test_tools_listed_actions_refused_and_bad_input_are_tool_errors_not_crashes(
         unknown_server = await client.call_tool("server_health", {"host": "desktop", "server": "nope"})
         bad_lines = await client.call_tool("server_logs", {"host": "desktop", "server": "smollm2", "lines": 0})
         bad_name = await client.call_tool("server_logs", {"host": "desktop; reboot", "server": "smollm2"})
-        missing_run = await client.call_tool("compare_runs", {"run_a": "desktop/eval-x", "run_b": "desktop/eval-y"})
+        missing_run = await client.call_tool("compare_runs", {"run_a": "desktop/eval-20261130T051200Z-0000",
+                                                             "run_b": "desktop/eval-20261130T051200Z-0001"})
         still_serving = await client.call_tool("list_hosts", {})
         return tools, refused, refused_eval, unknown_host, unknown_server, bad_lines, bad_name, missing_run, \
             still_serving

@@ -123,7 +123,6 @@ def test_silent_server_times_out(tmp_path: Path) -> None:
 _SILENT_SERVER_SCRIPT = """
 import logging, socket, sys
 from pathlib import Path
-from labkeys import RESTORE_HOST_KEYS, ROTATE_HOST_KEYS
 from rigctl.errors import ConnectError
 from rigctl.ssh import SshClient, SshTarget
 logging.basicConfig(level=logging.WARNING)  # as an application would
