@@ -459,7 +459,7 @@ def _vetted_record(host: str, run_id: str, data: Any) -> RunRecord:
         raise TrustError(f"its run.json names host {record.host!r}")
     seen: set[str] = set()
     for raw in record.files:
-        path = str(relative_path(raw.path, f"raw file {raw.path!r}"))
+        path = str(relative_path(raw.path, "raw file"))
         if path == RUN_FILE or path in seen:
             raise TrustError(f"raw file {raw.path!r} is listed twice or is the record itself")
         seen.add(path)
@@ -503,10 +503,11 @@ def _copy_run(
     shutil.rmtree(staging, ignore_errors=True)
     files = bytes_ = 0
     try:
+        host_dir.parent.mkdir(parents=True, exist_ok=True)  # the store itself
         _make_dir(host_dir)
         _make_dir(staging)
         for raw in record.files:
-            target = inside(staging, raw.path, f"raw file {raw.path!r}")
+            target = inside(staging, raw.path, "raw file")
             for parent in reversed(target.relative_to(staging).parents[:-1]):
                 _make_dir(staging / parent)
             ssh.get(f"{remote}/{raw.path}", target, timeout=timeout, sha256=raw.sha256, mode=FILE_MODE)
