@@ -203,9 +203,10 @@ def ansible_env(root: Path) -> dict[str, str]:
     return env
 
 
-def check_host_keys(hosts: Iterable[Host], *, connect_timeout: float | None = None) -> None:
-    """Connect to every SSH host once, at the same time, with rigctl's strict host-key checking; raise
-    HostKeyError (one line, every refused host named with its known_hosts file) if any key is refused.
+def check_host_keys(hosts: Iterable[Host]) -> None:
+    """Connect to every SSH host once, at the same time, with rigctl's strict host-key checking; a refused
+    key raises HostKeyError naming the host and its known_hosts file (several: one DeployError line
+    naming each).
 
     Other connect failures are left to the play, which reports each unreachable host on its own.
     """
@@ -217,7 +218,7 @@ def check_host_keys(hosts: Iterable[Host], *, connect_timeout: float | None = No
 
     def one(target: SshTarget) -> HostKeyError | None:
         try:
-            with SshClient(target, connect_timeout=connect_timeout, retries=0):
+            with SshClient(target, retries=0):
                 return None
         except HostKeyError as exc:
             return exc

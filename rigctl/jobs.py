@@ -400,8 +400,9 @@ def pull(host: Host, store: ResultsStore | None = None, *, timeout: float = TRAN
 
     What the host sends is data: a run whose id is not one rigctl makes or differs from its record's,
     whose record names another host, or whose record or ``cells.jsonl`` points outside the run is
-    refused (one line in ``refused``, for the caller to report) and nothing of it is written. Every path is resolved and
-    must stay in the store; files land 0644 and directories 0755 whatever their mode on the host.
+    refused (one line in ``refused``, for the caller to report) and nothing of it is written. Every
+    path is resolved and must stay in the store; files land 0644 and directories 0755 whatever their
+    mode on the host.
     """
     store = store or ResultsStore()
     result = PullResult(host=host.name)
