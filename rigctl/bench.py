@@ -33,7 +33,7 @@ import io
 import json
 import logging
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -47,6 +47,7 @@ from rigctl.inventory import Host, Inventory
 from rigctl.models import artifact_path, host_artifacts
 from rigctl.remote.bench_task import plan_cells
 from rigctl.results import StoredRun, read_jsonl
+from rigctl.trust import inside
 
 if TYPE_CHECKING:  # rigctl.jobs brings paramiko; summaries (and rigctl.compare) do not need it
     from rigctl import jobs
@@ -254,6 +255,14 @@ def samples_from_cell(
     return out
 
 
+def cell_files(cells: Sequence[Mapping[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """(where, path) of every raw file the lines of a ``cells.jsonl`` name (pure)."""
+    for number, cell in enumerate(cells, 1):
+        for key in ("raw", "log"):
+            if cell.get(key) is not None:
+                yield f"line {number} {key}", cell[key]
+
+
 def load_run_samples(run: StoredRun) -> list[BenchSample]:
     """Every sample of a pulled bench run, read from its raw files (cells.jsonl + llama-bench JSON)."""
     if run.record.kind != "bench":
@@ -266,7 +275,7 @@ def load_run_samples(run: StoredRun) -> list[BenchSample]:
     for cell in read_jsonl(cells_path):
         if cell.get("rc") != 0:
             continue
-        raw = run.path / cell["raw"]
+        raw = inside(run.path, cell["raw"], f"{run.host}/{run.id}/{CELLS_FILE} cell {cell.get('index')} raw")
         entries = parse_llama_bench_json(raw.read_text(), f"{run.host}/{run.id}/{cell['raw']}")
         samples += samples_from_cell(entries, host=run.host, run_id=run.id, build=build, model=cell["artifact"],
                                      cell=int(cell["index"]), temps=(cell.get("temp_start_c"), cell.get("temp_end_c")))

@@ -299,7 +299,8 @@ def _run_bench(inventory: Inventory, bench: CampaignBench, host_name: str, store
     if final.state != "done":
         raise RigctlError(f"bench job {job_id} on {host_name} ended {final.state}" +
                           (f": {final.error}" if final.error else ""))
-    jobs.pull(host, store)
+    for line in jobs.pull(host, store).refused:
+        on_step(line)
     return f"{host_name}/{job_id}"
 
 
@@ -374,7 +375,8 @@ def run_campaign(loaded: LoadedCampaign, inventory: Inventory, store: ResultsSto
     campaign = loaded.campaign
     for name in campaign.hosts:
         try:
-            jobs.pull(inventory.host(name), store)
+            for line in jobs.pull(inventory.host(name), store).refused:
+                on_step(line)
         except RigctlError as exc:
             on_step(f"{name}: pull failed: {exc}")
     found = locate(loaded, store)

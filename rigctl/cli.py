@@ -16,6 +16,7 @@ from rich.table import Table
 from rigctl.deploy import DeployResult, TaskEvent
 from rigctl.errors import RigctlError
 from rigctl.inventory import Inventory
+from rigctl.trust import RedactingFilter, mask_registered
 
 # Piped output (CI logs, `| less`) gets wide tables instead of rich's 80-column default.
 console = Console(width=None if sys.stdout.isatty() else 160)
@@ -55,8 +56,9 @@ def main_options(
     state.inventory_source = inventory
     state.debug = debug
     level = logging.WARNING - 10 * min(verbose, 2)
-    logging.basicConfig(level=level, format="%(message)s",
-                        handlers=[RichHandler(console=err_console, show_path=False, show_time=False)])
+    handler = RichHandler(console=err_console, show_path=False, show_time=False)
+    handler.addFilter(RedactingFilter())  # an API key or token never reaches a log line
+    logging.basicConfig(level=level, format="%(message)s", handlers=[handler])
     if level > logging.DEBUG:
         logging.getLogger("paramiko").setLevel(logging.WARNING)
 
@@ -307,7 +309,7 @@ def main() -> None:
     except RigctlError as exc:
         if state.debug:
             raise
-        err_console.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        err_console.print(f"error: {mask_registered(str(exc))}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(exc.exit_code)
     except typer.Abort:
         err_console.print("aborted", markup=False)
@@ -318,8 +320,8 @@ def main() -> None:
             sys.exit(exc.exit_code)
         if state.debug:
             raise
-        err_console.print(f"error: {type(exc).__name__}: {exc} (run with --debug for the traceback)",
-                          markup=False, highlight=False, soft_wrap=True)
+        err_console.print(f"error: {type(exc).__name__}: {mask_registered(str(exc))} "
+                          "(run with --debug for the traceback)", markup=False, highlight=False, soft_wrap=True)
         sys.exit(1)
     sys.exit(rc if isinstance(rc, int) else 0)
 

@@ -53,11 +53,15 @@ def _print_pull(results: dict[str, Any]) -> bool:
             ok = False
             continue
         line = (f"{host}: copied {len(outcome.copied)} run(s) ({outcome.files} files, {outcome.bytes} bytes), "
-                f"{len(outcome.skipped)} already here, {len(outcome.running)} still running")
+                f"{len(outcome.skipped)} already here, {len(outcome.running)} still running"
+                + (f", {len(outcome.refused)} refused" if outcome.refused else ""))
         console.print(line, markup=False, highlight=False)
         for run_id in outcome.copied:
             lost = " (lost: its job died without sealing it; partial)" if run_id in outcome.lost else ""
             console.print(f"  + {host}/{run_id}{lost}", markup=False, highlight=False)
+        for line in outcome.refused:
+            err_console.print(line, markup=False, highlight=False, soft_wrap=True)
+            ok = False
     return ok
 
 

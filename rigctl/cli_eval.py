@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -74,8 +76,9 @@ def eval_run(
     server: Annotated[str | None, typer.Option("--server", "-s", help="llama_server instance on --host.")] = None,
     url: Annotated[str | None, typer.Option("--url", help="Server URL: any OpenAI-compatible endpoint, or an "
                                             "override for --host/--server.")] = None,
-    api_key: Annotated[str | None, typer.Option("--api-key", envvar="RIGCTL_API_KEY",
-                                                help="Bearer key (default: the inventory's).")] = None,
+    api_key_file: Annotated[Path | None, typer.Option(
+        "--api-key-file", help="File holding the bearer key ('-': stdin; else $RIGCTL_API_KEY, else the "
+        "inventory's). Never the key itself on the command line, where `ps` shows it.")] = None,
     concurrency: Annotated[int, typer.Option("--concurrency", "-c", min=1, help="Requests in flight.")] = 8,
     limit: Annotated[int | None, typer.Option("--limit", "-n", min=1, help="First N questions of each set.")] = None,
     resume: Annotated[str | None, typer.Option("--resume", help="Finish a stopped run (id, host/id or path).")]
@@ -96,6 +99,10 @@ def eval_run(
     from rigctl.results import ResultsStore
 
     store = ResultsStore(results)
+    api_key = read_api_key(api_key_file)
+    if remote and api_key:
+        raise ConfigError("--remote asks the server with the key the llama_server role installed on the host; "
+                          "--api-key-file and RIGCTL_API_KEY are for runs from here")
     if (host is None) != (server is None):
         raise ConfigError("--host and --server go together (or give --url alone)")
     if host and server:
@@ -146,6 +153,20 @@ def eval_run(
     print_summary(summary, loaded.scorer, f"{loaded.name} on {target.endpoint}")
     console.print(f"{record.host}/{record.id}: {time.monotonic() - started:.0f} s, answers in "
                   f"{run_dir / 'answers.jsonl'}", highlight=False)
+
+
+def read_api_key(path: Path | None) -> str | None:
+    """The key in ``path`` ('-': stdin), else $RIGCTL_API_KEY, else None (the inventory's is used)."""
+    if path is None:
+        return os.environ.get("RIGCTL_API_KEY") or None
+    try:
+        text = sys.stdin.read() if str(path) == "-" else path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"--api-key-file {path}: {exc.strerror or exc}") from None
+    key = text.strip()
+    if not key:
+        raise ConfigError(f"--api-key-file {path}: empty")
+    return key
 
 
 @eval_app.command("tasks")

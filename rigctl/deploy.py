@@ -3,6 +3,12 @@
 The repository's ``ansible.cfg`` holds the settings (roles path, pipelining, ControlPersist,
 forks, the mitogen strategy); this module only points ansible-runner at it, so that a plain
 ``ansible-playbook playbooks/site.yml`` and ``rigctl provision`` behave the same.
+
+Host keys are checked as strictly as rigctl's own SSH does: ansible-runner would otherwise set
+``ANSIBLE_HOST_KEY_CHECKING=False``, which mitogen turns into ``StrictHostKeyChecking no`` with
+``UserKnownHostsFile /dev/null``. Before the play starts, every host it will reach is connected to once
+with :mod:`rigctl.ssh` against its ``rigctl_known_hosts``: a changed or unknown key stops the run in one
+line naming the host and that file, before any task ran on any host.
 """
 
 from __future__ import annotations
@@ -13,12 +19,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rigctl.errors import ConfigError, DeployError
-from rigctl.inventory import Inventory
+from rigctl.errors import ConfigError, DeployError, HostKeyError, RigctlError
+from rigctl.inventory import Host, Inventory
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +191,9 @@ def ansible_env(root: Path) -> dict[str, str]:
     """The environment every Ansible run of rigctl gets: the project's ansible.cfg, plain output,
     and mitogen's strategy plugins from wherever rigctl is installed."""
     env = {"ANSIBLE_CONFIG": str(root / "ansible.cfg"), "ANSIBLE_FORCE_COLOR": "0", "ANSIBLE_NOCOLOR": "1",
+           # ansible-runner sets it False unless it is set; whatever the caller's environment says,
+           # rigctl's Ansible runs check host keys (mitogen then passes StrictHostKeyChecking yes).
+           "ANSIBLE_HOST_KEY_CHECKING": "True",
            # ansible-runner starts ansible-playbook by name: find the one installed beside rigctl,
            # so a venv's rigctl works without the venv activated.
            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
@@ -191,6 +201,37 @@ def ansible_env(root: Path) -> dict[str, str]:
     if strategy_dir:
         env["ANSIBLE_STRATEGY_PLUGINS"] = strategy_dir
     return env
+
+
+def check_host_keys(hosts: Iterable[Host]) -> None:
+    """Connect to every SSH host once, at the same time, with rigctl's strict host-key checking; a refused
+    key raises HostKeyError naming the host and its known_hosts file (several: one DeployError line
+    naming each).
+
+    Other connect failures are left to the play, which reports each unreachable host on its own.
+    """
+    from rigctl.ssh import SshClient, SshTarget
+
+    targets = [SshTarget.from_host(h) for h in hosts if str(h.vars.get("ansible_connection", "ssh")) != "local"]
+    if not targets:
+        return
+
+    def one(target: SshTarget) -> HostKeyError | None:
+        try:
+            with SshClient(target, retries=0):
+                return None
+        except HostKeyError as exc:
+            return exc
+        except RigctlError as exc:
+            log.debug("host key preflight: %s", exc)
+            return None
+
+    with ThreadPoolExecutor(max_workers=8, thread_name_prefix="rigctl-hostkeys") as pool:
+        refused = [exc for exc in pool.map(one, targets) if exc is not None]
+    if len(refused) == 1:
+        raise refused[0]
+    if refused:
+        raise DeployError("; ".join(str(exc) for exc in refused))
 
 
 def run_playbook(
@@ -205,12 +246,17 @@ def run_playbook(
     on_event: Callable[[TaskEvent], None] | None = None,
     on_task: Callable[[str], None] | None = None,
     timeout: int | None = None,
+    preflight: bool = True,
 ) -> DeployResult:
     """Run ``playbooks/<playbook>`` against ``inventory`` and return every host's outcome.
 
     A failed host never stops the others from being reported; the caller decides whether to raise.
+    ``preflight``: first check the selected hosts' keys (:func:`check_host_keys`); a refused key raises
+    HostKeyError and nothing runs. Off, Ansible's own strict checking refuses the host (unreachable).
     """
     selected = inventory.select(limit)
+    if preflight:
+        check_host_keys(selected)
     import ansible_runner
 
     root = project_root(inventory)

@@ -109,3 +109,8 @@ class JobBusyError(JobError):
         self.running = running
         super().__init__(f"{host}: refused: job {running} is running and holds the {lock!r} lock; "
                          f"wait for it (`rigctl jobs {host}`) or stop it")
+
+
+class TrustError(RigctlError):
+    """Something from outside (a rig, a record, a tool's argument) named a path outside its place or an
+    identifier of the wrong shape; what it sent is refused, and nothing of it is written."""

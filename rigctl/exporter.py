@@ -288,11 +288,12 @@ def unit_instance(unit: str) -> str:
 
 
 def parse_listen(listen: str) -> tuple[str, int]:
-    """``127.0.0.1:9840``, ``[::1]:9840`` or ``:9840`` as (address, port)."""
+    """``127.0.0.1:9840``, ``[::1]:9840`` or ``:9840`` as (address, port). No address means loopback:
+    every interface is served only when asked for by name (``0.0.0.0:9840``, ``[::]:9840``)."""
     address, sep, port = listen.rpartition(":")
     if not sep or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(f"--listen {listen!r}: expected ADDRESS:PORT, e.g. {DEFAULT_LISTEN}")
-    return address.strip("[]") or "0.0.0.0", int(port)
+    return address.strip("[]") or "127.0.0.1", int(port)
 
 
 # ----------------------------------------------------------------------------------------------- results

@@ -7,6 +7,7 @@ what is wrong. A problem in a value that comes from a group is reported once, ag
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rigctl.inventory import FULL_COMMIT, HEX_COMMIT, SHA256, Host, Inventory
+from rigctl.trust import MASK, is_secret_name
 
 #: Variable prefixes owned by the roles and rigctl: an unknown key with one of these is a typo.
 OWNED_PREFIXES = ("gpu_host_", "llama_cpp_", "models_", "llama_server_", "monitoring_", "rigctl_")
@@ -238,7 +240,34 @@ def check_host(host: Host, known: set[str]) -> list[Problem]:
     out.extend(_check_catalog(where, parsed.get("models_catalog")))
     out.extend(_check_servers(where, parsed))
     out.extend(_check_pins(where, v, parsed))
+    out.extend(_check_exposure(host, parsed))
     return out
+
+
+def _check_exposure(host: Host, parsed: Mapping[str, Any]) -> list[Problem]:
+    """A warning for each instance served beyond loopback without an API key: anyone who reaches the
+    host may use it."""
+    from rigctl.evals.target import profile_settings
+
+    instances: dict[str, InstanceSpec] = parsed.get("llama_server_instances") or {}
+    if host.vars.get("llama_server_api_key") or "llama_server_profiles" not in parsed:
+        return []
+    out = []
+    for name, inst in sorted(instances.items()):
+        bind = str(host.vars.get("llama_server_bind_address") or profile_settings(host, inst.profile).get("host")
+                   or "127.0.0.1")
+        if not _is_loopback(bind):
+            out.append(Problem(f"host {host.name}", f"llama_server_instances.{name}",
+                               f"serves on {bind} without llama_server_api_key: anyone who reaches the host "
+                               "can use it (bind 127.0.0.1, or set a key from ansible-vault)", "warning"))
+    return out
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return address == "localhost"
 
 
 def _check_pins(where: str, v: Mapping[str, Any], parsed: Mapping[str, Any]) -> list[Problem]:
@@ -268,7 +297,9 @@ def _pydantic_problems(where: str, key: str, exc: ValidationError) -> list[Probl
         elif err["type"] == "missing":
             message = "required but not set"
         elif "input" in err and err["type"] not in {"union_tag_invalid"}:
-            message = f"{message} (got {err['input']!r})"
+            # A secret's value (llama_server_api_key, a source's token) is never echoed.
+            shown = MASK if any(is_secret_name(part) for part in path.split(".")) else repr(err["input"])
+            message = f"{message} (got {shown})"
         problems.append(Problem(where, path, message))
     return problems
 

@@ -60,13 +60,14 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import metadata, resources
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
-from rigctl.errors import ConfigError, ConnectError, JobBusyError, JobError, RigctlError, TransferError
+from rigctl.errors import ConfigError, ConnectError, JobBusyError, JobError, RigctlError, TransferError, TrustError
 from rigctl.inventory import Host
-from rigctl.results import RUN_FILE, ResultsStore, RunKind, RunRecord, new_run_id
+from rigctl.results import RUN_FILE, RUN_ID, ResultsStore, RunKind, RunRecord, new_run_id, read_jsonl
 from rigctl.ssh import SshClient, SshTarget
+from rigctl.trust import inside, relative_path
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,9 @@ RESULTS_DIR = "/var/lib/rigctl/results"
 UNIT_PREFIX = "rigctl-"
 FINAL_STATES = frozenset({"done", "failed", "stopped", "lost"})
 COMMAND_TIMEOUT = 60.0
+# Pulled files and directories get these modes, whatever the host's say.
+FILE_MODE = 0o644
+DIR_MODE = 0o755
 TRANSFER_TIMEOUT = 600.0
 
 # Runs on the host: writes the job directory from stdin ({file name: text}, spec.json among them),
@@ -217,6 +221,7 @@ class PullResult:
     skipped: list[str] = field(default_factory=list)  # already in the store
     running: list[str] = field(default_factory=list)  # not finished on the host yet
     lost: list[str] = field(default_factory=list)  # their unit died unsealed: sealed as lost, then copied
+    refused: list[str] = field(default_factory=list)  # one line per run not trusted: nothing of it written
     files: int = 0
     bytes: int = 0
 
@@ -391,28 +396,89 @@ def stop(host: Host, job_id: str, *, timeout: float = 180.0) -> JobInfo:
 def pull(host: Host, store: ResultsStore | None = None, *, timeout: float = TRANSFER_TIMEOUT,
          client: SshClient | None = None) -> PullResult:
     """Copy ``host``'s finished run directories that ``store`` lacks, every file checked against the
-    sha256 in its ``run.json``. A run appears in the store only once all of it has arrived."""
+    sha256 in its ``run.json``. A run appears in the store only once all of it has arrived.
+
+    What the host sends is data: a run whose id is not one rigctl makes or differs from its record's,
+    whose record names another host, or whose record or ``cells.jsonl`` points outside the run is
+    refused (one line in ``refused``, for the caller to report) and nothing of it is written. Every
+    path is resolved and must stay in the store; files land 0644 and directories 0755 whatever their
+    mode on the host.
+    """
     store = store or ResultsStore()
     result = PullResult(host=host.name)
     remote_root = f"{RESULTS_DIR}/{host.name}"
+    host_dir = inside(store.root, host.name, f"host {host.name!r}")
     with _session(host, client) as ssh:
-        listing = json.loads(ssh.run(_python(_RUNS_SCRIPT, remote_root, UNIT_PREFIX), timeout=COMMAND_TIMEOUT,
-                                     check=True).stdout)
+        out = ssh.run(_python(_RUNS_SCRIPT, remote_root, UNIT_PREFIX), timeout=COMMAND_TIMEOUT, check=True).stdout
+        try:
+            listing = json.loads(out)
+        except json.JSONDecodeError:
+            listing = None
+        if not isinstance(listing, dict):
+            raise JobError(f"{host.name}: the run listing of {remote_root} is not a JSON object")
         for run_id, entry in sorted(listing.items()):
-            if (store.run_dir(host.name, run_id) / RUN_FILE).is_file():
-                result.skipped.append(run_id)
-                continue
-            data = entry["record"]
-            if data.get("status") == "running":
-                if entry["active"]:
-                    result.running.append(run_id)
+            try:
+                _check_run_id(run_id)
+                if (host_dir / run_id / RUN_FILE).is_file():
+                    result.skipped.append(run_id)
                     continue
-                data = _seal_lost(ssh, run_id)
-                result.lost.append(run_id)
-            record = RunRecord.from_dict(data)
-            _copy_run(ssh, f"{remote_root}/{run_id}", store.run_dir(host.name, run_id), record, result, timeout)
+                if not isinstance(entry, dict) or not isinstance(entry.get("record"), dict):
+                    raise TrustError("its listing entry has no record")
+                data = entry["record"]
+                if data.get("status") == "running":
+                    if entry.get("active"):
+                        result.running.append(run_id)
+                        continue
+                    data = _seal_lost(ssh, run_id)
+                    result.lost.append(run_id)
+                record = _vetted_record(host.name, run_id, data)
+                _copy_run(ssh, f"{remote_root}/{run_id}", host_dir, record, result, timeout)
+            except (TrustError, ConfigError) as exc:
+                line = f"{host.name}: run {run_id!r} refused: {exc}"
+                log.info("%s", line)
+                result.refused.append(line)
+                if run_id in result.lost:
+                    result.lost.remove(run_id)
+                continue
             result.copied.append(run_id)
     return result
+
+
+def _check_run_id(run_id: str) -> None:
+    if not RUN_ID.match(run_id):
+        raise TrustError("not a run id rigctl makes (kind-YYYYMMDDTHHMMSSZ-xxxx)")
+
+
+def _vetted_record(host: str, run_id: str, data: Any) -> RunRecord:
+    """The host's record of ``run_id`` as a RunRecord, if it is the run it claims to be and stays inside it."""
+    if not isinstance(data, dict):
+        raise TrustError("its run.json is not a JSON object")
+    record = RunRecord.from_dict(data)
+    if record.id != run_id:
+        raise TrustError(f"its run.json has id {record.id!r}")
+    if record.host != host:
+        raise TrustError(f"its run.json names host {record.host!r}")
+    seen: set[str] = set()
+    for raw in record.files:
+        path = str(relative_path(raw.path, "raw file"))
+        if path == RUN_FILE or path in seen:
+            raise TrustError(f"raw file {raw.path!r} is listed twice or is the record itself")
+        seen.add(path)
+    return record
+
+
+def _check_references(run_dir: Path, record: RunRecord) -> None:
+    """Every raw-file path a record inside the run names (cells.jsonl's raw and log files) is one of the
+    run's own files."""
+    from rigctl.bench import CELLS_FILE, cell_files
+
+    files = {raw.path for raw in record.files}
+    if CELLS_FILE not in files:
+        return
+    for where, path in cell_files(read_jsonl(run_dir / CELLS_FILE)):
+        relative_path(path, f"{CELLS_FILE} {where}")
+        if path not in files:
+            raise TrustError(f"{CELLS_FILE} {where}: {path!r} is not a file of the run")
 
 
 def _seal_lost(ssh: SshClient, job_id: str) -> dict[str, Any]:
@@ -424,30 +490,47 @@ def _seal_lost(ssh: SshClient, job_id: str) -> dict[str, Any]:
         raise JobError(f"{ssh.host}: run {job_id} was left running by a dead job and cannot be sealed: "
                        f"{done.stderr.strip() or done.stdout.strip()}")
     log.warning("%s: job %s died without sealing its run; sealed it as lost", ssh.host, job_id)
-    return json.loads(done.stdout)
+    try:
+        return json.loads(done.stdout)
+    except json.JSONDecodeError:
+        raise TrustError("sealing it as lost printed no JSON record") from None
 
 
 def _copy_run(
-    ssh: SshClient, remote: str, local: Path, record: RunRecord, result: PullResult, timeout: float
+    ssh: SshClient, remote: str, host_dir: Path, record: RunRecord, result: PullResult, timeout: float
 ) -> None:
-    staging = local.with_name(f".{local.name}.partial")
+    local = inside(host_dir, record.id, f"run {record.id!r}")
+    staging = inside(host_dir, f".{record.id}.partial", f"run {record.id!r}")
     shutil.rmtree(staging, ignore_errors=True)
+    files = bytes_ = 0
     try:
+        host_dir.parent.mkdir(parents=True, exist_ok=True)  # the store itself
+        _make_dir(host_dir)
+        _make_dir(staging)
         for raw in record.files:
-            relative = PurePosixPath(raw.path)
-            if relative.is_absolute() or ".." in relative.parts:
-                raise JobError(f"{ssh.host}: run {record.id}: raw file path {raw.path!r} leaves the run directory")
-            ssh.get(f"{remote}/{raw.path}", staging / relative, timeout=timeout, sha256=raw.sha256)
-            result.files += 1
-            result.bytes += raw.bytes
-        ssh.get(f"{remote}/{RUN_FILE}", staging / RUN_FILE, timeout=timeout)
+            target = inside(staging, raw.path, "raw file")
+            for parent in reversed(target.relative_to(staging).parents[:-1]):
+                _make_dir(staging / parent)
+            ssh.get(f"{remote}/{raw.path}", target, timeout=timeout, sha256=raw.sha256, mode=FILE_MODE)
+            files += 1
+            bytes_ += raw.bytes
+        ssh.get(f"{remote}/{RUN_FILE}", staging / RUN_FILE, timeout=timeout, mode=FILE_MODE)
         # run.json may only have changed if the host rewrote the run since the listing: check again.
-        if RunRecord.load(staging).files != record.files:
+        copied = _vetted_record(result.host, record.id, json.loads((staging / RUN_FILE).read_text()))
+        if copied.files != record.files:
             raise JobError(f"{ssh.host}: run {record.id} changed on the host while it was pulled; pull again")
+        _check_references(staging, copied)
         staging.rename(local)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    result.files += files
+    result.bytes += bytes_
+
+
+def _make_dir(path: Path) -> None:
+    path.mkdir(exist_ok=True)
+    path.chmod(DIR_MODE)
 
 
 def _per_host(hosts: Iterable[Host], work: Callable[[Host], Any]) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -25,9 +25,10 @@ from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import ToolAnnotations
 from pydantic import Field
 
-from rigctl.errors import ConfigError, RigctlError
+from rigctl.errors import ConfigError, RigctlError, TrustError
 from rigctl.inventory import Host, Inventory
-from rigctl.results import ResultsStore, StoredRun
+from rigctl.results import RUN_ID, ResultsStore, StoredRun
+from rigctl.trust import contained, inside, relative_path
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +49,15 @@ class ActionRefused(ToolError):
 class FleetTools:
     """The tools' work, in plain synchronous Python over the rigctl library (testable without MCP)."""
 
-    def __init__(self, inventory: Inventory, *, allow_actions: bool = False, results_root: Path | None = None):
+    def __init__(self, inventory: Inventory, *, allow_actions: bool = False, results_root: Path | None = None,
+                 task_dirs: Sequence[Path] = ()):
+        from rigctl.evals.tasks import TASKS_DIR
+
         self.inventory = inventory
         self.allow_actions = allow_actions
         self.store = ResultsStore(results_root)
+        #: Where start_eval may take task files from: the shipped tasks, then each --task-dir.
+        self.task_dirs = [TASKS_DIR, *task_dirs]
 
     # ---------------------------------------------------------------------------------------- helpers
 
@@ -65,6 +71,30 @@ class FleetTools:
                 return host, instance
         known = ", ".join(s.name for s in host.servers) or "none"
         raise ConfigError(f"host {host.name}: no llama-server instance {server!r} (instances: {known})")
+
+    def run(self, ref: str) -> StoredRun:
+        """A run of the results store by ``id`` or ``host/id``; nothing outside the store (no path, no ``..``,
+        no symlink out of it)."""
+        parts = ref.split("/")
+        if len(parts) > 2 or not RUN_ID.match(parts[-1]):
+            raise TrustError(f"run {ref!r}: not a run id or host/run id")
+        if len(parts) == 2:
+            relative_path(parts[0], f"run {ref!r}")
+            inside(self.store.root, parts[0], f"run {ref!r}")
+        run = self.store.find(ref)
+        contained(self.store.root, run.path, f"run {ref!r}")
+        return run
+
+    def task(self, ref: str) -> str:
+        """A task file by shipped name (``gsm8k``) or by a path relative to one of the task directories."""
+        name = ref if ref.endswith((".yaml", ".yml")) else f"{ref}.yaml"
+        relative_path(name, f"task {ref!r}")
+        for directory in self.task_dirs:
+            path = inside(directory, name, f"task {ref!r}")
+            if path.is_file():
+                return str(path)
+        where = ", ".join(str(d) for d in self.task_dirs)
+        raise ConfigError(f"task {ref!r}: no such task in the task directories ({where})")
 
     def require_actions(self, tool: str) -> None:
         if not self.allow_actions:
@@ -190,7 +220,7 @@ class FleetTools:
     def compare_runs(self, run_a: str, run_b: str) -> dict[str, Any]:
         from rigctl import compare
 
-        a, b = self.store.find(run_a), self.store.find(run_b)
+        a, b = self.run(run_a), self.run(run_b)
         if a.record.kind != b.record.kind:
             raise ConfigError(f"cannot compare a {a.record.kind} run ({a.host}/{a.id}) "
                               f"with a {b.record.kind} run ({b.host}/{b.id})")
@@ -242,7 +272,7 @@ class FleetTools:
         from rigctl.evals.tasks import load_task
 
         host, instance = self.server(host_name, server)
-        loaded = load_task(task, limit=limit)
+        loaded = load_task(self.task(task), limit=limit)
         target = inventory_target(host, instance.name)
         with tempfile.TemporaryDirectory(prefix="rigctl-mcp-eval-") as tmp:
             questions = Path(tmp) / "questions.jsonl"
@@ -262,7 +292,8 @@ class FleetTools:
                 out[name] = {"error": str(result)}
             else:
                 out[name] = {"copied": result.copied, "skipped": len(result.skipped), "running": result.running,
-                             "lost": result.lost, "files": result.files, "bytes": result.bytes}
+                             "lost": result.lost, "refused": result.refused, "files": result.files,
+                             "bytes": result.bytes}
         return {"results_root": str(self.store.root), "hosts": out}
 
 def _mib(value: float | None) -> float | None:
@@ -319,9 +350,10 @@ def _tool(fn: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
     return call
 
 
-def build_server(inventory: Inventory, *, allow_actions: bool = False, results_root: Path | None = None) -> MCPServer:
+def build_server(inventory: Inventory, *, allow_actions: bool = False, results_root: Path | None = None,
+                 task_dirs: Sequence[Path] = ()) -> MCPServer:
     """The MCP server with every rigctl tool registered."""
-    tools = FleetTools(inventory, allow_actions=allow_actions, results_root=results_root)
+    tools = FleetTools(inventory, allow_actions=allow_actions, results_root=results_root, task_dirs=task_dirs)
     mode = "actions allowed" if allow_actions else "read-only: action tools refuse"
     server = MCPServer(
         name="rigctl",
@@ -406,7 +438,9 @@ def build_server(inventory: Inventory, *, allow_actions: bool = False, results_r
     def start_eval(
         host: Name,
         server: Name,
-        task: Annotated[str, Field(min_length=1, max_length=512, description="A shipped task name or a task file")],
+        task: Annotated[str, Field(min_length=1, max_length=512,
+                                   description="A shipped task name, or a task file relative to a task directory "
+                                               "(rigctl mcp --task-dir)")],
         limit: Annotated[int | None, Field(ge=1, le=100000, description="First N questions of each set")] = None,
         concurrency: Annotated[int, Field(ge=1, le=64, description="Requests in flight")] = 8,
     ) -> dict[str, Any]:

@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -44,6 +45,10 @@ def utc_now() -> str:
 def new_run_id(kind: str) -> str:
     """Sortable by start time, unique without coordination: ``eval-20261130T051200Z-3f9a``."""
     return f"{kind}-{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}-{secrets.token_hex(2)}"
+
+
+# The shape new_run_id makes; a run id from anywhere else (a rig's listing, a record) must have it.
+RUN_ID = re.compile(r"^(bench|eval|spec|server-speed)-[0-9]{8}T[0-9]{6}Z-[0-9a-f]{4}$")
 
 
 def file_sha256(path: Path) -> str:

@@ -49,6 +49,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from rigctl.errors import ConfigError, ServerError
+from rigctl.trust import MASK, register_secret
 
 log = logging.getLogger(__name__)
 
@@ -99,11 +100,16 @@ class Endpoint:
         if not self.url.startswith(("http://", "https://")):
             raise ConfigError(f"server URL {self.url!r}: must start with http:// or https://")
         object.__setattr__(self, "url", self.url.rstrip("/").removesuffix("/v1"))
+        register_secret(self.api_key)  # masked in every log line from now on
         if not self.label:
             object.__setattr__(self, "label", self.url)
 
     def __str__(self) -> str:
         return self.label
+
+    def __repr__(self) -> str:
+        key = "None" if self.api_key is None else repr(MASK)
+        return f"Endpoint(url={self.url!r}, api_key={key}, label={self.label!r})"
 
     @classmethod
     def from_inventory(cls, host: Any, server: str, *, address: str | None = None) -> Endpoint:

@@ -37,6 +37,12 @@ def unit_name(server: str) -> str:
     return f"llama-server@{server}.service"
 
 
+def server_key_file(host: Host) -> str:
+    """Where the llama_server role keeps ``host``'s API key (root:llama 0640): what a job on the host reads,
+    so that the key itself never travels in a job spec."""
+    return f"{host.vars.get('llama_server_config_dir') or '/etc/llama-server'}/api-key"
+
+
 def operator_start(units: Sequence[str], action: str = "start") -> str:
     """The shell command for an operator's ``systemctl start|restart`` of ``units``. systemd's
     StartLimitBurst counts every start, so benches and restarts in quick succession would trip it like

@@ -270,10 +270,12 @@ class SshClient:
         return digest
 
     def get(
-        self, remote: str, local: str | os.PathLike[str], *, timeout: float, sha256: str | None = None
+        self, remote: str, local: str | os.PathLike[str], *, timeout: float, sha256: str | None = None,
+        mode: int = 0o644,
     ) -> Transfer:
-        """Copy ``remote`` to ``local`` (keeping its mode) through a temporary file beside it, renamed
-        into place only when complete and, if ``sha256`` is given, matching it."""
+        """Copy ``remote`` to ``local`` through a temporary file beside it, renamed into place only when
+        complete and, if ``sha256`` is given, matching it. The file gets ``mode``: the host's mode bits
+        (setuid, world-writable) are never copied."""
         local_path = Path(local)
         local_path.parent.mkdir(parents=True, exist_ok=True)
         deadline = time.monotonic() + timeout
@@ -283,9 +285,8 @@ class SshClient:
         try:
             with os.fdopen(fd, "wb") as out, self._sftp_errors(remote, deadline), self._sftp() as sftp:
                 with sftp.open(remote, "rb") as src:
-                    st = src.stat()
-                    os.fchmod(out.fileno(), stat.S_IMODE(st.st_mode or 0o644))
-                    src.prefetch(st.st_size)
+                    os.fchmod(out.fileno(), mode)
+                    src.prefetch(src.stat().st_size)
                     while chunk := _read(src, sftp, deadline, self.host, remote):
                         out.write(chunk)
                         digest.update(chunk)

@@ -21,6 +21,7 @@ import pytest
 
 from rigctl.evals import scorers
 from rigctl.results import ResultsStore, RunRecord, read_jsonl
+from rigctl.server import Endpoint
 from rigctl.ssh import SshClient, SshTarget
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -73,9 +74,14 @@ def base_url(lab) -> str:
     return f"http://{host.address}:{port}"
 
 
+def auth(lab) -> dict[str, str]:
+    """The lab servers' bearer header (the lab inventory carries a key)."""
+    return Endpoint.from_inventory(lab.host(HOST), SERVER).headers()
+
+
 def check_record(path: Path, task_file: Path, lab) -> RunRecord:
     record = RunRecord.load(path)
-    props = httpx.get(f"{base_url(lab)}/props", timeout=30).json()
+    props = httpx.get(f"{base_url(lab)}/props", headers=auth(lab), timeout=30).json()
     assert (record.kind, record.status, record.concurrency, record.seed) == ("eval", "done", 8, 1234)
     assert record.server["build_info"] == props["build_info"] and record.server["model_path"] == props["model_path"]
     assert record.server["flags"]["parallel"] == 1 and record.server["name"] == SERVER
@@ -134,7 +140,8 @@ def test_choice_labels_come_from_the_servers_tokenizer(lab, env):
     record = check_record(path, TASKS / "fixture-suite.yaml", lab)
     url = base_url(lab)
     for label, token in record.extra["label_tokens"].items():
-        pieces = httpx.post(f"{url}/tokenize", json={"content": label, "with_pieces": True}, timeout=30).json()
+        pieces = httpx.post(f"{url}/tokenize", json={"content": label, "with_pieces": True}, headers=auth(lab),
+                            timeout=30).json()
         assert token["id"] == pieces["tokens"][0]["id"] and token["piece"] == pieces["tokens"][0]["piece"]
     rows = read_jsonl(path / "answers.jsonl")
     assert Counter(r["set"] for r in rows) == {"boolq": 8, "multinli": 6, "civil_comments": 6}
@@ -147,9 +154,9 @@ def test_choice_labels_come_from_the_servers_tokenizer(lab, env):
     first = rows[0]
     data = httpx.post(f"{url}/apply-template", json={"messages": [{"role": "user", "content": _prompt(first)}],
                                                       "chat_template_kwargs": {"enable_thinking": False}},
-                      timeout=60).json()
+                      headers=auth(lab), timeout=60).json()
     again = httpx.post(f"{url}/completion", json={"prompt": data["prompt"], "n_predict": 1, "n_probs": 50,
-                                                   "temperature": 0}, timeout=120).json()
+                                                   "temperature": 0}, headers=auth(lab), timeout=120).json()
     top = {e["id"]: e["logprob"] for e in again["completion_probabilities"][0]["top_logprobs"]}
     for label, p in first["label_probs"].items():
         token = record.extra["label_tokens"][label]["id"]

@@ -85,7 +85,8 @@ def test_unit_instance():
 def test_parse_listen():
     assert parse_listen("127.0.0.1:9840") == ("127.0.0.1", 9840)
     assert parse_listen("[::1]:9840") == ("::1", 9840)
-    assert parse_listen(":9840") == ("0.0.0.0", 9840)
+    assert parse_listen(":9840") == ("127.0.0.1", 9840)  # every interface only when spelled out
+    assert parse_listen("0.0.0.0:9840") == ("0.0.0.0", 9840)
     for bad in ("9840", "host:", "host:70000", "host:http"):
         with pytest.raises(ConfigError, match="--listen"):
             parse_listen(bad)
@@ -484,13 +485,25 @@ def test_monitoring_role_runs_the_exporter_and_its_prometheus_scrapes_it(lab: In
         "monitoring_exporter_environment": {"RIGCTL_LAB_SLOT": slot},
     }).raise_for_failures()
     unit = (units / "rigctl-exporter.service").read_text()
+    # Its own user, with the inventory's SSH key and known_hosts as systemd credentials (%d below): they
+    # are copied where systemd would put them, readable by that user alone.
+    assert re.search(r"^DynamicUser=yes$", unit, re.MULTILINE)
+    host = lab.host("desktop")
+    credentials = dict(re.findall(r"^LoadCredential=([a-z-]+):(.*)$", unit, re.MULTILINE))
+    assert credentials == {"ssh-key": str(host.key_file), "known-hosts": str(host.known_hosts)}
+    credentials_dir = tmp_path / "credentials"
+    credentials_dir.mkdir(mode=0o700)
+    for name, source in credentials.items():
+        shutil.copyfile(source, credentials_dir / name)
+        (credentials_dir / name).chmod(0o400)
     # One flag per line in the unit: systemd joins lines ending in a backslash.
-    exec_start = shlex.split(re.search(r"^ExecStart=(.*)$", unit.replace("\\\n", " "), re.MULTILINE).group(1))
+    exec_start = shlex.split(re.search(r"^ExecStart=(.*)$", unit.replace("\\\n", " "), re.MULTILINE).group(1)
+                             .replace("%d", str(credentials_dir)))
     assert exec_start[0] == str(Path(sys.executable).with_name("rigctl"))
     assert exec_start[1:3] == ["--inventory", str(REPO / "inventory" / "lab")]
     environment = dict(re.findall(r'^Environment="?([A-Z_]+)=([^"\n]*)"?$', unit, re.MULTILINE))
     assert environment["RIGCTL_LAB_SLOT"] == slot
-    assert "PrivateDevices" not in unit
+    assert "PrivateDevices=yes" in unit  # it asks the GPUs over SSH, never a local device
     config = (etc / "prometheus.yml").read_text()
     assert "job_name: rigctl-exporter" in config and f"127.0.0.1:{port}" in config
     data = tmp_path / "tsdb"

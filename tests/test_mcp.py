@@ -61,7 +61,8 @@ def test_tools_listed_actions_refused_and_bad_input_are_tool_errors_not_crashes(
         unknown_server = await client.call_tool("server_health", {"host": "desktop", "server": "nope"})
         bad_lines = await client.call_tool("server_logs", {"host": "desktop", "server": "smollm2", "lines": 0})
         bad_name = await client.call_tool("server_logs", {"host": "desktop; reboot", "server": "smollm2"})
-        missing_run = await client.call_tool("compare_runs", {"run_a": "desktop/eval-x", "run_b": "desktop/eval-y"})
+        missing_run = await client.call_tool("compare_runs", {"run_a": "desktop/eval-20261130T051200Z-0000",
+                                                             "run_b": "desktop/eval-20261130T051200Z-0001"})
         still_serving = await client.call_tool("list_hosts", {})
         return tools, refused, refused_eval, unknown_host, unknown_server, bad_lines, bad_name, missing_run, \
             still_serving
@@ -140,7 +141,7 @@ def test_start_a_short_eval_and_read_its_result_through_the_tools(lab_served: In
 
     async def body(client: Client):
         started = _data(await client.call_tool(
-            "start_eval", {"host": "desktop", "server": "smollm2", "task": str(task), "concurrency": 2}))
+            "start_eval", {"host": "desktop", "server": "smollm2", "task": task.name, "concurrency": 2}))
         job_id = started["job"]["id"]
         deadline = time.monotonic() + 180
         while True:
@@ -152,7 +153,7 @@ def test_start_a_short_eval_and_read_its_result_through_the_tools(lab_served: In
         listed = _data(await client.call_tool("list_results", {"host": "desktop", "kind": "eval"}))
         return started, jobs[0], pulled, listed
 
-    started, job, pulled, listed = _session(results, "--allow-actions", body=body)
+    started, job, pulled, listed = _session(results, "--allow-actions", "--task-dir", str(tmp_path), body=body)
     assert started["questions"] == len(questions)
     assert job["state"] == "done", job
     assert job["done"] == job["total"] == len(questions)

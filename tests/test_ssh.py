@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from labkeys import RESTORE_HOST_KEYS, ROTATE_HOST_KEYS
 
 import rigctl
 from rigctl.errors import ConnectError, HostKeyError, RemoteCommandError, TransferError
@@ -334,26 +335,6 @@ def test_entry_under_the_inventory_name_vouches_for_the_host(desktop: SshTarget,
         assert client.run("hostname", timeout=10).stdout == "desktop\n"
 
 
-# Regenerates every host key sshd serves, keeping the originals aside; then reloads sshd.
-_ROTATE_HOST_KEYS = r"""
-set -eu
-keys=$(sshd -T | awk '$1 == "hostkey" {print $2}')
-tar -cPpf /root/.rigctl-test-host-keys.tar $(for key in $keys; do echo "$key" "$key.pub"; done)
-for key in $keys; do
-    kind=$(ssh-keygen -l -f "$key" | awk '{print tolower($NF)}' | tr -d '()')
-    rm -f "$key" "$key.pub"
-    ssh-keygen -q -t "$kind" -N '' -f "$key"
-done
-kill -HUP "$(cat "$(sshd -T | awk '$1 == "pidfile" {print $2}')")"
-"""
-_RESTORE_HOST_KEYS = r"""
-set -eu
-tar -xPpf /root/.rigctl-test-host-keys.tar
-rm /root/.rigctl-test-host-keys.tar
-kill -HUP "$(cat "$(sshd -T | awk '$1 == "pidfile" {print $2}')")"
-"""
-
-
 @lab
 def test_changed_host_key_on_the_rig_is_refused(desktop: SshTarget) -> None:
     with SshClient(desktop) as old:  # this session survives sshd reloading
@@ -362,7 +343,7 @@ def test_changed_host_key_on_the_rig_is_refused(desktop: SshTarget) -> None:
             timeout=10,
         ).stdout
         try:
-            old.run(_ROTATE_HOST_KEYS, timeout=30)
+            old.run(ROTATE_HOST_KEYS, timeout=30)
             new = old.run(
                 "for k in $(sshd -T | awk '$1 == \"hostkey\" {print $2}'); do ssh-keygen -l -f $k.pub; done",
                 timeout=10,
@@ -375,7 +356,7 @@ def test_changed_host_key_on_the_rig_is_refused(desktop: SshTarget) -> None:
             presented = re.search(r"\((SHA256:[^)]+)\)", str(info.value))
             assert presented and presented[1] in new and presented[1] not in fingerprints
         finally:
-            old.run(_RESTORE_HOST_KEYS, timeout=30)
+            old.run(RESTORE_HOST_KEYS, timeout=30)
     with SshClient(desktop, retries=5, backoff_base=0.2) as restored:
         assert restored.run("hostname", timeout=10).stdout == "desktop\n"
 

@@ -30,10 +30,12 @@ import httpx
 
 from rigctl.errors import EvalError
 from rigctl.results import file_sha256
+from rigctl.trust import register_secret, same_origin
 
 log = logging.getLogger(__name__)
 
 DEFAULT_HF_ENDPOINT = "https://huggingface.co"
+_MAX_REDIRECTS = 10
 _CHUNK = 1 << 20
 
 
@@ -164,17 +166,27 @@ def _download(key: str, url: str, local: Path, timeout: float) -> str:
     local.parent.mkdir(parents=True, exist_ok=True)
     part = local.with_name(f".{local.name}.part")
     digest = hashlib.sha256()
-    headers = {"Authorization": f"Bearer {os.environ['HF_TOKEN']}"} if os.environ.get("HF_TOKEN") and \
-        url.startswith(hf_endpoint()) else {}
+    token = os.environ.get("HF_TOKEN")
+    register_secret(token)
     try:
-        with httpx.stream("GET", url, headers=headers, timeout=httpx.Timeout(timeout, connect=15.0),
-                          follow_redirects=True) as response:
-            if response.status_code != 200:
-                raise EvalError(f"{key}: GET {url}: HTTP {response.status_code}")
-            with part.open("wb") as handle:
-                for chunk in response.iter_bytes(_CHUNK):
-                    handle.write(chunk)
-                    digest.update(chunk)
+        with httpx.Client(timeout=httpx.Timeout(timeout, connect=15.0), follow_redirects=False) as client:
+            current = url
+            for _ in range(_MAX_REDIRECTS + 1):
+                # The token goes to the endpoint's own scheme, host and port only, redirects included.
+                headers = {"Authorization": f"Bearer {token}"} if token and same_origin(current, hf_endpoint()) else {}
+                with client.stream("GET", current, headers=headers) as response:
+                    if response.is_redirect and "location" in response.headers:
+                        current = str(response.url.join(response.headers["location"]))
+                        continue
+                    if response.status_code != 200:
+                        raise EvalError(f"{key}: GET {current}: HTTP {response.status_code}")
+                    with part.open("wb") as handle:
+                        for chunk in response.iter_bytes(_CHUNK):
+                            handle.write(chunk)
+                            digest.update(chunk)
+                    break
+            else:
+                raise EvalError(f"{key}: GET {url}: more than {_MAX_REDIRECTS} redirects")
     except httpx.HTTPError as exc:
         part.unlink(missing_ok=True)
         raise EvalError(f"{key}: GET {url}: {type(exc).__name__}: {exc}") from None

@@ -23,6 +23,7 @@ from rigctl.evals.runner import Options
 from rigctl.evals.target import Target
 from rigctl.evals.tasks import LoadedTask
 from rigctl.results import ANSWERS_FILE, ResultsStore, StoredRun, read_jsonl
+from rigctl.servers import server_key_file
 
 
 def job_spec(task: LoadedTask, target: Target, options: Options, questions_file: Path,
@@ -30,7 +31,9 @@ def job_spec(task: LoadedTask, target: Target, options: Options, questions_file:
     if target.inventory_host is None or not target.server.get("port"):
         raise ConfigError("--remote needs an inventory server (--host and --server), not a bare --url")
     params: dict[str, Any] = {
-        "scorer": task.scorer, "port": target.server["port"], "api_key": target.endpoint.api_key,
+        # The key never travels in the job: the job reads the one the llama_server role installed.
+        "scorer": task.scorer, "port": target.server["port"],
+        "api_key_file": server_key_file(target.inventory_host) if target.endpoint.api_key else None,
         "concurrency": options.concurrency, "seed": options.seed, "thinking": options.thinking,
         "timeout_s": options.timeout, "retries": options.retry.attempts,
         "max_tokens": getattr(task.spec, "max_tokens", None), "n_probs": getattr(task.spec, "n_probs", None),
@@ -62,7 +65,10 @@ def run_remote(task: LoadedTask, target: Target, options: Options, store: Result
                 out.write(json.dumps({"id": question.id, "set": question.set, "data": question.data}) + "\n")
         info = jobs.start(host, job_spec(task, target, options, questions, limit))
     info = jobs.wait(host, info.id, on_progress=on_progress)
-    jobs.pull(host, store)
+    pulled = jobs.pull(host, store)
+    mine = [line for line in pulled.refused if f"run {info.id!r} " in line]
+    if mine:
+        raise EvalError(mine[0])
     if info.state != "done":
         raise EvalError(f"{host.name}: eval job {info.id} {info.state}: {info.error or info.message}")
     run = store.find(f"{host.name}/{info.id}")

@@ -26,6 +26,7 @@ from rigctl.evals.scorers import summarise
 from rigctl.evals.tasks import LoadedTask, Question, load_task
 from rigctl.results import ANSWERS_FILE, ResultsStore, RunRecord, new_run_id, read_jsonl, utc_now
 from rigctl.server import DEFAULT_SEED, AsyncServerClient, Endpoint, Props, Retry, ServerClient, Timeouts
+from rigctl.trust import redact_argv
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +154,7 @@ def start_run(task: LoadedTask, endpoint: Endpoint, store: ResultsStore, host: s
         task={"name": task.name, "scorer": task.scorer, "file": str(task.path.resolve()),
               "file_sha256": task.file_sha256, "dataset_sha256": task.dataset_sha256,
               "questions": len(task.questions)},
-        seed=options.seed, concurrency=options.concurrency, commands=[" ".join(sys.argv)],
+        seed=options.seed, concurrency=options.concurrency, commands=[" ".join(redact_argv(sys.argv))],
         rigctl_version=_version(),
         extra={"thinking": options.thinking, "limit": limit, "timeout_s": options.timeout, **dict(extra or {})})
     run_dir = store.run_dir(host, record.id)

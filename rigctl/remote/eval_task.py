@@ -7,9 +7,9 @@ functions the controller's runner uses. This module only speaks HTTP to the loca
 urllib, ``concurrency`` requests at a time, and writes ``answers.jsonl`` in the run directory, one line
 per answer, flushed as each completes (format: :mod:`rigctl.evals`).
 
-Params: ``scorer``, ``port``, ``api_key`` (or null), ``concurrency``, ``seed``, ``thinking``,
-``timeout_s``, ``max_tokens``, ``n_probs``, ``artifact`` {name, path} (hashed into the record),
-``retries``.
+Params: ``scorer``, ``port``, ``api_key_file`` (the llama_server role's key file, or null),
+``concurrency``, ``seed``, ``thinking``, ``timeout_s``, ``max_tokens``, ``n_probs``, ``artifact``
+{name, path} (hashed into the record), ``retries``.
 """
 
 from __future__ import annotations
@@ -60,6 +60,16 @@ class Server:
         raise self.error(f"{method} {path}: no attempts")
 
 
+def _api_key(path: str | None, error: type[Exception]) -> str | None:
+    """The server's key from the llama_server role's key file (the key never travels in the job)."""
+    if not path:
+        return None
+    try:
+        return Path(path).read_text(encoding="utf-8").strip() or None
+    except OSError as exc:
+        raise error(f"API key file {path}: {exc.strerror or exc}") from None
+
+
 def run(job: Any) -> None:
     sys.path.insert(0, str(job.dir))
     import eval_scorers as scorers
@@ -67,8 +77,8 @@ def run(job: Any) -> None:
     params = job.params
     scorer = params["scorer"]
     questions = [json.loads(line) for line in (job.dir / "questions.jsonl").read_text().splitlines() if line]
-    server = Server(int(params["port"]), params.get("api_key"), float(params["timeout_s"]),
-                    int(params.get("retries", 4)), job.TaskError)
+    server = Server(int(params["port"]), _api_key(params.get("api_key_file"), job.TaskError),
+                    float(params["timeout_s"]), int(params.get("retries", 4)), job.TaskError)
     props = server.call("GET", "/props")
     job.record["server"] = {**(job.record.get("server") or {}), "endpoint": server.base,
                             "build_info": props.get("build_info", ""), "model_path": props.get("model_path", ""),

@@ -25,7 +25,7 @@ options:
   repo: {description: Repository (owner/name)., type: str, default: ""}
   revision: {description: Commit, branch or tag., type: str, default: main}
   files: {description: Only these files (default all)., type: list, elements: str, default: []}
-  token: {description: Bearer token for gated repositories., type: str, default: "", no_log: true}
+  token: {description: "Bearer token, sent only to the exact origin of I(endpoint) (dropped on redirects).", type: str, default: "", no_log: true}
   url: {description: URL of the file (type url)., type: str, default: ""}
   sha256: {description: Its sha256 (type url)., type: str, default: ""}
   filename: {description: Name of the downloaded file (type url)., type: str, default: ""}
@@ -52,18 +52,45 @@ class FetchError(Exception):
     pass
 
 
-def _request(url: str, token: str) -> urllib.request.Request:
+def _origin(url: str) -> tuple:
+    parts = urllib.parse.urlsplit(url)
+    scheme = parts.scheme.lower()
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    return scheme, (parts.hostname or "").lower(), port or {"http": 80, "https": 443}.get(scheme, 0)
+
+
+class _TokenOrigin(urllib.request.HTTPRedirectHandler):
+    """Follows redirects, keeping the token only while the target is on the token's own origin (scheme,
+    host and port exactly): a redirect to a CDN or anywhere else never carries it."""
+
+    def __init__(self, token_origin: tuple):
+        self.token_origin = token_origin
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None and _origin(newurl) != self.token_origin:
+            new.remove_header("Authorization")
+            new.unredirected_hdrs.pop("Authorization", None)
+        return new
+
+
+def _open(url: str, token: str, endpoint: str, timeout: int):
+    """GET ``url``; the token is sent only when ``url`` is on the endpoint's exact origin."""
     headers = {"User-Agent": "rigctl-models"}
-    if token:
+    if token and endpoint and _origin(url) == _origin(endpoint):
         headers["Authorization"] = f"Bearer {token}"
-    return urllib.request.Request(url, headers=headers)
+    opener = urllib.request.build_opener(_TokenOrigin(_origin(endpoint) if endpoint else ()))
+    return opener.open(urllib.request.Request(url, headers=headers), timeout=timeout)
 
 
 def hf_listing(endpoint: str, repo: str, revision: str, token: str, timeout: int) -> dict:
     """The repository at ``revision``: its commit and its files with size and LFS sha256."""
     url = f"{endpoint.rstrip('/')}/api/models/{repo}/revision/{urllib.parse.quote(revision, safe='')}?blobs=true"
     try:
-        with urllib.request.urlopen(_request(url, token), timeout=timeout) as resp:
+        with _open(url, token, endpoint, timeout) as resp:
             info = json.load(resp)
     except (urllib.error.URLError, OSError, ValueError) as exc:
         raise FetchError(f"cannot list {repo}@{revision} at {url}: {exc}") from None
@@ -74,13 +101,13 @@ def hf_listing(endpoint: str, repo: str, revision: str, token: str, timeout: int
     return {"commit": info.get("sha") or revision, "files": files}
 
 
-def download(url: str, target: str, token: str, timeout: int, size: int | None, sha256: str) -> str:
+def download(url: str, target: str, token: str, endpoint: str, timeout: int, size: int | None, sha256: str) -> str:
     """Stream ``url`` to ``target``; check the byte count and sha256 given; return the sha256."""
     os.makedirs(os.path.dirname(target), exist_ok=True)
     digest = hashlib.sha256()
     got = 0
     try:
-        with urllib.request.urlopen(_request(url, token), timeout=timeout) as resp, open(target, "wb") as out:
+        with _open(url, token, endpoint, timeout) as resp, open(target, "wb") as out:
             length = resp.headers.get("Content-Length")
             while chunk := resp.read(1 << 20):
                 out.write(chunk)
@@ -173,8 +200,8 @@ def main() -> None:
         shutil.rmtree(partial, ignore_errors=True)
         fetched = {}
         for rel, meta in files.items():
-            digest = download(urls[rel], os.path.join(partial, rel), p["token"], p["timeout"], meta["size"],
-                              meta["sha256"])
+            digest = download(urls[rel], os.path.join(partial, rel), p["token"], p["endpoint"], p["timeout"],
+                              meta["size"], meta["sha256"])
             fetched[rel] = {"size": os.path.getsize(os.path.join(partial, rel)), "sha256": digest}
     except FetchError as exc:
         module.fail_json(msg=f"{where}: {exc}")

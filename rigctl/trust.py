@@ -1,0 +1,141 @@
+"""The trust boundary: what a rig, a file or a server sends is data, never a path or a secret's destination.
+
+* Paths named by someone else (a rig's run listing, a record's raw-file path, an MCP argument) are
+  checked with :func:`relative_path` (relative, no ``..``, nothing odd) and placed with :func:`inside`
+  (resolved, symlinks included, and still under its root).
+* Secrets (API keys, tokens) are replaced by ``***`` wherever text leaves rigctl: :func:`redact` for a
+  known value, :func:`redact_argv` for a command line kept in a record, :class:`RedactingFilter` for log
+  lines, :func:`is_secret_name` for a setting's name.
+* A token goes only to its own origin, scheme, host and port exactly (:func:`same_origin`); a redirect
+  to any other origin loses it.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import urllib.parse
+from collections.abc import Iterable, Sequence
+from pathlib import Path, PurePosixPath
+
+from rigctl.errors import TrustError
+
+MASK = "***"
+# Names of settings and options that hold secrets (llama_server_api_key, models_hf_token, --api-key, ...).
+_SECRET_NAME = re.compile(r"(?:^|[_-])(?:api[_-]?key|token|secret|passw(?:or)?d|credentials?)"
+                          r"(?=$|[_-](?!file|path|dir))", re.IGNORECASE)
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+# Shorter values are not redacted by value: masking every "k" of a log line hides nothing and ruins it.
+_MIN_SECRET = 4
+
+
+def relative_path(value: object, what: str) -> PurePosixPath:
+    """``value`` as a relative POSIX path that stays below the directory it is joined to; TrustError
+    naming ``what`` otherwise (absolute, ``..``, empty, a NUL or a backslash)."""
+    if not isinstance(value, str) or not value or "\0" in value or "\\" in value:
+        raise TrustError(f"{what}: {value!r} is not a relative path")
+    path = PurePosixPath(value)
+    if path.is_absolute() or ".." in path.parts or path.parts in ((), (".",)):
+        raise TrustError(f"{what}: {value!r} leaves its directory")
+    return path
+
+
+def inside(root: Path, relative: str | PurePosixPath, what: str) -> Path:
+    """``root / relative`` resolved (symlinks followed); TrustError unless it is still under ``root``."""
+    return contained(root, root / relative_path(str(relative), what), what)
+
+
+def contained(root: Path, path: Path, what: str) -> Path:
+    """``path`` resolved (symlinks followed); TrustError unless it is ``root`` or under it."""
+    resolved, base = path.resolve(), root.resolve()
+    if resolved != base and not resolved.is_relative_to(base):
+        raise TrustError(f"{what}: {path} resolves to {resolved}, outside {base}")
+    return resolved
+
+
+def origin(url: str) -> tuple[str, str, int]:
+    """(scheme, host, port) of ``url``, the port filled in for http and https."""
+    parts = urllib.parse.urlsplit(url)
+    scheme = parts.scheme.lower()
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    return scheme, (parts.hostname or "").lower(), port or _DEFAULT_PORTS.get(scheme, 0)
+
+
+def same_origin(url: str, base: str) -> bool:
+    """Whether ``url`` is on exactly the scheme, host and port of ``base`` (a prefix is not enough:
+    ``http://127.0.0.1:1810`` is not the origin of ``http://127.0.0.1:18100/x``)."""
+    target = origin(url)
+    return bool(target[1]) and target == origin(base)
+
+
+def is_secret_name(name: str) -> bool:
+    """Whether a setting or option named ``name`` holds a secret (its value is never shown)."""
+    return bool(_SECRET_NAME.search(name))
+
+
+def redact(text: str, secrets: Iterable[str | None]) -> str:
+    """``text`` with every occurrence of each secret replaced by ``***``."""
+    for secret in sorted({s for s in secrets if s and len(s) >= _MIN_SECRET}, key=len, reverse=True):
+        text = text.replace(secret, MASK)
+    return text
+
+
+def redact_argv(argv: Sequence[str]) -> list[str]:
+    """A command line as a record keeps it: the value of every secret-named option (``--api-key K``,
+    ``--hf-token=K``) replaced by ``***``, and any registered secret masked wherever it appears."""
+    out: list[str] = []
+    masking = False
+    for arg in argv:
+        if masking:
+            out.append(MASK)
+            masking = False
+            continue
+        name, eq, _value = arg.partition("=")
+        if name.startswith("-") and is_secret_name(name):
+            if eq:
+                out.append(f"{name}={MASK}")
+            else:
+                out.append(arg)
+                masking = True
+            continue
+        out.append(redact(arg, _registered()))
+    return out
+
+
+_lock = threading.Lock()
+_secrets: set[str] = set()
+
+
+def register_secret(value: str | None) -> None:
+    """Mask ``value`` in every log line of this process (:class:`RedactingFilter`) and in
+    :func:`redact_argv` from now on."""
+    if value and len(value) >= _MIN_SECRET:
+        with _lock:
+            _secrets.add(value)
+
+
+def mask_registered(text: str) -> str:
+    """``text`` with every registered secret masked (for an error line)."""
+    return redact(text, _registered())
+
+
+def _registered() -> list[str]:
+    with _lock:
+        return list(_secrets)
+
+
+class RedactingFilter(logging.Filter):
+    """Masks every registered secret in a log record's message (installed on rigctl's log handlers)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        secrets = _registered()
+        if secrets:
+            message = record.getMessage()
+            masked = redact(message, secrets)
+            if masked != message:
+                record.msg, record.args = masked, None
+        return True
