@@ -7,11 +7,13 @@ import os
 import sys
 from typing import Annotated, NoReturn
 
-import click
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
+
+# typer ships its own copy of click: its usage errors derive from these, not from the click package's.
+from typer._click.exceptions import ClickException, UsageError
 
 from rigctl.deploy import DeployResult, TaskEvent
 from rigctl.errors import RigctlError
@@ -300,6 +302,15 @@ def models_pin(limit: LimitOption = None) -> None:
 from rigctl import cli_bench, cli_compare, cli_eval, cli_exporter, cli_servers  # noqa: E402,F401
 
 
+def usage_message(exc: ClickException) -> str:
+    """One line for a usage error: what is wrong, naming the option, and where to find the usage."""
+    message = " ".join(exc.format_message().split())
+    ctx = getattr(exc, "ctx", None)
+    if isinstance(exc, UsageError) and ctx is not None:
+        message += f" (see '{ctx.command_path} --help')"
+    return message
+
+
 def main() -> None:
     try:
         # Without standalone mode click hands back typer.Exit's code instead of exiting.
@@ -312,10 +323,10 @@ def main() -> None:
     except typer.Abort:
         err_console.print("aborted", markup=False)
         sys.exit(130)
-    except Exception as exc:  # click's usage errors and anything unexpected, still one line
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            sys.exit(exc.exit_code)
+    except ClickException as exc:  # a usage error names the option or argument: exit 2, like click's own
+        err_console.print(f"error: {usage_message(exc)}", markup=False, highlight=False, soft_wrap=True)
+        sys.exit(exc.exit_code)
+    except Exception as exc:  # anything unexpected, still one line
         if state.debug:
             raise
         err_console.print(f"error: {type(exc).__name__}: {exc} (run with --debug for the traceback)",
