@@ -47,6 +47,11 @@ def _inventory() -> Inventory:
     return Inventory.load(state.inventory_source)
 
 
+class _PlainFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return f"{record.levelname.lower()}: {record.getMessage()}"
+
+
 @app.callback()
 def main_options(
     inventory: Annotated[str | None, typer.Option("-i", "--inventory", envvar="RIGCTL_INVENTORY",
@@ -57,8 +62,12 @@ def main_options(
     state.inventory_source = inventory
     state.debug = debug
     level = logging.WARNING - 10 * min(verbose, 2)
-    logging.basicConfig(level=level, format="%(message)s",
-                        handlers=[RichHandler(console=err_console, show_path=False, show_time=False)])
+    if sys.stderr.isatty():
+        handler: logging.Handler = RichHandler(console=err_console, show_path=False, show_time=False)
+    else:  # logs, pipes and tests: one line per record, never wrapped
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(_PlainFormatter())
+    logging.basicConfig(level=level, format="%(message)s", handlers=[handler])
     if level > logging.DEBUG:
         logging.getLogger("paramiko").setLevel(logging.WARNING)
 
@@ -268,9 +277,17 @@ def models_list(limit: LimitOption = None) -> None:
     table = Table(title="model artifacts")
     for column in ("host", "artifact", "size", "quant mix", "sha256", "pin"):
         table.add_column(column)
-    for row in rows(list_artifacts(_inventory(), limit)):
+    results = list_artifacts(_inventory(), limit)
+    for row in rows(results):
         table.add_row(*row)
     console.print(table)
+    failed = {host: outcome for host, outcome in results.items() if isinstance(outcome, RigctlError)}
+    for host, outcome in failed.items():
+        text = str(outcome)
+        err_console.print(f"error: {text if text.startswith(host) else f'{host}: {text}'}", markup=False,
+                          highlight=False, soft_wrap=True)
+    if failed:  # a listing that could not see a host is not a clean listing
+        raise typer.Exit(1)
 
 
 @models_app.command("verify")
