@@ -269,7 +269,7 @@ def load_run_samples(run: StoredRun) -> list[BenchSample]:
     build = str(run.record.llama_cpp.get("commit", ""))
     samples: list[BenchSample] = []
     for number, cell in enumerate(read_jsonl(cells_path), 1):
-        if cell.get("rc") != 0:
+        if cell.get("rc") != 0 or cell.get("error"):  # a failed cell has no results to count
             continue
         where = f"{cells_path}: cell {number}"
         raw_name, artifact, index = cell.get("raw"), cell.get("artifact"), cell.get("index")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rigctl.deploy_lock import inventory_lock
 from rigctl.errors import ConfigError, DeployError
 from rigctl.inventory import Inventory
 
@@ -209,6 +210,7 @@ def run_playbook(
     """Run ``playbooks/<playbook>`` against ``inventory`` and return every host's outcome.
 
     A failed host never stops the others from being reported; the caller decides whether to raise.
+    One run per inventory at a time: DeployBusyError names the run that holds the inventory's lock.
     """
     selected = inventory.select(limit)
     import ansible_runner
@@ -221,7 +223,7 @@ def run_playbook(
     log.info("running %s on %s", playbook, limit or "all hosts")
     started = time.monotonic()
     # ansible-runner keeps its artifacts in the private data dir; rigctl reports from the events.
-    with tempfile.TemporaryDirectory(prefix="rigctl-runner-") as private:
+    with inventory_lock(inventory.source), tempfile.TemporaryDirectory(prefix="rigctl-runner-") as private:
         runner = ansible_runner.run(
             private_data_dir=private,
             project_dir=str(root),

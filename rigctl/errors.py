@@ -109,3 +109,14 @@ class JobBusyError(JobError):
         self.running = running
         super().__init__(f"{host}: refused: job {running} is running and holds the {lock!r} lock; "
                          f"wait for it (`rigctl jobs {host}`) or stop it")
+
+
+class DeployBusyError(DeployError):
+    """Another rigctl process is running a playbook against the same inventory: ``pid`` and ``command`` name it."""
+
+    def __init__(self, inventory: str, pid: int | None, command: str, since: str):
+        self.inventory = inventory
+        self.pid = pid
+        self.command = command
+        super().__init__(f"inventory {inventory}: refused: pid {pid if pid is not None else '?'} "
+                         f"(`{command}`, since {since}) is running a playbook against it; wait for it to finish")
