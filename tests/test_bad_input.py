@@ -13,7 +13,15 @@ class  what went wrong                             test
 5      one bad record poisons the store            test_bad_records_are_skipped_and_the_rest_keeps_working
 6      degenerate input accepted with exit 0       test_degenerate_input_is_refused
 7      loader gaps (field, UTF-8, BFCL name)       test_loaders_name_file_and_line
-8      faults on the lab rigs                      tests/test_faults_lab.py
+8      faults on the lab rigs                      tests/test_faults_lab.py:
+       - tampered model, no pin: verify = drift    test_tampered_model_without_a_pin_fails_verify,
+                                                   test_verify_and_the_exporter_use_one_rule_manifest_hash_when_no_pin
+       - full disk mid-bench / mid-quantize        test_full_disk_mid_bench_fails_the_cell_and_seals_the_reason,
+                                                   test_models_artifact_on_a_full_disk_says_the_disk_is_full,
+                                                   test_a_cell_without_results_is_not_a_successful_cell
+       - two provisions at once                    test_second_provision_is_refused_naming_the_holder
+       - link dropped mid-provision                test_a_link_dropped_mid_provision_fails_that_host_within_the_ssh_timeouts
+       - failed rollout vs disabled instances      test_failed_rollout_leaves_no_bad_flags_in_disabled_instances_of_its_profile
 =====  ==========================================  ===========================================================
 
 Property tests (hypothesis, bounded in examples and time) feed the inventory checker and the result-store

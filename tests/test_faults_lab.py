@@ -177,6 +177,7 @@ def test_full_disk_mid_bench_fails_the_cell_and_seals_the_reason(served: Invento
     results = f"{jobs.RESULTS_DIR}/desktop"
     pid = _rig_pid(served, "desktop")
     nsenter = ["nsenter", "-t", str(pid), "-m", "--"]
+    subprocess.run([*nsenter, "mkdir", "-p", results], check=True, timeout=30)
     subprocess.run([*nsenter, "mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", results], check=True, timeout=30)
     lab.set_gpu("desktop", temperature=85, temperature_sequence=[])  # the job waits here while the disk fills
     try:
