@@ -20,8 +20,10 @@ class  what went wrong                             test
                                                    test_models_artifact_on_a_full_disk_says_the_disk_is_full,
                                                    test_a_cell_without_results_is_not_a_successful_cell
        - two provisions at once                    test_second_provision_is_refused_naming_the_holder
-       - link dropped mid-provision                test_a_link_dropped_mid_provision_fails_that_host_within_the_ssh_timeouts
-       - failed rollout vs disabled instances      test_failed_rollout_leaves_no_bad_flags_in_disabled_instances_of_its_profile
+       - link dropped mid-provision                test_a_link_dropped_mid_provision_fails_that_host_within_the_ssh_\
+                                                   timeouts
+       - failed rollout vs disabled instances      test_failed_rollout_leaves_no_bad_flags_in_disabled_instances_\
+                                                   of_its_profile
 =====  ==========================================  ===========================================================
 
 Property tests (hypothesis, bounded in examples and time) feed the inventory checker and the result-store
