@@ -186,13 +186,18 @@ REQUIRED_KEYS = ("model_filename", "n_prompt", "n_gen", "samples_ts")
 
 
 def parse_llama_bench_json(text: str, origin: str = "llama-bench output") -> list[dict[str, Any]]:
-    """llama-bench ``-o json`` output (one array of test objects); ConfigError when it is not."""
+    """llama-bench ``-o json`` output (one array of test objects); ConfigError when it is not, or is empty
+    (a llama-bench that wrote nothing, say on a full disk, has no results to count)."""
+    if not text.strip():
+        raise ConfigError(f"{origin}: empty ({len(text)} bytes): llama-bench wrote no results")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{origin}: not JSON ({exc.msg} at line {exc.lineno})") from None
     if not isinstance(data, list):
         raise ConfigError(f"{origin}: expected a JSON array of llama-bench results")
+    if not data:
+        raise ConfigError(f"{origin}: an empty array: llama-bench wrote no results")
     for number, entry in enumerate(data):
         missing = [k for k in REQUIRED_KEYS if not isinstance(entry, dict) or k not in entry]
         if missing:
@@ -272,13 +277,24 @@ def load_run_samples(run: StoredRun) -> list[BenchSample]:
         raise ConfigError(f"{run.host}/{run.id}: no {CELLS_FILE}")
     build = str(run.record.llama_cpp.get("commit", ""))
     samples: list[BenchSample] = []
-    for cell in read_jsonl(cells_path):
-        if cell.get("rc") != 0:
+    for number, cell in enumerate(read_jsonl(cells_path), 1):
+        if cell.get("rc") != 0 or cell.get("error"):  # a failed cell has no results to count
             continue
-        raw = inside(run.path, cell["raw"], f"{run.host}/{run.id}/{CELLS_FILE} cell {cell.get('index')} raw")
-        entries = parse_llama_bench_json(raw.read_text(), f"{run.host}/{run.id}/{cell['raw']}")
-        samples += samples_from_cell(entries, host=run.host, run_id=run.id, build=build, model=cell["artifact"],
-                                     cell=int(cell["index"]), temps=(cell.get("temp_start_c"), cell.get("temp_end_c")))
+        where = f"{cells_path}: cell {number}"
+        raw_name, artifact, index = cell.get("raw"), cell.get("artifact"), cell.get("index")
+        if not isinstance(raw_name, str) or not raw_name or not isinstance(artifact, str) or type(index) is not int:
+            raise ConfigError(f"{where}: needs raw and artifact (strings) and index (an integer)")
+        raw = inside(run.path, raw_name, f"{run.host}/{run.id}/{CELLS_FILE} cell {index} raw")
+        try:
+            text = raw.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{where}: {raw_name}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
+        entries = parse_llama_bench_json(text, f"{run.host}/{run.id}/{raw_name}")
+        try:
+            samples += samples_from_cell(entries, host=run.host, run_id=run.id, build=build, model=artifact,
+                                         cell=index, temps=(cell.get("temp_start_c"), cell.get("temp_end_c")))
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"{run.host}/{run.id}/{raw_name}: not llama-bench results: {exc}") from None
     return samples
 
 

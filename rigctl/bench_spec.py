@@ -34,6 +34,7 @@ import numpy as np
 import yaml
 
 from rigctl.errors import ConfigError, RemoteCommandError
+from rigctl.inputs import read_text, yaml_problem
 from rigctl.inventory import Host
 from rigctl.jobs import rigctl_version
 from rigctl.results import ResultsStore, RunRecord, new_run_id, utc_now
@@ -120,12 +121,12 @@ def load_prompts(path: Path | None = None, kinds: Sequence[str] | None = None) -
         text = resources.files("rigctl").joinpath("bench_data/spec_prompts.yaml").read_text()
         origin = "spec_prompts.yaml"
     else:
-        try:
-            text = path.read_text()
-        except OSError as exc:
-            raise ConfigError(f"prompts {path}: {exc.strerror or exc}") from None
+        text = read_text(path, "prompts")
         origin = str(path)
-    data = yaml.safe_load(text) or {}
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"prompts {origin}: not YAML: {yaml_problem(exc)}") from None
     if not isinstance(data, dict) or not all(isinstance(v, list) and v for v in data.values()):
         raise ConfigError(f"{origin}: expected a mapping of prompt kind to a list of chat messages")
     if kinds:

@@ -37,7 +37,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rigctl.bench import BenchSpec
-from rigctl.errors import ConfigError, JobBusyError, RigctlError
+from rigctl.errors import ConfigError, EvalError, JobBusyError, RigctlError
+from rigctl.inputs import read_text, yaml_problem
 from rigctl.inventory import Inventory
 from rigctl.results import ResultsStore, StoredRun
 
@@ -170,12 +171,11 @@ class LoadedCampaign:
 
 
 def load_campaign(path: Path) -> LoadedCampaign:
+    text = read_text(path, "campaign")
     try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise ConfigError(f"campaign {path}: {exc.strerror or exc}") from None
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"campaign {path}: not YAML: {str(exc).splitlines()[0]}") from None
+        raise ConfigError(f"campaign {path}: not YAML: {yaml_problem(exc)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"campaign {path}: expected a mapping at the top")
     try:
@@ -240,7 +240,7 @@ def task_name(loaded: LoadedCampaign, evaluation: CampaignEval) -> str:
     from rigctl.evals.tasks import find_task, parse_task
 
     path = find_task(loaded.task_ref(evaluation))
-    return parse_task(path.read_text(), str(path)).name
+    return parse_task(read_text(path, error=EvalError), str(path)).name
 
 
 def locate(loaded: LoadedCampaign, store: ResultsStore) -> Located:

@@ -7,11 +7,13 @@ import os
 import sys
 from typing import Annotated, NoReturn
 
-import click
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
+
+# typer ships its own copy of click: its usage errors derive from these, not from the click package's.
+from typer._click.exceptions import ClickException, UsageError
 
 from rigctl.deploy import DeployResult, TaskEvent
 from rigctl.errors import RigctlError
@@ -46,6 +48,11 @@ def _inventory() -> Inventory:
     return Inventory.load(state.inventory_source)
 
 
+class _PlainFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return f"{record.levelname.lower()}: {record.getMessage()}"
+
+
 @app.callback()
 def main_options(
     inventory: Annotated[str | None, typer.Option("-i", "--inventory", envvar="RIGCTL_INVENTORY",
@@ -56,7 +63,11 @@ def main_options(
     state.inventory_source = inventory
     state.debug = debug
     level = logging.WARNING - 10 * min(verbose, 2)
-    handler = RichHandler(console=err_console, show_path=False, show_time=False)
+    if sys.stderr.isatty():
+        handler: logging.Handler = RichHandler(console=err_console, show_path=False, show_time=False)
+    else:  # logs, pipes and tests: one line per record, never wrapped
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(_PlainFormatter())
     handler.addFilter(RedactingFilter())  # an API key or token never reaches a log line
     logging.basicConfig(level=level, format="%(message)s", handlers=[handler])
     if level > logging.DEBUG:
@@ -268,9 +279,17 @@ def models_list(limit: LimitOption = None) -> None:
     table = Table(title="model artifacts")
     for column in ("host", "artifact", "size", "quant mix", "sha256", "pin"):
         table.add_column(column)
-    for row in rows(list_artifacts(_inventory(), limit)):
+    results = list_artifacts(_inventory(), limit)
+    for row in rows(results):
         table.add_row(*row)
     console.print(table)
+    failed = {host: outcome for host, outcome in results.items() if isinstance(outcome, RigctlError)}
+    for host, outcome in failed.items():
+        text = str(outcome)
+        err_console.print(f"error: {text if text.startswith(host) else f'{host}: {text}'}", markup=False,
+                          highlight=False, soft_wrap=True)
+    if failed:  # a listing that could not see a host is not a clean listing
+        raise typer.Exit(1)
 
 
 @models_app.command("verify")
@@ -302,6 +321,15 @@ def models_pin(limit: LimitOption = None) -> None:
 from rigctl import cli_bench, cli_compare, cli_eval, cli_exporter, cli_servers  # noqa: E402,F401
 
 
+def usage_message(exc: ClickException) -> str:
+    """One line for a usage error: what is wrong, naming the option, and where to find the usage."""
+    message = " ".join(exc.format_message().split())
+    ctx = getattr(exc, "ctx", None)
+    if isinstance(exc, UsageError) and ctx is not None:
+        message += f" (see '{ctx.command_path} --help')"
+    return message
+
+
 def main() -> None:
     try:
         # Without standalone mode click hands back typer.Exit's code instead of exiting.
@@ -314,10 +342,10 @@ def main() -> None:
     except typer.Abort:
         err_console.print("aborted", markup=False)
         sys.exit(130)
-    except Exception as exc:  # click's usage errors and anything unexpected, still one line
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            sys.exit(exc.exit_code)
+    except ClickException as exc:  # a usage error names the option or argument: exit 2, like click's own
+        err_console.print(f"error: {usage_message(exc)}", markup=False, highlight=False, soft_wrap=True)
+        sys.exit(exc.exit_code)
+    except Exception as exc:  # anything unexpected, still one line
         if state.debug:
             raise
         err_console.print(f"error: {type(exc).__name__}: {mask_registered(str(exc))} "

@@ -132,7 +132,7 @@ def compare(
         return
     sets = tuple(s for item in exclude or [] for s in item.split(",") if s)
     result = compare_runs(stored, cutoff_as_right=cutoff_as_right, toolless_as_right=toolless_as_right,
-                          exclude=sets, force=force, resamples=resamples, seed=seed)
+                          exclude=sets, force=force, resamples=resamples, seed=seed, exclude_origin="--exclude")
     print_eval_comparison(result)
     print_habits([answer_habits(run) for run in stored])
 

@@ -117,6 +117,9 @@ def load_answers(run: StoredRun) -> list[dict[str, Any]]:
         missing = [k for k in ("id", "set", "score") if k not in row]
         if missing:
             raise ConfigError(f"{path}: answer {number} lacks {', '.join(missing)}")
+        score = row["score"]
+        if not isinstance(score, int | float) or score != score:
+            raise ConfigError(f"{path}: answer {number}: score {score!r} is not a number")
     return rows
 
 
@@ -284,6 +287,9 @@ def compare_pair(run_a: StoredRun, run_b: StoredRun, *, scoring: Scoring = Scori
     rows_a, rows_b = load_answers(run_a), load_answers(run_b)
     keys_a = {(str(r["set"]), str(r["id"])) for r in rows_a}
     keys_b = {(str(r["set"]), str(r["id"])) for r in rows_b}
+    if not keys_a & keys_b:
+        raise ConfigError(f"{run_a.host}/{run_a.id} ({len(keys_a)} answers) and {run_b.host}/{run_b.id} "
+                          f"({len(keys_b)} answers) share no question: nothing to pair")
     variants = tuple(paired_gaps(rows_a, rows_b, s, resamples=resamples, seed=seed) for s in scoring.variants())
     return PairComparison(a=RunRef.of(run_a), b=RunRef.of(run_b), task=task_identity(run_a)[0], variants=variants,
                           only_a=len(keys_a - keys_b), only_b=len(keys_b - keys_a), forced=mismatch)
@@ -291,17 +297,31 @@ def compare_pair(run_a: StoredRun, run_b: StoredRun, *, scoring: Scoring = Scori
 
 def compare_runs(runs: Sequence[StoredRun], *, cutoff_as_right: bool = False, toolless_as_right: bool = False,
                  exclude: Sequence[str] = (), force: bool = False, resamples: int = DEFAULT_RESAMPLES,
-                 seed: int = DEFAULT_SEED) -> Comparison:
-    """Compare two or more eval runs of one task pairwise (B - A for every i < j in the given order)."""
+                 seed: int = DEFAULT_SEED, exclude_origin: str = "exclude") -> Comparison:
+    """Compare two or more eval runs of one task pairwise (B - A for every i < j in the given order).
+    ``exclude`` must name sets the runs have (a misspelt set would leave everything in, silently);
+    ``exclude_origin`` says where it came from in that error (an option, a campaign key)."""
     if len(runs) < 2:
         raise ConfigError(f"compare needs at least two runs, got {len(runs)}")
     names = [f"{r.host}/{r.id}" for r in runs]
     if len(set(names)) != len(names):
         raise ConfigError(f"a run is given twice: {', '.join(n for n in names if names.count(n) > 1)}")
+    check_sets(exclude, runs, exclude_origin)
     scoring = Scoring(cutoff_as_right=cutoff_as_right, toolless_as_right=toolless_as_right, exclude=tuple(exclude))
     pairs = tuple(compare_pair(a, b, scoring=scoring, force=force, resamples=resamples, seed=seed)
                   for a, b in itertools.combinations(runs, 2))
     return Comparison(runs=tuple(RunRef.of(r) for r in runs), pairs=pairs, resamples=resamples, seed=seed)
+
+
+def check_sets(names: Sequence[str], runs: Sequence[StoredRun], origin: str) -> None:
+    """ConfigError naming ``origin`` when a set in ``names`` is in none of the runs' answers."""
+    if not names:
+        return
+    present = sorted({str(row["set"]) for run in runs for row in load_answers(run)})
+    unknown = [name for name in names if name not in present]
+    if unknown:
+        raise ConfigError(f"{origin} {', '.join(map(repr, unknown))}: no such set in these runs "
+                          f"(sets: {', '.join(present)})")
 
 
 def run_scores(run: StoredRun, *, resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED) -> list[SetGap]:

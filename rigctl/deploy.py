@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rigctl.deploy_lock import inventory_lock
 from rigctl.errors import ConfigError, DeployError, HostKeyError, RigctlError
 from rigctl.inventory import Host, Inventory
 
@@ -253,6 +254,7 @@ def run_playbook(
     A failed host never stops the others from being reported; the caller decides whether to raise.
     ``preflight``: first check the selected hosts' keys (:func:`check_host_keys`); a refused key raises
     HostKeyError and nothing runs. Off, Ansible's own strict checking refuses the host (unreachable).
+    One run per inventory at a time: DeployBusyError names the run that holds the inventory's lock.
     """
     selected = inventory.select(limit)
     if preflight:
@@ -267,7 +269,7 @@ def run_playbook(
     log.info("running %s on %s", playbook, limit or "all hosts")
     started = time.monotonic()
     # ansible-runner keeps its artifacts in the private data dir; rigctl reports from the events.
-    with tempfile.TemporaryDirectory(prefix="rigctl-runner-") as private:
+    with inventory_lock(inventory.source), tempfile.TemporaryDirectory(prefix="rigctl-runner-") as private:
         runner = ansible_runner.run(
             private_data_dir=private,
             project_dir=str(root),

@@ -114,3 +114,14 @@ class JobBusyError(JobError):
 class TrustError(RigctlError):
     """Something from outside (a rig, a record, a tool's argument) named a path outside its place or an
     identifier of the wrong shape; what it sent is refused, and nothing of it is written."""
+
+
+class DeployBusyError(DeployError):
+    """Another rigctl process is running a playbook against the same inventory: ``pid`` and ``command`` name it."""
+
+    def __init__(self, inventory: str, pid: int | None, command: str, since: str):
+        self.inventory = inventory
+        self.pid = pid
+        self.command = command
+        super().__init__(f"inventory {inventory}: refused: pid {pid if pid is not None else '?'} "
+                         f"(`{command}`, since {since}) is running a playbook against it; wait for it to finish")

@@ -43,7 +43,7 @@ from prometheus_client.utils import floatToGoString
 from rigctl.build import Builds, parse_fact
 from rigctl.errors import ConfigError, RigctlError
 from rigctl.inventory import Host, Inventory
-from rigctl.models import artifact_path, host_artifacts, host_pins, parse_manifest
+from rigctl.models import artifact_path, expected_sha256, host_artifacts, host_pins, parse_manifest
 from rigctl.results import ANSWERS_FILE, ResultsStore, StoredRun, read_jsonl
 from rigctl.servers import UNIT_PROPERTIES, UnitState, parse_unit_show, unit_name
 
@@ -149,11 +149,7 @@ class ModelFact:
     @property
     def expected(self) -> tuple[str | None, str]:
         """The hash the file should have, and where that comes from (inventory pin, else manifest)."""
-        if self.pin:
-            return self.pin, "inventory"
-        if self.manifest_sha256:
-            return self.manifest_sha256, "manifest"
-        return None, "none"
+        return expected_sha256(self.pin, self.manifest_sha256)
 
     @property
     def drift(self) -> bool | None:
@@ -367,7 +363,7 @@ class ResultsReader:
                     try:
                         self._bench[key] = bench_results(run)
                     except (RigctlError, OSError, ValueError) as exc:
-                        log.warning("bench run %s: %s", key, exc)
+                        log.warning("skipping bench run %s: %s", key, exc)
                         self._bench[key] = []
                 for result in self._bench[key]:
                     slot = (result.host, result.artifact, result.test, result.config)
@@ -375,7 +371,11 @@ class ResultsReader:
                         bench[slot] = result
             elif run.record.kind == "eval":
                 if key not in self._evals:
-                    self._evals[key] = eval_score(run)
+                    try:
+                        self._evals[key] = eval_score(run)
+                    except (RigctlError, OSError, ValueError) as exc:
+                        log.warning("skipping eval run %s: %s", key, exc)
+                        self._evals[key] = None
                 score = self._evals[key]
                 if score is not None:
                     slot = (score.host, score.task, score.artifact)

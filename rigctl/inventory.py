@@ -8,13 +8,16 @@ never keeps a host list of its own. Host variables are merged exactly as Ansible
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from rigctl.errors import ConfigError
 
@@ -60,39 +63,57 @@ class ServerInstance:
 class Host:
     name: str
     address: str
-    port: int
     user: str
     groups: tuple[str, ...]
     vars: Mapping[str, Any] = field(repr=False)
 
+    # The typed views below check the value they read against inventory_check's schema (the one home
+    # of what a valid value is) and raise ConfigError naming the host and key, never a bare KeyError.
+
+    @property
+    def port(self) -> int:
+        return int(self._validated("ansible_port", 22))
+
     @property
     def gpu(self) -> Gpu | None:
-        gpu = self.vars.get("gpu_host_gpu")
-        if not isinstance(gpu, Mapping):
+        gpu = self._validated("gpu_host_gpu", None)
+        if gpu is None:
             return None
-        return Gpu(str(gpu["name"]), int(gpu["vram_mib"]), str(gpu["compute_capability"]))
+        return Gpu(gpu.name, gpu.vram_mib, gpu.compute_capability)
 
     @property
     def llama_cpp(self) -> LlamaCppPin:
-        v = self.vars
-        if v["llama_cpp_source"] == "git":
-            return LlamaCppPin("git", str(v["llama_cpp_version"]), str(v["llama_cpp_repo"]))
-        archive = v["llama_cpp_archive"]
-        location = str(archive.get("url") or archive.get("path"))
-        return LlamaCppPin("archive", str(v["llama_cpp_version"]), location, str(archive["sha256"]))
+        source = self._validated("llama_cpp_source", None)
+        if source is None:
+            raise ConfigError(f"host {self.name}: llama_cpp_source: required but not set")
+        version = str(self._validated("llama_cpp_version", ""))
+        if not version:
+            raise ConfigError(f"host {self.name}: llama_cpp_version: required but not set")
+        if source == "git":
+            repo = self._validated("llama_cpp_repo", None)
+            if not repo:
+                raise ConfigError(f"host {self.name}: llama_cpp_repo: required when llama_cpp_source is git")
+            return LlamaCppPin("git", version, str(repo))
+        archive = self._validated("llama_cpp_archive", None)
+        if archive is None:
+            raise ConfigError(f"host {self.name}: llama_cpp_archive: required when llama_cpp_source is archive")
+        return LlamaCppPin("archive", version, str(archive.url or archive.path), archive.sha256)
 
     @property
     def servers(self) -> list[ServerInstance]:
-        return [
-            ServerInstance(
-                name=name,
-                artifact=str(spec["artifact"]),
-                profile=str(spec["profile"]),
-                port=int(spec["port"]),
-                enabled=bool(spec.get("enabled", True)),
-            )
-            for name, spec in sorted((self.vars.get("llama_server_instances") or {}).items())
-        ]
+        instances = self._validated("llama_server_instances", None) or {}
+        return [ServerInstance(name=name, artifact=spec.artifact, profile=spec.profile, port=spec.port,
+                               enabled=spec.enabled)
+                for name, spec in sorted(instances.items())]
+
+    def _validated(self, key: str, default: Any) -> Any:
+        """``vars[key]`` parsed by its schema (``default`` when unset or null); ConfigError naming the key."""
+        value = self.vars.get(key)
+        if value is None:
+            return default
+        from rigctl.inventory_check import validate_value
+
+        return validate_value(f"host {self.name}", key, value)
 
     @property
     def known_hosts(self) -> Path:
@@ -168,13 +189,18 @@ class Inventory:
         from ansible.vars.manager import VariableManager
         from ansible.vars.plugins import get_vars_from_inventory_sources
 
+        check_yaml_files(path)
         _init_ansible_plugins(init_plugin_loader)
         loader = DataLoader()
         _set_vault_secrets(loader)
         try:
-            manager = InventoryManager(loader=loader, sources=[str(path)], parse=True)
+            with _ansible_warnings() as warnings:
+                manager = InventoryManager(loader=loader, sources=[str(path)], parse=True)
             if not manager.get_hosts():
-                raise ConfigError(f"inventory {path}: no hosts (is it an Ansible inventory?)")
+                reason = next((w for w in warnings if "Failed to parse" in w), None)
+                raise ConfigError(f"inventory {path}: " + (reason or "no hosts (is it an Ansible inventory?)"))
+            for warning in warnings:
+                log.warning("inventory %s: %s", path, warning)
             variables = VariableManager(loader=loader, inventory=manager)
             hosts: dict[str, Host] = {}
             for ahost in manager.get_hosts():
@@ -192,7 +218,6 @@ class Inventory:
                 hosts[ahost.name] = Host(
                     name=ahost.name,
                     address=str(merged.get("ansible_host", ahost.name)),
-                    port=int(merged.get("ansible_port", 22)),
                     user=str(merged.get("ansible_user", "root")),
                     groups=groups,
                     vars=merged,
@@ -250,6 +275,67 @@ class Inventory:
             return 1 + max((depth(p) for p in parents), default=-1)
 
         return sorted(host.groups, key=depth, reverse=True)
+
+
+#: The inventory's own YAML files: the inventory file(s) and every group_vars/host_vars file.
+_YAML_SUFFIXES = (".yml", ".yaml")
+
+
+class _AnyTagLoader(yaml.SafeLoader):
+    """Safe YAML that accepts Ansible's tags (!vault, !unsafe) without constructing them: only the syntax is checked."""
+
+
+_AnyTagLoader.add_multi_constructor("!", lambda loader, suffix, node: None)
+
+
+def check_yaml_files(source: Path) -> None:
+    """ConfigError naming file, line and column for the first inventory YAML file that does not parse.
+
+    Ansible tries each inventory plugin in turn and, when all fail, prints every plugin's complaint as a
+    warning and then finds "no hosts": the one real cause (a tab, a bad indent) is lost in that noise."""
+    files = [source] if source.is_file() else sorted(
+        p for p in source.rglob("*") if p.is_file() and p.suffix in _YAML_SUFFIXES
+        and not any(part.startswith(".") for part in p.relative_to(source).parts))
+    for path in files:
+        if path.suffix not in _YAML_SUFFIXES:
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"inventory {path}: not UTF-8 text (byte {exc.start})") from None
+        try:
+            yaml.load(text, Loader=_AnyTagLoader)  # noqa: S506 (safe loader; tags are not constructed)
+        except yaml.MarkedYAMLError as exc:
+            mark = exc.problem_mark or exc.context_mark
+            where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+            what = " ".join(part for part in (exc.context, exc.problem) if part)
+            hint = " (YAML indents with spaces, never tabs)" if r"'\t'" in (exc.problem or "") else ""
+            raise ConfigError(f"inventory {where}: {what}{hint}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"inventory {path}: {_first_line(exc)}") from None
+
+
+@contextlib.contextmanager
+def _ansible_warnings() -> Iterator[list[str]]:
+    """Ansible's inventory warnings, collected instead of printed: the caller turns them into one error
+    (nothing parsed) or log records."""
+    from ansible.inventory import manager
+
+    collected: list[str] = []
+    display = manager.display
+
+    def warning(msg: str, *args: Any, **kwargs: Any) -> None:
+        collected.append(_first_line(Exception(msg)))
+
+    def error_as_warning(msg: str | None, exception: BaseException, *args: Any, **kwargs: Any) -> None:
+        collected.append(f"{msg} {_first_line(exception)}" if msg else _first_line(exception))
+
+    saved = display.warning, display.error_as_warning
+    display.warning, display.error_as_warning = warning, error_as_warning
+    try:
+        yield collected
+    finally:
+        display.warning, display.error_as_warning = saved
 
 
 _plugins_ready = False

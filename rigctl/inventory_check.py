@@ -15,13 +15,81 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
+from rigctl.errors import ConfigError
 from rigctl.inventory import FULL_COMMIT, HEX_COMMIT, SHA256, Host, Inventory
 from rigctl.trust import MASK, is_secret_name
 
 #: Variable prefixes owned by the roles and rigctl: an unknown key with one of these is a typo.
 OWNED_PREFIXES = ("gpu_host_", "llama_cpp_", "models_", "llama_server_", "monitoring_", "rigctl_")
+
+
+#: A name that becomes part of a systemd unit (llama-server@NAME.service), a file name and a shell word.
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def _plain_name(value: str) -> str:
+    if not _NAME.match(value):
+        raise ValueError(f"{value!r} is not usable as a systemd unit, file name and shell word "
+                         "(1-64 of letters, digits, _ . -; starting with a letter or digit)")
+    return value
+
+
+Name = Annotated[str, AfterValidator(_plain_name)]
+
+#: Compute capabilities NVIDIA has shipped (and CUDA's matching architectures, 8.6 -> 86).
+COMPUTE_CAPABILITIES = ("3.5", "3.7", "5.0", "5.2", "5.3", "6.0", "6.1", "6.2", "7.0", "7.2", "7.5", "8.0", "8.6",
+                        "8.7", "8.8", "8.9", "9.0", "10.0", "10.1", "10.3", "11.0", "12.0", "12.1")
+CUDA_ARCHS = tuple(cc.replace(".", "") for cc in COMPUTE_CAPABILITIES)
+#: Past the memory of any GPU made (the largest hold 288 GB): a bigger vram_mib is a unit mistake.
+MAX_VRAM_MIB = 512 * 1024
+_ARCH_ITEM = re.compile(r"^(\d{2,3})([af]?)(-real|-virtual)?$")
+
+
+def _known_cc(value: str) -> str:
+    if value not in COMPUTE_CAPABILITIES:
+        raise ValueError(f"{value!r} is not a compute capability of any NVIDIA GPU "
+                         f"({', '.join(COMPUTE_CAPABILITIES)})")
+    return value
+
+
+def _cuda_archs(value: str) -> str:
+    for item in value.split(";"):
+        found = _ARCH_ITEM.match(item)
+        if not found or found.group(1) not in CUDA_ARCHS:
+            raise ValueError(f"{item!r} in {value!r} is not a CUDA architecture (one of {', '.join(CUDA_ARCHS)}, "
+                             "optionally with a/f and -real/-virtual, separated by ;)")
+    return value
+
+
+def arch_runs_on(item: str, compute_capability: str) -> Literal["native", "jit", "no"]:
+    """Whether code built for CMake architecture ``item`` (``86``, ``90a``, ``80-real``) runs on a GPU of
+    ``compute_capability``: natively (SASS of the same major, not newer), by JIT from PTX, or not at all."""
+    found = _ARCH_ITEM.match(item)
+    if not found:
+        return "no"
+    number, suffix, kind = found.groups()
+    arch, gpu = int(number), int(compute_capability.replace(".", ""))
+    same_major = arch // 10 == gpu // 10 and arch <= gpu
+    if suffix == "a":  # arch-specific features: that exact GPU only
+        return "native" if arch == gpu else "no"
+    if suffix == "f":  # family-specific: same major only
+        return "native" if same_major else "no"
+    if same_major and kind != "-virtual":
+        return "native"
+    if arch <= gpu and kind != "-real":
+        return "jit"
+    return "no"
 
 
 class _Strict(BaseModel):
@@ -30,8 +98,8 @@ class _Strict(BaseModel):
 
 class GpuSpec(_Strict):
     name: str = Field(min_length=1)
-    vram_mib: int = Field(gt=0)
-    compute_capability: Annotated[str, Field(pattern=r"^\d{1,2}\.\d$")]
+    vram_mib: int = Field(gt=0, le=MAX_VRAM_MIB)
+    compute_capability: Annotated[str, AfterValidator(_known_cc)]
 
 
 class ArchiveSpec(_Strict):
@@ -94,7 +162,7 @@ class QuantizeArtifact(_Strict):
 
 class ModelSpec(_Strict):
     source: Annotated[HfSource | UrlSource | ControllerSource, Field(discriminator="type")]
-    artifacts: dict[str, Annotated[FileArtifact | ConvertArtifact | QuantizeArtifact,
+    artifacts: dict[Name, Annotated[FileArtifact | ConvertArtifact | QuantizeArtifact,
                                    Field(discriminator="type")]] = Field(min_length=1)
 
 
@@ -162,10 +230,10 @@ SCHEMA: dict[str, Any] = {
     "llama_cpp_version": str,
     "llama_cpp_archive": ArchiveSpec,
     "llama_cpp_cuda": bool,
-    "llama_cpp_cuda_architectures": Annotated[str, Field(pattern=r"^\d{2,3}(;\d{2,3})*$")],
-    "models_catalog": dict[str, ModelSpec],
-    "llama_server_profiles": dict[str, ProfileSpec],
-    "llama_server_instances": dict[str, InstanceSpec],
+    "llama_cpp_cuda_architectures": Annotated[str, AfterValidator(_cuda_archs)],
+    "models_catalog": dict[Name, ModelSpec],
+    "llama_server_profiles": dict[Name, ProfileSpec],
+    "llama_server_instances": dict[Name, InstanceSpec],
     "llama_server_profile_overrides": dict[str, ProfileSpec],
     "llama_server_bind_address": str,
     "llama_server_api_key": str,
@@ -175,6 +243,7 @@ SCHEMA: dict[str, Any] = {
     "rigctl_lab_slot": Annotated[str, Field(pattern=r"^[0-6]$")],
     "rigctl_known_hosts": str,
     "rigctl_cache_dir": str,
+    "ansible_port": Annotated[int, Field(ge=1, le=65535)],
 }
 
 REQUIRED = ("llama_cpp_source", "llama_cpp_version", "models_catalog", "llama_server_profiles")
@@ -202,10 +271,28 @@ def role_variables(roles_paths: Iterable[Path]) -> set[str]:
     return names
 
 
+_ADAPTERS: dict[str, TypeAdapter[Any]] = {}
+
+
+def _adapter(key: str) -> TypeAdapter[Any]:
+    if key not in _ADAPTERS:
+        _ADAPTERS[key] = TypeAdapter(SCHEMA[key])
+    return _ADAPTERS[key]
+
+
+def validate_value(where: str, key: str, value: Any) -> Any:
+    """``value`` of variable ``key`` parsed by its schema; ConfigError with the first problem, naming
+    ``where`` and the key path."""
+    try:
+        return _adapter(key).validate_python(value)
+    except ValidationError as exc:
+        raise ConfigError(str(_pydantic_problems(where, key, exc)[0])) from None
+
+
 def check(inventory: Inventory, roles_paths: Iterable[Path] = ()) -> list[Problem]:
     """Every problem in the inventory, each reported once at the place that defines it."""
     known = set(SCHEMA) | role_variables(roles_paths)
-    problems: set[Problem] = set()
+    problems: set[Problem] = set(_check_vars_files(inventory))
     for host in inventory.hosts.values():
         for problem in check_host(host, known):
             top = problem.key.split(".", 1)[0].split("[", 1)[0]
@@ -226,17 +313,17 @@ def check_host(host: Host, known: set[str]) -> list[Problem]:
     for key in REQUIRED:
         if key not in v:
             out.append(Problem(where, key, "required but not set"))
-    from pydantic import TypeAdapter
 
     parsed: dict[str, Any] = {}
-    for key, schema in SCHEMA.items():
+    for key in SCHEMA:
         if key not in v:
             continue
         try:
-            parsed[key] = TypeAdapter(schema).validate_python(v[key])
+            parsed[key] = _adapter(key).validate_python(v[key])
         except ValidationError as exc:
             out.extend(_pydantic_problems(where, key, exc))
     out.extend(_check_pin(where, v))
+    out.extend(_check_cuda_archs(where, parsed))
     out.extend(_check_catalog(where, parsed.get("models_catalog")))
     out.extend(_check_servers(where, parsed))
     out.extend(_check_pins(where, v, parsed))
@@ -290,12 +377,16 @@ def _without_union_tags(loc: tuple[Any, ...]) -> list[str]:
 def _pydantic_problems(where: str, key: str, exc: ValidationError) -> list[Problem]:
     problems = []
     for err in exc.errors():
-        path = ".".join([key, *_without_union_tags(err["loc"])]).replace(".from_", ".from")
+        # A dict key's own error ends in "[key]": the path already ends with that key.
+        loc = [p for p in err["loc"] if p != "[key]"]
+        path = ".".join([key, *_without_union_tags(tuple(loc))]).replace(".from_", ".from")
         message = err["msg"]
         if err["type"] == "extra_forbidden":
             message = "unknown key"
         elif err["type"] == "missing":
             message = "required but not set"
+        elif err["type"] == "value_error":  # our own validators' messages name the value already
+            message = str(err["ctx"]["error"]) if "ctx" in err else message.removeprefix("Value error, ")
         elif "input" in err and err["type"] not in {"union_tag_invalid"}:
             # A secret's value (llama_server_api_key, a source's token) is never echoed.
             shown = MASK if any(is_secret_name(part) for part in path.split(".")) else repr(err["input"])
@@ -321,6 +412,43 @@ def _check_pin(where: str, v: Mapping[str, Any]) -> list[Problem]:
     if v.get("llama_cpp_cuda") and "gpu_host_gpu" not in v and "llama_cpp_cuda_architectures" not in v:
         out.append(Problem(where, "llama_cpp_cuda_architectures",
                            "CUDA is on but neither this nor gpu_host_gpu says which architecture"))
+    return out
+
+
+def _check_cuda_archs(where: str, parsed: Mapping[str, Any]) -> list[Problem]:
+    """The architectures llama.cpp is built for must run on the host's GPU."""
+    archs, gpu = parsed.get("llama_cpp_cuda_architectures"), parsed.get("gpu_host_gpu")
+    if not archs or gpu is None:
+        return []
+    runs = {item: arch_runs_on(item, gpu.compute_capability) for item in archs.split(";")}
+    if "native" in runs.values():
+        return []
+    if "jit" in runs.values():
+        return [Problem(where, "llama_cpp_cuda_architectures",
+                        f"{archs!r} has no code for compute capability {gpu.compute_capability} (gpu_host_gpu): "
+                        "every start JIT-compiles from PTX", "warning")]
+    return [Problem(where, "llama_cpp_cuda_architectures",
+                    f"{archs!r} does not run on the GPU's compute capability {gpu.compute_capability} "
+                    f"(gpu_host_gpu; build for {gpu.compute_capability.replace('.', '')})")]
+
+
+def _check_vars_files(inventory: Inventory) -> list[Problem]:
+    """host_vars and group_vars files for hosts and groups the inventory does not have: their variables
+    apply to nothing, which is almost always a typo in the file name."""
+    root = Path(inventory.source)
+    if not root.is_dir():
+        return []
+    out = []
+    groups = {name.removeprefix("group ") for name in inventory.own_vars if name.startswith("group ")} | {"all"}
+    for folder, known, what in (("host_vars", set(inventory.hosts), "host"), ("group_vars", groups, "group")):
+        for path in sorted((root / folder).glob("*")):
+            if path.name.startswith("."):
+                continue
+            name = path.name if path.is_dir() else path.stem if path.suffix in {".yml", ".yaml", ".json"} else None
+            if name is not None and name not in known:
+                guess = difflib.get_close_matches(name, sorted(known), n=1)
+                hint = f" (did you mean {guess[0]}?)" if guess else ""
+                out.append(Problem(f"file {path}", "-", f"no {what} {name!r} in the inventory{hint}"))
     return out
 
 

@@ -487,8 +487,11 @@ def _seal_lost(ssh: SshClient, job_id: str) -> dict[str, Any]:
     done = ssh.run(f"python3 {shlex.quote(job_dir + '/jobrun.py')} --seal-lost {shlex.quote(job_dir)}",
                    timeout=COMMAND_TIMEOUT, check=False)
     if not done.ok:
+        # The last line says why (a traceback's last line is its exception); the rest is for -v.
+        output = [line for line in (done.stderr.strip() or done.stdout.strip()).splitlines() if line.strip()]
+        log.debug("%s: --seal-lost %s: %s", ssh.host, job_id, "\n".join(output))
         raise JobError(f"{ssh.host}: run {job_id} was left running by a dead job and cannot be sealed: "
-                       f"{done.stderr.strip() or done.stdout.strip()}")
+                       f"{output[-1].strip() if output else f'exit {done.rc}'}")
     log.warning("%s: job %s died without sealing its run; sealed it as lost", ssh.host, job_id)
     try:
         return json.loads(done.stdout)

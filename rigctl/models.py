@@ -99,20 +99,41 @@ class ArtifactStatus:
         return self.actual_sha256 or (self.manifest.sha256 if self.manifest else None)
 
     @property
+    def expected(self) -> tuple[str | None, str]:
+        return expected_sha256(self.pin, self.manifest.sha256 if self.manifest else None)
+
+    @property
     def status(self) -> str:
-        """missing, unpinned, ok or mismatch."""
+        """missing, unpinned, ok or mismatch (against the pin, else against the manifest)."""
         if self.sha256 is None:
             return "missing"
+        expected, _ = self.expected
+        if self.actual_sha256 is not None and expected is not None and self.actual_sha256 != expected:
+            return "mismatch"
         if not self.pin:
             return "unpinned"
         return "ok" if self.pin == self.sha256 else "mismatch"
 
     def describe(self) -> str:
         if self.status == "mismatch":
+            expected, origin = self.expected
+            if origin == "manifest":
+                return (f"{self.host}: {self.artifact}: no pin, and {self.path} has {self.sha256} but its manifest "
+                        f"records {expected} (changed since the models role made it)")
             return f"{self.host}: {self.artifact}: pinned sha256 {self.pin} but {self.path} has {self.sha256}"
         if self.status == "missing":
             return f"{self.host}: {self.artifact}: {self.path} is missing"
         return f"{self.host}: {self.artifact}: {self.status}"
+
+
+def expected_sha256(pin: str | None, manifest_sha256: str | None) -> tuple[str | None, str]:
+    """The hash a model file should have and where that comes from: the inventory's pin, else the manifest
+    the models role wrote when it made the file. `models verify` and the exporter's drift both use this."""
+    if pin:
+        return pin, "inventory"
+    if manifest_sha256:
+        return manifest_sha256, "manifest"
+    return None, "none"
 
 
 def host_artifacts(host: Host) -> list[str]:

@@ -30,6 +30,7 @@ from rigctl.compare import (
     SetGap,
     answer_habits,
     answers_path,
+    check_sets,
     compare_bench,
     compare_pair,
     run_scores,
@@ -284,6 +285,7 @@ def _comparisons(loaded: LoadedCampaign, found: Located) -> tuple[list[_Compared
             if run_a is None or run_b is None:
                 continue
             try:
+                check_sets(scoring.exclude, [run_a, run_b], "sensitivity.exclude")
                 pair = compare_pair(run_a, run_b, scoring=scoring, resamples=campaign.resamples, seed=campaign.seed)
             except RigctlError as exc:  # a refusal (different tasks) is reported, not fatal to the report
                 problems.append(f"{comparison.name} on {evaluation.name}: {exc}")

@@ -93,27 +93,37 @@ class RunRecord:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> RunRecord:
+    def from_dict(cls, data: Any, origin: str = "run record") -> RunRecord:
+        """``data`` checked against the record's types (ConfigError naming ``origin`` and the key)."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"{origin}: a run record is a JSON object, not {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(str(k) for k in set(data) - known)
         if unknown:
-            raise ConfigError(f"run record has unknown keys: {', '.join(unknown)}")
+            raise ConfigError(f"{origin}: unknown keys: {', '.join(unknown)}")
+        from pydantic import ValidationError
+
         try:
-            files = [RawFile(**f) for f in data.get("files", [])]
-            return cls(**{**data, "files": files})
-        except TypeError as exc:
-            raise ConfigError(f"run record {data.get('id', '?')}: {exc}") from None
+            return _record_adapter().validate_python(data)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            key = ".".join(str(p) for p in err["loc"]) or "-"
+            raise ConfigError(f"{origin}: {key}: {err['msg']}") from None
 
     @classmethod
     def load(cls, run_dir: Path) -> RunRecord:
         path = run_dir / RUN_FILE
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise ConfigError(f"{run_dir}: no {RUN_FILE} (not a run directory)") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{path}: not JSON ({exc.msg} at line {exc.lineno})") from None
-        return cls.from_dict(data)
+        return cls.from_dict(data, str(path))
 
     def save(self, run_dir: Path) -> Path:
         """Written to a temp name and renamed, so a reader never sees half a record."""
@@ -134,6 +144,18 @@ class RunRecord:
         self.status = status
         self.ended = utc_now()
         self.save(run_dir)
+
+
+_RECORD_ADAPTER: Any = None
+
+
+def _record_adapter() -> Any:
+    global _RECORD_ADAPTER
+    if _RECORD_ADAPTER is None:
+        from pydantic import TypeAdapter
+
+        _RECORD_ADAPTER = TypeAdapter(RunRecord)
+    return _RECORD_ADAPTER
 
 
 @dataclass(frozen=True)
@@ -201,17 +223,26 @@ class ResultsStore:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Lines of a JSONL file; a torn last line (a run stopped mid-write) is ignored, any other bad line is an error."""
+    """Objects of a JSONL file; a torn last line (a run stopped mid-write) is ignored, any other bad line
+    (not JSON, not an object) is a ConfigError naming the file and line."""
     rows: list[dict[str, Any]] = []
-    lines = path.read_text().splitlines()
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
             if number == len(lines):
                 log.warning("%s: ignoring a torn last line", path)
                 break
             raise ConfigError(f"{path}:{number}: not a JSON line") from None
+        if not isinstance(row, dict):
+            raise ConfigError(f"{path}:{number}: a {type(row).__name__}, not a JSON object")
+        rows.append(row)
     return rows

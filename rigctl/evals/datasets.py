@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 
 from rigctl.errors import EvalError
+from rigctl.inputs import read_text
 from rigctl.results import file_sha256
 from rigctl.trust import register_secret, same_origin
 
@@ -198,23 +199,29 @@ def _download(key: str, url: str, local: Path, timeout: float) -> str:
 
 def read_records(path: Path) -> list[dict[str, Any]]:
     """JSON lines, or one JSON array of objects (decided by the first non-blank character)."""
-    text = path.read_text(encoding="utf-8")
+    text = read_text(path, error=EvalError)
     stripped = text.lstrip()
     if stripped.startswith("["):
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise EvalError(f"{path}: not JSON ({exc.msg} at line {exc.lineno})") from None
+        if not isinstance(data, list):
+            raise EvalError(f"{path}: not a JSON array of records")
         rows = data
+        for number, row in enumerate(rows):
+            if not isinstance(row, dict):
+                raise EvalError(f"{path}: record {number} is a {type(row).__name__}, not a JSON object")
     else:
         rows = []
         for number, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise EvalError(f"{path}:{number}: not a JSON line ({exc.msg})") from None
-    if not all(isinstance(row, dict) for row in rows):
-        raise EvalError(f"{path}: every record must be a JSON object")
+            if not isinstance(row, dict):
+                raise EvalError(f"{path}:{number}: a {type(row).__name__}, not a JSON object")
+            rows.append(row)
     return rows

@@ -39,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from rigctl.errors import EvalError
 from rigctl.evals import datasets
 from rigctl.evals.datasets import DatasetFile
+from rigctl.inputs import decode_utf8, yaml_problem
 
 TASKS_DIR = Path(__file__).resolve().parent.parent / "tasks"
 
@@ -181,7 +182,7 @@ def parse_task(text: str, where: str) -> Task:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise EvalError(f"{where}: not YAML: {str(exc).splitlines()[0]}") from None
+        raise EvalError(f"{where}: not YAML: {yaml_problem(exc)}") from None
     if not isinstance(data, dict):
         raise EvalError(f"{where}: a task file is a mapping")
     try:
@@ -198,7 +199,7 @@ def load_task(ref: str, *, limit: int | None = None, fetch: bool = True) -> Load
     ``limit`` keeps the first N questions of each set (after the task's own limits)."""
     path = find_task(ref)
     raw = path.read_bytes()
-    spec = parse_task(raw.decode("utf-8"), str(path))
+    spec = parse_task(decode_utf8(raw, path, EvalError), str(path))
     loaded = LoadedTask(spec=spec, path=path, file_sha256=hashlib.sha256(raw).hexdigest())
     if fetch:
         _build(loaded, limit)
@@ -216,9 +217,10 @@ def _format(template: str, row: dict[str, Any], where: str) -> str:
     try:
         return template.format(**row)
     except KeyError as exc:
-        raise EvalError(f"{where}: prompt names field {exc.args[0]!r}, which the record lacks") from None
-    except (IndexError, ValueError) as exc:
-        raise EvalError(f"{where}: prompt template: {exc}") from None
+        raise EvalError(f"{where}: prompt names field {exc.args[0]!r}, which the record lacks "
+                        f"(fields: {', '.join(sorted(row))})") from None
+    except (IndexError, ValueError, AttributeError, TypeError) as exc:
+        raise EvalError(f"{where}: prompt template {template!r}: {exc}") from None
 
 
 def _field(row: dict[str, Any], name: str, where: str) -> Any:
@@ -262,6 +264,11 @@ def _build(loaded: LoadedTask, limit: int | None) -> None:
             truth = _field(answers[qid], "ground_truth", where)
             if len(functions) != 1 or not truth:
                 raise EvalError(f"{where}: a simple task has one function and one ground truth call")
+            function = functions[0]
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+                raise EvalError(f"{where}: function: needs a name (a non-empty string)")
+            if not isinstance(function.get("parameters", {}), dict):
+                raise EvalError(f"{where}: function {function['name']}: parameters must be a JSON object")
             questions.append(Question(qid, spec.name, {"messages": messages, "function": functions[0],
                                                        "system": spec.system,
                                                        "possible_answer": truth[0] if isinstance(truth, list)
@@ -283,6 +290,9 @@ def _build(loaded: LoadedTask, limit: int | None) -> None:
                 questions.append(Question(qid, choice_set.name, {
                     "prompt": _format(choice_set.prompt, row, where), "system": choice_set.system,
                     "gold": labels[gold_value], "labels": sorted(set(labels.values()))}))
+    if not questions:
+        names = ", ".join(str(f.path) for f in loaded.files)
+        raise EvalError(f"{loaded.path}: no questions: the datasets ({names}) have no records")
     seen: set[tuple[str, str]] = set()
     for question in questions:
         if (question.set, question.id) in seen:

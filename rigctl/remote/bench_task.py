@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+from pathlib import Path
 from typing import Any
 
 #: Matrix keys in llama-bench's flag order; list values become comma lists.
@@ -122,6 +123,15 @@ def restore_servers(job: Any, names: list[str]) -> list[str]:
     return problems
 
 
+def _has_results(path: Path) -> bool:
+    """Whether llama-bench's ``-o json`` output is a non-empty JSON array."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, list) and bool(data)
+
+
 def run(job: Any) -> None:
     p = job.params
     models = p["models"]
@@ -155,8 +165,13 @@ def run(job: Any) -> None:
                     "command": job.record["commands"][-1], "started": started, "ended": ended, "cooldown": wait,
                     "temp_start_c": wait["readings"][-1] if wait["readings"] else None, "temp_end_c": temp_end,
                     "rc": done.returncode, "raw": f"llama-bench/{stem}.json", "log": f"llama-bench/{stem}.log"}
+            empty = done.returncode == 0 and not _has_results(raw_dir / f"{stem}.json")
+            if empty:  # exit 0 and no results: llama-bench could not write them (a full disk, say)
+                line["error"] = "llama-bench exited 0 but wrote no results"
             with open(job.run_dir / "cells.jsonl", "a") as out:
                 out.write(json.dumps(line, sort_keys=True) + "\n")
+            if empty:
+                raise job.TaskError(f"cell {index} ({name}): llama-bench exited 0 but {stem}.json holds no results")
             if done.returncode != 0:
                 tail = (raw_dir / f"{stem}.log").read_text(errors="replace").strip().splitlines()
                 raise job.TaskError(f"cell {index} ({name}): llama-bench exited {done.returncode}: "

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import configparser
 import contextlib
+import errno
 import hashlib
 import importlib.util
 import json
@@ -47,6 +48,12 @@ from pathlib import Path
 from typing import Any
 
 LLAMA_CPP_FACT = "/etc/ansible/facts.d/llama_cpp.fact"
+#: Space set aside in the run directory when the job starts and freed to seal it: a disk that fills up
+#: mid-run still gets its sealed record saying why, instead of a run left "running" (then "lost").
+RESERVE_FILE = ".reserve"
+RESERVE_BYTES = 1 << 20
+#: Less free space than this after a failure: the failure is (most likely) the disk being full.
+DISK_FULL_BYTES = 16 << 20
 RUN_FILE = "run.json"
 STATE_FILE = "state.json"
 SPEC_FILE = "spec.json"
@@ -59,6 +66,24 @@ class Stopped(Exception):
 
 class TaskError(Exception):
     """A task failed in a way it can name in one line."""
+
+
+def disk_full(path: str | os.PathLike[str]) -> str | None:
+    """``disk full on <path>: N KiB free`` when the file system of ``path`` is (nearly) out of space."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    free = st.f_bavail * st.f_frsize
+    return f"disk full on {path}: {free // 1024} KiB free" if free < DISK_FULL_BYTES else None
+
+
+def describe_os_error(exc: OSError) -> str:
+    """One line for an OSError; ENOSPC says the disk is full, naming the file."""
+    where = f"{exc.filename}: " if exc.filename else ""
+    if exc.errno == errno.ENOSPC:
+        return f"disk full: {where}no space left on device"
+    return f"{where}{exc.strerror or exc}"
 
 
 def utc_now() -> str:
@@ -174,7 +199,12 @@ class Job:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomically(self.run_dir / RUN_FILE, self.record)
 
+    def reserve_space(self) -> None:
+        with contextlib.suppress(OSError), open(self.run_dir / RESERVE_FILE, "wb") as handle:
+            handle.write(b"\0" * RESERVE_BYTES)
+
     def seal(self, status: str, error: str | None) -> None:
+        (self.run_dir / RESERVE_FILE).unlink(missing_ok=True)
         self.record["files"] = [
             {"path": str(p.relative_to(self.run_dir)), "sha256": file_sha256(p), "bytes": p.stat().st_size}
             for p in sorted(self.run_dir.rglob("*"))
@@ -291,6 +321,7 @@ def main(job_dir: Path) -> int:
         job.progress(0, 0, "collecting facts")
         job.collect_facts()
         job.save_record()
+        job.reserve_space()
         task = load_task(job_dir, job.spec["task"])
         task.run(job)
         status = "done"
@@ -298,6 +329,12 @@ def main(job_dir: Path) -> int:
         status, error = "stopped", "stopped by SIGTERM"
     except TaskError as exc:
         error = str(exc)
+        full = disk_full(job.run_dir)
+        if full and "disk full" not in error:
+            error += f" ({full})"
+    except OSError as exc:  # a write that failed: the disk filling up, mostly
+        error = describe_os_error(exc)
+        job.log(f"job {job.id}: {error}")
     except Exception as exc:  # the one place that turns any task failure into a sealed, failed run
         traceback.print_exc()
         error = f"{type(exc).__name__}: {exc}"
@@ -332,6 +369,10 @@ def seal_lost(job_dir: Path) -> int:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--seal-lost":
-        sys.exit(seal_lost(Path(sys.argv[2]).resolve()))
-    sys.exit(main(Path(sys.argv[1]).resolve()))
+    try:
+        if sys.argv[1] == "--seal-lost":
+            sys.exit(seal_lost(Path(sys.argv[2]).resolve()))
+        sys.exit(main(Path(sys.argv[1]).resolve()))
+    except OSError as exc:  # the controller shows this line: one line, not a traceback
+        print(f"jobrun: {describe_os_error(exc)}", file=sys.stderr)
+        sys.exit(1)

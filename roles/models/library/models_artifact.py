@@ -236,6 +236,21 @@ def _place_input(src: str, dst: str) -> None:
         shutil.copyfile(src, dst)
 
 
+#: Less free space than this beside a failed artifact: the failure is (most likely) the disk being full.
+DISK_FULL_BYTES = 64 << 20
+
+
+def disk_note(directory: str) -> str:
+    """``; disk full: ...`` when the file system of ``directory`` is (nearly) out of space, else ``""``:
+    llama-quantize and friends rarely say so themselves, they just stop or write a short file."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return ""
+    free = st.f_bavail * st.f_frsize
+    return f"; disk full: {free // 1024} KiB free on the file system of {directory}" if free < DISK_FULL_BYTES else ""
+
+
 def main() -> None:
     module = AnsibleModule(
         argument_spec={
@@ -295,17 +310,21 @@ def main() -> None:
             if proc.returncode != 0:
                 tail = [ln for ln in (proc.stderr + proc.stdout).strip().splitlines() if ln.strip()]
                 module.fail_json(msg=f"{host}: {name}: `{shlex.join(argv)}` exited {proc.returncode}: "
-                                     f"{tail[-1] if tail else 'no output'}", stdout=proc.stdout[-4000:],
-                                 stderr=proc.stderr[-4000:])
+                                     f"{tail[-1] if tail else 'no output'}{disk_note(directory)}",
+                                 stdout=proc.stdout[-4000:], stderr=proc.stderr[-4000:])
         else:
-            _place_input(p["input"], tmp)
+            try:
+                _place_input(p["input"], tmp)
+            except OSError as exc:
+                module.fail_json(msg=f"{host}: {name}: copying {p['input']} to {tmp}: {exc.strerror or exc}"
+                                     f"{disk_note(directory)}")
         wall = time.monotonic() - started
         if not os.path.isfile(tmp):
-            module.fail_json(msg=f"{host}: {name}: `{shlex.join(argv)}` wrote no file at {tmp}")
+            module.fail_json(msg=f"{host}: {name}: `{shlex.join(argv)}` wrote no file at {tmp}{disk_note(directory)}")
         try:
             summary = gguf_summary(tmp)
         except (GGUFError, struct.error) as exc:
-            module.fail_json(msg=f"{host}: {name}: {tmp}: {exc}")
+            module.fail_json(msg=f"{host}: {name}: {tmp}: {exc}{disk_note(directory)}")
         digest = sha256_file(tmp)
         if p["expect_sha256"] and digest != p["expect_sha256"]:
             module.fail_json(msg=f"{host}: {name}: copied file {tmp} has sha256 {digest}, "
@@ -332,12 +351,15 @@ def main() -> None:
             "key": key,
         }
         _check_pin(module, manifest, p, staged=True)
-        with open(tmp + ".manifest.json", "w", encoding="utf-8") as f:
-            json.dump(manifest, f, indent=2, sort_keys=True)
-            f.write("\n")
-        os.chmod(tmp, 0o644)
-        os.rename(tmp, path)
-        os.rename(tmp + ".manifest.json", path + ".manifest.json")
+        try:
+            with open(tmp + ".manifest.json", "w", encoding="utf-8") as f:
+                json.dump(manifest, f, indent=2, sort_keys=True)
+                f.write("\n")
+            os.chmod(tmp, 0o644)
+            os.rename(tmp, path)
+            os.rename(tmp + ".manifest.json", path + ".manifest.json")
+        except OSError as exc:
+            module.fail_json(msg=f"{host}: {name}: {exc.filename or path}: {exc.strerror or exc}{disk_note(directory)}")
     finally:
         for stale in (tmp, tmp + ".manifest.json"):
             if os.path.exists(stale):

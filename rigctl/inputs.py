@@ -1,0 +1,44 @@
+"""Reading input files at the boundary: text that must be UTF-8 and YAML whose errors name file, line and column.
+
+Each helper returns or raises with a message that names the file (and line), so every loader reports a bad
+file the same way: one line, never a bare UnicodeDecodeError or a multi-line YAML complaint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from rigctl.errors import ConfigError, RigctlError
+
+
+def decode_utf8(raw: bytes, origin: str | Path, error: type[RigctlError] = ConfigError) -> str:
+    """``raw`` as UTF-8 text; ``error`` naming the file, line and byte where it is not."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        raise error(f"{origin}:{line}: not UTF-8 text (byte {exc.start}: {raw[exc.start:exc.start + 1]!r})") from None
+
+
+def read_text(path: Path, what: str = "", error: type[RigctlError] = ConfigError) -> str:
+    """The file's UTF-8 text; ``error`` naming it (prefixed ``what``) when it cannot be read or decoded."""
+    label = f"{what} {path}" if what else str(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise error(f"{label}: {exc.strerror or exc}") from None
+    return decode_utf8(raw, label, error)
+
+
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """A YAML error as ``line L, column C: what is wrong`` (one line)."""
+    if isinstance(exc, yaml.MarkedYAMLError):
+        mark = exc.problem_mark or exc.context_mark
+        what = " ".join(part for part in (exc.context, exc.problem) if part)
+        if mark is not None:
+            return f"line {mark.line + 1}, column {mark.column + 1}: {what}"
+        return what
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
