@@ -158,13 +158,14 @@ def bench_summary(
     md_file: Annotated[Path | None, typer.Option("--md", help="Also write the Markdown tables here.")] = None,
     results: ResultsOption = None,
 ) -> None:
-    """Per test and model: mean ± stddev t/s, ratio between models, fa1/fa0, rep/first (from the raw JSON)."""
+    """Per test and model: mean ± stddev t/s, ratio between models, fa1/fa0, cold vs steady state, and
+    the throttled cells, left out of the means (from the raw files)."""
     from rigctl.bench import load_run_samples, summarize, to_csv, to_markdown, to_png
 
     store = _store(results)
     samples = [s for ref in runs for s in load_run_samples(store.find(ref))]
     rows = summarize(samples, merge=merge)
-    markdown = to_markdown(rows)
+    markdown = to_markdown(rows, samples)
     console.print(markdown, markup=False, highlight=False, soft_wrap=True)
     if md_file:
         md_file.write_text(markdown)

@@ -29,6 +29,7 @@ class Gpu:
     name: str
     vram_mib: int
     compute_capability: str
+    bandwidth_gbs: float | None = None  # memory bandwidth, GB/s (10^9 bytes): the bound on decode speed
 
     @property
     def cuda_arch(self) -> str:
@@ -70,7 +71,9 @@ class Host:
         gpu = self.vars.get("gpu_host_gpu")
         if not isinstance(gpu, Mapping):
             return None
-        return Gpu(str(gpu["name"]), int(gpu["vram_mib"]), str(gpu["compute_capability"]))
+        bandwidth = gpu.get("bandwidth_gbs")
+        return Gpu(str(gpu["name"]), int(gpu["vram_mib"]), str(gpu["compute_capability"]),
+                   float(bandwidth) if bandwidth is not None else None)
 
     @property
     def llama_cpp(self) -> LlamaCppPin:

@@ -30,6 +30,7 @@ class GpuSpec(_Strict):
     name: str = Field(min_length=1)
     vram_mib: int = Field(gt=0)
     compute_capability: Annotated[str, Field(pattern=r"^\d{1,2}\.\d$")]
+    bandwidth_gbs: float | None = Field(default=None, gt=0)
 
 
 class ArchiveSpec(_Strict):

@@ -25,7 +25,7 @@ from rigctl.bench import (
     to_png,
 )
 from rigctl.errors import ConfigError
-from rigctl.remote.bench_task import llama_bench_argv, parse_temperature, plan_cells
+from rigctl.remote.bench_task import gguf_shape, llama_bench_argv, parse_reading, plan_cells, throttle_verdict
 from rigctl.results import ResultsStore, RunRecord
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -116,9 +116,57 @@ def test_yaml_spec_with_flag_overrides(tmp_path: Path) -> None:
         load_spec(path)
 
 
-def test_parse_temperature() -> None:
-    assert parse_temperature("41\n") == 41
-    assert parse_temperature("38, 0\n55, 1\n") == 38  # GPU 0
+def test_parse_reading() -> None:
+    # nvidia-smi --query-gpu=clocks.sm,clocks.mem,clocks.max.sm,power.draw,clocks_event_reasons.active,temperature.gpu
+    reading = parse_reading("1845, 7000, 2100, 61.32, 0x0000000000000000, 41\n210, 405, 2100, 5.1, 0x1, 30\n")
+    assert reading == {"sm_mhz": 1845, "mem_mhz": 7000, "max_sm_mhz": 2100, "power_w": 61.32, "reasons": 0,
+                       "temp_c": 41}  # GPU 0
+    # Laptop GPUs often report no power draw.
+    assert parse_reading("1500, 6000, 1785, [N/A], 0x0000000000000040, 87")["power_w"] is None
+    with pytest.raises(ValueError, match="expected 6 fields"):
+        parse_reading("41\n")
+
+
+def _reading(sm: int, reasons: int = 0, max_sm: int = 2000) -> dict:
+    return {"sm_mhz": sm, "mem_mhz": 7000, "max_sm_mhz": max_sm, "power_w": 60.0, "reasons": reasons, "temp_c": 50}
+
+
+def test_throttle_verdict() -> None:
+    steady = throttle_verdict([_reading(1900), _reading(1850)], 0.8)
+    assert not steady["throttled"] and steady["min_sm_fraction"] == pytest.approx(0.925)
+    # A card idling at the end of a cell (GPU-idle reason on) is not throttled for its low clock.
+    assert not throttle_verdict([_reading(1900), _reading(210, reasons=0x1)], 0.8)["throttled"]
+    slow = throttle_verdict([_reading(1900), _reading(1500)], 0.8)
+    assert slow["throttled"] and slow["why"] == ["SM clock at 75% of its max (below 80%)"]
+    hot = throttle_verdict([_reading(1900), _reading(1900, reasons=0x40)], 0.8)
+    assert hot["throttled"] and hot["why"] == ["reason hw_thermal_slowdown"]
+    assert hot["reasons"] == ["hw_thermal_slowdown"]
+    # Sync boost and application clocks are not heat or power.
+    assert not throttle_verdict([_reading(1900, reasons=0x12)], 0.8)["throttled"]
+    assert throttle_verdict([], 0.8) == {"throttled": False, "why": [], "min_sm_fraction": None, "reasons": [],
+                                         "samples": 0}
+
+
+def test_gguf_shape_reads_a_real_gguf_header(tmp_path: Path) -> None:
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(30)
+    writer.add_embedding_length(576)
+    writer.add_head_count(9)
+    writer.add_head_count_kv(3)
+    writer.add_context_length(8192)
+    writer.add_token_list([f"t{i}" for i in range(5000)])  # a vocabulary is skipped, not kept
+    writer.add_tensor("w", np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert gguf_shape(str(path)) == {"architecture": "llama", "block_count": 30, "embedding_length": 576,
+                                     "attention.head_count": 9, "attention.head_count_kv": 3,
+                                     "context_length": 8192}
+    (tmp_path / "not.gguf").write_bytes(b"GGML" + b"\0" * 20)
+    assert gguf_shape(str(tmp_path / "not.gguf")) is None
 
 
 # ----------------------------------------------------------------------------------------------- summary
@@ -148,9 +196,11 @@ def test_summary_statistics_come_from_the_repetitions() -> None:
     assert pp_fa1.ratio == {"q4_0": pytest.approx(2.0)}
 
 
-def test_rep_over_first() -> None:
-    assert rep_over_first([100.0, 99.0, 97.0]) == pytest.approx(0.98)
-    assert math.isnan(rep_over_first([100.0]))
+def test_rep_over_first_is_steady_over_cold_per_cell() -> None:
+    assert rep_over_first([[100.0, 99.0, 97.0]]) == pytest.approx(0.98)
+    # Each cell starts cold after its cool-down: its first repetition is cold, the rest steady.
+    assert rep_over_first([[100.0, 90.0], [110.0, 100.0]]) == pytest.approx(95.0 / 105.0)
+    assert math.isnan(rep_over_first([[100.0]]))
 
 
 def test_builds_and_hosts_are_kept_apart_unless_merged() -> None:
