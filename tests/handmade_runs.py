@@ -28,35 +28,40 @@ def eval_run(root: Path, host: str, run_id: str, artifact: str, rows: list[dict[
     return run_dir
 
 
-def bench_record(test: tuple[int, int], samples: list[float], *, fa: int = 1,
+def bench_record(test: tuple[int, int], samples: list[float], *, fa: int = 1, depth: int = 0, ngl: int = 99,
                  commit: str = "7182ef71e") -> dict[str, Any]:
     """One llama-bench ``-o json`` test object with the fields rigctl reads."""
     n_prompt, n_gen = test
     mean = sum(samples) / len(samples)
     return {"build_commit": commit, "model_filename": "/var/lib/rigctl/models/m.gguf", "n_prompt": n_prompt,
-            "n_gen": n_gen, "n_depth": 0, "flash_attn": fa, "n_gpu_layers": 99, "n_threads": 6, "type_k": "f16",
+            "n_gen": n_gen, "n_depth": depth, "flash_attn": fa, "n_gpu_layers": ngl, "n_threads": 6, "type_k": "f16",
             "type_v": "f16", "avg_ts": mean, "stddev_ts": 0.0, "samples_ts": samples,
             "samples_ns": [int(1e9 * (n_prompt + n_gen) / s) for s in samples]}
 
 
 def bench_run(root: Path, host: str, run_id: str, cells: list[tuple[str, list[dict[str, Any]]]], *,
               commit: str = "7182ef71e", started: str = "2026-11-30T04:00:00.000000Z",
-              matrix: dict[str, Any] | None = None) -> Path:
+              matrix: dict[str, Any] | None = None, gpu: dict[str, Any] | None = None,
+              artifacts: dict[str, dict[str, Any]] | None = None,
+              throttled: dict[int, list[str]] | None = None) -> Path:
     """A bench run as rigctl.remote.bench_task writes it: cells.jsonl plus one llama-bench JSON per
-    cell (``cells``: artifact and its test objects, in the order they ran)."""
+    cell (``cells``: artifact and its test objects, in the order they ran). ``artifacts``: more of each
+    artifact's record entry (manifest, gguf shape); ``throttled``: cell index -> why it was throttled."""
     run_dir = root / host / run_id
     (run_dir / "llama-bench").mkdir(parents=True)
     lines = []
     for index, (artifact, records) in enumerate(cells, 1):
         raw = f"llama-bench/cell-{index:03d}-{artifact}.json"
         (run_dir / raw).write_text(json.dumps(records, indent=1))
+        why = (throttled or {}).get(index)
         lines.append({"index": index, "round": (index + 1) // 2, "artifact": artifact, "rc": 0, "raw": raw,
-                      "temp_start_c": 38.0, "temp_end_c": 55.0})
+                      "temp_start_c": 38.0, "temp_end_c": 55.0,
+                      "throttle": {"throttled": why is not None, "why": why or []}})
     (run_dir / "cells.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    artifacts = list(dict.fromkeys(a for a, _ in cells))
+    names = list(dict.fromkeys(a for a, _ in cells))
     record = RunRecord(id=run_id, kind="bench", host=host, started=started, llama_cpp={"commit": commit},
-                       artifacts=[{"name": a} for a in artifacts],
-                       matrix={**(matrix or Matrix().flags()), "rounds": len(cells) // max(1, len(artifacts))})
+                       gpu=gpu or {}, artifacts=[{"name": a, **(artifacts or {}).get(a, {})} for a in names],
+                       matrix={**(matrix or Matrix().flags()), "rounds": len(cells) // max(1, len(names))})
     record.seal(run_dir)
     return run_dir
 
