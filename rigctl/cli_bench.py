@@ -278,3 +278,37 @@ def bench_server(
         store=_store(results), on_step=lambda m: console.print(f"  {m}", markup=False, highlight=False))
     console.print(to_markdown(result), markup=False, highlight=False, soft_wrap=True)
     console.print(f"run: {result.host}/{result.run_dir.name if result.run_dir else '?'}", highlight=False)
+
+
+# ----------------------------------------------------------------------------------------------- load
+
+
+@bench_app.command("load")
+def bench_load(
+    host: Annotated[str, typer.Argument(help="Host from the inventory.")],
+    instance: Annotated[str, typer.Argument(help="llama_server instance on that host (its arguments, a probe's).")],
+    concurrency: Annotated[str, typer.Option("--concurrency", "-c", help="Concurrent requests per level.")
+                           ] = "1,2,4,8",
+    requests: Annotated[int | None, typer.Option("--requests", "-n", help="Requests per level (default 4 per "
+                                                                          "client, at least 8).")] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens generated per request.")] = 32,
+    slot_ctx: Annotated[int, typer.Option("--slot-ctx", help="Context tokens per slot of the probe.")] = 1024,
+    level_timeout: Annotated[float, typer.Option("--level-timeout", help="Stop sending a level after this, s.")
+                             ] = 120.0,
+    png_file: Annotated[Path | None, typer.Option("--png", help="Also draw the curve here.")] = None,
+    results: ResultsOption = None,
+) -> None:
+    """A load curve: per concurrency level, output t/s, requests/s, TTFT and TPOT p50/p95/p99 (streamed)
+    and errors, through a probe of the instance with a slot per client (the instance is stopped meanwhile)."""
+    from rigctl.bench_load import run_load, to_markdown, to_png
+
+    result = run_load(_inventory().host(host), instance, concurrency=_ints(concurrency, "--concurrency") or [],
+                      requests=requests, max_tokens=max_tokens, slot_ctx=slot_ctx, level_timeout_s=level_timeout,
+                      store=_store(results), on_step=lambda m: console.print(f"  {m}", markup=False, highlight=False))
+    console.print(to_markdown(result.levels, f"{result.host}/{result.instance}"), markup=False, highlight=False,
+                  soft_wrap=True)
+    run = f"{result.host}/{result.run_dir.name if result.run_dir else '?'}"
+    if png_file:
+        to_png([(run, result.levels)], png_file, f"{run}: load curve")
+        console.print(f"wrote {png_file}", highlight=False)
+    console.print(f"run: {run}", highlight=False)

@@ -1,12 +1,15 @@
 """The campaign report: Markdown with PNG charts, built only from pulled raw result files.
 
 Sections: scope line (hosts, builds, dates, repeats, runs, what is missing or was not measured);
-speed (mean t/s ± sd per test and model, ratio with a bootstrap interval from the per-repetition
-samples); quality (score per set and overall with intervals); the campaign's comparisons grouped as
-head-to-head, quantisation cost and what QAT is worth (paired gaps in points); drafting speedups
-(rigctl bench spec races); sensitivity (the gap under each switch); answer habits; the runs used.
+speed (mean t/s ± sd per test and model over the unthrottled cells, ratio with a bootstrap interval
+from the per-repetition samples, cold -> steady, the throttled cells, a by-depth table for depth
+sweeps, every tg figure against the memory-bandwidth bound of :mod:`rigctl.bandwidth` with
+impossible ones flagged instead of printed); quality (score per set and overall with intervals); the
+campaign's comparisons grouped as head-to-head, quantisation cost and what QAT is worth (paired gaps
+in points); drafting speedups (rigctl bench spec races); load curves (rigctl bench load) and deployed decode over llama-bench tg;
+sensitivity (the gap under each switch); answer habits; the runs used.
 Every number is a link to the raw file(s) it was computed from (llama-bench JSON of each cell,
-``answers.jsonl``, the race's ``requests.jsonl``), relative to the report, so the report stays
+``answers.jsonl``, the race's and the load curve's ``requests.jsonl``), relative to the report, so the report stays
 valid when the results tree and the report move together.
 """
 
@@ -471,6 +474,97 @@ def _drafting_section(loaded: LoadedCampaign, found: Located, links: _Links) -> 
     return lines
 
 
+def _load_section(loaded: LoadedCampaign, found: Located, links: _Links, out_dir: Path,
+                  charts: list[Path]) -> list[str]:
+    """Per load curve: each level's output t/s, requests/s, TTFT and TPOT percentiles and errors, and the curve."""
+    from rigctl.bench_load import REQUESTS_FILE, load_levels, to_png
+
+    campaign = loaded.campaign
+    if not campaign.loads:
+        return []
+    lines = ["## Load", "", "Streamed requests, a probe slot per client; TTFT and time per output token in ms.", ""]
+    for load in campaign.loads:
+        run = found.loads.get(load.name)
+        lines += [f"### {load.name}: {load.server} on {load.host}", ""]
+        if run is None:
+            lines += ["Nothing pulled yet.", ""]
+            continue
+        levels = load_levels(run)
+        file = [run.path / REQUESTS_FILE]
+        rows = [[str(s.concurrency), links.number(str(s.requests), file), links.number(str(s.errors), file),
+                 links.number(f"{s.output_tps:.2f}", file), links.number(f"{s.requests_per_s:.2f}", file),
+                 *(links.number(_ms(s.ttft_s.get(f"p{q}")), file) for q in (50, 95, 99)),
+                 *(links.number(_ms(s.tpot_s.get(f"p{q}")), file) for q in (50, 95, 99))] for s in levels]
+        lines += _table(["concurrency", "requests", "errors", "output t/s", "requests/s", "TTFT p50", "TTFT p95",
+                         "TTFT p99", "TPOT p50", "TPOT p95", "TPOT p99"], rows)
+        chart = out_dir / f"load-{load.name}.png"
+        to_png([(f"{run.host}/{run.id}", levels)], chart, f"{load.name}: {load.server} on {load.host}")
+        charts.append(chart)
+        lines += ["", f"![{load.name}]({chart.name})", ""]
+    return lines
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.1f}"
+
+
+def _server_flags(argv: Sequence[str]) -> dict[str, str]:
+    """The llama-bench settings a server's arguments set (``-ngl -t -ctk -ctv -fa``), llama-server's
+    defaults where they are absent."""
+    names = {"-ngl": "ngl", "--n-gpu-layers": "ngl", "--gpu-layers": "ngl", "-t": "t", "--threads": "t",
+             "-ctk": "ctk", "--cache-type-k": "ctk", "-ctv": "ctv", "--cache-type-v": "ctv", "-fa": "fa",
+             "--flash-attn": "fa"}
+    out = {"ngl": "auto", "t": "auto", "ctk": "f16", "ctv": "f16", "fa": "auto"}
+    for flag, value in zip(argv, argv[1:], strict=False):
+        if flag in names:
+            out[names[flag]] = value
+    return out
+
+
+def _deployed_section(loaded: LoadedCampaign, found: Located, links: _Links) -> list[str]:
+    """Deployed decode (llama-server, streamed, one request at a time: the load curve's first level) over
+    llama-bench's tg for the same artifact on the same host, with whether their settings agree."""
+    from rigctl.bench import flash_attn_flag
+    from rigctl.bench_load import REQUESTS_FILE, load_requests
+
+    rows = []
+    for load in loaded.campaign.loads:
+        run = found.loads.get(load.name)
+        if run is None or 1 not in load.concurrency:
+            continue
+        artifact = str((run.record.artifacts or [{}])[0].get("name"))
+        decode = [r.decode_per_s for r in load_requests(run) if r.level == 1 and r.ok and r.decode_per_s]
+        flags = _server_flags((run.record.server or {}).get("args") or [])
+        for (bench_name, host), bench_run in found.benches.items():
+            if bench_run is None or host != load.host:
+                continue
+            tg = [s for s in load_run_samples(bench_run) if s.model == artifact and s.n_gen and not s.n_prompt
+                  and s.depth == 0]
+            for (test, config, fa) in dict.fromkeys((s.test, s.config, s.flash_attn) for s in tg):
+                group = counted([s for s in tg if (s.test, s.config, s.flash_attn) == (test, config, fa)])
+                values = [v for s in group for v in s.samples_ts]
+                if not values or not decode:
+                    continue
+                sample = group[0]
+                bench_flags = {"ngl": str(sample.ngl), "t": config.split()[1].removeprefix("t"),
+                               "ctk": sample.type_k, "ctv": sample.type_v, "fa": str(fa)}
+                differ = [f"{k} {flags[k]} vs {v}" for k, v in bench_flags.items()
+                          if (flash_attn_flag(flags[k]) if k == "fa" else flags[k]) != (fa if k == "fa" else v)]
+                files = [run.path / REQUESTS_FILE, *(links.result(sample_file(s)) for s in group)]
+                ratio = float(np.mean(decode)) / float(np.mean(values))
+                rows.append([loaded.campaign.label(artifact), host, f"{load.name} / {bench_name} {test}",
+                             links.number(f"{np.mean(decode):.2f}", files[:1]),
+                             links.number(f"{np.mean(values):.2f}", files[1:]), links.number(f"{ratio:.3f}", files),
+                             "same" if not differ else "differ: " + ", ".join(differ)])
+    if not rows:
+        return []
+    return ["## Deployed decode against llama-bench", "",
+            "llama-server's own decode t/s, streamed, one request at a time, over llama-bench's tg of the same "
+            "artifact on the same host.", "",
+            *_table(["model", "host", "runs", "server t/s", "llama-bench t/s", "server / llama-bench", "settings"],
+                    rows, align="lll"), ""]
+
+
 def _sensitivity_section(compared: list[_Compared], links: _Links) -> list[str]:
     rows = []
     for c in compared:
@@ -542,6 +636,7 @@ def build_report(loaded: LoadedCampaign, store: ResultsStore, out_dir: Path) -> 
     missing = [f"bench {b} on {h}" for (b, h), r in found.benches.items() if r is None]
     missing += [f"eval {e} {t}" for (e, t), r in found.evals.items() if r is None]
     missing += [f"drafting {d}" for d, r in found.drafting.items() if r is None]
+    missing += [f"load {name}" for name, r in found.loads.items() if r is None]
     charts: list[Path] = []
     speed: list[str] = ["## Speed", ""]
     for bench in campaign.benches:
@@ -555,9 +650,10 @@ def build_report(loaded: LoadedCampaign, store: ResultsStore, out_dir: Path) -> 
         speed = []
     quality = _quality_section(loaded, found, links, out_dir, charts) if campaign.evals else []
     compared, problems = _comparisons(loaded, found)
+    load = _load_section(loaded, found, links, out_dir, charts)
     lines = [f"# {campaign.title}", "", *_scope(loaded, found, missing), *speed, *quality,
              *_comparison_sections(loaded, compared, problems, links), *_drafting_section(loaded, found, links),
-             *_sensitivity_section(compared, links),
+             *load, *_deployed_section(loaded, found, links), *_sensitivity_section(compared, links),
              *_habits_section(loaded, found, links), *_runs_section(found, links)]
     markdown = "\n".join(lines).rstrip() + "\n"
     path = out_dir / "report.md"
@@ -565,7 +661,7 @@ def build_report(loaded: LoadedCampaign, store: ResultsStore, out_dir: Path) -> 
     tmp.write_text(markdown)
     os.replace(tmp, path)
     headline = "\n".join([*speed, *quality, *_comparison_sections(loaded, compared, problems, links),
-                          *_drafting_section(loaded, found, links)]).strip()
+                          *_drafting_section(loaded, found, links), *load]).strip()
     return Report(path=path, markdown=markdown, charts=charts, headline=plain(headline), missing=missing)
 
 
