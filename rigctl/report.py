@@ -6,8 +6,8 @@ from the per-repetition samples, cold -> steady, the throttled cells, a by-depth
 sweeps, every tg figure against the memory-bandwidth bound of :mod:`rigctl.bandwidth` with
 impossible ones flagged instead of printed); quality (score per set and overall with intervals); the
 campaign's comparisons grouped as head-to-head, quantisation cost and what QAT is worth (paired gaps
-in points); drafting speedups (rigctl bench spec races); load curves (rigctl bench load) and deployed decode over llama-bench tg;
-sensitivity (the gap under each switch); answer habits; the runs used.
+in points); drafting speedups (rigctl bench spec races); load curves (rigctl bench load) and deployed
+decode over llama-bench tg; sensitivity (the gap under each switch); answer habits; the runs used.
 Every number is a link to the raw file(s) it was computed from (llama-bench JSON of each cell,
 ``answers.jsonl``, the race's and the load curve's ``requests.jsonl``), relative to the report, so the report stays
 valid when the results tree and the report move together.
