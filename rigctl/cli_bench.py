@@ -84,11 +84,17 @@ def bench_run(
     no_cooldown: Annotated[bool, typer.Option("--no-cooldown", help="Do not wait for the GPU to cool.")] = False,
     cooldown_timeout: Annotated[float | None, typer.Option("--cooldown-timeout", help="Max wait per cell, s.")] = None,
     cooldown_poll: Annotated[float | None, typer.Option("--cooldown-poll", help="Seconds between readings.")] = None,
+    clock_sample: Annotated[float | None, typer.Option("--clock-sample", help="Seconds between GPU clock readings "
+                                                       "through a cell (one more as it starts and ends).")] = None,
+    min_sm_fraction: Annotated[float | None, typer.Option("--min-sm-fraction", help="A cell whose busy SM clock "
+                                                          "fell below this share of its max is throttled.")] = None,
     keep_servers: Annotated[bool, typer.Option("--keep-servers", help="Leave llama-server instances running.")] = False,
     wait: Annotated[bool, typer.Option("--wait", help="Stream progress and pull the results at the end.")] = False,
     results: ResultsOption = None,
 ) -> None:
-    """Start a thermally gated llama-bench run as a detached job on each host."""
+    """Start a clock-gated llama-bench run as a detached job on each host: each cell waits for the cool-down
+    threshold with no thermal or power clock-event reason active, and is marked throttled when its clock
+    readings say heat or power held it back."""
     from rigctl import jobs
     from rigctl.bench import load_spec, parse_spec, start_bench
     from rigctl.ssh import SshClient, SshTarget
@@ -100,12 +106,16 @@ def bench_run(
                               "poll_s": cooldown_poll}.items() if v is not None}
     if no_cooldown:
         cool["threshold_c"] = None
+    clocks = {k: v for k, v in {"sample_s": clock_sample, "min_sm_fraction": min_sm_fraction}.items()
+              if v is not None}
     overrides: dict[str, Any] = {k: v for k, v in {"hosts": _words(hosts), "models": _words(models),
                                                    "rounds": rounds, "order": order}.items() if v is not None}
     if matrix:
         overrides["matrix"] = matrix
     if cool:
         overrides["cooldown"] = cool
+    if clocks:
+        overrides["clocks"] = clocks
     if keep_servers:
         overrides["stop_servers"] = False
     spec = load_spec(spec_file, overrides) if spec_file else parse_spec(overrides, "command line")

@@ -488,3 +488,58 @@ def test_server_speed_sweep_load_time_and_memory_per_context(served, tmp_path: P
         states = ssh.run("systemctl is-active llama-server@smollm2.service rigctl-ctxprobe-smollm2.service",
                          timeout=30, check=False).stdout.split()
     assert states == ["active", "inactive"]
+
+
+# ----------------------------------------------------------------------------------------------- clocks
+
+
+@pytest.mark.lab
+def test_a_card_that_throttles_mid_cell_is_marked_with_its_clock_series(served, tmp_path: Path) -> None:
+    from benchlab import rigctl
+
+    from rigctl.lab import Lab
+
+    lab = Lab.from_inventory(served)
+    # One reading per nvidia-smi call that asks for clocks (readings far apart: only the start and end of
+    # each cell). Cell 1: cool and free, starts at once; cell 2: the gate sees a HW thermal slowdown and
+    # waits one poll, the cell starts clean, then the card throttles (the last entry sticks).
+    fine = {"clocks_sm_mhz": 1950, "clocks_event_reasons": 0}
+    throttled = {"clocks_sm_mhz": 1100, "clocks_event_reasons": 0x20, "power_draw_w": 75.0}
+    lab.set_gpu("desktop", temperature=35, temperature_sequence=[], clocks_sm_mhz=1950, clocks_event_reasons=0,
+                clocks_sequence=[fine, fine, fine, {"clocks_event_reasons": 0x40}, fine, fine, throttled])
+    try:
+        done = rigctl("bench", "run", "-H", "desktop", "-m", "smollm2-135m-q4_1", "-p", "16", "-n", "4", "-r", "2",
+                      "-t", "1", "--rounds", "2", "--cooldown", "40", "--cooldown-poll", "0.5", "--clock-sample",
+                      "600", "--keep-servers", "--wait", results=tmp_path, timeout=600)
+    finally:
+        lab.set_gpu("desktop", clocks_sequence=[], clocks_sm_mhz=1950, clocks_event_reasons=0, power_draw_w=20.0)
+    assert done.returncode == 0, done.stdout + done.stderr
+    job_id = next(line.split()[2] for line in done.stdout.splitlines() if " started " in line)
+    store = ResultsStore(tmp_path)
+    run = store.find(f"desktop/{job_id}")
+    assert store.verify(run) == []
+    first, second = [json.loads(line) for line in (run.path / "cells.jsonl").read_text().splitlines()]
+    # The cool, unthrottled card: one reading and no wait.
+    assert first["cooldown"]["readings"] == [35] and first["cooldown"]["reasons"] == [0]
+    assert first["cooldown"]["waited_s"] < 0.5 and not first["throttle"]["throttled"]
+    # The gate held the second cell while the thermal reason was active.
+    assert second["cooldown"]["reasons"] == [0x40, 0] and second["cooldown"]["waited_s"] >= 0.5
+    assert second["throttle"] == {"throttled": True, "min_sm_fraction": pytest.approx(1100 / 1950, abs=1e-4),
+                                  "reasons": ["sw_thermal_slowdown"], "samples": 2,
+                                  "why": ["reason sw_thermal_slowdown", "SM clock at 56% of its max (below 80%)"]}
+    series = [json.loads(line) for line in (run.path / second["clocks"]).read_text().splitlines()]
+    assert [(r["sm_mhz"], r["reasons"], r["max_sm_mhz"]) for r in series] == [(1950, 0, 1950), (1100, 0x20, 1950)]
+    assert series[1]["power_w"] == 75.0 and series[0]["t_s"] < series[1]["t_s"]
+    assert second["clocks"] in {f.path for f in run.record.files}  # sealed with the run
+
+    summary = rigctl("bench", "summary", run.id, results=tmp_path, timeout=120)
+    assert summary.returncode == 0, summary.stderr
+    assert "(1 throttled cell left out)" in summary.stdout
+    assert (f"desktop/{run.id} cell 2 (smollm2-135m-q4_1): reason sw_thermal_slowdown; SM clock at 56% of its max"
+            in summary.stdout)
+    rows = summarize(load_run_samples(run))
+    tg = next(r for r in rows if r.test == "tg4")
+    raw = json.loads((run.path / first["raw"]).read_text())
+    values = next(e["samples_ts"] for e in raw if e["n_gen"] == 4)
+    assert tg.cells == 1 and tg.mean == pytest.approx(np.mean(values))  # only the clean cell's repetitions
+    assert (tg.cold, tg.steady) == (pytest.approx(values[0]), pytest.approx(values[1]))

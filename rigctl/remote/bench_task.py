@@ -6,8 +6,8 @@ run in ``alternate`` order (A, B, A, B, ...) or ``grouped`` (A, A, ..., B, B, ..
 
 Before each cell the GPU is polled with ``nvidia-smi`` until it is at or below the threshold *and*
 no thermal or power clock-event reason is active (or the timeout passes, which is recorded and the
-cell runs anyway). While the cell runs a light poller (one thread, one ``nvidia-smi`` call every
-``clocks.sample_s``, plus one reading as the cell starts and one as it ends) records the SM and
+cell runs anyway). While the cell runs a light poller (one ``nvidia-smi -lms`` process looping on its
+own every ``clocks.sample_s``, read by one thread, plus one reading as the cell ends) records the SM and
 memory clocks, the SM clock's maximum, power draw, the active clock-event reasons and the
 temperature. A cell is ``throttled`` when a thermal or power reason was active in any reading, or
 the SM clock of a reading with the card busy (the GPU-idle reason off) fell below
@@ -187,44 +187,69 @@ def cool_down(gpu: GpuReader, job: Any, threshold: float | None, timeout_s: floa
 
 
 class ClockPoller:
-    """Readings through one cell, on a thread: one as it starts, one every ``interval_s``, one as it ends
-    (:meth:`stop`). Each line goes to ``path`` as it is taken, so a stopped run keeps what it saw."""
+    """Readings through one cell from one ``nvidia-smi --query-gpu=... -lms N`` process (the tool's own
+    loop: no process started per reading): its first line as the cell starts (waited for), one every
+    ``interval_s``, and one more read when the cell ends. Each reading goes to ``path`` as it comes, so
+    a stopped run keeps what it saw."""
 
     def __init__(self, gpu: GpuReader, path: Any, interval_s: float):
         self.gpu, self.path, self.interval_s = gpu, path, interval_s
         self.readings: list[dict[str, Any]] = []
-        self._done = threading.Event()
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._loop, name="clock-poller", daemon=True)
+        self._first = threading.Event()
+        self._proc: subprocess.Popen[str] | None = None
+        self._thread: threading.Thread | None = None
         self._t0 = 0.0
 
-    def _take(self) -> None:
+    def _add(self, reading: dict[str, Any]) -> None:
         with self._lock:
-            try:
-                reading = self.gpu.read()
-            except ValueError:  # a reading the driver garbled: skip it, keep sampling
-                return
-            if reading is None:
-                return
             reading = {"t_s": round(time.monotonic() - self._t0, 3), **reading}
             self.readings.append(reading)
             with open(self.path, "a") as out:
                 out.write(json.dumps(reading, sort_keys=True) + "\n")
 
-    def _loop(self) -> None:
-        while not self._done.wait(self.interval_s):
-            self._take()
+    def _follow(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        for line in self._proc.stdout:
+            try:
+                self._add(parse_reading(line))
+            except (ValueError, IndexError):  # a line the driver garbled: skip it, keep following
+                continue
+            finally:
+                self._first.set()
+        self._first.set()
 
     def __enter__(self) -> ClockPoller:
         self._t0 = time.monotonic()
-        self._take()
+        if self.gpu.fields is None:
+            return self
+        argv = ["nvidia-smi", f"--query-gpu={','.join(self.gpu.fields)}", "--format=csv,noheader,nounits",
+                "-lms", str(max(100, int(self.interval_s * 1000)))]
+        try:
+            self._proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            return self
+        self._thread = threading.Thread(target=self._follow, name="clock-poller", daemon=True)
         self._thread.start()
+        self._first.wait(timeout=10)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._done.set()
-        self._thread.join(timeout=60)
-        self._take()
+        if self._proc is not None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        try:
+            last = self.gpu.read()
+        except ValueError:
+            last = None
+        if last is not None:
+            self._add(last)
 
 
 #: GGUF metadata value types: struct format by type id (8 string, 9 array are read apart).
