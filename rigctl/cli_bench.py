@@ -139,8 +139,7 @@ def bench_run(
             def follow(host: str, job_id: str) -> tuple[bool, Any]:
                 """(the job ended done, its pull or the error) for one host, on that host's connection."""
                 try:
-                    info = jobs.wait(inv.host(host), job_id, on_progress=_print_progress, poll_s=0.5,
-                                     client=clients[host])
+                    info = jobs.wait(inv.host(host), job_id, on_progress=_print_progress, client=clients[host])
                     return info.state == "done", jobs.pull(inv.host(host), store, client=clients[host])
                 except RigctlError as exc:
                     return False, exc
