@@ -123,16 +123,16 @@ class GpuReader:
 
     def __init__(self, job: Any):
         self.job = job
-        self.fields: tuple[str, ...] | None = READING_FIELDS
+        self.fields: tuple[str, ...] = READING_FIELDS
 
     def read(self) -> dict[str, Any] | None:
-        """One reading, or None without nvidia-smi (or a driver that knows neither field name)."""
-        while self.fields is not None:
-            out = self.job.gpu_query(",".join(self.fields))
+        """One reading, or None without nvidia-smi (or when it answers neither spelling)."""
+        out = self.job.gpu_query(",".join(self.fields))
+        if not out and self.fields == READING_FIELDS:
+            out = self.job.gpu_query(",".join(LEGACY_READING_FIELDS))
             if out:
-                return parse_reading(out)
-            self.fields = LEGACY_READING_FIELDS if self.fields == READING_FIELDS else None
-        return None
+                self.fields = LEGACY_READING_FIELDS
+        return parse_reading(out) if out else None
 
 
 def throttle_verdict(readings: list[dict[str, Any]], min_sm_fraction: float) -> dict[str, Any]:
@@ -221,8 +221,6 @@ class ClockPoller:
 
     def __enter__(self) -> ClockPoller:
         self._t0 = time.monotonic()
-        if self.gpu.fields is None:
-            return self
         argv = ["nvidia-smi", f"--query-gpu={','.join(self.gpu.fields)}", "--format=csv,noheader,nounits",
                 "-lms", str(max(100, int(self.interval_s * 1000)))]
         try:
