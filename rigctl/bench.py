@@ -1,29 +1,36 @@
-"""`rigctl bench run|summary`: thermally gated, alternating llama-bench runs on the hosts, and their summary.
+"""`rigctl bench run|summary`: clock-gated, alternating llama-bench runs on the hosts, and their summary.
 
 A bench spec (CLI flags or a YAML file, :func:`load_spec`) names hosts, model artifacts from the
-inventory and the llama-bench matrix (``-p -n -r -fa -ngl -t -ctk -ctv -d``). :func:`start_bench`
-starts one job per host through :mod:`rigctl.jobs` running :mod:`rigctl.remote.bench_task`:
-``rounds`` cells per model (a cell is one llama-bench invocation over the whole matrix), in
-``alternate`` or ``grouped`` order, each started at or below the cool-down threshold (default
-40 °C) as ``nvidia-smi`` reports it, with the llama-server instances of the host stopped for the
-run and started again after (``stop_servers``, default on).
+inventory and the llama-bench matrix (``-p -n -r -fa -ngl -t -ctk -ctv -d``; ``d``: context depths,
+``d: [0, 4096, 16384]`` sweeps pp/tg at each). :func:`start_bench` starts one job per host through
+:mod:`rigctl.jobs` running :mod:`rigctl.remote.bench_task`: ``rounds`` cells per model (a cell is
+one llama-bench invocation over the whole matrix), in ``alternate`` or ``grouped`` order, each
+started at or below the cool-down threshold (default 40 °C) with no thermal or power clock-event
+reason active, as ``nvidia-smi`` reports them, with the llama-server instances of the host stopped
+for the run and started again after (``stop_servers``, default on). Through each cell the clocks,
+power, reasons and temperature are sampled (``clocks``) and the cell is marked throttled when they
+say heat or power held it back.
 
 Raw files of a bench run (``<results>/<host>/<run id>/``, see :mod:`rigctl.remote.bench_task`)::
 
-    run.json                                the run record (matrix, artifacts with sha256 + manifest,
-                                            GPU, llama.cpp build, every command line, host facts)
+    run.json                                the run record (matrix, artifacts with sha256 + manifest
+                                            + GGUF shape, GPU with the inventory's bandwidth, llama.cpp
+                                            build, every command line, host facts)
     cells.jsonl                             one line per cell: artifact, command, cool-down readings,
-                                            temp_start_c / temp_end_c, timestamps
+                                            temp_start_c / temp_end_c, throttle verdict, timestamps
     llama-bench/cell-NNN-<artifact>.json    llama-bench -o json; per-repetition tokens/s in each
                                             test object's ``samples_ts`` (``samples_ns``: times)
+    llama-bench/cell-NNN-<artifact>.clocks.jsonl  the GPU readings through the cell
     llama-bench/cell-NNN-<artifact>.log     llama-bench's stderr
 
 The summary (:func:`summarize`) is computed from those raw files only: per test (``pp512``,
 ``tg128``, ``pp512+tg128``, ``... @ d4096``), configuration and model, the mean and sample standard
 deviation of every repetition's tokens/s, the ratio of the first model to each other, fa1/fa0
-(same configuration with flash attention on vs off) and rep/first (mean of every repetition after
-the first, in the order they ran, over the very first: below 1 when the card slows as it warms).
-Runs of different hosts or llama.cpp builds are summarised apart unless ``merge`` is asked.
+(same configuration with flash attention on vs off), cold (each cell's first repetition, right
+after the cool-down) against steady state (the later ones) and rep/first (steady over cold: below
+1 when the card slows as it warms). Throttled cells are left out of the means and listed; where
+every cell of a test was throttled the mean is theirs and marked THROTTLED. Runs of different
+hosts or llama.cpp builds are summarised apart unless ``merge`` is asked.
 """
 
 from __future__ import annotations
@@ -91,6 +98,14 @@ class Cooldown(_Strict):
     poll_s: float = Field(default=2.0, gt=0)
 
 
+class Clocks(_Strict):
+    """The GPU readings taken through each cell, and when they mark it throttled."""
+
+    sample_s: float = Field(default=1.0, gt=0)  # one nvidia-smi reading this often (plus start and end)
+    # A busy reading with the SM clock below this share of its max marks the cell throttled.
+    min_sm_fraction: float = Field(default=0.8, gt=0, le=1)
+
+
 class BenchSpec(_Strict):
     hosts: list[str] = Field(min_length=1)
     models: list[str] = Field(min_length=1)
@@ -98,6 +113,7 @@ class BenchSpec(_Strict):
     rounds: int = Field(default=1, ge=1)
     order: Literal["alternate", "grouped"] = "alternate"
     cooldown: Cooldown = Cooldown()
+    clocks: Clocks = Clocks()
     stop_servers: bool = True
     cell_timeout_s: float = Field(default=3600.0, gt=0)
 
@@ -125,8 +141,8 @@ def load_spec(path: Path, overrides: Mapping[str, Any] | None = None) -> BenchSp
     for key, value in (overrides or {}).items():
         if key == "matrix":
             data["matrix"] = {**(data.get("matrix") or {}), **value}
-        elif key == "cooldown":
-            data["cooldown"] = {**(data.get("cooldown") or {}), **value}
+        elif key in ("cooldown", "clocks"):
+            data[key] = {**(data.get(key) or {}), **value}
         else:
             data[key] = value
     return parse_spec(data, str(path))
@@ -154,6 +170,8 @@ def bench_job_spec(host: Host, spec: BenchSpec) -> jobs.JobSpec:
         "rounds": spec.rounds,
         "order": spec.order,
         "cooldown": spec.cooldown.model_dump(),
+        "clocks": spec.clocks.model_dump(),
+        "bandwidth_gbs": host.gpu.bandwidth_gbs if host.gpu else None,
         "stop_servers": spec.stop_servers,
         "cell_timeout_s": spec.cell_timeout_s,
     }
@@ -236,6 +254,14 @@ class BenchSample:
     samples_ts: tuple[float, ...]
     temp_start_c: float | None = None
     temp_end_c: float | None = None
+    depth: int = 0  # tokens already in the context (llama-bench -d)
+    n_prompt: int = 0
+    n_gen: int = 0  # tokens generated per repetition (0: a pp test)
+    ngl: int = 0
+    type_k: str = "f16"
+    type_v: str = "f16"
+    throttled: bool = False  # the cell's clock readings say heat or power held the card back
+    throttle_why: tuple[str, ...] = ()
 
 
 def config_label(entry: Mapping[str, Any]) -> str:
@@ -245,17 +271,23 @@ def config_label(entry: Mapping[str, Any]) -> str:
 
 def samples_from_cell(
     entries: Sequence[Mapping[str, Any]], *, host: str, run_id: str, build: str, model: str, cell: int,
-    temps: tuple[float | None, float | None] = (None, None),
+    temps: tuple[float | None, float | None] = (None, None), throttle: Mapping[str, Any] | None = None,
 ) -> list[BenchSample]:
-    """The :class:`BenchSample` of each test object of one cell (pure)."""
+    """The :class:`BenchSample` of each test object of one cell (pure); ``throttle``: the cell's verdict
+    from cells.jsonl."""
     out = []
+    throttle = throttle or {}
     for entry in entries:
+        depth = int(entry.get("n_depth", 0) or 0)
         out.append(BenchSample(
             host=host, run_id=run_id, build=build or str(entry.get("build_commit", "")), model=model, cell=cell,
-            test=bench_test_name(int(entry["n_prompt"]), int(entry["n_gen"]), int(entry.get("n_depth", 0) or 0)),
+            test=bench_test_name(int(entry["n_prompt"]), int(entry["n_gen"]), depth),
             config=config_label(entry), flash_attn=flash_attn_flag(entry.get("flash_attn", 0)),
             samples_ts=tuple(float(x) for x in entry["samples_ts"]),
-            temp_start_c=temps[0], temp_end_c=temps[1],
+            temp_start_c=temps[0], temp_end_c=temps[1], depth=depth, n_prompt=int(entry["n_prompt"]),
+            n_gen=int(entry["n_gen"]), ngl=int(entry.get("n_gpu_layers", 0) or 0),
+            type_k=str(entry.get("type_k", "f16")), type_v=str(entry.get("type_v", "f16")),
+            throttled=bool(throttle.get("throttled")), throttle_why=tuple(throttle.get("why") or ()),
         ))
     return out
 
@@ -292,7 +324,8 @@ def load_run_samples(run: StoredRun) -> list[BenchSample]:
         entries = parse_llama_bench_json(text, f"{run.host}/{run.id}/{raw_name}")
         try:
             samples += samples_from_cell(entries, host=run.host, run_id=run.id, build=build, model=artifact,
-                                         cell=index, temps=(cell.get("temp_start_c"), cell.get("temp_end_c")))
+                                         cell=index, temps=(cell.get("temp_start_c"), cell.get("temp_end_c")),
+                                         throttle=cell.get("throttle"))
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"{run.host}/{run.id}/{raw_name}: not llama-bench results: {exc}") from None
     return samples
@@ -308,20 +341,36 @@ class SummaryRow:
     config: str
     flash_attn: int
     model: str
-    n: int  # repetitions
-    cells: int
+    n: int  # repetitions in the mean
+    cells: int  # cells in the mean
     mean: float
     stddev: float
-    rep_first: float
+    rep_first: float  # steady / cold
+    cold: float = math.nan  # mean of each cell's first repetition
+    steady: float = math.nan  # mean of every later repetition
+    throttled_cells: int = 0  # cells whose clock readings say throttled: left out of the mean ...
+    all_throttled: bool = False  # ... unless every cell was, when the mean is theirs and says so
     ratio: dict[str, float] = field(default_factory=dict)  # this model / other model, by other
     fa1_fa0: float | None = None
 
 
-def rep_over_first(samples: Sequence[float]) -> float:
-    """Mean of every repetition after the first over the first (nan with fewer than two)."""
-    if len(samples) < 2 or samples[0] == 0:
-        return math.nan
-    return float(np.mean(samples[1:]) / samples[0])
+def counted(samples: Sequence[BenchSample]) -> list[BenchSample]:
+    """What a mean is taken over: the unthrottled cells, or every cell when all were throttled."""
+    return [s for s in samples if not s.throttled] or list(samples)
+
+
+def cold_and_steady(cells: Sequence[Sequence[float]]) -> tuple[float, float]:
+    """Cold (each cell's first repetition, run right after the cool-down) and steady state (every later
+    repetition): their means, nan where there is none."""
+    cold = [c[0] for c in cells if c]
+    steady = [v for c in cells for v in c[1:]]
+    return (float(np.mean(cold)) if cold else math.nan, float(np.mean(steady)) if steady else math.nan)
+
+
+def rep_over_first(cells: Sequence[Sequence[float]]) -> float:
+    """Steady state over cold (below 1 when the card slows as it warms); nan without both."""
+    cold, steady = cold_and_steady(cells)
+    return steady / cold if cold and not math.isnan(cold) and not math.isnan(steady) else math.nan
 
 
 def summarize(samples: Iterable[BenchSample], *, merge: bool = False) -> list[SummaryRow]:
@@ -338,13 +387,17 @@ def summarize(samples: Iterable[BenchSample], *, merge: bool = False) -> list[Su
     rows: list[SummaryRow] = []
     for key, group in groups.items():
         ordered = sorted(group, key=lambda s: (s.run_id, s.cell))
-        values = [v for s in ordered for v in s.samples_ts]
+        clean = [s for s in ordered if not s.throttled]
+        used = counted(ordered)
+        values = [v for s in used for v in s.samples_ts]
         mean = float(np.mean(values)) if values else math.nan
         means[key] = mean
+        cold, steady = cold_and_steady([s.samples_ts for s in used])
         rows.append(SummaryRow(
             partition=key[0], test=key[1], config=key[2], flash_attn=key[3], model=key[4], n=len(values),
-            cells=len(ordered), mean=mean, stddev=float(np.std(values, ddof=1)) if len(values) > 1 else 0.0,
-            rep_first=rep_over_first(values),
+            cells=len(used), mean=mean, stddev=float(np.std(values, ddof=1)) if len(values) > 1 else 0.0,
+            rep_first=rep_over_first([s.samples_ts for s in used]), cold=cold, steady=steady,
+            throttled_cells=len(ordered) - len(clean), all_throttled=not clean,
         ))
     out = []
     for row in rows:
@@ -366,8 +419,28 @@ def _num(value: float | None, digits: int = 2) -> str:
     return "-" if value is None or math.isnan(value) else f"{value:.{digits}f}"
 
 
-def to_markdown(rows: Sequence[SummaryRow]) -> str:
-    """One table per partition; one line per test/config/fa, models side by side as in the study."""
+def throttle_note(row: SummaryRow) -> str:
+    """What a mean hides about throttling, for beside it: nothing when no cell was throttled."""
+    if row.all_throttled:
+        return f" THROTTLED (all {row.cells} cells)"
+    if row.throttled_cells:
+        return f" ({row.throttled_cells} throttled cell{'s' if row.throttled_cells > 1 else ''} left out)"
+    return ""
+
+
+def throttled_cells(samples: Iterable[BenchSample]) -> list[str]:
+    """One line per throttled cell: which, and why."""
+    seen: dict[tuple[str, str, int], BenchSample] = {}
+    for s in samples:
+        if s.throttled:
+            seen.setdefault((s.host, s.run_id, s.cell), s)
+    return [f"{s.host}/{s.run_id} cell {s.cell} ({s.model}): {'; '.join(s.throttle_why) or 'throttled'}"
+            for s in seen.values()]
+
+
+def to_markdown(rows: Sequence[SummaryRow], samples: Iterable[BenchSample] = ()) -> str:
+    """One table per partition; one line per test/config/fa, models side by side as in the study; then
+    the throttled cells (left out of the means when the same test has unthrottled cells)."""
     out = []
     for partition in dict.fromkeys(r.partition for r in rows):
         part = [r for r in rows if r.partition == partition]
@@ -375,18 +448,24 @@ def to_markdown(rows: Sequence[SummaryRow]) -> str:
         first = models[0]
         header = ["test", "config", "fa"] + [f"{m} t/s" for m in models]
         header += [f"{first}/{m}" for m in models[1:]] + [f"{m} fa1/fa0" for m in models]
-        header += [f"rep/first ({', '.join(models)})"]
+        header += [f"rep/first ({', '.join(models)})", f"cold -> steady t/s ({', '.join(models)})"]
         out += [f"### {partition}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for key in dict.fromkeys((r.test, r.config, r.flash_attn) for r in part):
             by_model = {r.model: r for r in part if (r.test, r.config, r.flash_attn) == key}
             cells = [key[0], key[1], str(key[2])]
-            cells += [f"{_num(by_model[m].mean)} ± {_num(by_model[m].stddev)}" if m in by_model else "-"
-                      for m in models]
+            cells += [f"{_num(by_model[m].mean)} ± {_num(by_model[m].stddev)}{throttle_note(by_model[m])}"
+                      if m in by_model else "-" for m in models]
             cells += [_num(by_model[first].ratio.get(m), 3) if first in by_model else "-" for m in models[1:]]
             cells += [_num(by_model[m].fa1_fa0, 3) if m in by_model else "-" for m in models]
             cells += [", ".join(_num(by_model[m].rep_first, 3) if m in by_model else "-" for m in models)]
+            cells += [", ".join(f"{_num(by_model[m].cold)} -> {_num(by_model[m].steady)}" if m in by_model else "-"
+                                for m in models)]
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
+    throttled = throttled_cells(samples)
+    if throttled:
+        out += ["Throttled cells (their clocks fell or a thermal/power reason was active; left out of the "
+                "means where unthrottled cells exist):", "", *(f"- {line}" for line in throttled), ""]
     return "\n".join(out)
 
 
@@ -395,11 +474,12 @@ def to_csv(rows: Sequence[SummaryRow]) -> str:
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(["partition", "test", "config", "flash_attn", "model", "n", "cells", "mean_ts", "stddev_ts",
-                     "rep_first", "fa1_fa0", "ratio_to"])
+                     "rep_first", "cold_ts", "steady_ts", "throttled_cells", "all_throttled", "fa1_fa0", "ratio_to"])
     for r in rows:
         ratios = ";".join(f"{m}={v:.6g}" for m, v in r.ratio.items())
         writer.writerow([r.partition, r.test, r.config, r.flash_attn, r.model, r.n, r.cells, f"{r.mean:.6g}",
-                         f"{r.stddev:.6g}", _num(r.rep_first, 6), _num(r.fa1_fa0, 6), ratios])
+                         f"{r.stddev:.6g}", _num(r.rep_first, 6), _num(r.cold, 6), _num(r.steady, 6),
+                         r.throttled_cells, int(r.all_throttled), _num(r.fa1_fa0, 6), ratios])
     return buffer.getvalue()
 
 

@@ -20,7 +20,8 @@ import json
 import logging
 import shlex
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -161,7 +162,7 @@ def run_server_bench(
             say(f"load (restart to /health 200): {result.load_s[-1]:.2f} s")
         if ctx_sizes:
             port = probe_port or servers[instance].port + 100
-            result.memory = _memory_sweep(ssh, host, instance, unit, ctx_sizes, port, say)
+            result.memory = _memory_sweep(ssh, host, instance, ctx_sizes, port, say)
             server.wait_healthy(HEALTH_TIMEOUT_S)
             result.kv_bytes_per_token = kv_bytes_per_token(result.memory)
     store = store or ResultsStore()
@@ -181,31 +182,64 @@ def run_server_bench(
     return result
 
 
-def _memory_sweep(ssh: SshClient, host: Host, instance: str, unit: str, ctx_sizes: Sequence[int], port: int,
-                  say: Callable[[str], None]) -> list[MemoryPoint]:
-    argv = parse_args_file(ssh.run(f"cat {CONFIG_DIR}/{shlex.quote(instance)}.args", timeout=30, check=True).stdout)
-    binary = f"{CONFIG_DIR}/{instance}.bin"
-    probe = f"rigctl-ctxprobe-{instance}"
-    points = []
+@dataclass(frozen=True)
+class Probe:
+    """A running probe server: its transient unit, endpoint and command-line arguments."""
+
+    unit: str
+    endpoint: Endpoint
+    argv: list[str]
+
+
+@contextmanager
+def instance_stopped(ssh: SshClient, instance: str) -> Iterator[None]:
+    """``instance``'s unit stopped (its card and port free for probes), started again on exit when it
+    was running before."""
+    unit = unit_name(instance)
+    running = ssh.run(f"systemctl is-active --quiet {shlex.quote(unit)}", timeout=30, check=False).ok
     ssh.run(f"systemctl stop {shlex.quote(unit)}", timeout=300, check=True)
     try:
+        yield
+    finally:
+        if running:
+            ssh.run(operator_start([unit]), timeout=300, check=True)
+
+
+@contextmanager
+def probe_server(ssh: SshClient, host: Host, instance: str, flags: Mapping[tuple[str, ...], str], port: int,
+                 purpose: str) -> Iterator[Probe]:
+    """A probe with ``instance``'s arguments file but ``flags`` (spellings -> value) on ``port``, as the
+    transient unit ``rigctl-<purpose>probe-<instance>``, once it is healthy; stopped on exit."""
+    argv = parse_args_file(ssh.run(f"cat {CONFIG_DIR}/{shlex.quote(instance)}.args", timeout=30, check=True).stdout)
+    for names, value in {**flags, ("--port",): str(port)}.items():
+        argv = with_flag(argv, names, value)
+    binary = f"{CONFIG_DIR}/{instance}.bin"
+    probe = f"rigctl-{purpose.split()[0]}probe-{instance}"
+    key = Endpoint.from_inventory(host, instance).api_key
+    endpoint = Endpoint(f"http://{host.address}:{port}", api_key=key, label=f"{host.name}/{probe}")
+    ssh.run(f"systemd-run --unit {probe} --collect --quiet -p User=llama {shlex.join([binary, *argv])}",
+            timeout=60, check=True)
+    try:
+        try:
+            with ServerClient(endpoint) as client:
+                client.wait_healthy(HEALTH_TIMEOUT_S)
+        except ServerError:
+            tail = ssh.run(f"journalctl -u {probe} -n 5 --no-pager", timeout=30, check=False).stdout
+            raise ServerError(f"{host.name}/{probe}", purpose, tail.strip().splitlines()[-1] if tail else
+                              "not healthy") from None
+        yield Probe(probe, endpoint, argv)
+    finally:
+        ssh.run(f"systemctl stop {probe}", timeout=120, check=False)
+
+
+def _memory_sweep(ssh: SshClient, host: Host, instance: str, ctx_sizes: Sequence[int], port: int,
+                  say: Callable[[str], None]) -> list[MemoryPoint]:
+    points = []
+    with instance_stopped(ssh, instance):
         for size in ctx_sizes:
-            args = with_flag(with_flag(argv, ("-c", "--ctx-size"), str(size)), ("--port",), str(port))
-            ssh.run(f"systemd-run --unit {probe} --collect --quiet -p User=llama {shlex.join([binary, *args])}",
-                    timeout=60, check=True)
-            try:
-                with ServerClient(Endpoint(f"http://{host.address}:{port}", label=f"{host.name}/{probe}")) as client:
-                    client.wait_healthy(HEALTH_TIMEOUT_S)
+            with probe_server(ssh, host, instance, {("-c", "--ctx-size"): str(size)}, port, f"ctx {size}"):
                 points.append(MemoryPoint(size, _memory_used(ssh)))
                 say(f"ctx {size}: {points[-1].memory_used_mib} MiB")
-            except ServerError:
-                tail = ssh.run(f"journalctl -u {probe} -n 5 --no-pager", timeout=30, check=False).stdout
-                raise ServerError(f"{host.name}/{probe}", f"ctx {size}", tail.strip().splitlines()[-1] if tail else
-                                  "not healthy") from None
-            finally:
-                ssh.run(f"systemctl stop {probe}", timeout=120, check=False)
-    finally:
-        ssh.run(operator_start([unit]), timeout=300, check=True)
     return points
 
 

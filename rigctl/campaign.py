@@ -18,6 +18,8 @@ YAML file, the pulled runs that answer it, and running what is missing.
     sensitivity: {cutoff_as_right: true, toolless_as_right: true, exclude: [civil_comments]}
     drafting:                        # drafter races (rigctl bench spec) through running instances
       - {name: mtp, host: desktop, baseline: qwen, drafters: [qwen-mtp], repeats: 3}
+    loads:                           # load curves (rigctl bench load) through a probe of an instance
+      - {name: curve, host: desktop, server: smollm2, concurrency: [1, 2, 4, 8], max_tokens: 32}
     not_measured: [thinking on, ...] # for the report's scope line
 
 :func:`locate` finds, for every bench (per host) and every eval target, the newest pulled run that
@@ -31,7 +33,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -109,6 +111,19 @@ class CampaignDrafting(_Strict):
     temperatures: list[float] = [0.0, 0.8]
 
 
+class CampaignLoad(_Strict):
+    """A load curve (rigctl.bench_load.run_load): a probe of ``server`` with a slot per client."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    host: str
+    server: str
+    concurrency: list[Annotated[int, Field(ge=1, le=64)]] = Field(default=[1, 2, 4, 8], min_length=1)
+    requests: int | None = Field(default=None, ge=1, le=1000)  # per level; none: 4 per client, at least 8
+    max_tokens: int = Field(default=32, ge=1, le=4096)
+    slot_ctx: int = Field(default=1024, ge=64)
+    level_timeout_s: float = Field(default=120.0, gt=0)
+
+
 class Campaign(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     title: str
@@ -119,6 +134,7 @@ class Campaign(_Strict):
     comparisons: list[CampaignComparison] = []
     sensitivity: Sensitivity = Sensitivity()
     drafting: list[CampaignDrafting] = []
+    loads: list[CampaignLoad] = []
     not_measured: list[str] = []
     seed: int = 0
     resamples: int = Field(default=10_000, ge=100)
@@ -136,14 +152,15 @@ class Campaign(_Strict):
                 raise ValueError(f"comparison {comparison.name!r}: no eval named {', '.join(unknown)}")
         hosts = set(self.hosts)
         used = {h for b in self.benches for h in b.hosts} | {t.host for e in self.evals for t in e.runs} | {
-            d.host for d in self.drafting}
+            d.host for d in self.drafting} | {load.host for load in self.loads}
         if used - hosts:
             raise ValueError(f"hosts not listed under hosts: {', '.join(sorted(used - hosts))}")
         for name in [m for b in self.benches for m in b.models] + [t.artifact for e in self.evals for t in e.runs]:
             if self.artifacts and name not in self.artifacts:
                 raise ValueError(f"artifact {name!r} is not listed under artifacts")
         for kind, names in (("bench", [b.name for b in self.benches]), ("eval", [e.name for e in self.evals]),
-                            ("drafting", [d.name for d in self.drafting])):
+                            ("drafting", [d.name for d in self.drafting]),
+                            ("load", [load.name for load in self.loads])):
             duplicates = sorted({n for n in names if names.count(n) > 1})
             if duplicates:
                 raise ValueError(f"{kind} names must be unique: {', '.join(duplicates)}")
@@ -214,6 +231,16 @@ def drafting_matches(run: StoredRun, race: CampaignDrafting) -> bool:
             and extra.get("temperatures") == race.temperatures)
 
 
+def load_matches(run: StoredRun, load: CampaignLoad) -> bool:
+    record = run.record
+    if record.kind != "load" or run.host != load.host or record.status != "done":
+        return False
+    server, extra = record.server or {}, record.extra
+    return (server.get("name") == load.server and server.get("slot_ctx") == load.slot_ctx
+            and extra.get("levels") == load.concurrency and extra.get("requests") == load.requests
+            and extra.get("max_tokens") == load.max_tokens)
+
+
 def eval_matches(run: StoredRun, task_name: str, target: EvalTarget) -> bool:
     record = run.record
     if record.kind != "eval" or run.host != target.host or (record.task or {}).get("name") != task_name:
@@ -229,11 +256,13 @@ class Located:
     benches: dict[tuple[str, str], StoredRun | None] = field(default_factory=dict)  # (bench, host)
     evals: dict[tuple[str, str], StoredRun | None] = field(default_factory=dict)  # (eval, target id)
     drafting: dict[str, StoredRun | None] = field(default_factory=dict)  # drafting name -> spec run
+    loads: dict[str, StoredRun | None] = field(default_factory=dict)  # load name -> load run
     unfinished: dict[tuple[str, str], StoredRun] = field(default_factory=dict)  # eval runs to resume
     task_names: dict[str, str] = field(default_factory=dict)  # eval name -> task name
 
     def runs(self) -> list[StoredRun]:
-        return [r for r in [*self.benches.values(), *self.evals.values(), *self.drafting.values()] if r is not None]
+        return [r for r in [*self.benches.values(), *self.evals.values(), *self.drafting.values(),
+                            *self.loads.values()] if r is not None]
 
 
 def task_name(loaded: LoadedCampaign, evaluation: CampaignEval) -> str:
@@ -251,6 +280,9 @@ def locate(loaded: LoadedCampaign, store: ResultsStore) -> Located:
         for host in bench.hosts:
             matching = [r for r in runs if bench_matches(r, bench, host)]
             found.benches[(bench.name, host)] = max(matching, key=lambda r: r.record.started, default=None)
+    for load in campaign.loads:
+        matching = [r for r in runs if load_matches(r, load)]
+        found.loads[load.name] = max(matching, key=lambda r: r.record.started, default=None)
     for race in campaign.drafting:
         matching = [r for r in runs if drafting_matches(r, race)]
         found.drafting[race.name] = max(matching, key=lambda r: r.record.started, default=None)
@@ -392,6 +424,16 @@ def run_campaign(loaded: LoadedCampaign, inventory: Inventory, store: ResultsSto
                 outcomes.append(StepOutcome(step, "ran", _run_bench(inventory, bench, host, store, on_step)))
             except RigctlError as exc:
                 outcomes.append(StepOutcome(step, "failed", error=str(exc)))
+    for load in campaign.loads:
+        step = f"load {load.name} on {load.host}"
+        run = found.loads[load.name]
+        if run is not None:
+            outcomes.append(StepOutcome(step, "pulled", f"{run.host}/{run.id}"))
+            continue
+        try:
+            outcomes.append(StepOutcome(step, "ran", _run_load(inventory, load, store, on_step)))
+        except RigctlError as exc:
+            outcomes.append(StepOutcome(step, "failed", error=str(exc)))
     for evaluation in campaign.evals:
         for target in evaluation.runs:
             step = f"eval {evaluation.name} {target.id}"
@@ -417,6 +459,16 @@ def run_campaign(loaded: LoadedCampaign, inventory: Inventory, store: ResultsSto
         except RigctlError as exc:
             outcomes.append(StepOutcome(step, "failed", error=str(exc)))
     return outcomes
+
+
+def _run_load(inventory: Inventory, load: CampaignLoad, store: ResultsStore, on_step: OnStep) -> str:
+    from rigctl.bench_load import run_load
+
+    on_step(f"load {load.name} on {load.host}: {load.server} at concurrency {','.join(map(str, load.concurrency))}")
+    result = run_load(inventory.host(load.host), load.server, concurrency=load.concurrency, requests=load.requests,
+                      max_tokens=load.max_tokens, slot_ctx=load.slot_ctx, level_timeout_s=load.level_timeout_s,
+                      store=store, on_step=lambda m: on_step(f"load {load.name}: {m}"))
+    return f"{load.host}/{result.run_dir.name if result.run_dir else '?'}"
 
 
 def _run_drafting(inventory: Inventory, race: CampaignDrafting, store: ResultsStore, on_step: OnStep) -> str:

@@ -88,11 +88,17 @@ def bench_run(
     no_cooldown: Annotated[bool, typer.Option("--no-cooldown", help="Do not wait for the GPU to cool.")] = False,
     cooldown_timeout: Annotated[float | None, typer.Option("--cooldown-timeout", help="Max wait per cell, s.")] = None,
     cooldown_poll: Annotated[float | None, typer.Option("--cooldown-poll", help="Seconds between readings.")] = None,
+    clock_sample: Annotated[float | None, typer.Option("--clock-sample", help="Seconds between GPU clock readings "
+                                                       "through a cell (one more as it starts and ends).")] = None,
+    min_sm_fraction: Annotated[float | None, typer.Option("--min-sm-fraction", help="A cell whose busy SM clock "
+                                                          "fell below this share of its max is throttled.")] = None,
     keep_servers: Annotated[bool, typer.Option("--keep-servers", help="Leave llama-server instances running.")] = False,
     wait: Annotated[bool, typer.Option("--wait", help="Stream progress and pull the results at the end.")] = False,
     results: ResultsOption = None,
 ) -> None:
-    """Start a thermally gated llama-bench run as a detached job on each host."""
+    """Start a clock-gated llama-bench run as a detached job on each host: each cell waits for the cool-down
+    threshold with no thermal or power clock-event reason active, and is marked throttled when its clock
+    readings say heat or power held it back."""
     from rigctl import jobs
     from rigctl.bench import load_spec, parse_spec, start_bench
     from rigctl.ssh import SshClient, SshTarget
@@ -104,12 +110,16 @@ def bench_run(
                               "poll_s": cooldown_poll}.items() if v is not None}
     if no_cooldown:
         cool["threshold_c"] = None
+    clocks = {k: v for k, v in {"sample_s": clock_sample, "min_sm_fraction": min_sm_fraction}.items()
+              if v is not None}
     overrides: dict[str, Any] = {k: v for k, v in {"hosts": _words(hosts), "models": _words(models),
                                                    "rounds": rounds, "order": order}.items() if v is not None}
     if matrix:
         overrides["matrix"] = matrix
     if cool:
         overrides["cooldown"] = cool
+    if clocks:
+        overrides["clocks"] = clocks
     if keep_servers:
         overrides["stop_servers"] = False
     spec = load_spec(spec_file, overrides) if spec_file else parse_spec(overrides, "command line")
@@ -133,8 +143,7 @@ def bench_run(
             def follow(host: str, job_id: str) -> tuple[bool, Any]:
                 """(the job ended done, its pull or the error) for one host, on that host's connection."""
                 try:
-                    info = jobs.wait(inv.host(host), job_id, on_progress=_print_progress, poll_s=0.5,
-                                     client=clients[host])
+                    info = jobs.wait(inv.host(host), job_id, on_progress=_print_progress, client=clients[host])
                     return info.state == "done", jobs.pull(inv.host(host), store, client=clients[host])
                 except RigctlError as exc:
                     return False, exc
@@ -162,13 +171,14 @@ def bench_summary(
     md_file: Annotated[Path | None, typer.Option("--md", help="Also write the Markdown tables here.")] = None,
     results: ResultsOption = None,
 ) -> None:
-    """Per test and model: mean ± stddev t/s, ratio between models, fa1/fa0, rep/first (from the raw JSON)."""
+    """Per test and model: mean ± stddev t/s, ratio between models, fa1/fa0, cold vs steady state, and
+    the throttled cells, left out of the means (from the raw files)."""
     from rigctl.bench import load_run_samples, summarize, to_csv, to_markdown, to_png
 
     store = _store(results)
     samples = [s for ref in runs for s in load_run_samples(store.find(ref))]
     rows = summarize(samples, merge=merge)
-    markdown = to_markdown(rows)
+    markdown = to_markdown(rows, samples)
     console.print(markdown, markup=False, highlight=False, soft_wrap=True)
     if md_file:
         md_file.write_text(markdown)
@@ -281,3 +291,37 @@ def bench_server(
         store=_store(results), on_step=lambda m: console.print(f"  {m}", markup=False, highlight=False))
     console.print(to_markdown(result), markup=False, highlight=False, soft_wrap=True)
     console.print(f"run: {result.host}/{result.run_dir.name if result.run_dir else '?'}", highlight=False)
+
+
+# ----------------------------------------------------------------------------------------------- load
+
+
+@bench_app.command("load")
+def bench_load(
+    host: Annotated[str, typer.Argument(help="Host from the inventory.")],
+    instance: Annotated[str, typer.Argument(help="llama_server instance on that host (its arguments, a probe's).")],
+    concurrency: Annotated[str, typer.Option("--concurrency", "-c", help="Concurrent requests per level.")
+                           ] = "1,2,4,8",
+    requests: Annotated[int | None, typer.Option("--requests", "-n", help="Requests per level (default 4 per "
+                                                                          "client, at least 8).")] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens generated per request.")] = 32,
+    slot_ctx: Annotated[int, typer.Option("--slot-ctx", help="Context tokens per slot of the probe.")] = 1024,
+    level_timeout: Annotated[float, typer.Option("--level-timeout", help="Stop sending a level after this, s.")
+                             ] = 120.0,
+    png_file: Annotated[Path | None, typer.Option("--png", help="Also draw the curve here.")] = None,
+    results: ResultsOption = None,
+) -> None:
+    """A load curve: per concurrency level, output t/s, requests/s, TTFT and TPOT p50/p95/p99 (streamed)
+    and errors, through a probe of the instance with a slot per client (the instance is stopped meanwhile)."""
+    from rigctl.bench_load import run_load, to_markdown, to_png
+
+    result = run_load(_inventory().host(host), instance, concurrency=_ints(concurrency, "--concurrency") or [],
+                      requests=requests, max_tokens=max_tokens, slot_ctx=slot_ctx, level_timeout_s=level_timeout,
+                      store=_store(results), on_step=lambda m: console.print(f"  {m}", markup=False, highlight=False))
+    console.print(to_markdown(result.levels, f"{result.host}/{result.instance}"), markup=False, highlight=False,
+                  soft_wrap=True)
+    run = f"{result.host}/{result.run_dir.name if result.run_dir else '?'}"
+    if png_file:
+        to_png([(run, result.levels)], png_file, f"{run}: load curve")
+        console.print(f"wrote {png_file}", highlight=False)
+    console.print(f"run: {run}", highlight=False)

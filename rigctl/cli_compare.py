@@ -93,6 +93,24 @@ def print_habits(habits: list[RunHabits]) -> None:
     console.print(table)
 
 
+def print_load_comparison(stored, *, resamples: int, seed: int) -> None:
+    from rigctl.bench_load import compare_load
+    from rigctl.compare import ratio_text
+
+    if len(stored) != 2:
+        raise ConfigError(f"a load comparison needs two load runs, got {len(stored)}")
+    a, b = stored
+    table = Table(title=f"load: B {b.host}/{b.id} / A {a.host}/{a.id}, level by level")
+    for column in ("concurrency", "A output t/s", "B output t/s", "output t/s B / A [95%]", "TTFT B / A [95%]",
+                   "TPOT B / A [95%]", "errors A, B"):
+        table.add_column(column, justify="right")
+    for level in compare_load(a, b, resamples=resamples, seed=seed):
+        table.add_row(str(level.concurrency), f"{level.a.output_tps:.2f}", f"{level.b.output_tps:.2f}",
+                      ratio_text(level.output_tps), ratio_text(level.ttft), ratio_text(level.tpot),
+                      f"{level.a.errors}, {level.b.errors}")
+    console.print(table)
+
+
 @app.command("compare")
 def compare(
     runs: Annotated[list[str], typer.Argument(help="Runs by id, host/id or directory (two or more; one bench run "
@@ -118,6 +136,9 @@ def compare(
 
     store = ResultsStore(results)
     stored = [store.find(ref) for ref in runs]
+    if all(run.record.kind == "load" for run in stored):
+        print_load_comparison(stored, resamples=resamples, seed=seed)
+        return
     if all(run.record.kind == "bench" for run in stored):
         bench = compare_bench_runs(stored, by=by, resamples=resamples, seed=seed)
         table = Table(title=f"tokens/s: {bench.b} / {bench.a}")

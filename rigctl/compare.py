@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rigctl.bench import RAW_DIR, BenchSample, load_run_samples
+from rigctl.bench import RAW_DIR, BenchSample, counted, load_run_samples
 from rigctl.errors import ConfigError
 from rigctl.results import ANSWERS_FILE, StoredRun, read_jsonl
 from rigctl.stats import DEFAULT_RESAMPLES, DEFAULT_SEED, Interval, bootstrap_mean, bootstrap_ratio, paired_bootstrap
@@ -462,10 +462,12 @@ def _pool(samples: Iterable[BenchSample]) -> dict[tuple[str, str, int], list[Ben
 
 def compare_bench(a_label: str, a_samples: Sequence[BenchSample], b_label: str, b_samples: Sequence[BenchSample], *,
                   resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED) -> BenchComparison:
-    """Per test with equal settings: mean t/s of B over A; every repetition of a side's cells is pooled."""
+    """Per test with equal settings: mean t/s of B over A; every repetition of a side's cells is pooled,
+    throttled cells left out where the side has others."""
     pool_a, pool_b = _pool(a_samples), _pool(b_samples)
     ratios = []
     for key in sorted(set(pool_a) & set(pool_b), key=lambda k: (k[0], k[1], -k[2])):
+        pool_a[key], pool_b[key] = counted(pool_a[key]), counted(pool_b[key])
         sa = [x for c in pool_a[key] for x in c.samples_ts]
         sb = [x for c in pool_b[key] for x in c.samples_ts]
         files = tuple(sorted({sample_file(c) for c in [*pool_a[key], *pool_b[key]]}))

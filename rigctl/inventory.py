@@ -32,6 +32,7 @@ class Gpu:
     name: str
     vram_mib: int
     compute_capability: str
+    bandwidth_gbs: float | None = None  # memory bandwidth, GB/s (10^9 bytes): the bound on decode speed
 
     @property
     def cuda_arch(self) -> str:
@@ -79,7 +80,7 @@ class Host:
         gpu = self._validated("gpu_host_gpu", None)
         if gpu is None:
             return None
-        return Gpu(gpu.name, gpu.vram_mib, gpu.compute_capability)
+        return Gpu(gpu.name, gpu.vram_mib, gpu.compute_capability, gpu.bandwidth_gbs)
 
     @property
     def llama_cpp(self) -> LlamaCppPin:

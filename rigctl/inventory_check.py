@@ -100,6 +100,7 @@ class GpuSpec(_Strict):
     name: str = Field(min_length=1)
     vram_mib: int = Field(gt=0, le=MAX_VRAM_MIB)
     compute_capability: Annotated[str, AfterValidator(_known_cc)]
+    bandwidth_gbs: float | None = Field(default=None, gt=0)
 
 
 class ArchiveSpec(_Strict):

@@ -153,6 +153,25 @@ for name in names:
 print(json.dumps(out))
 """
 
+# Put before _LIST_SCRIPT (same argv: jobs root, job id; then the progress key last seen, how long to
+# hold, how often to look): waits on the host until the job's state file shows other progress than
+# the key, or the hold ends, then lists that job. One round trip and one process per change of
+# progress, instead of a process (and a systemctl) per poll competing with the bench for the CPUs.
+_WAIT_PREFIX = r"""
+import json, os, sys, time
+_dir = os.path.join(sys.argv[1], sys.argv[2])
+_last, _hold, _every = sys.argv[3], float(sys.argv[4]), float(sys.argv[5])
+_end = time.monotonic() + _hold
+while time.monotonic() < _end and os.path.isdir(_dir):
+    try:
+        _state = json.load(open(os.path.join(_dir, "state.json")))
+    except (OSError, ValueError):
+        _state = None
+    if _state is not None and json.dumps([_state.get(k) for k in ("state", "done", "total", "message")]) != _last:
+        break
+    time.sleep(_every)
+"""
+
 # The run records under <results>/<host>/, for pull: {run id: {"record": run.json, "active": its job's
 # unit is active}} (the unit is only asked about for runs still "running").
 _RUNS_SCRIPT = r"""
@@ -336,21 +355,40 @@ def _list(host: Host, only: str | None, client: SshClient | None) -> list[JobInf
     return [parse_job(host.name, entry) for entry in json.loads(result.stdout)]
 
 
+def _progress_key(info: JobInfo | None) -> str:
+    """What the host's wait compares the state file against (its JSON spelling)."""
+    return "" if info is None else json.dumps([info.state, info.done, info.total, info.message])
+
+
+def _wait_change(host: Host, job_id: str, last: JobInfo | None, hold_s: float, poll_s: float,
+                 ssh: SshClient) -> JobInfo:
+    """The job once its progress differs from ``last`` (or after ``hold_s``), waited for on the host."""
+    cmd = _python(_WAIT_PREFIX + _LIST_SCRIPT, JOBS_DIR, job_id, _progress_key(last), f"{hold_s:g}", f"{poll_s:g}")
+    found = [parse_job(host.name, e) for e in json.loads(ssh.run(cmd, timeout=hold_s + COMMAND_TIMEOUT,
+                                                                  check=True).stdout)]
+    if not found:
+        raise JobError(f"{host.name}: no job {job_id} under {JOBS_DIR}")
+    return found[0]
+
+
 def wait(
     host: Host,
     job_id: str,
     *,
     on_progress: Callable[[JobInfo], None] | None = None,
-    poll_s: float = 1.0,
+    poll_s: float = 0.05,
+    hold_s: float = 20.0,
     timeout_s: float = 24 * 3600,
     reconnect_s: float = 5.0,
     client: SshClient | None = None,
 ) -> JobInfo:
-    """Follow ``job_id`` until it ends; ``on_progress`` gets each changed state. A lost connection is
-    retried until ``timeout_s`` (the job does not depend on it). ``client``: a connection to use first
-    (never closed here)."""
+    """Follow ``job_id`` until it ends; ``on_progress`` gets each changed state. The host watches the job's
+    state file every ``poll_s`` and answers on a change (or after ``hold_s``, when a unit that died
+    unsealed shows as lost). A lost connection is retried until ``timeout_s`` (the job does not depend on
+    it). ``client``: a connection to use first (never closed here)."""
     deadline = time.monotonic() + timeout_s
     last: tuple[Any, ...] | None = None
+    seen: JobInfo | None = None
     ssh: SshClient | None = client
     owned = client is None
     try:
@@ -360,7 +398,8 @@ def wait(
                     ssh = _client(host)
                     owned = True
                     ssh.connect()
-                info = status(host, job_id, client=ssh)
+                info = _wait_change(host, job_id, seen, max(0.0, min(hold_s, deadline - time.monotonic())), poll_s,
+                                    ssh)
             except (ConnectError, TransferError) as exc:
                 log.warning("%s: lost the connection while following %s (%s); retrying", host.name, job_id, exc)
                 if ssh is not None and owned:
@@ -373,12 +412,11 @@ def wait(
             key = (info.state, info.done, info.total, info.message)
             if key != last and on_progress is not None:
                 on_progress(info)
-            last = key
+            last, seen = key, info
             if info.finished:
                 return info
             if time.monotonic() >= deadline:
                 raise JobError(f"{host.name}: job {job_id} still {info.state} after {timeout_s:g} s")
-            time.sleep(poll_s)
     finally:
         if ssh is not None and owned:
             ssh.close()

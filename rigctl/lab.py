@@ -92,6 +92,13 @@ IFNAME_MAX = 15
 DEFAULT_GPU_DRIVER_VERSION = "535.183.01"
 DEFAULT_GPU_CUDA_VERSION = "12.2"
 IDLE_GPU_TEMPERATURE_C = 35
+#: The stand-in's clocks: a card at its boost clock with nothing holding it back.
+DEFAULT_GPU_MAX_SM_MHZ = 1950
+DEFAULT_GPU_MEM_MHZ = 7000
+DEFAULT_GPU_POWER_W = 20.0
+#: What one entry of ``clocks_sequence`` may set.
+GPU_CLOCK_KEYS = {"clocks_sm_mhz": int, "clocks_mem_mhz": int, "power_draw_w": (int, float),
+                  "clocks_event_reasons": int}
 
 DEBOOTSTRAP_TIMEOUT_S = 1800
 PACK_TIMEOUT_S = 600
@@ -138,10 +145,20 @@ class GpuState:
     utilization_gpu: int = 0
     persistence_mode: bool = False
     pci_bus_id: str = "00000000:01:00.0"
+    clocks_sm_mhz: int = DEFAULT_GPU_MAX_SM_MHZ
+    clocks_max_sm_mhz: int = DEFAULT_GPU_MAX_SM_MHZ
+    clocks_mem_mhz: int = DEFAULT_GPU_MEM_MHZ
+    power_draw_w: float = DEFAULT_GPU_POWER_W
+    #: NVML clock event reasons bitmask (0x40: HW thermal slowdown, 0x4: SW power cap, ...).
+    clocks_event_reasons: int = 0
+    #: Each nvidia-smi call that reports a clock, power or reasons field applies the next entry (a
+    #: mapping of GPU_CLOCK_KEYS), which then sticks: how tests throttle a card in the middle of a cell.
+    clocks_sequence: tuple[dict[str, Any], ...] = ()
 
     def to_json(self) -> str:
         data = dataclasses.asdict(self)
         data["temperature_sequence"] = list(self.temperature_sequence)
+        data["clocks_sequence"] = [dict(entry) for entry in self.clocks_sequence]
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
     @classmethod
@@ -155,6 +172,10 @@ class GpuState:
         values = dict(data)
         if "temperature_sequence" in values:
             values["temperature_sequence"] = tuple(values["temperature_sequence"] or ())
+        if "clocks_sequence" in values:
+            values["clocks_sequence"] = tuple(values["clocks_sequence"] or ())
+        if isinstance(values.get("power_draw_w"), int) and not isinstance(values["power_draw_w"], bool):
+            values["power_draw_w"] = float(values["power_draw_w"])
         try:
             state = cls(**values)
         except TypeError as exc:
@@ -165,13 +186,18 @@ class GpuState:
     def check(self, origin: str) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            expected = {"int": int, "str": str, "bool": bool}.get(str(f.type))
+            expected = {"int": int, "str": str, "bool": bool, "float": float}.get(str(f.type))
             if expected is not None and (type(value) is not expected):
                 raise ConfigError(f"{origin}: GPU field {f.name} must be {f.type}, got {value!r}")
         if not all(type(t) is int for t in self.temperature_sequence):
             raise ConfigError(
                 f"{origin}: temperature_sequence must hold whole degrees, got {self.temperature_sequence!r}"
             )
+        for entry in self.clocks_sequence:
+            if not isinstance(entry, dict) or not entry or not set(entry) <= set(GPU_CLOCK_KEYS) or any(
+                    type(v) is bool or not isinstance(v, GPU_CLOCK_KEYS[k]) for k, v in entry.items()):
+                raise ConfigError(f"{origin}: clocks_sequence entries must map some of "
+                                  f"{', '.join(sorted(GPU_CLOCK_KEYS))} to numbers, got {entry!r}")
         if not 0 <= self.memory_used_mib <= self.memory_total_mib:
             raise ConfigError(f"{origin}: memory_used_mib {self.memory_used_mib} is outside 0..{self.memory_total_mib}")
 

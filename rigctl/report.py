@@ -1,18 +1,22 @@
 """The campaign report: Markdown with PNG charts, built only from pulled raw result files.
 
 Sections: scope line (hosts, builds, dates, repeats, runs, what is missing or was not measured);
-speed (mean t/s ± sd per test and model, ratio with a bootstrap interval from the per-repetition
-samples); quality (score per set and overall with intervals); the campaign's comparisons grouped as
-head-to-head, quantisation cost and what QAT is worth (paired gaps in points); drafting speedups
-(rigctl bench spec races); sensitivity (the gap under each switch); answer habits; the runs used.
+speed (mean t/s ± sd per test and model over the unthrottled cells, ratio with a bootstrap interval
+from the per-repetition samples, cold -> steady, the throttled cells, a by-depth table for depth
+sweeps, every tg figure against the memory-bandwidth bound of :mod:`rigctl.bandwidth` with
+impossible ones flagged instead of printed); quality (score per set and overall with intervals); the
+campaign's comparisons grouped as head-to-head, quantisation cost and what QAT is worth (paired gaps
+in points); drafting speedups (rigctl bench spec races); load curves (rigctl bench load) and deployed
+decode over llama-bench tg; sensitivity (the gap under each switch); answer habits; the runs used.
 Every number is a link to the raw file(s) it was computed from (llama-bench JSON of each cell,
-``answers.jsonl``, the race's ``requests.jsonl``), relative to the report, so the report stays
+``answers.jsonl``, the race's and the load curve's ``requests.jsonl``), relative to the report, so the report stays
 valid when the results tree and the report move together.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 from collections.abc import Sequence
@@ -21,7 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from rigctl.bench import BenchSample, load_run_samples
+from rigctl.bandwidth import NO_FIGURE, DecodeBound, decode_bound
+from rigctl.bench import BenchSample, cold_and_steady, counted, load_run_samples, throttled_cells
 from rigctl.campaign import CampaignBench, LoadedCampaign, Located, locate
 from rigctl.compare import (
     OVERALL,
@@ -154,21 +159,33 @@ def _bench_section(bench: CampaignBench, host: str, run: StoredRun, links: _Link
     by_key: dict[tuple[str, str, int], dict[str, list[BenchSample]]] = {}
     for s in samples:
         by_key.setdefault((s.test, s.config, s.flash_attn), {}).setdefault(s.model, []).append(s)
+    bounds = _bounds(run, by_key)
     first = models[0]
     header = ["test", "settings", *(f"{campaign.label(m)} t/s" for m in models),
-              *(f"{campaign.label(first)} / {campaign.label(m)}" for m in models[1:])]
+              *(f"{campaign.label(first)} / {campaign.label(m)}" for m in models[1:]), "cold -> steady t/s"]
     rows = []
     chart_rows: list[tuple[str, dict[str, tuple[float, float]]]] = []
-    for (test, config, fa), per_model in by_key.items():
+    for key, per_model in by_key.items():
+        test, config, fa = key
         row = [test, f"{config} fa{fa}"]
         stats: dict[str, tuple[float, float]] = {}
+        steady = []
         for m in models:
-            group = per_model.get(m, [])
+            group = counted(per_model.get(m, []))
             values = [v for s in group for v in s.samples_ts]
             files = [links.result(sample_file(s)) for s in group]
-            row.append(links.number(_mean_sd(values), files) if values else "-")
-            if values:
-                stats[m] = (float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else 0.0)
+            bound = bounds.get((key, m))
+            if bound is not None and bound.impossible:
+                row.append(links.number("impossible (see the bandwidth bound)", files))
+            else:
+                note = " THROTTLED" if group and all(s.throttled for s in group) else ""
+                left_out = len(per_model.get(m, [])) - len(group)
+                note += f" ({left_out} throttled cell{'s' if left_out > 1 else ''} left out)" if left_out else ""
+                row.append(links.number(_mean_sd(values), files) + note if values else "-")
+                if values:
+                    stats[m] = (float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else 0.0)
+            cold, warm = cold_and_steady([s.samples_ts for s in group])
+            steady.append(f"{cold:.2f} -> {warm:.2f}" if group and not math.isnan(warm) else "-")
         for m in models[1:]:
             ratio = compare_bench(m, per_model.get(m, []), first, per_model.get(first, []),
                                   resamples=campaign.resamples, seed=campaign.seed)
@@ -177,15 +194,125 @@ def _bench_section(bench: CampaignBench, host: str, run: StoredRun, links: _Link
                 row.append(links.number(ratio_md(r.ratio), [links.result(f) for f in r.files]))
             else:
                 row.append("-")
+        row.append(", ".join(steady))
         rows.append(row)
         chart_rows.append((f"{test}\n{config} fa{fa}" if len(by_key) > 1 and len({k[1:] for k in by_key}) > 1
                            else test, stats))
     lines += _table(header, rows, align="ll")
+    lines += ["", "Cold: each cell's first repetition, right after the cool-down; steady: the later ones.", ""]
+    throttled = throttled_cells(samples)
+    if throttled:
+        lines += ["Throttled cells (their clocks fell or a thermal/power reason was active; left out of the means "
+                  "where unthrottled cells exist):", "", *(f"- {t}" for t in throttled), ""]
     chart = out_dir / f"speed-{bench.name}-{host}.png"
     _speed_chart(chart, chart_rows, models, campaign.label, f"{bench.name} on {host}: tokens/s (mean ± sd)")
     charts.append(chart)
-    lines += ["", f"![{bench.name} on {host}]({chart.name})", ""]
+    lines += [f"![{bench.name} on {host}]({chart.name})", ""]
+    lines += _depth_table(bench, host, by_key, models, campaign, links, out_dir, charts)
+    lines += _bound_table(by_key, bounds, models, campaign, links)
     return lines
+
+
+def _bounds(run: StoredRun, by_key: dict[tuple[str, str, int], dict[str, list[BenchSample]]]
+            ) -> dict[tuple[tuple[str, str, int], str], DecodeBound]:
+    """Every tg figure's decode bound, by (test key, model)."""
+    artifacts = {str(a.get("name")): a for a in run.record.artifacts}
+    bandwidth = run.record.gpu.get("bandwidth_gbs")
+    out = {}
+    for key, per_model in by_key.items():
+        for model, group in per_model.items():
+            s = group[0]
+            if s.n_gen == 0 or s.n_prompt != 0:
+                continue
+            values = [v for c in counted(group) for v in c.samples_ts]
+            out[(key, model)] = decode_bound(
+                float(np.mean(values)), bandwidth_gbs=float(bandwidth) if bandwidth is not None else None,
+                artifact=artifacts.get(model, {}),
+                entry={"n_gen": s.n_gen, "n_depth": s.depth, "n_gpu_layers": s.ngl, "type_k": s.type_k,
+                       "type_v": s.type_v})
+    return out
+
+
+def _bound_table(by_key, bounds, models, campaign, links: _Links) -> list[str]:
+    if not bounds:
+        return []
+    if all(b.fraction is None for b in bounds.values()):
+        reasons = sorted({str(b.reason) for b in bounds.values()})
+        return [f"Bandwidth bound: {NO_FIGURE} ({'; '.join(reasons)}).", ""]
+    rows = []
+    for (key, model), bound in bounds.items():
+        files = [links.result(sample_file(s)) for s in counted(by_key[key][model])]
+        shown = "-" if bound.impossible else links.number(f"{bound.tokens_per_s:.2f}", files)
+        per_token = f"{bound.bytes_per_token / 1e6:.1f} MB" if bound.bytes_per_token else "-"
+        rows.append([key[0], f"{key[1]} fa{key[2]}", campaign.label(model), shown, per_token,
+                     f"{bound.bound_tokens_per_s:.1f}" if bound.bound_tokens_per_s else "-",
+                     links.number(bound.text(), files)])
+    return ["Decode against the memory-bandwidth bound (weights from the manifest plus the KV cache at the depth, "
+            "read once per token; over 100 % is impossible and is not shown as a result):", "",
+            *_table(["test", "settings", "model", "t/s", "read per token", "bound t/s", "share of the bound"], rows,
+                    align="lll"), ""]
+
+
+def _depth_table(bench: CampaignBench, host: str, by_key, models, campaign, links: _Links, out_dir: Path,
+                 charts: list[Path]) -> list[str]:
+    """pp/tg at each context depth of the matrix, models side by side, and how the first one's lead moves."""
+    depths = sorted({s.depth for per_model in by_key.values() for g in per_model.values() for s in g})
+    if len(depths) < 2:
+        return []
+    series: dict[tuple[str, str, int], dict[int, dict[str, list[BenchSample]]]] = {}
+    for (test, config, fa), per_model in by_key.items():
+        base = test.split(" @ ")[0]
+        depth = next(iter(per_model.values()))[0].depth
+        series.setdefault((base, config, fa), {})[depth] = per_model
+    header = ["test", "settings", "model", *(f"d{d}" for d in depths)]
+    rows = []
+    curves: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    for (base, config, fa), at in series.items():
+        for m in models:
+            cells = []
+            for d in depths:
+                group = counted(at.get(d, {}).get(m, []))
+                values = [v for s in group for v in s.samples_ts]
+                cells.append(links.number(f"{np.mean(values):.2f}", [links.result(sample_file(s)) for s in group])
+                             if values else "-")
+                if values:
+                    curve = curves.setdefault(f"{base} {config} fa{fa}", {}).setdefault(m, [])
+                    curve.append((d, float(np.mean(values))))
+            rows.append([base, f"{config} fa{fa}", campaign.label(m), *cells])
+        for m in models[1:]:
+            cells = []
+            for d in depths:
+                ratio = compare_bench(m, at.get(d, {}).get(m, []), models[0], at.get(d, {}).get(models[0], []),
+                                      resamples=campaign.resamples, seed=campaign.seed)
+                found = ratio.ratios[0] if ratio.ratios else None
+                cells.append(links.number(ratio_md(found.ratio), [links.result(f) for f in found.files])
+                             if found else "-")
+            rows.append([base, f"{config} fa{fa}", f"{campaign.label(models[0])} / {campaign.label(m)}", *cells])
+    chart = out_dir / f"depth-{bench.name}-{host}.png"
+    _depth_chart(chart, curves, campaign.label, f"{bench.name} on {host}: tokens/s by context depth")
+    charts.append(chart)
+    return ["By context depth (tokens already in the context, llama-bench -d):", "",
+            *_table(header, rows, align="lll"), "", f"![{bench.name} on {host} by depth]({chart.name})", ""]
+
+
+def _depth_chart(path: Path, curves: dict[str, dict[str, list[tuple[int, float]]]], label, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(curves), figsize=(max(4, 3.6 * len(curves)), 3.4), squeeze=False)
+    for ax, (test, per_model) in zip(axes[0], curves.items(), strict=True):
+        for m, points in per_model.items():
+            ax.plot([d for d, _ in points], [v for _, v in points], marker="o", label=label(m))
+        ax.set_title(test, fontsize=9)
+        ax.set_xlabel("depth (tokens)")
+        ax.set_ylabel("t/s")
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _speed_chart(path: Path, rows: list[tuple[str, dict[str, tuple[float, float]]]], models: list[str],
@@ -349,6 +476,97 @@ def _drafting_section(loaded: LoadedCampaign, found: Located, links: _Links) -> 
     return lines
 
 
+def _load_section(loaded: LoadedCampaign, found: Located, links: _Links, out_dir: Path,
+                  charts: list[Path]) -> list[str]:
+    """Per load curve: each level's output t/s, requests/s, TTFT and TPOT percentiles and errors, and the curve."""
+    from rigctl.bench_load import REQUESTS_FILE, load_levels, to_png
+
+    campaign = loaded.campaign
+    if not campaign.loads:
+        return []
+    lines = ["## Load", "", "Streamed requests, a probe slot per client; TTFT and time per output token in ms.", ""]
+    for load in campaign.loads:
+        run = found.loads.get(load.name)
+        lines += [f"### {load.name}: {load.server} on {load.host}", ""]
+        if run is None:
+            lines += ["Nothing pulled yet.", ""]
+            continue
+        levels = load_levels(run)
+        file = [run.path / REQUESTS_FILE]
+        rows = [[str(s.concurrency), links.number(str(s.requests), file), links.number(str(s.errors), file),
+                 links.number(f"{s.output_tps:.2f}", file), links.number(f"{s.requests_per_s:.2f}", file),
+                 *(links.number(_ms(s.ttft_s.get(f"p{q}")), file) for q in (50, 95, 99)),
+                 *(links.number(_ms(s.tpot_s.get(f"p{q}")), file) for q in (50, 95, 99))] for s in levels]
+        lines += _table(["concurrency", "requests", "errors", "output t/s", "requests/s", "TTFT p50", "TTFT p95",
+                         "TTFT p99", "TPOT p50", "TPOT p95", "TPOT p99"], rows)
+        chart = out_dir / f"load-{load.name}.png"
+        to_png([(f"{run.host}/{run.id}", levels)], chart, f"{load.name}: {load.server} on {load.host}")
+        charts.append(chart)
+        lines += ["", f"![{load.name}]({chart.name})", ""]
+    return lines
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.1f}"
+
+
+def _server_flags(argv: Sequence[str]) -> dict[str, str]:
+    """The llama-bench settings a server's arguments set (``-ngl -t -ctk -ctv -fa``), llama-server's
+    defaults where they are absent."""
+    names = {"-ngl": "ngl", "--n-gpu-layers": "ngl", "--gpu-layers": "ngl", "-t": "t", "--threads": "t",
+             "-ctk": "ctk", "--cache-type-k": "ctk", "-ctv": "ctv", "--cache-type-v": "ctv", "-fa": "fa",
+             "--flash-attn": "fa"}
+    out = {"ngl": "auto", "t": "auto", "ctk": "f16", "ctv": "f16", "fa": "auto"}
+    for flag, value in zip(argv, argv[1:], strict=False):
+        if flag in names:
+            out[names[flag]] = value
+    return out
+
+
+def _deployed_section(loaded: LoadedCampaign, found: Located, links: _Links) -> list[str]:
+    """Deployed decode (llama-server, streamed, one request at a time: the load curve's first level) over
+    llama-bench's tg for the same artifact on the same host, with whether their settings agree."""
+    from rigctl.bench import flash_attn_flag
+    from rigctl.bench_load import REQUESTS_FILE, load_requests
+
+    rows = []
+    for load in loaded.campaign.loads:
+        run = found.loads.get(load.name)
+        if run is None or 1 not in load.concurrency:
+            continue
+        artifact = str((run.record.artifacts or [{}])[0].get("name"))
+        decode = [r.decode_per_s for r in load_requests(run) if r.level == 1 and r.ok and r.decode_per_s]
+        flags = _server_flags((run.record.server or {}).get("args") or [])
+        for (bench_name, host), bench_run in found.benches.items():
+            if bench_run is None or host != load.host:
+                continue
+            tg = [s for s in load_run_samples(bench_run) if s.model == artifact and s.n_gen and not s.n_prompt
+                  and s.depth == 0]
+            for (test, config, fa) in dict.fromkeys((s.test, s.config, s.flash_attn) for s in tg):
+                group = counted([s for s in tg if (s.test, s.config, s.flash_attn) == (test, config, fa)])
+                values = [v for s in group for v in s.samples_ts]
+                if not values or not decode:
+                    continue
+                sample = group[0]
+                bench_flags = {"ngl": str(sample.ngl), "t": config.split()[1].removeprefix("t"),
+                               "ctk": sample.type_k, "ctv": sample.type_v, "fa": str(fa)}
+                differ = [f"{k} {flags[k]} vs {v}" for k, v in bench_flags.items()
+                          if (flash_attn_flag(flags[k]) if k == "fa" else flags[k]) != (fa if k == "fa" else v)]
+                files = [run.path / REQUESTS_FILE, *(links.result(sample_file(s)) for s in group)]
+                ratio = float(np.mean(decode)) / float(np.mean(values))
+                rows.append([loaded.campaign.label(artifact), host, f"{load.name} / {bench_name} {test}",
+                             links.number(f"{np.mean(decode):.2f}", files[:1]),
+                             links.number(f"{np.mean(values):.2f}", files[1:]), links.number(f"{ratio:.3f}", files),
+                             "same" if not differ else "differ: " + ", ".join(differ)])
+    if not rows:
+        return []
+    return ["## Deployed decode against llama-bench", "",
+            "llama-server's own decode t/s, streamed, one request at a time, over llama-bench's tg of the same "
+            "artifact on the same host.", "",
+            *_table(["model", "host", "runs", "server t/s", "llama-bench t/s", "server / llama-bench", "settings"],
+                    rows, align="lll"), ""]
+
+
 def _sensitivity_section(compared: list[_Compared], links: _Links) -> list[str]:
     rows = []
     for c in compared:
@@ -420,6 +638,7 @@ def build_report(loaded: LoadedCampaign, store: ResultsStore, out_dir: Path) -> 
     missing = [f"bench {b} on {h}" for (b, h), r in found.benches.items() if r is None]
     missing += [f"eval {e} {t}" for (e, t), r in found.evals.items() if r is None]
     missing += [f"drafting {d}" for d, r in found.drafting.items() if r is None]
+    missing += [f"load {name}" for name, r in found.loads.items() if r is None]
     charts: list[Path] = []
     speed: list[str] = ["## Speed", ""]
     for bench in campaign.benches:
@@ -433,9 +652,10 @@ def build_report(loaded: LoadedCampaign, store: ResultsStore, out_dir: Path) -> 
         speed = []
     quality = _quality_section(loaded, found, links, out_dir, charts) if campaign.evals else []
     compared, problems = _comparisons(loaded, found)
+    load = _load_section(loaded, found, links, out_dir, charts)
     lines = [f"# {campaign.title}", "", *_scope(loaded, found, missing), *speed, *quality,
              *_comparison_sections(loaded, compared, problems, links), *_drafting_section(loaded, found, links),
-             *_sensitivity_section(compared, links),
+             *load, *_deployed_section(loaded, found, links), *_sensitivity_section(compared, links),
              *_habits_section(loaded, found, links), *_runs_section(found, links)]
     markdown = "\n".join(lines).rstrip() + "\n"
     path = out_dir / "report.md"
@@ -443,7 +663,7 @@ def build_report(loaded: LoadedCampaign, store: ResultsStore, out_dir: Path) -> 
     tmp.write_text(markdown)
     os.replace(tmp, path)
     headline = "\n".join([*speed, *quality, *_comparison_sections(loaded, compared, problems, links),
-                          *_drafting_section(loaded, found, links)]).strip()
+                          *_drafting_section(loaded, found, links), *load]).strip()
     return Report(path=path, markdown=markdown, charts=charts, headline=plain(headline), missing=missing)
 
 

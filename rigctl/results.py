@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 RUN_FILE = "run.json"
 ANSWERS_FILE = "answers.jsonl"
-RunKind = Literal["bench", "eval", "spec", "server-speed"]
+RunKind = Literal["bench", "eval", "spec", "server-speed", "load"]
 RunStatus = Literal["running", "done", "failed", "stopped", "lost"]
 _CHUNK = 1 << 20
 

@@ -187,3 +187,38 @@ def bootstrap_ratio(
     low, high = _bounds(means_b[valid] / means_a[valid], level)
     return Interval(float(xb.mean() / xa.mean()), low, high, int(min(xa.size, xb.size)), resamples, level,
                     "indices")
+
+
+def bootstrap_rate_ratio(
+    a: tuple[Sequence[float], Sequence[float]],
+    b: tuple[Sequence[float], Sequence[float]],
+    *,
+    resamples: int = DEFAULT_RESAMPLES,
+    seed: int = DEFAULT_SEED,
+    level: float = DEFAULT_LEVEL,
+) -> Interval:
+    """``(sum(num_b) / sum(den_b)) / (sum(num_a) / sum(den_a))`` for sides given as (numerators,
+    denominators) paired by item (e.g. tokens and seconds per request), each side's items resampled
+    on their own; empty when a side is empty or has a zero rate."""
+    _check(resamples, level)
+    (na, da), (nb, db) = ((np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)) for x, y in (a, b))
+    if na.size != da.size or nb.size != db.size:
+        raise ValueError("each side needs one denominator per numerator")
+    if na.size == 0 or nb.size == 0 or na.sum() == 0 or da.sum() == 0 or db.sum() == 0:
+        return _empty(resamples, level)
+    rng = np.random.default_rng(seed)
+
+    def rates(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+        per_chunk = max(1, _CHUNK_ELEMENTS // num.size)
+        out = np.empty(resamples, dtype=np.float64)
+        for start in range(0, resamples, per_chunk):
+            stop = min(resamples, start + per_chunk)
+            idx = rng.integers(0, num.size, size=(stop - start, num.size))
+            out[start:stop] = num[idx].sum(axis=1) / den[idx].sum(axis=1)
+        return out
+
+    rate_a, rate_b = rates(na, da), rates(nb, db)
+    valid = rate_a != 0
+    low, high = _bounds(rate_b[valid] / rate_a[valid], level)
+    estimate = (nb.sum() / db.sum()) / (na.sum() / da.sum())
+    return Interval(float(estimate), low, high, int(min(na.size, nb.size)), resamples, level, "indices")

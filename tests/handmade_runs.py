@@ -28,35 +28,40 @@ def eval_run(root: Path, host: str, run_id: str, artifact: str, rows: list[dict[
     return run_dir
 
 
-def bench_record(test: tuple[int, int], samples: list[float], *, fa: int = 1,
+def bench_record(test: tuple[int, int], samples: list[float], *, fa: int = 1, depth: int = 0, ngl: int = 99,
                  commit: str = "7182ef71e") -> dict[str, Any]:
     """One llama-bench ``-o json`` test object with the fields rigctl reads."""
     n_prompt, n_gen = test
     mean = sum(samples) / len(samples)
     return {"build_commit": commit, "model_filename": "/var/lib/rigctl/models/m.gguf", "n_prompt": n_prompt,
-            "n_gen": n_gen, "n_depth": 0, "flash_attn": fa, "n_gpu_layers": 99, "n_threads": 6, "type_k": "f16",
+            "n_gen": n_gen, "n_depth": depth, "flash_attn": fa, "n_gpu_layers": ngl, "n_threads": 6, "type_k": "f16",
             "type_v": "f16", "avg_ts": mean, "stddev_ts": 0.0, "samples_ts": samples,
             "samples_ns": [int(1e9 * (n_prompt + n_gen) / s) for s in samples]}
 
 
 def bench_run(root: Path, host: str, run_id: str, cells: list[tuple[str, list[dict[str, Any]]]], *,
               commit: str = "7182ef71e", started: str = "2026-11-30T04:00:00.000000Z",
-              matrix: dict[str, Any] | None = None) -> Path:
+              matrix: dict[str, Any] | None = None, gpu: dict[str, Any] | None = None,
+              artifacts: dict[str, dict[str, Any]] | None = None,
+              throttled: dict[int, list[str]] | None = None) -> Path:
     """A bench run as rigctl.remote.bench_task writes it: cells.jsonl plus one llama-bench JSON per
-    cell (``cells``: artifact and its test objects, in the order they ran)."""
+    cell (``cells``: artifact and its test objects, in the order they ran). ``artifacts``: more of each
+    artifact's record entry (manifest, gguf shape); ``throttled``: cell index -> why it was throttled."""
     run_dir = root / host / run_id
     (run_dir / "llama-bench").mkdir(parents=True)
     lines = []
     for index, (artifact, records) in enumerate(cells, 1):
         raw = f"llama-bench/cell-{index:03d}-{artifact}.json"
         (run_dir / raw).write_text(json.dumps(records, indent=1))
+        why = (throttled or {}).get(index)
         lines.append({"index": index, "round": (index + 1) // 2, "artifact": artifact, "rc": 0, "raw": raw,
-                      "temp_start_c": 38.0, "temp_end_c": 55.0})
+                      "temp_start_c": 38.0, "temp_end_c": 55.0,
+                      "throttle": {"throttled": why is not None, "why": why or []}})
     (run_dir / "cells.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    artifacts = list(dict.fromkeys(a for a, _ in cells))
+    names = list(dict.fromkeys(a for a, _ in cells))
     record = RunRecord(id=run_id, kind="bench", host=host, started=started, llama_cpp={"commit": commit},
-                       artifacts=[{"name": a} for a in artifacts],
-                       matrix={**(matrix or Matrix().flags()), "rounds": len(cells) // max(1, len(artifacts))})
+                       gpu=gpu or {}, artifacts=[{"name": a, **(artifacts or {}).get(a, {})} for a in names],
+                       matrix={**(matrix or Matrix().flags()), "rounds": len(cells) // max(1, len(names))})
     record.seal(run_dir)
     return run_dir
 
@@ -71,5 +76,31 @@ def spec_run(root: Path, host: str, run_id: str, requests: list[dict[str, Any]],
     record = RunRecord(id=run_id, kind="spec", host=host, started="2026-11-30T06:00:00.000000Z",
                        server={"baseline": baseline, "contenders": [{"name": c} for c in contenders]},
                        extra={"repeats": repeats, "max_tokens": max_tokens, "temperatures": list(temperatures)})
+    record.seal(run_dir)
+    return run_dir
+
+
+def load_run(root: Path, host: str, run_id: str, levels: dict[int, list[dict[str, Any]]], *, server: str,
+             artifact: str, args: list[str] | None = None, max_tokens: int = 16, slot_ctx: int = 256,
+             started: str = "2026-11-30T07:00:00.000000Z") -> Path:
+    """A load curve as rigctl.bench_load.run_load writes it: ``levels``: concurrency -> its requests
+    (LoadRequest fields but level and index), each level's wall time the latest request's end."""
+    from dataclasses import asdict
+
+    from rigctl.bench_load import LoadRequest, summarize_level
+
+    run_dir = root / host / run_id
+    run_dir.mkdir(parents=True)
+    requests, summaries = [], []
+    for level, rows in levels.items():
+        done = [LoadRequest(level=level, index=i, **row) for i, row in enumerate(rows)]
+        requests += done
+        summaries.append(summarize_level(level, done, max(r.started_s + r.wall_s for r in done)))
+    (run_dir / "requests.jsonl").write_text("".join(json.dumps(asdict(r)) + "\n" for r in requests))
+    (run_dir / "levels.jsonl").write_text("".join(json.dumps(asdict(s)) + "\n" for s in summaries))
+    record = RunRecord(id=run_id, kind="load", host=host, started=started, concurrency=max(levels),
+                       server={"name": server, "slot_ctx": slot_ctx, "args": args or []},
+                       artifacts=[{"name": artifact}],
+                       extra={"levels": list(levels), "requests": None, "max_tokens": max_tokens})
     record.seal(run_dir)
     return run_dir

@@ -25,7 +25,7 @@ from rigctl.bench import (
     to_png,
 )
 from rigctl.errors import ConfigError
-from rigctl.remote.bench_task import llama_bench_argv, parse_temperature, plan_cells
+from rigctl.remote.bench_task import gguf_shape, llama_bench_argv, parse_reading, plan_cells, throttle_verdict
 from rigctl.results import ResultsStore, RunRecord
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -116,9 +116,57 @@ def test_yaml_spec_with_flag_overrides(tmp_path: Path) -> None:
         load_spec(path)
 
 
-def test_parse_temperature() -> None:
-    assert parse_temperature("41\n") == 41
-    assert parse_temperature("38, 0\n55, 1\n") == 38  # GPU 0
+def test_parse_reading() -> None:
+    # nvidia-smi --query-gpu=clocks.sm,clocks.mem,clocks.max.sm,power.draw,clocks_event_reasons.active,temperature.gpu
+    reading = parse_reading("1845, 7000, 2100, 61.32, 0x0000000000000000, 41\n210, 405, 2100, 5.1, 0x1, 30\n")
+    assert reading == {"sm_mhz": 1845, "mem_mhz": 7000, "max_sm_mhz": 2100, "power_w": 61.32, "reasons": 0,
+                       "temp_c": 41}  # GPU 0
+    # Laptop GPUs often report no power draw.
+    assert parse_reading("1500, 6000, 1785, [N/A], 0x0000000000000040, 87")["power_w"] is None
+    with pytest.raises(ValueError, match="expected 6 fields"):
+        parse_reading("41\n")
+
+
+def _reading(sm: int, reasons: int = 0, max_sm: int = 2000) -> dict:
+    return {"sm_mhz": sm, "mem_mhz": 7000, "max_sm_mhz": max_sm, "power_w": 60.0, "reasons": reasons, "temp_c": 50}
+
+
+def test_throttle_verdict() -> None:
+    steady = throttle_verdict([_reading(1900), _reading(1850)], 0.8)
+    assert not steady["throttled"] and steady["min_sm_fraction"] == pytest.approx(0.925)
+    # A card idling at the end of a cell (GPU-idle reason on) is not throttled for its low clock.
+    assert not throttle_verdict([_reading(1900), _reading(210, reasons=0x1)], 0.8)["throttled"]
+    slow = throttle_verdict([_reading(1900), _reading(1500)], 0.8)
+    assert slow["throttled"] and slow["why"] == ["SM clock at 75% of its max (below 80%)"]
+    hot = throttle_verdict([_reading(1900), _reading(1900, reasons=0x40)], 0.8)
+    assert hot["throttled"] and hot["why"] == ["reason hw_thermal_slowdown"]
+    assert hot["reasons"] == ["hw_thermal_slowdown"]
+    # Sync boost and application clocks are not heat or power.
+    assert not throttle_verdict([_reading(1900, reasons=0x12)], 0.8)["throttled"]
+    assert throttle_verdict([], 0.8) == {"throttled": False, "why": [], "min_sm_fraction": None, "reasons": [],
+                                         "samples": 0}
+
+
+def test_gguf_shape_reads_a_real_gguf_header(tmp_path: Path) -> None:
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(30)
+    writer.add_embedding_length(576)
+    writer.add_head_count(9)
+    writer.add_head_count_kv(3)
+    writer.add_context_length(8192)
+    writer.add_token_list([f"t{i}" for i in range(5000)])  # a vocabulary is skipped, not kept
+    writer.add_tensor("w", np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert gguf_shape(str(path)) == {"architecture": "llama", "block_count": 30, "embedding_length": 576,
+                                     "attention.head_count": 9, "attention.head_count_kv": 3,
+                                     "context_length": 8192}
+    (tmp_path / "not.gguf").write_bytes(b"GGML" + b"\0" * 20)
+    assert gguf_shape(str(tmp_path / "not.gguf")) is None
 
 
 # ----------------------------------------------------------------------------------------------- summary
@@ -148,9 +196,11 @@ def test_summary_statistics_come_from_the_repetitions() -> None:
     assert pp_fa1.ratio == {"q4_0": pytest.approx(2.0)}
 
 
-def test_rep_over_first() -> None:
-    assert rep_over_first([100.0, 99.0, 97.0]) == pytest.approx(0.98)
-    assert math.isnan(rep_over_first([100.0]))
+def test_rep_over_first_is_steady_over_cold_per_cell() -> None:
+    assert rep_over_first([[100.0, 99.0, 97.0]]) == pytest.approx(0.98)
+    # Each cell starts cold after its cool-down: its first repetition is cold, the rest steady.
+    assert rep_over_first([[100.0, 90.0], [110.0, 100.0]]) == pytest.approx(95.0 / 105.0)
+    assert math.isnan(rep_over_first([[100.0]]))
 
 
 def test_builds_and_hosts_are_kept_apart_unless_merged() -> None:
@@ -438,3 +488,58 @@ def test_server_speed_sweep_load_time_and_memory_per_context(served, tmp_path: P
         states = ssh.run("systemctl is-active llama-server@smollm2.service rigctl-ctxprobe-smollm2.service",
                          timeout=30, check=False).stdout.split()
     assert states == ["active", "inactive"]
+
+
+# ----------------------------------------------------------------------------------------------- clocks
+
+
+@pytest.mark.lab
+def test_a_card_that_throttles_mid_cell_is_marked_with_its_clock_series(served, tmp_path: Path) -> None:
+    from benchlab import rigctl
+
+    from rigctl.lab import Lab
+
+    lab = Lab.from_inventory(served)
+    # One reading per nvidia-smi call that asks for clocks (readings far apart: only the start and end of
+    # each cell). Cell 1: cool and free, starts at once; cell 2: the gate sees a HW thermal slowdown and
+    # waits one poll, the cell starts clean, then the card throttles (the last entry sticks).
+    fine = {"clocks_sm_mhz": 1950, "clocks_event_reasons": 0}
+    throttled = {"clocks_sm_mhz": 1100, "clocks_event_reasons": 0x20, "power_draw_w": 75.0}
+    lab.set_gpu("desktop", temperature=35, temperature_sequence=[], clocks_sm_mhz=1950, clocks_event_reasons=0,
+                clocks_sequence=[fine, fine, fine, {"clocks_event_reasons": 0x40}, fine, fine, throttled])
+    try:
+        done = rigctl("bench", "run", "-H", "desktop", "-m", "smollm2-135m-q4_1", "-p", "16", "-n", "4", "-r", "2",
+                      "-t", "1", "--rounds", "2", "--cooldown", "40", "--cooldown-poll", "0.5", "--clock-sample",
+                      "600", "--keep-servers", "--wait", results=tmp_path, timeout=600)
+    finally:
+        lab.set_gpu("desktop", clocks_sequence=[], clocks_sm_mhz=1950, clocks_event_reasons=0, power_draw_w=20.0)
+    assert done.returncode == 0, done.stdout + done.stderr
+    job_id = next(line.split()[2] for line in done.stdout.splitlines() if " started " in line)
+    store = ResultsStore(tmp_path)
+    run = store.find(f"desktop/{job_id}")
+    assert store.verify(run) == []
+    first, second = [json.loads(line) for line in (run.path / "cells.jsonl").read_text().splitlines()]
+    # The cool, unthrottled card: one reading and no wait.
+    assert first["cooldown"]["readings"] == [35] and first["cooldown"]["reasons"] == [0]
+    assert first["cooldown"]["waited_s"] < 0.5 and not first["throttle"]["throttled"]
+    # The gate held the second cell while the thermal reason was active.
+    assert second["cooldown"]["reasons"] == [0x40, 0] and second["cooldown"]["waited_s"] >= 0.5
+    assert second["throttle"] == {"throttled": True, "min_sm_fraction": pytest.approx(1100 / 1950, abs=1e-4),
+                                  "reasons": ["sw_thermal_slowdown"], "samples": 2,
+                                  "why": ["reason sw_thermal_slowdown", "SM clock at 56% of its max (below 80%)"]}
+    series = [json.loads(line) for line in (run.path / second["clocks"]).read_text().splitlines()]
+    assert [(r["sm_mhz"], r["reasons"], r["max_sm_mhz"]) for r in series] == [(1950, 0, 1950), (1100, 0x20, 1950)]
+    assert series[1]["power_w"] == 75.0 and series[0]["t_s"] < series[1]["t_s"]
+    assert second["clocks"] in {f.path for f in run.record.files}  # sealed with the run
+
+    summary = rigctl("bench", "summary", run.id, results=tmp_path, timeout=120)
+    assert summary.returncode == 0, summary.stderr
+    assert "(1 throttled cell left out)" in summary.stdout
+    assert (f"desktop/{run.id} cell 2 (smollm2-135m-q4_1): reason sw_thermal_slowdown; SM clock at 56% of its max"
+            in summary.stdout)
+    rows = summarize(load_run_samples(run))
+    tg = next(r for r in rows if r.test == "tg4")
+    raw = json.loads((run.path / first["raw"]).read_text())
+    values = next(e["samples_ts"] for e in raw if e["n_gen"] == 4)
+    assert tg.cells == 1 and tg.mean == pytest.approx(np.mean(values))  # only the clean cell's repetitions
+    assert (tg.cold, tg.steady) == (pytest.approx(values[0]), pytest.approx(values[1]))

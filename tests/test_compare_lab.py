@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -76,10 +77,10 @@ def test_lab_campaign_end_to_end(lab_served: Inventory, tmp_path: Path):
     store = ResultsStore(tmp_path / "results")
     steps: list[str] = []
     outcomes = run_campaign(loaded, lab_served, store, on_step=steps.append)
-    assert [o.status for o in outcomes] == ["ran"] * 7, [(o.step, o.status, o.error) for o in outcomes]
+    assert [o.status for o in outcomes] == ["ran"] * 8, [(o.step, o.status, o.error) for o in outcomes]
 
     # Compare and habits on the pulled runs: Q4_0 against Q4_1 per eval, question by question.
-    runs = {(r.record.task or {}).get("name", "bench") + "/" + ",".join(a["name"] for a in r.record.artifacts): r
+    runs = {(r.record.task or {}).get("name", r.record.kind) + "/" + ",".join(a["name"] for a in r.record.artifacts): r
             for r in store.runs()}
     for task in ("lab-suite", "lab-gsm8k", "lab-bfcl"):
         a, b = runs[f"{task}/smollm2-135m-q4_1"], runs[f"{task}/smollm2-135m-q4_0"]
@@ -96,13 +97,25 @@ def test_lab_campaign_end_to_end(lab_served: Inventory, tmp_path: Path):
 
     report = build_report(loaded, store, tmp_path / "report")
     checked = check_report(report.path)
-    assert checked["speed"] == 4 and checked["ratio"] == 2  # pp16 and tg4, two models
+    assert checked["speed"] == 8 and checked["ratio"] == 4  # pp16 and tg4 at depths 0 and 32, two models
     assert checked["quality"] == 2 * (3 + 1) + 2 + 2  # suite: 3 sets + overall; gsm8k, bfcl: overall
     assert checked["gap"] == 3 and checked["habits"] == 2 * (3 + 1 + 2)
     sections = {section for section, _, _ in tables(report.markdown)}
-    assert {"Speed", "Quality", "Quantisation cost", "Sensitivity", "Answer habits", "Runs"} <= sections
-    assert "Not pulled yet" not in report.markdown and len(report.charts) == 4
+    assert {"Speed", "Quality", "Quantisation cost", "Load", "Sensitivity", "Answer habits", "Runs"} <= sections
+    assert "Not pulled yet" not in report.markdown and len(report.charts) == 6  # speed, depth, 3 quality, load
+    # The depth sweep, side by side; the CPU rig has no bandwidth figure rather than a made-up one.
+    (depth,) = [rows for _, _, rows in tables(report.markdown) if rows and "d32" in rows[0]]
+    assert {r["test"] for r in depth} == {"pp16", "tg4"} and all(r["d0"] != "-" and r["d32"] != "-" for r in depth)
+    assert "Bandwidth bound: no bandwidth figure (" in report.markdown
+    # The load curve: both levels, every request answered, each number from the run's requests.jsonl.
+    load = runs["load/smollm2-135m-q4_1"]
+    (curve,) = [rows for section, _, rows in tables(report.markdown) if section == "Load"]
+    assert [r["concurrency"] for r in curve] == ["1", "2"] and all(r["errors"].startswith("[0]") for r in curve)
+    requests = [json.loads(line) for line in (load.path / "requests.jsonl").read_text().splitlines()]
+    assert len(requests) == 8 and all(r["ok"] and r["tokens"] == 8 and r["ttft_s"] > 0 for r in requests)
+    assert load.record.server["args"][load.record.server["args"].index("--parallel") + 1] == "2"
+    assert "Deployed decode against llama-bench" in sections
 
     # Resumable: a second run finds everything pulled and runs nothing.
     again = run_campaign(loaded, lab_served, store)
-    assert [o.status for o in again] == ["pulled"] * 7
+    assert [o.status for o in again] == ["pulled"] * 8

@@ -9,6 +9,7 @@ from handmade_runs import bench_record, bench_run, eval_run, spec_run
 from report_check import check_report, tables
 from test_compare import _rows
 
+from rigctl.bench import Matrix
 from rigctl.campaign import load_campaign, locate
 from rigctl.errors import ConfigError
 from rigctl.report import build_report
@@ -164,3 +165,71 @@ def test_shipped_campaigns_validate():
     lab = load_campaign(root / "lab.yml").campaign
     assert lab.benches[0].models == ["smollm2-135m-q4_1", "smollm2-135m-q4_0"]
     assert {(d.host, d.baseline) for d in reference.drafting} == {("desktop-3050", "qwen"), ("laptop-1650ti", "qwen")}
+
+
+# SmolLM2-135M's shape as the bench task reads it from the GGUF: 30 layers, 3 KV heads of 64.
+SHAPE = {"architecture": "llama", "block_count": 30, "embedding_length": 576, "attention.head_count": 9,
+         "attention.head_count_kv": 3}
+
+
+def _manifest(weights: int) -> dict:
+    return {"manifest": {"types": {"q4_0": {"tensors": 200, "bytes": weights - 10_000_000},
+                                   "f32": {"tensors": 60, "bytes": 10_000_000}}}, "gguf": SHAPE}
+
+
+def test_tg_above_the_bandwidth_bound_is_flagged_not_printed(tmp_path):
+    from rigctl.bandwidth import decode_bound
+
+    root = tmp_path / "results"
+    cells = []
+    for depth in (0, 4096):
+        # qwen at 133 t/s reading 2 GB a token through 224 GB/s: above the ~112 t/s bound, impossible.
+        cells.append(("qwen-q4_0", [bench_record((0, 128), [133.0 - depth / 1000, 131.0, 130.0], depth=depth)]))
+        cells.append(("gemma-qat", [bench_record((0, 128), [118.0 - depth / 1000, 116.0, 115.0], depth=depth)]))
+    # A third gemma cell ran throttled: slower, and left out of its mean.
+    cells.append(("gemma-qat", [bench_record((0, 128), [60.0, 58.0, 57.0])]))
+    matrix = {**Matrix().flags(), "n": [128], "p": [0], "d": [0, 4096]}
+    bench_run(root, "desktop", "bench-bw", cells, matrix=matrix, gpu={"name": "RTX 3050", "bandwidth_gbs": 224},
+              artifacts={"qwen-q4_0": _manifest(2_000_000_000), "gemma-qat": _manifest(1_500_000_000)},
+              throttled={5: ["reason hw_thermal_slowdown"]})
+    campaign = {**CAMPAIGN, "benches": [{"name": "speed", "hosts": ["desktop"], "models": ["qwen-q4_0", "gemma-qat"],
+                                         "matrix": {"n": [128], "p": [0], "d": [0, 4096]}}],
+                "evals": CAMPAIGN["evals"][:1], "comparisons": [], "drafting": []}
+    report = build_report(load_campaign(_write_campaign(tmp_path, campaign)), ResultsStore(root), tmp_path / "out")
+    checked = check_report(report.path)
+    assert checked["impossible"] == 2 and checked["speed"] == 2  # qwen's two figures; gemma's recomputed
+    text = report.markdown
+    (main, depth, bound) = [rows for section, heading, rows in tables(text) if heading == "speed on desktop"]
+    qwen = [r for r in main if r["test"] == "tg128"][0]
+    assert qwen["Qwen Q4_0 t/s"].startswith("[impossible") and "133" not in qwen["Qwen Q4_0 t/s"]
+    gemma = [r for r in main if r["test"] == "tg128"][0]["Gemma QAT t/s"]
+    assert gemma.endswith("(1 throttled cell left out)") and gemma.startswith("[116.33 ± 1.53]")
+    assert "- desktop/bench-bw cell 5 (gemma-qat): reason hw_thermal_slowdown" in text
+    by = {(r["test"], r["model"]): r for r in bound}
+    assert by[("tg128", "Qwen Q4_0")]["t/s"] == "-"
+    assert "IMPOSSIBLE: 1" in by[("tg128", "Qwen Q4_0")]["share of the bound"]
+    # Recomputed by hand: 1.5 GB of weights + 30 x 3 x (64 + 64) x 2 bytes of KV per token x 64 tokens.
+    kv = 30 * 3 * 128 * 2
+    expected = (116 + 1 / 3) / (224e9 / (1.5e9 + kv * 64))
+    assert f"{expected:.1%}" in by[("tg128", "Gemma QAT")]["share of the bound"]
+    assert decode_bound(116.0, bandwidth_gbs=224, artifact=_manifest(1_500_000_000),
+                        entry={"n_gen": 128, "n_depth": 4096, "n_gpu_layers": 99}).kv_bytes_per_token == kv
+    # The depth table: both depths side by side, and the first model's lead at each.
+    assert [r["model"] for r in depth] == ["Qwen Q4_0", "Gemma QAT", "Qwen Q4_0 / Gemma QAT"]
+    assert depth[1]["d4096"].startswith("[114.97]")  # (113.904 + 116 + 115) / 3
+    assert {c.name for c in report.charts} >= {"depth-speed-desktop.png", "speed-speed-desktop.png"}
+
+
+def test_cpu_runs_and_rigs_without_a_bandwidth_give_no_figure(tmp_path):
+    root = tmp_path / "results"
+    cells = [("qwen-q4_0", [bench_record((0, 128), [20.0, 19.0], ngl=0)]),
+             ("gemma-qat", [bench_record((0, 128), [18.0, 17.0], ngl=0)])]
+    bench_run(root, "desktop", "bench-cpu", cells, matrix={**Matrix().flags(), "n": [128], "p": [0], "ngl": [0]},
+              artifacts={"qwen-q4_0": _manifest(2_000_000_000), "gemma-qat": _manifest(1_500_000_000)})
+    campaign = {**CAMPAIGN, "benches": [{"name": "speed", "hosts": ["desktop"], "models": ["qwen-q4_0", "gemma-qat"],
+                                         "matrix": {"n": [128], "p": [0], "ngl": [0]}}],
+                "evals": CAMPAIGN["evals"][:1], "comparisons": [], "drafting": []}
+    report = build_report(load_campaign(_write_campaign(tmp_path, campaign)), ResultsStore(root), tmp_path / "out")
+    assert ("Bandwidth bound: no bandwidth figure (the inventory gives this GPU no gpu_host_gpu.bandwidth_gbs)."
+            in report.markdown)
+    assert check_report(report.path)["speed"] == 2

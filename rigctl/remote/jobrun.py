@@ -55,6 +55,8 @@ RESERVE_BYTES = 1 << 20
 #: Less free space than this after a failure: the failure is (most likely) the disk being full.
 DISK_FULL_BYTES = 16 << 20
 RUN_FILE = "run.json"
+#: sha256 of model files by path and file identity, beside the jobs directory.
+HASH_CACHE_FILE = "sha256-cache.json"
 STATE_FILE = "state.json"
 SPEC_FILE = "spec.json"
 _CHUNK = 1 << 20
@@ -262,16 +264,39 @@ class Job:
         return done.stdout if done.returncode == 0 else None
 
     def artifact(self, name: str, path: str) -> dict[str, Any]:
-        """A model file as the run record lists it: name, path, sha256 (hashed now), bytes, manifest."""
+        """A model file as the run record lists it: name, path, sha256, bytes, manifest. The sha256 is
+        hashed now, or taken from the host's hash cache when the file's identity (device, inode, size,
+        mtime and ctime, which no write or rename leaves as they were) is the one it was hashed with;
+        ``sha256_from`` says which."""
         if not os.path.isfile(path):
             raise TaskError(f"artifact {name}: {path} does not exist on {self.spec['host']}")
-        entry: dict[str, Any] = {"name": name, "path": path, "sha256": file_sha256(path),
+        digest, source = self._cached_sha256(path)
+        entry: dict[str, Any] = {"name": name, "path": path, "sha256": digest, "sha256_from": source,
                                  "bytes": os.path.getsize(path), "manifest": None}
         try:
             entry["manifest"] = json.loads(Path(path + ".manifest.json").read_text())
         except (OSError, ValueError):
             self.log(f"artifact {name}: no readable manifest beside {path}")
         return entry
+
+    def _cached_sha256(self, path: str) -> tuple[str, str]:
+        cache_path = Path(self.spec["job_dir"]).parent.parent / HASH_CACHE_FILE
+        st = os.stat(path)
+        identity = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+        try:
+            cache = json.loads(cache_path.read_text())
+        except (OSError, ValueError):
+            cache = {}
+        hit = cache.get(path) if isinstance(cache, dict) else None
+        if isinstance(hit, dict) and hit.get("identity") == identity and isinstance(hit.get("sha256"), str):
+            return hit["sha256"], f"cache (hashed {hit.get('hashed', '?')}, file unchanged since)"
+        digest = file_sha256(path)
+        if not isinstance(cache, dict):
+            cache = {}
+        cache[path] = {"identity": identity, "sha256": digest, "hashed": utc_now()}
+        with contextlib.suppress(OSError):
+            write_json_atomically(cache_path, cache)
+        return digest, "hashed now"
 
     def collect_facts(self) -> None:
         self.record["extra"]["host_facts"] = host_facts()
