@@ -19,7 +19,8 @@ BFCL = {"system": None, "messages": [{"role": "user", "content": "q"}],
         "function": {"name": "math.gcd", "parameters": {"type": "dict", "properties": {
             "a": {"type": "integer"}, "b": {"type": "float"}, "names": {"type": "array", "items": {"type": "string"}},
             "opts": {"type": "dict"}}, "required": ["a"]}},
-        "possible_answer": {"math.gcd": {"a": [12], "b": [1.5, ""], "names": [["x", "y"], ""], "opts": [{"k": [1]}, ""]}}}
+        "possible_answer": {"math.gcd": {"a": [12], "b": [1.5, ""], "names": [["x", "y"], ""],
+                                         "opts": [{"k": [1]}, ""]}}}
 CHOICE = {"system": None, "prompt": "q", "labels": ["yes", "no"], "gold": "yes"}
 TOKENS = {"yes": {"id": 1, "piece": "yes"}, "no": {"id": 2, "piece": "no"}}
 
