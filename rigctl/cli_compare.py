@@ -118,7 +118,7 @@ def print_flips(result: Comparison) -> None:
         counts = Table(title=f"flips, {pair.a.name} → {pair.b.name} (as recorded)")
         for column in ("set", "right→wrong", "wrong→right"):
             counts.add_column(column, justify="left" if column == "set" else "right")
-        for count in flip_counts(pair.flips):
+        for count in flip_counts(pair.flips, [g.set for g in pair.recorded.sets]):
             counts.add_row(count.set, str(count.right_to_wrong), str(count.wrong_to_right),
                            style="bold" if count.set == "overall" else None)
         console.print(counts)

@@ -266,10 +266,11 @@ class FlipCount:
     wrong_to_right: int
 
 
-def flip_counts(flips: Sequence[Flip]) -> list[FlipCount]:
-    """Per set and ``overall``: how many questions went right -> wrong and wrong -> right."""
+def flip_counts(flips: Sequence[Flip], sets: Sequence[str] = ()) -> list[FlipCount]:
+    """Per set (``sets``, plus any that flipped) and ``overall``: how many questions went right -> wrong
+    and wrong -> right."""
     out = []
-    by_set: dict[str, list[Flip]] = {}
+    by_set: dict[str, list[Flip]] = {name: [] for name in sets}
     for flip in flips:
         by_set.setdefault(flip.set, []).append(flip)
     for name, group in [*sorted(by_set.items()), (OVERALL, list(flips))]:

@@ -431,7 +431,7 @@ def _flips_section(compared: list[_Compared], links: _Links, out_dir: Path) -> l
         flips_md = out_dir / f"flips-{index}.md"
         _flip_file(flips_md, c, links)
         files = [flips_md, *c.pair.files]
-        for count in flip_counts(c.pair.flips):
+        for count in flip_counts(c.pair.flips, [g.set for g in c.pair.recorded.sets]):
             rows.append([c.name, c.evaluation, count.set, links.number(str(count.right_to_wrong), files),
                          links.number(str(count.wrong_to_right), files)])
     if not rows:

@@ -99,9 +99,12 @@ def test_lab_campaign_end_to_end(lab_served: Inventory, tmp_path: Path):
     assert checked["speed"] == 4 and checked["ratio"] == 2  # pp16 and tg4, two models
     assert checked["quality"] == 2 * (3 + 1) + 2 + 2  # suite: 3 sets + overall; gsm8k, bfcl: overall
     assert checked["gap"] == 3 and checked["habits"] == 2 * (3 + 1 + 2)
+    # b / c with McNemar's p and Holm over the 3 comparisons; flips of 3 + 1 + 1 sets and 3 overall rows, 2 ways.
+    assert checked["tests"] == 3 and checked["holm"] == 3 and checked["flips"] == 2 * (5 + 3)
     sections = {section for section, _, _ in tables(report.markdown)}
     assert {"Speed", "Quality", "Quantisation cost", "Sensitivity", "Answer habits", "Runs"} <= sections
-    assert "Not pulled yet" not in report.markdown and len(report.charts) == 4
+    assert "Not pulled yet" not in report.markdown and len(report.charts) == 5  # speed, 3 x quality, forest
+    assert "Smallest gap detectable at 80 % power" in report.markdown
 
     # Resumable: a second run finds everything pulled and runs nothing.
     again = run_campaign(loaded, lab_served, store)
