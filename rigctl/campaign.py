@@ -12,9 +12,14 @@ YAML file, the pulled runs that answer it, and running what is missing.
       - name: suite                  # the servers that answer it
         task: tasks/suite.yaml
         limit: null
-        runs: [{host: desktop, server: smollm2, artifact: smollm2-135m-q4_1}]
-    comparisons:                     # B - A per eval task (targets as "<artifact>@<host>")
-      - {name: ..., section: quantisation, a: smollm2-135m-q4_1@desktop, b: smollm2-135m-q4_0@desktop}
+        runs: [{host: desktop, server: smollm2, artifact: smollm2-135m-q4_1},
+               # fan-out: one run over several servers of the same artifact and build
+               {servers: [{host: desktop, server: smollm2}, {host: laptop, server: smollm2}],
+                artifact: smollm2-135m-q4_1}]
+    comparisons:                     # B - A per eval task (targets as "<artifact>@<host>[+<host>...]")
+      - {name: ..., section: quantisation, a: smollm2-135m-q4_1@desktop, b: smollm2-135m-q4_0@desktop,
+         equivalence_margin: 2}      # points; TOST says equivalent / different / not shown either way
+    equivalence_margin: 2            # the default for every comparison (none: no equivalence test)
     sensitivity: {cutoff_as_right: true, toolless_as_right: true, exclude: [civil_comments]}
     drafting:                        # drafter races (rigctl bench spec) through running instances
       - {name: mtp, host: desktop, baseline: qwen, drafters: [qwen-mtp], repeats: 3}
@@ -67,14 +72,55 @@ class CampaignBench(BenchSpec):
         return BenchSpec(**{**self.model_dump(exclude={"name"}), "hosts": [host]})
 
 
+class ServerRef(_Strict):
+    host: str
+    server: str
+
+
 class EvalTarget(_Strict):
+    """The servers that answer an eval: one (``host`` + ``server``) or several serving the same artifact
+    (``servers``; fan-out, one run). ``host`` and ``server`` name the first of them either way."""
+
     host: str
     server: str
     artifact: str
+    servers: list[ServerRef] = []
+
+    @model_validator(mode="before")
+    @classmethod
+    def _first_server(cls, data: object) -> object:
+        if isinstance(data, dict) and data.get("servers") is not None:
+            if "host" in data or "server" in data:
+                raise ValueError("give host and server, or servers, not both")
+            servers = data["servers"]
+            if not isinstance(servers, list) or len(servers) < 2:
+                raise ValueError("servers: a fan-out needs a list of at least two {host, server}")
+            first = servers[0] if isinstance(servers[0], dict) else {}
+            data = {**data, "host": first.get("host"), "server": first.get("server")}
+        return data
+
+    @model_validator(mode="after")
+    def _distinct(self) -> EvalTarget:
+        pairs = [(s.host, s.server) for s in self.members]
+        if len(set(pairs)) != len(pairs):
+            raise ValueError("servers: a server is listed twice")
+        return self
+
+    @property
+    def members(self) -> list[ServerRef]:
+        return list(self.servers) or [ServerRef(host=self.host, server=self.server)]
+
+    @property
+    def fanout(self) -> bool:
+        return len(self.members) > 1
+
+    @property
+    def hosts(self) -> list[str]:
+        return list(dict.fromkeys(s.host for s in self.members))
 
     @property
     def id(self) -> str:
-        return f"{self.artifact}@{self.host}"
+        return f"{self.artifact}@{'+'.join(self.hosts)}"
 
 
 class CampaignEval(_Strict):
@@ -91,6 +137,7 @@ class CampaignComparison(_Strict):
     a: str  # eval target ids (<artifact>@<host>)
     b: str
     evals: list[str] = []  # none: every eval both targets ran
+    equivalence_margin: float | None = Field(default=None, gt=0, le=100)  # points; none: the campaign's
 
 
 class Sensitivity(_Strict):
@@ -136,6 +183,7 @@ class Campaign(_Strict):
     drafting: list[CampaignDrafting] = []
     loads: list[CampaignLoad] = []
     not_measured: list[str] = []
+    equivalence_margin: float | None = Field(default=None, gt=0, le=100)  # points, for every comparison
     seed: int = 0
     resamples: int = Field(default=10_000, ge=100)
 
@@ -151,8 +199,9 @@ class Campaign(_Strict):
             if unknown:
                 raise ValueError(f"comparison {comparison.name!r}: no eval named {', '.join(unknown)}")
         hosts = set(self.hosts)
-        used = {h for b in self.benches for h in b.hosts} | {t.host for e in self.evals for t in e.runs} | {
-            d.host for d in self.drafting} | {load.host for load in self.loads}
+        used = {h for b in self.benches for h in b.hosts} | {
+            h for e in self.evals for t in e.runs for h in t.hosts} | {d.host for d in self.drafting} | {
+            load.host for load in self.loads}
         if used - hosts:
             raise ValueError(f"hosts not listed under hosts: {', '.join(sorted(used - hosts))}")
         for name in [m for b in self.benches for m in b.models] + [t.artifact for e in self.evals for t in e.runs]:
@@ -169,6 +218,11 @@ class Campaign(_Strict):
     def label(self, artifact: str) -> str:
         info = self.artifacts.get(artifact)
         return info.label if info else artifact
+
+    def margin(self, comparison: CampaignComparison) -> float | None:
+        """The comparison's equivalence margin in points (its own, else the campaign's)."""
+        return comparison.equivalence_margin if comparison.equivalence_margin is not None \
+            else self.equivalence_margin
 
     def target_label(self, target_id: str) -> str:
         artifact, _, host = target_id.partition("@")
@@ -241,11 +295,21 @@ def load_matches(run: StoredRun, load: CampaignLoad) -> bool:
             and extra.get("max_tokens") == load.max_tokens)
 
 
+def run_servers(run: StoredRun) -> set[tuple[str, str]]:
+    """(host, server) of every server that answered an eval run (several for a fan-out)."""
+    server = run.record.server or {}
+    members = server.get("fanout") or [server]
+    return {(str(m.get("host") or run.host), str(m.get("name"))) for m in members}
+
+
 def eval_matches(run: StoredRun, task_name: str, target: EvalTarget) -> bool:
     record = run.record
     if record.kind != "eval" or run.host != target.host or (record.task or {}).get("name") != task_name:
         return False
     server = record.server or {}
+    if target.fanout or server.get("fanout"):
+        wanted = {(s.host, s.server) for s in target.members}
+        return run_servers(run) == wanted and target.artifact in _artifact_names(run)
     return target.artifact in _artifact_names(run) or server.get("name") == target.server
 
 
@@ -336,63 +400,94 @@ def _run_bench(inventory: Inventory, bench: CampaignBench, host_name: str, store
     return f"{host_name}/{job_id}"
 
 
-def _ensure_server(inventory: Inventory, target: EvalTarget, on_step: OnStep) -> bool:
-    """Start the target's llama-server unit when it is not answering; True when this call started it."""
+def _ensure_server(inventory: Inventory, member: ServerRef, on_step: OnStep) -> bool:
+    """Start a llama-server unit when it is not answering; True when this call started it."""
     from rigctl.server import Endpoint, ServerClient
     from rigctl.servers import operator_start, unit_name
     from rigctl.ssh import SshClient, SshTarget
 
-    host = inventory.host(target.host)
-    with ServerClient(Endpoint.from_inventory(host, target.server)) as client:
+    host = inventory.host(member.host)
+    with ServerClient(Endpoint.from_inventory(host, member.server)) as client:
         if client.health().ok:
             return False
-        on_step(f"{target.host}: starting llama-server@{target.server} for the eval")
+        on_step(f"{member.host}: starting llama-server@{member.server} for the eval")
         with SshClient(SshTarget.from_host(host)) as ssh:
-            ssh.run(operator_start([unit_name(target.server)]), timeout=60, check=True)
+            ssh.run(operator_start([unit_name(member.server)]), timeout=60, check=True)
         client.wait_healthy(SERVER_START_TIMEOUT_S)
     return True
 
 
-def _stop_server(inventory: Inventory, target: EvalTarget) -> None:
+def _stop_server(inventory: Inventory, member: ServerRef) -> None:
     from rigctl.ssh import SshClient, SshTarget
 
-    with SshClient(SshTarget.from_host(inventory.host(target.host))) as ssh:
-        ssh.run(f"systemctl stop llama-server@{target.server}.service", timeout=60, check=True)
+    with SshClient(SshTarget.from_host(inventory.host(member.host))) as ssh:
+        ssh.run(f"systemctl stop llama-server@{member.server}.service", timeout=60, check=True)
+
+
+def _start_single(inventory: Inventory, loaded: LoadedCampaign, evaluation: CampaignEval, target: EvalTarget,
+                  task, options, store: ResultsStore):
+    from rigctl.build import read_builds
+    from rigctl.evals import runner
+    from rigctl.server import Endpoint
+
+    host = inventory.host(target.host)
+    build = read_builds(host).current
+    instance = next((s for s in host.servers if s.name == target.server), None)
+    gpu = host.gpu
+    return runner.start_run(
+        task, Endpoint.from_inventory(host, target.server), store, target.host, options=options,
+        limit=evaluation.limit,
+        server={"name": target.server, "host": target.host, "profile": instance.profile if instance else None},
+        artifacts=[{"name": target.artifact}],
+        gpu={"name": gpu.name, "vram_mib": gpu.vram_mib, "compute_capability": gpu.compute_capability}
+        if gpu else None,
+        llama_cpp={"commit": build.commit, "version": build.version, "build_key": build.key} if build else None,
+        extra={"campaign": loaded.campaign.name})
+
+
+def _start_fanout(inventory: Inventory, loaded: LoadedCampaign, evaluation: CampaignEval, target: EvalTarget,
+                  task, options, store: ResultsStore):
+    """A fan-out target: every server's artifact sha256 and build read from its host and checked alike."""
+    from rigctl.evals import runner
+    from rigctl.evals.fanout import FanOut
+    from rigctl.evals.target import inventory_target
+
+    fanout = FanOut.of([inventory_target(inventory.host(m.host), m.server) for m in target.members])
+    for member in fanout.targets:
+        if member.server.get("artifact") != target.artifact:
+            raise ConfigError(f"{member.host}/{member.server.get('name')} serves {member.server.get('artifact')}, "
+                              f"not {target.artifact}")
+    first = fanout.first
+    return runner.start_run(task, fanout.endpoints, store, first.host, options=options, limit=evaluation.limit,
+                            server=first.server, artifacts=first.artifacts, gpu=first.gpu,
+                            llama_cpp=first.llama_cpp, fanout=fanout.member_facts(),
+                            extra={"campaign": loaded.campaign.name})
 
 
 def _run_eval(inventory: Inventory, loaded: LoadedCampaign, evaluation: CampaignEval, target: EvalTarget,
               store: ResultsStore, unfinished: StoredRun | None, on_step: OnStep) -> str:
-    from rigctl.build import read_builds
     from rigctl.evals import runner
     from rigctl.evals.tasks import load_task
     from rigctl.server import Endpoint
 
-    host = inventory.host(target.host)
-    endpoint = Endpoint.from_inventory(host, target.server)
-    started_here = _ensure_server(inventory, target, on_step)
+    endpoints = [Endpoint.from_inventory(inventory.host(m.host), m.server) for m in target.members]
+    started_here: list[ServerRef] = []
     try:
+        for member in target.members:
+            if _ensure_server(inventory, member, on_step):
+                started_here.append(member)
         if unfinished is not None:
-            run_dir, record, task, options = runner.resume_run(store, f"{unfinished.host}/{unfinished.id}", endpoint)
+            run_dir, record, task, options = runner.resume_run(store, f"{unfinished.host}/{unfinished.id}", endpoints)
         else:
             task = load_task(loaded.task_ref(evaluation), limit=evaluation.limit)
             options = runner.Options(concurrency=evaluation.concurrency, seed=loaded.campaign.seed)
-            build = read_builds(host).current
-            instance = next((s for s in host.servers if s.name == target.server), None)
-            gpu = host.gpu
-            run_dir, record = runner.start_run(
-                task, endpoint, store, target.host, options=options, limit=evaluation.limit,
-                server={"name": target.server, "host": target.host,
-                        "profile": instance.profile if instance else None},
-                artifacts=[{"name": target.artifact}],
-                gpu={"name": gpu.name, "vram_mib": gpu.vram_mib, "compute_capability": gpu.compute_capability}
-                if gpu else None,
-                llama_cpp={"commit": build.commit, "version": build.version, "build_key": build.key} if build else None,
-                extra={"campaign": loaded.campaign.name})
+            start = _start_fanout if target.fanout else _start_single
+            run_dir, record = start(inventory, loaded, evaluation, target, task, options, store)
         on_step(f"eval {evaluation.name} {target.id}: run {record.id} ({len(task.questions)} questions)")
-        runner.run(task, endpoint, run_dir, record, options)
+        runner.run(task, endpoints, run_dir, record, options)
     finally:
-        if started_here:
-            _stop_server(inventory, target)
+        for member in started_here:
+            _stop_server(inventory, member)
     return f"{target.host}/{record.id}"
 
 

@@ -42,10 +42,27 @@ def _labels(counts: dict[str, int], limit: int = 4) -> str:
     return text + (f", +{len(items) - limit} more" if len(items) > limit else "") if items else "-"
 
 
-def print_eval_comparison(result: Comparison) -> None:
-    from rigctl.compare import points
+def _test_cells(gap) -> list[str]:
+    """b / c (discordant questions) and the exact test's p-value of a gap."""
+    from rigctl.compare import p_text
 
-    for pair in result.pairs:
+    test = gap.test
+    if test is None:
+        return ["-", "-"]
+    counts = f"{test.b} / {test.c}" if test.b is not None else "graded"
+    return [counts, p_text(test.p)]
+
+
+def _verdict_cell(gap, margin: float | None, p: float | None = None) -> str:
+    from rigctl.stats import verdict_text
+
+    return verdict_text(gap.verdict(p), margin) if margin is not None else "-"
+
+
+def print_eval_comparison(result: Comparison) -> None:
+    from rigctl.compare import p_text, points
+
+    for index, pair in enumerate(result.pairs):
         title = f"{pair.b.name} ({pair.b.label}) - {pair.a.name} ({pair.a.label}): task {pair.task}"
         if pair.forced:
             err_console.print(f"warning: compared with --force: {pair.forced}", markup=False, highlight=False)
@@ -53,13 +70,20 @@ def print_eval_comparison(result: Comparison) -> None:
             err_console.print(f"note: {pair.only_a} questions only in {pair.a.name}, {pair.only_b} only in "
                               f"{pair.b.name}; left out", markup=False, highlight=False)
         table = Table(title=title)
-        for column in ("set", "n", "A", "B", "B - A, points [95%]"):
+        columns = ["set", "n", "A", "B", "B - A, points [95%]", "b / c", "p (exact)"]
+        columns += [f"±{pair.margin:g} points"] if pair.margin is not None else []
+        for column in columns:
             table.add_column(column, justify="left" if column == "set" else "right")
         recorded = pair.recorded
         for gap in [*recorded.sets, recorded.overall]:
-            table.add_row(gap.set, str(gap.n), f"{gap.score_a:.3f}", f"{gap.score_b:.3f}", points(gap.gap),
-                          style="bold" if gap.set == "overall" else None)
+            cells = [gap.set, str(gap.n), f"{gap.score_a:.3f}", f"{gap.score_b:.3f}", points(gap.gap),
+                     *_test_cells(gap)]
+            cells += [_verdict_cell(gap, pair.margin)] if pair.margin is not None else []
+            table.add_row(*cells, style="bold" if gap.set == "overall" else None)
         console.print(table)
+        if len(result.pairs) > 1:
+            console.print(f"overall p (Holm-adjusted across the {len(result.pairs)} pairs): "
+                          f"{p_text(result.holm[index])}", markup=False, highlight=False)
         if len(pair.variants) > 1:
             sens = Table(title="sensitivity: the overall gap under each switch")
             for column in ("scoring", "n", "A", "B", "B - A, points [95%]", "moved"):
@@ -79,6 +103,58 @@ def print_eval_comparison(result: Comparison) -> None:
         for run, row in zip(result.runs, result.matrix(), strict=True):
             matrix.add_row(run.label, *("-" if gap is None else points(gap.gap) for gap in row))
         console.print(matrix)
+
+
+def _clip(text: str, width: int = 70) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= width else flat[: width - 1] + "…"
+
+
+def print_flips(result: Comparison) -> None:
+    """Per pair: right→wrong and wrong→right counts per set, then every flipped question with both replies."""
+    from rigctl.compare import flip_counts
+
+    for pair in result.pairs:
+        counts = Table(title=f"flips, {pair.a.name} → {pair.b.name} (as recorded)")
+        for column in ("set", "right→wrong", "wrong→right"):
+            counts.add_column(column, justify="left" if column == "set" else "right")
+        for count in flip_counts(pair.flips, [g.set for g in pair.recorded.sets]):
+            counts.add_row(count.set, str(count.right_to_wrong), str(count.wrong_to_right),
+                           style="bold" if count.set == "overall" else None)
+        console.print(counts)
+        if not pair.flips:
+            continue
+        table = Table(title=f"flipped questions: A = {pair.a.name}, B = {pair.b.name}")
+        for column in ("set", "id", "flip", "A replied", "B replied"):
+            table.add_column(column, overflow="fold")
+        for flip in pair.flips:
+            table.add_row(flip.set, flip.id, flip.direction, _clip(flip.reply_a), _clip(flip.reply_b))
+        console.print(table)
+        a_file, b_file = pair.files
+        console.print(f"replies in full: {a_file} and {b_file}", markup=False, highlight=False, soft_wrap=True)
+
+
+def print_plan(result: Comparison) -> None:
+    """The smallest gap each pair can detect (two-sided 5 %, 80 % power) with its observed discordance,
+    at the questions in hand and at multiples of them."""
+    from rigctl.compare import gap_points
+    from rigctl.stats import detectable_gap
+
+    scales = (1, 2, 4, 10)
+    table = Table(title="smallest gap detectable at 80 % power (two-sided 5 %), from the observed discordance")
+    for column in ("pair", "set", "n", "discordant", *(f"{k}x n" if k > 1 else "at n" for k in scales)):
+        table.add_column(column, justify="left" if column in ("pair", "set") else "right")
+    for pair in result.pairs:
+        for gap in [*pair.recorded.sets, pair.recorded.overall]:
+            test = gap.test
+            binary = test is not None and test.b is not None
+            # Graded scores: the normal-approximation gap shrinks with the square root of n.
+            cells = [gap_points(detectable_gap(gap.n * k, discordance=test.discordance) if binary
+                                else gap.detectable / math.sqrt(k)) for k in scales]
+            discordant = f"{test.b + test.c} ({test.discordance:.0%})" if binary else "graded"
+            table.add_row(f"{pair.b.name} - {pair.a.name}", gap.set, str(gap.n), discordant, *cells,
+                          style="bold" if gap.set == "overall" else None)
+    console.print(table)
 
 
 def print_habits(habits: list[RunHabits]) -> None:
@@ -125,13 +201,22 @@ def compare(
     exclude: Annotated[list[str] | None, typer.Option("--exclude", help="Also leave out these sets (repeat or "
                                                                         "comma-separate).")] = None,
     by: Annotated[str, typer.Option(help="Bench runs: sides by auto, run, model or build.")] = "auto",
+    flips: Annotated[bool, typer.Option("--flips", help="Also list the questions that flipped (right→wrong, "
+                                                        "wrong→right) with both replies.")] = False,
+    margin: Annotated[float | None, typer.Option(
+        "--equivalence-margin", metavar="POINTS",
+        help="Test equivalence within ±POINTS (TOST): says equivalent, different, or not shown either way.")] = None,
+    plan: Annotated[bool, typer.Option("--plan", help="Also print the smallest gap detectable at 80 % power "
+                                                      "with these runs' discordance, at n and more questions.")
+                    ] = False,
     results: ResultsOption = None,
     seed: SeedOption = DEFAULT_SEED,
     resamples: ResamplesOption = DEFAULT_RESAMPLES,
 ) -> None:
     """Paired per-question gaps with 95% bootstrap intervals per set and overall (a matrix for more than
-    two runs), how the gap moves under each sensitivity switch, and answer habits; for bench runs,
-    t/s ratios per test with intervals from the per-repetition samples."""
+    two runs), McNemar's exact test (right/wrong) or a sign-flip test (graded) with the discordant counts,
+    how the gap moves under each sensitivity switch, and answer habits; for bench runs, t/s ratios per
+    test with intervals from the per-repetition samples."""
     from rigctl.compare import answer_habits, compare_bench_runs, compare_runs, ratio_text
 
     store = ResultsStore(results)
@@ -153,8 +238,13 @@ def compare(
         return
     sets = tuple(s for item in exclude or [] for s in item.split(",") if s)
     result = compare_runs(stored, cutoff_as_right=cutoff_as_right, toolless_as_right=toolless_as_right,
-                          exclude=sets, force=force, resamples=resamples, seed=seed, exclude_origin="--exclude")
+                          exclude=sets, force=force, resamples=resamples, seed=seed, exclude_origin="--exclude",
+                          margin=margin)
     print_eval_comparison(result)
+    if flips:
+        print_flips(result)
+    if plan:
+        print_plan(result)
     print_habits([answer_habits(run) for run in stored])
 
 

@@ -72,8 +72,11 @@ class _Bar:
 def eval_run(
     task: Annotated[str | None, typer.Option("--task", "-t", help="Shipped task name (see `rigctl eval tasks`) "
                                              "or a task file.")] = None,
-    host: Annotated[str | None, typer.Option("--host", help="Inventory host (with --server).")] = None,
-    server: Annotated[str | None, typer.Option("--server", "-s", help="llama_server instance on --host.")] = None,
+    host: Annotated[list[str] | None, typer.Option(
+        "--host", help="Inventory host (with --server). Repeat the pair to fan out over several servers of "
+                       "the same artifact and build: one run, questions dealt to whichever server is free.")] = None,
+    server: Annotated[list[str] | None, typer.Option("--server", "-s", help="llama_server instance on the "
+                                                                              "--host before it.")] = None,
     url: Annotated[str | None, typer.Option("--url", help="Server URL: any OpenAI-compatible endpoint, or an "
                                             "override for --host/--server.")] = None,
     api_key_file: Annotated[Path | None, typer.Option(
@@ -92,37 +95,45 @@ def eval_run(
     results: Annotated[Path | None, typer.Option("--results", envvar="RIGCTL_RESULTS",
                                                  help="Results store (default ./results).")] = None,
 ) -> None:
-    """Run a task against one server: N requests at a time, greedy, thinking off, every answer kept."""
+    """Run a task against one server, or fanned out over several that serve the same artifact and build:
+    N requests at a time per server, greedy, thinking off, every answer kept with the server that gave it."""
     from rigctl.evals import runner
+    from rigctl.evals.fanout import FanOut
     from rigctl.evals.target import inventory_target, url_target
     from rigctl.evals.tasks import load_task
-    from rigctl.results import ResultsStore
+    from rigctl.results import ResultsStore, read_jsonl
 
     store = ResultsStore(results)
     api_key = read_api_key(api_key_file)
     if remote and api_key:
         raise ConfigError("--remote asks the server with the key the llama_server role installed on the host; "
                           "--api-key-file and RIGCTL_API_KEY are for runs from here")
-    if (host is None) != (server is None):
-        raise ConfigError("--host and --server go together (or give --url alone)")
-    if host and server:
-        target = inventory_target(_inventory().host(host), server, url=url, api_key=api_key)
+    hosts, servers = host or [], server or []
+    if len(hosts) != len(servers):
+        raise ConfigError(f"--host and --server go in pairs (or give --url alone): got {len(hosts)} --host and "
+                          f"{len(servers)} --server")
+    if len(hosts) > 1 and (url or remote):
+        raise ConfigError(f"a fan-out over {len(hosts)} servers takes neither --url nor --remote")
+    if hosts:
+        inventory = _inventory()
+        targets = [inventory_target(inventory.host(h), s, url=url, api_key=api_key, facts=not resume)
+                   for h, s in zip(hosts, servers, strict=True)]
     elif url:
-        target = url_target(url, api_key=api_key)
+        targets = [url_target(url, api_key=api_key)]
     elif resume:
-        run = store.find(resume)
-        endpoint = (run.record.server or {}).get("endpoint")
-        if not endpoint:
-            raise ConfigError(f"run {resume}: no server endpoint recorded; give --url or --host/--server")
-        target = url_target(endpoint, api_key=api_key, host=run.host)
+        targets = _recorded_targets(store.find(resume), api_key)
     else:
         raise ConfigError("give --host and --server, or --url")
+    fanout = FanOut.of(targets) if len(targets) > 1 and not resume else FanOut(tuple(targets))
+    target = fanout.first
+    endpoints = fanout.endpoints
 
     if resume:
         if remote:
             raise ConfigError("--resume runs from here; a remote run is redone with --remote")
-        run_dir, record, loaded, options = runner.resume_run(store, resume, target.endpoint)
-        console.print(f"resuming {record.host}/{record.id}: {loaded.name} against {target.endpoint}", highlight=False)
+        run_dir, record, loaded, options = runner.resume_run(store, resume, endpoints)
+        console.print(f"resuming {record.host}/{record.id}: {loaded.name} against {fanout.describe()}",
+                      highlight=False)
     else:
         if task is None:
             raise ConfigError("--task is required (or --resume RUN)")
@@ -140,17 +151,22 @@ def eval_run(
             print_summary(summary, loaded.scorer, f"{loaded.name} on {target.endpoint} (job)")
             console.print(f"{run.host}/{run.id}: pulled to {run.path}", highlight=False)
             return
-        run_dir, record = runner.start_run(loaded, target.endpoint, store, target.host, options=options, limit=limit,
+        run_dir, record = runner.start_run(loaded, endpoints, store, target.host, options=options, limit=limit,
                                            server=target.server, artifacts=target.artifacts, gpu=target.gpu,
-                                           llama_cpp=target.llama_cpp)
+                                           llama_cpp=target.llama_cpp, fanout=fanout.member_facts())
         console.print(f"{record.host}/{record.id}: {loaded.name}, {len(loaded.questions)} questions against "
-                      f"{target.endpoint}, {options.concurrency} at a time", highlight=False)
+                      f"{fanout.describe()}, {options.concurrency} at a time" +
+                      (" per server" if len(endpoints) > 1 else ""), highlight=False)
     done = len(runner.answered(run_dir / "answers.jsonl"))
     bar = _Bar(len(loaded.questions), done)
     started = time.monotonic()
     with bar.progress:
-        summary = runner.run(loaded, target.endpoint, run_dir, record, options, on_answer=bar.answer)
-    print_summary(summary, loaded.scorer, f"{loaded.name} on {target.endpoint}")
+        summary = runner.run(loaded, endpoints, run_dir, record, options, on_answer=bar.answer)
+    print_summary(summary, loaded.scorer, f"{loaded.name} on {fanout.describe()}")
+    if len(endpoints) > 1:
+        rows = read_jsonl(run_dir / "answers.jsonl")
+        shares = ", ".join(f"{e.label} {sum(r.get('server') == e.label for r in rows)}" for e in endpoints)
+        console.print(f"answers per server: {shares}", markup=False, highlight=False)
     console.print(f"{record.host}/{record.id}: {time.monotonic() - started:.0f} s, answers in "
                   f"{run_dir / 'answers.jsonl'}", highlight=False)
 
@@ -167,6 +183,28 @@ def read_api_key(path: Path | None) -> str | None:
     if not key:
         raise ConfigError(f"--api-key-file {path}: empty")
     return key
+
+
+def _recorded_targets(run: Any, api_key: str | None) -> list[Any]:
+    """The servers a stopped run started with, for ``--resume`` without --host/--server: inventory servers
+    where the inventory still has them (keys and addresses from there), else the recorded endpoints."""
+    from rigctl.evals.runner import recorded_servers
+    from rigctl.evals.target import inventory_target, url_target
+
+    targets = []
+    inventory = None
+    for entry in recorded_servers(run.record):
+        endpoint = entry.get("endpoint")
+        if not endpoint:
+            raise ConfigError(f"run {run.host}/{run.id}: no server endpoint recorded; give --url or --host/--server")
+        host_name, name = entry.get("host"), entry.get("name")
+        if host_name and name:
+            inventory = inventory or _inventory()
+            if host_name in inventory.hosts:
+                targets.append(inventory_target(inventory.host(host_name), str(name), api_key=api_key, facts=False))
+                continue
+        targets.append(url_target(str(endpoint), api_key=api_key, host=run.host))
+    return targets
 
 
 @eval_app.command("tasks")

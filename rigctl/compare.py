@@ -1,11 +1,17 @@
-"""Compare pulled runs: paired score gaps with bootstrap intervals, sensitivity switches, answer
-habits, and speed ratios of bench runs.
+"""Compare pulled runs: paired score gaps with bootstrap intervals, exact paired tests, equivalence
+(TOST), flipped questions, the smallest detectable gap, sensitivity switches, answer habits, and
+speed ratios of bench runs.
 
 Eval runs are compared question by question: each run's ``answers.jsonl`` (one line per question
 with ``id``, ``set``, ``score``, ``cutoff`` and scorer keys such as ``toolless``, ``missed_call``,
 ``pred``, ``gold``) is keyed by ``(set, id)`` and only questions both runs answered are paired.
 Two runs are comparable when their task file and dataset hashes agree; otherwise
 :func:`compare_runs` refuses with the reason unless ``force``.
+
+Each gap carries McNemar's exact test (right/wrong scores: the discordant counts b and c) or a
+sign-flip permutation test (graded scores), with an equivalence margin a TOST and a verdict, and the
+smallest gap detectable at 80 % power with the observed discordance (:mod:`rigctl.stats`). The
+questions that flipped between the runs (right -> wrong, wrong -> right) are kept with both replies.
 
 Sensitivity switches re-score before pairing, answering the sceptic's questions: every cut-off
 reply as right, every tool-less reply as right, some sets left out. Each comparison carries the
@@ -33,7 +39,22 @@ from typing import Any
 from rigctl.bench import RAW_DIR, BenchSample, counted, load_run_samples
 from rigctl.errors import ConfigError
 from rigctl.results import ANSWERS_FILE, StoredRun, read_jsonl
-from rigctl.stats import DEFAULT_RESAMPLES, DEFAULT_SEED, Interval, bootstrap_mean, bootstrap_ratio, paired_bootstrap
+from rigctl.stats import (
+    DEFAULT_RESAMPLES,
+    DEFAULT_SEED,
+    Equivalence,
+    Interval,
+    PairedTest,
+    Verdict,
+    bootstrap_mean,
+    bootstrap_ratio,
+    holm,
+    paired_bootstrap,
+    paired_test,
+    planned_gap,
+    tost,
+    verdict,
+)
 
 log = logging.getLogger(__name__)
 
@@ -173,13 +194,92 @@ class Scoring:
 
 @dataclass(frozen=True)
 class SetGap:
-    """One set (or ``overall``): both runs' mean scores on the paired questions and B - A with its interval."""
+    """One set (or ``overall``): both runs' mean scores on the paired questions and B - A with its interval,
+    its paired test, the TOST against the equivalence margin (when one is given) and the smallest gap
+    detectable at 80 % power with this many questions and the observed discordance."""
 
     set: str
     n: int
     score_a: float
     score_b: float
     gap: Interval
+    test: PairedTest | None = None
+    equivalence: Equivalence | None = None
+    detectable: float = math.nan
+
+    def verdict(self, p: float | None = None) -> Verdict:
+        """Equivalent / different / not shown; ``p`` overrides the test's p-value (e.g. Holm-adjusted)."""
+        if self.test is None:
+            return "not shown"
+        return verdict(self.test, self.equivalence, p=p)
+
+    def mirrored(self) -> SetGap:
+        """The same gap read as A - B."""
+        gap = self.gap
+        return SetGap(self.set, self.n, self.score_b, self.score_a,
+                      Interval(-gap.estimate, -gap.high, -gap.low, gap.n, gap.resamples, gap.level, gap.method),
+                      self.test.mirrored() if self.test else None,
+                      self.equivalence.mirrored() if self.equivalence else None, self.detectable)
+
+
+@dataclass(frozen=True)
+class Flip:
+    """A question one run got right and the other wrong (for graded scores: scored lower or higher)."""
+
+    set: str
+    id: str
+    score_a: float
+    score_b: float
+    reply_a: str
+    reply_b: str
+
+    @property
+    def direction(self) -> str:
+        return "right→wrong" if self.score_b < self.score_a else "wrong→right"
+
+
+def reply_text(row: dict[str, Any]) -> str:
+    """What a run answered, as a reader wants to see it: the tool calls, else the reply text, else the
+    picked label (choice sets)."""
+    calls = row.get("tool_calls")
+    if calls:
+        return json.dumps(calls, ensure_ascii=False, sort_keys=True)
+    reply = row.get("reply")
+    if isinstance(reply, str) and reply:
+        return reply
+    if "pred" in row:
+        return f"label {_label(row['pred']) or '(none)'}"
+    return ""
+
+
+def flips_of(rows_a: list[dict[str, Any]], rows_b: list[dict[str, Any]], scoring: Scoring) -> list[Flip]:
+    """Every paired question whose score differs between A and B under ``scoring``, in (set, id) order."""
+    a, b = scoring.scores(rows_a), scoring.scores(rows_b)
+    by_key_a = {(str(r["set"]), str(r["id"])): r for r in rows_a}
+    by_key_b = {(str(r["set"]), str(r["id"])): r for r in rows_b}
+    return [Flip(set=key[0], id=key[1], score_a=a[key], score_b=b[key], reply_a=reply_text(by_key_a[key]),
+                 reply_b=reply_text(by_key_b[key]))
+            for key in sorted(set(a) & set(b)) if a[key] != b[key]]
+
+
+@dataclass(frozen=True)
+class FlipCount:
+    set: str
+    right_to_wrong: int
+    wrong_to_right: int
+
+
+def flip_counts(flips: Sequence[Flip], sets: Sequence[str] = ()) -> list[FlipCount]:
+    """Per set (``sets``, plus any that flipped) and ``overall``: how many questions went right -> wrong
+    and wrong -> right."""
+    out = []
+    by_set: dict[str, list[Flip]] = {name: [] for name in sets}
+    for flip in flips:
+        by_set.setdefault(flip.set, []).append(flip)
+    for name, group in [*sorted(by_set.items()), (OVERALL, list(flips))]:
+        down = sum(f.score_b < f.score_a for f in group)
+        out.append(FlipCount(name, down, len(group) - down))
+    return out
 
 
 @dataclass(frozen=True)
@@ -202,6 +302,8 @@ class PairComparison:
     only_a: int  # questions answered by A alone (left out of the pairing)
     only_b: int
     forced: str | None = None  # the mismatch that --force overrode
+    flips: tuple[Flip, ...] = ()  # as recorded
+    margin: float | None = None  # equivalence margin, points
 
     @property
     def recorded(self) -> VariantGap:
@@ -220,6 +322,7 @@ class Comparison:
     pairs: tuple[PairComparison, ...]
     resamples: int
     seed: int
+    holm: tuple[float, ...] = ()  # Holm-adjusted p of each pair's overall gap (as recorded), in pair order
 
     def pair(self, a: str, b: str) -> PairComparison:
         for pair in self.pairs:
@@ -239,9 +342,7 @@ class Comparison:
             i, j = index[pair.a.name], index[pair.b.name]
             gap = pair.recorded.overall
             grid[i][j] = gap
-            flipped = Interval(-gap.gap.estimate, -gap.gap.high, -gap.gap.low, gap.gap.n, gap.gap.resamples,
-                               gap.gap.level, gap.gap.method)
-            grid[j][i] = SetGap(gap.set, gap.n, gap.score_b, gap.score_a, flipped)
+            grid[j][i] = gap.mirrored()
         return grid
 
 
@@ -252,35 +353,45 @@ def _jsonable(value: Any) -> Any:
         return [_jsonable(v) for v in value]
     if isinstance(value, Path):
         return str(value)
-    if isinstance(value, float) and math.isnan(value):
+    if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
 
 
-def _set_gap(name: str, keys: Sequence[tuple[str, str]], a: dict, b: dict, resamples: int, seed: int) -> SetGap:
+def _set_gap(name: str, keys: Sequence[tuple[str, str]], a: dict, b: dict, resamples: int, seed: int,
+             margin: float | None) -> SetGap:
     xa = [a[k] for k in keys]
     xb = [b[k] for k in keys]
     n = len(keys)
     return SetGap(set=name, n=n, score_a=sum(xa) / n if n else float("nan"),
                   score_b=sum(xb) / n if n else float("nan"),
-                  gap=paired_bootstrap(xa, xb, resamples=resamples, seed=seed))
+                  gap=paired_bootstrap(xa, xb, resamples=resamples, seed=seed),
+                  test=paired_test(xa, xb, resamples=resamples, seed=seed),
+                  equivalence=tost(xa, xb, margin / 100.0) if margin is not None else None,
+                  detectable=planned_gap(xa, xb))
 
 
 def paired_gaps(rows_a: list[dict], rows_b: list[dict], scoring: Scoring, *, resamples: int = DEFAULT_RESAMPLES,
-                seed: int = DEFAULT_SEED) -> VariantGap:
-    """B - A per set and over all paired questions, under one scoring."""
+                seed: int = DEFAULT_SEED, margin: float | None = None) -> VariantGap:
+    """B - A per set and over all paired questions, under one scoring; ``margin`` (points) adds a TOST."""
     a = scoring.scores(rows_a)
     b = scoring.scores(rows_b)
     keys = sorted(set(a) & set(b))
     by_set: dict[str, list[tuple[str, str]]] = {}
     for key in keys:
         by_set.setdefault(key[0], []).append(key)
-    sets = tuple(_set_gap(name, by_set[name], a, b, resamples, seed) for name in sorted(by_set))
-    return VariantGap(scoring=scoring, overall=_set_gap(OVERALL, keys, a, b, resamples, seed), sets=sets)
+    sets = tuple(_set_gap(name, by_set[name], a, b, resamples, seed, margin) for name in sorted(by_set))
+    return VariantGap(scoring=scoring, overall=_set_gap(OVERALL, keys, a, b, resamples, seed, margin), sets=sets)
+
+
+def _check_margin(margin: float | None) -> None:
+    if margin is not None and not 0 < margin <= 100:
+        raise ConfigError(f"equivalence margin {margin:g}: give points between 0 and 100 (2 means ±2 points)")
 
 
 def compare_pair(run_a: StoredRun, run_b: StoredRun, *, scoring: Scoring = Scoring(), force: bool = False,
-                 resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED) -> PairComparison:
+                 resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED,
+                 margin: float | None = None) -> PairComparison:
     mismatch = task_mismatch(run_a, run_b)
     if mismatch and not force:
         raise ConfigError(f"refusing to compare: {mismatch} (--force compares anyway)")
@@ -290,17 +401,22 @@ def compare_pair(run_a: StoredRun, run_b: StoredRun, *, scoring: Scoring = Scori
     if not keys_a & keys_b:
         raise ConfigError(f"{run_a.host}/{run_a.id} ({len(keys_a)} answers) and {run_b.host}/{run_b.id} "
                           f"({len(keys_b)} answers) share no question: nothing to pair")
-    variants = tuple(paired_gaps(rows_a, rows_b, s, resamples=resamples, seed=seed) for s in scoring.variants())
+    _check_margin(margin)
+    variants = tuple(paired_gaps(rows_a, rows_b, s, resamples=resamples, seed=seed, margin=margin)
+                     for s in scoring.variants())
     return PairComparison(a=RunRef.of(run_a), b=RunRef.of(run_b), task=task_identity(run_a)[0], variants=variants,
-                          only_a=len(keys_a - keys_b), only_b=len(keys_b - keys_a), forced=mismatch)
+                          only_a=len(keys_a - keys_b), only_b=len(keys_b - keys_a), forced=mismatch,
+                          flips=tuple(flips_of(rows_a, rows_b, Scoring())), margin=margin)
 
 
 def compare_runs(runs: Sequence[StoredRun], *, cutoff_as_right: bool = False, toolless_as_right: bool = False,
                  exclude: Sequence[str] = (), force: bool = False, resamples: int = DEFAULT_RESAMPLES,
-                 seed: int = DEFAULT_SEED, exclude_origin: str = "exclude") -> Comparison:
+                 seed: int = DEFAULT_SEED, exclude_origin: str = "exclude", margin: float | None = None) -> Comparison:
     """Compare two or more eval runs of one task pairwise (B - A for every i < j in the given order).
     ``exclude`` must name sets the runs have (a misspelt set would leave everything in, silently);
-    ``exclude_origin`` says where it came from in that error (an option, a campaign key)."""
+    ``exclude_origin`` says where it came from in that error (an option, a campaign key). ``margin``
+    (points) adds a TOST to every gap. With more than one pair, the overall p-values are also
+    Holm-adjusted across the pairs."""
     if len(runs) < 2:
         raise ConfigError(f"compare needs at least two runs, got {len(runs)}")
     names = [f"{r.host}/{r.id}" for r in runs]
@@ -308,9 +424,12 @@ def compare_runs(runs: Sequence[StoredRun], *, cutoff_as_right: bool = False, to
         raise ConfigError(f"a run is given twice: {', '.join(n for n in names if names.count(n) > 1)}")
     check_sets(exclude, runs, exclude_origin)
     scoring = Scoring(cutoff_as_right=cutoff_as_right, toolless_as_right=toolless_as_right, exclude=tuple(exclude))
-    pairs = tuple(compare_pair(a, b, scoring=scoring, force=force, resamples=resamples, seed=seed)
+    _check_margin(margin)
+    pairs = tuple(compare_pair(a, b, scoring=scoring, force=force, resamples=resamples, seed=seed, margin=margin)
                   for a, b in itertools.combinations(runs, 2))
-    return Comparison(runs=tuple(RunRef.of(r) for r in runs), pairs=pairs, resamples=resamples, seed=seed)
+    adjusted = holm([p.recorded.overall.test.p if p.recorded.overall.test else math.nan for p in pairs])
+    return Comparison(runs=tuple(RunRef.of(r) for r in runs), pairs=pairs, resamples=resamples, seed=seed,
+                      holm=tuple(adjusted))
 
 
 def check_sets(names: Sequence[str], runs: Sequence[StoredRun], origin: str) -> None:
@@ -344,6 +463,20 @@ def points(interval: Interval) -> str:
     if interval.empty:
         return "-"
     return f"{interval.estimate * 100:+.1f} [{interval.low * 100:+.1f}, {interval.high * 100:+.1f}]"
+
+
+def p_text(p: float) -> str:
+    """A p-value as people read it: ``0.008``, ``<0.001``, ``-`` when there is none."""
+    if math.isnan(p):
+        return "-"
+    return "<0.001" if p < 0.001 else f"{p:.3f}"
+
+
+def gap_points(gap: float) -> str:
+    """A detectable gap in points: ``±12.3``; ``none at this n`` or ``-`` (no discordance to go on)."""
+    if math.isnan(gap):
+        return "-"
+    return "none at this n" if math.isinf(gap) else f"±{gap * 100:.1f}"
 
 
 def ratio_text(interval: Interval) -> str:

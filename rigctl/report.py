@@ -1,20 +1,25 @@
 """The campaign report: Markdown with PNG charts, built only from pulled raw result files.
 
-Sections: scope line (hosts, builds, dates, repeats, runs, what is missing or was not measured);
-speed (mean t/s ± sd per test and model over the unthrottled cells, ratio with a bootstrap interval
-from the per-repetition samples, cold -> steady, the throttled cells, a by-depth table for depth
-sweeps, every tg figure against the memory-bandwidth bound of :mod:`rigctl.bandwidth` with
-impossible ones flagged instead of printed); quality (score per set and overall with intervals); the
-campaign's comparisons grouped as head-to-head, quantisation cost and what QAT is worth (paired gaps
-in points); drafting speedups (rigctl bench spec races); load curves (rigctl bench load) and deployed
-decode over llama-bench tg; sensitivity (the gap under each switch); answer habits; the runs used.
-Every number is a link to the raw file(s) it was computed from (llama-bench JSON of each cell,
-``answers.jsonl``, the race's and the load curve's ``requests.jsonl``), relative to the report, so the report stays
+Sections: scope line (hosts, builds, dates, repeats, runs, the smallest gap each comparison can
+detect, what is missing or was not measured); speed (mean t/s ± sd per test and model over the
+unthrottled cells, ratio with a bootstrap interval from the per-repetition samples, cold -> steady,
+the throttled cells, a by-depth table for depth sweeps, every tg figure against the memory-bandwidth
+bound of :mod:`rigctl.bandwidth` with impossible ones flagged instead of printed); quality (score per
+set and overall with intervals); the campaign's comparisons grouped as head-to-head, quantisation
+cost and what QAT is worth (paired gaps in points, McNemar's exact or a sign-flip test with the
+discordant counts, Holm-adjusted p-values across the campaign's comparisons, the equivalence
+verdict) with a forest plot of every gap against its equivalence band; flips (questions right ->
+wrong and wrong -> right, each listed with both replies in a flips file beside the report); drafting
+speedups (rigctl bench spec races); load curves (rigctl bench load) and deployed decode over
+llama-bench tg; sensitivity (the gap under each switch); answer habits; the runs used. Every number
+is a link to the raw file(s) it was computed from (llama-bench JSON of each cell, ``answers.jsonl``,
+the race's and the load curve's ``requests.jsonl``), relative to the report, so the report stays
 valid when the results tree and the report move together.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -38,12 +43,15 @@ from rigctl.compare import (
     check_sets,
     compare_bench,
     compare_pair,
+    flip_counts,
+    gap_points,
+    p_text,
     run_scores,
     sample_file,
 )
 from rigctl.errors import RigctlError
 from rigctl.results import RUN_FILE, ResultsStore, StoredRun, read_jsonl
-from rigctl.stats import Interval
+from rigctl.stats import Interval, holm, verdict_text
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +129,23 @@ def _mean_sd(values: Sequence[float]) -> str:
 # ----------------------------------------------------------------------------------------------- sections
 
 
-def _scope(loaded: LoadedCampaign, found: Located, missing: list[str]) -> list[str]:
+def _detectable(compared: list[_Compared]) -> str:
+    """The scope line's power clause: per comparison, the smallest gap detectable at 80 % power."""
+    parts = []
+    for c in compared:
+        gap = c.pair.recorded.overall
+        test = gap.test
+        basis = f"{test.b + test.c} of {gap.n} discordant" if test and test.b is not None else f"n={gap.n}"
+        detectable = gap_points(gap.detectable)
+        parts.append(f"{c.name} on {c.evaluation} {detectable}{' points' if detectable.startswith('±') else ''} "
+                     f"({basis})")
+    if not parts:
+        return ""
+    return ("Smallest gap detectable at 80 % power (two-sided 5 %, from the observed discordance): "
+            + "; ".join(parts) + ".")
+
+
+def _scope(loaded: LoadedCampaign, found: Located, missing: list[str], compared: list[_Compared]) -> list[str]:
     campaign = loaded.campaign
     runs = found.runs()
     hosts = []
@@ -142,6 +166,7 @@ def _scope(loaded: LoadedCampaign, found: Located, missing: list[str]) -> list[s
         f"Measured: {dates[0]} to {dates[-1]}." if dates else "Measured: nothing pulled yet.",
         f"Speed: {'; '.join(repeats)}." if repeats else "",
         "Runs per eval target: 1 (the newest finished run)." if per_target else "",
+        _detectable(compared),
         f"Not measured: {', '.join(campaign.not_measured)}." if campaign.not_measured else "",
         f"Not pulled yet: {'; '.join(missing)}." if missing else "",
     ]
@@ -395,6 +420,13 @@ class _Compared:
     section: str
     evaluation: str
     pair: PairComparison
+    holm: float = float("nan")  # the overall p-value, Holm-adjusted across the campaign's comparisons
+
+    @property
+    def verdict(self) -> str:
+        """Equivalent within the margin, different (by the Holm-adjusted p), or not shown either way."""
+        gap = self.pair.recorded.overall
+        return verdict_text(gap.verdict(self.holm), self.pair.margin) if self.pair.margin is not None else "-"
 
 
 def _comparisons(loaded: LoadedCampaign, found: Located) -> tuple[list[_Compared], list[str]]:
@@ -413,34 +445,128 @@ def _comparisons(loaded: LoadedCampaign, found: Located) -> tuple[list[_Compared
                 continue
             try:
                 check_sets(scoring.exclude, [run_a, run_b], "sensitivity.exclude")
-                pair = compare_pair(run_a, run_b, scoring=scoring, resamples=campaign.resamples, seed=campaign.seed)
+                pair = compare_pair(run_a, run_b, scoring=scoring, resamples=campaign.resamples, seed=campaign.seed,
+                                    margin=campaign.margin(comparison))
             except RigctlError as exc:  # a refusal (different tasks) is reported, not fatal to the report
                 problems.append(f"{comparison.name} on {evaluation.name}: {exc}")
                 continue
             out.append(_Compared(comparison.name, comparison.section, evaluation.name, pair))
-    return out, problems
+    adjusted = holm([c.pair.recorded.overall.test.p if c.pair.recorded.overall.test else float("nan") for c in out])
+    return [dataclasses.replace(c, holm=p) for c, p in zip(out, adjusted, strict=True)], problems
 
 
 def _comparison_sections(loaded: LoadedCampaign, compared: list[_Compared], problems: list[str],
-                         links: _Links) -> list[str]:
+                         links: _Links, forest: Path | None = None) -> list[str]:
     lines: list[str] = []
     for section, title in SECTION_TITLES.items():
         items = [c for c in compared if c.section == section]
         if not items:
             continue
-        lines += [f"## {title}", "", "B - A in points (95% paired bootstrap interval), question by question.", ""]
+        lines += [f"## {title}", "", "B - A in points (95% paired bootstrap interval), question by question; "
+                  "b / c: questions A got right and B wrong / A wrong and B right; p: McNemar's exact test "
+                  "(sign-flip permutation test for graded scores), and Holm-adjusted across all the campaign's "
+                  "comparisons; verdict: TOST at 5 % against the equivalence margin, else the "
+                  "Holm-adjusted test.", ""]
         rows = []
         for c in items:
             gap = c.pair.recorded.overall
             files = list(c.pair.files)
+            test = gap.test
+            counts = f"{test.b} / {test.c}" if test and test.b is not None else "graded"
             rows.append([c.name, c.evaluation, links.number(str(gap.n), files),
                          links.number(f"{gap.score_a:.3f}", files[:1]), links.number(f"{gap.score_b:.3f}", files[1:]),
-                         links.number(gap_text(gap.gap), files)])
-        lines += _table(["comparison", "eval", "n", "A", "B", "B - A, points"], rows, align="ll")
+                         links.number(gap_text(gap.gap), files), links.number(counts, files),
+                         links.number(p_text(test.p) if test else "-", files), p_text(c.holm), c.verdict])
+        holm_column = f"p (Holm, {len(compared)} comparison{'s' if len(compared) != 1 else ''})"
+        lines += _table(["comparison", "eval", "n", "A", "B", "B - A, points", "b / c", "p (exact)", holm_column,
+                         "verdict"], rows, align="ll")
         lines.append("")
+    if forest is not None:
+        lines += [f"![every comparison's gap with its interval and equivalence band]({forest.name})", ""]
     if problems:
         lines += ["Comparisons not made:", "", *(f"- {p}" for p in problems), ""]
     return lines
+
+
+def _forest_plot(path: Path, compared: list[_Compared]) -> None:
+    """Every comparison's overall B - A (points) with its 95% bootstrap interval, the TOST's 90%
+    interval where a margin is set, and the ±margin equivalence band behind it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 1.4 + 0.5 * len(compared)))
+    labelled: set[str] = set()
+
+    def once(label: str) -> str | None:
+        if label in labelled:
+            return None
+        labelled.add(label)
+        return label
+
+    for row, c in enumerate(reversed(compared)):
+        gap = c.pair.recorded.overall
+        margin = c.pair.margin
+        if margin is not None:
+            ax.fill_between([-margin, margin], row - 0.4, row + 0.4, color="C2", alpha=0.18, linewidth=0,
+                            label=once("equivalence band (±margin)"))
+        if gap.gap.empty:
+            continue
+        est = gap.gap.estimate * 100
+        ax.errorbar([est], [row], xerr=[[est - gap.gap.low * 100], [gap.gap.high * 100 - est]], fmt="o",
+                    color="C0", capsize=4, label=once("B - A, 95% bootstrap interval"))
+        equivalence = gap.equivalence
+        if equivalence is not None and not math.isnan(equivalence.low):
+            ax.plot([equivalence.low * 100, equivalence.high * 100], [row - 0.18] * 2, color="C1", linewidth=3,
+                    label=once("90% interval of the TOST"))
+    ax.axvline(0, color="0.4", linewidth=0.8)
+    ax.set_yticks(range(len(compared)), [f"{c.name}\n{c.evaluation}: {c.verdict}" for c in reversed(compared)],
+                  fontsize=8)
+    ax.set_ylim(-0.7, len(compared) - 0.3)
+    ax.set_xlabel("B - A, points")
+    ax.set_title("paired differences: every comparison", fontsize=10)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _flip_file(path: Path, c: _Compared, links: _Links) -> None:
+    """Every flipped question of one comparison with both replies, for the report's flips links."""
+    pair = c.pair
+    file_a, file_b = pair.files
+    lines = [f"# Flips: {c.name} on {c.evaluation}", "",
+             f"A: {pair.a.label} ([answers]({links.rel(file_a)})); B: {pair.b.label} ([answers]({links.rel(file_b)})).",
+             ""]
+    for direction in ("right→wrong", "wrong→right"):
+        group = [f for f in pair.flips if f.direction == direction]
+        lines += [f"## {direction} ({len(group)})", ""]
+        for flip in group:
+            lines += [f"### {flip.set} / {flip.id}", "", f"A (score {flip.score_a:g}):", "", _quoted(flip.reply_a),
+                      "", f"B (score {flip.score_b:g}):", "", _quoted(flip.reply_b), ""]
+    path.write_text("\n".join(lines).rstrip() + "\n")
+
+
+def _quoted(text: str) -> str:
+    """A reply as an indented code block: whatever the model wrote cannot break the Markdown around it."""
+    return "\n".join("    " + line for line in (text or "(empty reply)").splitlines() or [""])
+
+
+def _flips_section(compared: list[_Compared], links: _Links, out_dir: Path) -> list[str]:
+    rows = []
+    for index, c in enumerate(compared, 1):
+        flips_md = out_dir / f"flips-{index}.md"
+        _flip_file(flips_md, c, links)
+        files = [flips_md, *c.pair.files]
+        for count in flip_counts(c.pair.flips, [g.set for g in c.pair.recorded.sets]):
+            rows.append([c.name, c.evaluation, count.set, links.number(str(count.right_to_wrong), files),
+                         links.number(str(count.wrong_to_right), files)])
+    if not rows:
+        return []
+    return ["## Flips", "", "Questions that changed between A and B, as recorded; each count links to the "
+            "list of those questions with both replies, then to the two answer files.", "",
+            *_table(["comparison", "eval", "set", "right→wrong", "wrong→right"], rows, align="lll"), ""]
 
 
 def _drafting_section(loaded: LoadedCampaign, found: Located, links: _Links) -> list[str]:
@@ -631,8 +757,9 @@ def build_report(loaded: LoadedCampaign, store: ResultsStore, out_dir: Path) -> 
     """Write ``out_dir/report.md`` and its charts from the pulled runs the campaign names."""
     campaign = loaded.campaign
     out_dir.mkdir(parents=True, exist_ok=True)
-    for old in out_dir.glob("*.png"):
-        old.unlink()
+    for pattern in ("*.png", "flips-*.md"):
+        for old in out_dir.glob(pattern):
+            old.unlink()
     found = locate(loaded, store)
     links = _Links(out_dir, store.root)
     missing = [f"bench {b} on {h}" for (b, h), r in found.benches.items() if r is None]
@@ -653,9 +780,16 @@ def build_report(loaded: LoadedCampaign, store: ResultsStore, out_dir: Path) -> 
     quality = _quality_section(loaded, found, links, out_dir, charts) if campaign.evals else []
     compared, problems = _comparisons(loaded, found)
     load = _load_section(loaded, found, links, out_dir, charts)
-    lines = [f"# {campaign.title}", "", *_scope(loaded, found, missing), *speed, *quality,
-             *_comparison_sections(loaded, compared, problems, links), *_drafting_section(loaded, found, links),
-             *load, *_deployed_section(loaded, found, links), *_sensitivity_section(compared, links),
+    forest = None
+    if compared:
+        forest = out_dir / "comparisons-forest.png"
+        _forest_plot(forest, compared)
+        charts.append(forest)
+    lines = [f"# {campaign.title}", "", *_scope(loaded, found, missing, compared), *speed, *quality,
+             *_comparison_sections(loaded, compared, problems, links, forest),
+             *_flips_section(compared, links, out_dir),
+             *_drafting_section(loaded, found, links), *load, *_deployed_section(loaded, found, links),
+             *_sensitivity_section(compared, links),
              *_habits_section(loaded, found, links), *_runs_section(found, links)]
     markdown = "\n".join(lines).rstrip() + "\n"
     path = out_dir / "report.md"

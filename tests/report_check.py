@@ -7,6 +7,7 @@ with rigctl's own code."""
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -83,6 +84,26 @@ def paired_gap(path_a: Path, path_b: Path) -> tuple[int, float]:
     return len(keys), float(np.mean([b[k] - a[k] for k in keys]))
 
 
+def discordant(path_a: Path, path_b: Path, set_name: str | None = None) -> tuple[int, int]:
+    """(A right and B wrong, A wrong and B right) over the paired questions (of one set)."""
+    a = {(r["set"], r["id"]): float(r["score"]) for r in answers(path_a) if set_name in (None, r["set"])}
+    b = {(r["set"], r["id"]): float(r["score"]) for r in answers(path_b) if set_name in (None, r["set"])}
+    keys = set(a) & set(b)
+    return sum(a[k] > b[k] for k in keys), sum(a[k] < b[k] for k in keys)
+
+
+def mcnemar_exact(b: int, c: int) -> float:
+    """Twice the smaller binomial tail at one half, summed by hand."""
+    n = b + c
+    if n == 0:
+        return 1.0
+    return min(1.0, 2 * sum(math.comb(n, k) for k in range(min(b, c) + 1)) / 2 ** n)
+
+
+def p_cell(p: float) -> str:
+    return "<0.001" if p < 0.001 else f"{p:.3f}"
+
+
 def _artifact(path: Path) -> str:
     return re.match(r"cell-\d+-(.+)\.json$", path.name).group(1)
 
@@ -91,7 +112,8 @@ def check_report(report: Path) -> dict[str, int]:
     """Recompute every speed, quality, comparison and habit number of the report; count what was checked."""
     base = report.parent
     checked = {"speed": 0, "ratio": 0, "quality": 0, "gap": 0, "habits": 0, "drafting": 0, "links": 0,
-               "impossible": 0}
+               "impossible": 0, "tests": 0, "holm": 0, "flips": 0}
+    exact_p: list[tuple[float, str]] = []  # every comparison's exact p and its Holm cell, for Holm's check
     markdown = report.read_text()
     for _, target in LINK.findall(markdown):
         assert (base / target).resolve().is_file(), f"dead link {target}"
@@ -130,6 +152,23 @@ def check_report(report: Path) -> dict[str, int]:
                     assert int(links(row["n"], base)[0]) == n
                     assert leading_number(text) == round(gap * 100, 1), (row, text)
                     checked["gap"] += 1
+                elif column == "b / c" and text != "graded":
+                    b, c = (int(x) for x in text.split(" / "))
+                    assert (b, c) == discordant(*files), (row, text)
+                    p = mcnemar_exact(b, c)
+                    assert links(row["p (exact)"], base)[0] == p_cell(p), (row, p)
+                    holm_column = next(k for k in row if k.startswith("p (Holm"))
+                    exact_p.append((p, row[holm_column]))
+                    checked["tests"] += 1
+                elif section == "Flips" and column in ("right→wrong", "wrong→right"):
+                    flips_md, answers_a, answers_b = files
+                    down, up = discordant(answers_a, answers_b, None if row["set"] == "overall" else row["set"])
+                    assert int(text) == (down if column == "right→wrong" else up), (row, column)
+                    listed = flips_md.read_text()
+                    heading = f"## {column} ("
+                    if row["set"] == "overall":
+                        assert f"{heading}{text})" in listed, (row, column)
+                    checked["flips"] += 1
                 elif section == "Drafting" and column in ("t/s", "speedup"):
                     rows_ = [r for r in answers(files[0]) if r["temperature"] == float(row["temperature"])]
                     mine = [r for r in rows_ if r["contender"] == row["contender"]]
@@ -156,4 +195,12 @@ def check_report(report: Path) -> dict[str, int]:
                     toolless = sum(bool(r.get("toolless")) for r in rows_)
                     assert text == f"{toolless} of {sum('toolless' in r for r in rows_)}"
                     checked["habits"] += 1
+    if exact_p:
+        # Holm by hand: sort, scale by the number left, keep it monotone.
+        order = sorted(range(len(exact_p)), key=lambda i: exact_p[i][0])
+        running = 0.0
+        for rank, i in enumerate(order):
+            running = max(running, min(1.0, (len(order) - rank) * exact_p[i][0]))
+            assert exact_p[i][1] == p_cell(running), (exact_p, i)
+            checked["holm"] += 1
     return checked

@@ -199,3 +199,90 @@ def test_answers_without_required_keys_name_the_file(tmp_path):
     with pytest.raises(ConfigError, match=f"{run_dir}/answers.jsonl: answer 1 lacks score"):
         compare_runs([store.find("eval-bad"), store.find("eval-ok")])
     assert json.loads((run_dir / "answers.jsonl").read_text())["id"] == "q0"
+
+
+# ----------------------------------------------------------------------------------------------- exact tests, flips
+
+
+def test_pairs_carry_mcnemar_flips_and_the_detectable_gap(store):
+    pair = compare_runs([store.find("eval-a"), store.find("eval-b")], margin=2).pairs[0]
+    overall = pair.recorded.overall
+    # B is right wherever A is, plus 36 more: b = 0, c = 36, McNemar p = 2 / 2**36.
+    assert (overall.test.method, overall.test.b, overall.test.c) == ("mcnemar-exact", 0, 36)
+    assert overall.test.p == pytest.approx(2 / 2 ** 36)
+    assert overall.verdict() == "different" and not overall.equivalence.equivalent
+    assert 0.05 < overall.detectable < 0.2
+    assert [f.direction for f in pair.flips] == ["wrong→right"] * 36
+    by_set = {g.set: g for g in pair.recorded.sets}
+    assert sum(f.set == "choice" for f in pair.flips) == by_set["choice"].test.c == 16
+    mirrored = compare_runs([store.find("eval-b"), store.find("eval-a")]).pairs[0]
+    assert (mirrored.recorded.overall.test.b, mirrored.recorded.overall.test.c) == (36, 0)
+    assert all(f.direction == "right→wrong" for f in mirrored.flips)
+
+
+def test_flips_keep_both_replies(tmp_path):
+    from rigctl.compare import flip_counts
+
+    a = [{"id": "q1", "set": "math", "score": 1, "reply": "#### 72"},
+         {"id": "q2", "set": "math", "score": 0, "reply": "I think 5"},
+         {"id": "q3", "set": "tools", "score": 1, "reply": "", "tool_calls": [{"name": "f", "arguments": {"x": 1}}]},
+         {"id": "q4", "set": "choice", "score": 0, "pred": "no", "gold": "yes"}]
+    b = [{"id": "q1", "set": "math", "score": 0, "reply": "#### 71"},
+         {"id": "q2", "set": "math", "score": 0, "reply": "still 5"},
+         {"id": "q3", "set": "tools", "score": 0, "reply": "f(x=1)", "tool_calls": []},
+         {"id": "q4", "set": "choice", "score": 1, "pred": "yes", "gold": "yes"}]
+    eval_run(tmp_path, "desktop", "eval-a", "m1", a)
+    eval_run(tmp_path, "laptop", "eval-b", "m1", b)
+    store = ResultsStore(tmp_path)
+    pair = compare_runs([store.find("desktop/eval-a"), store.find("laptop/eval-b")]).pairs[0]
+    flips = {f.id: f for f in pair.flips}
+    assert set(flips) == {"q1", "q3", "q4"}
+    assert (flips["q1"].reply_a, flips["q1"].reply_b, flips["q1"].direction) == ("#### 72", "#### 71", "right→wrong")
+    assert json.loads(flips["q3"].reply_a) == [{"name": "f", "arguments": {"x": 1}}] and flips["q3"].reply_b == "f(x=1)"
+    assert (flips["q4"].reply_a, flips["q4"].reply_b, flips["q4"].direction) == ("label no", "label yes", "wrong→right")
+    counts = {c.set: (c.right_to_wrong, c.wrong_to_right) for c in flip_counts(pair.flips)}
+    assert counts == {"choice": (0, 1), "math": (1, 0), "tools": (1, 0), "overall": (2, 1)}
+
+
+def test_graded_scores_get_the_sign_flip_test(tmp_path):
+    rng = np.random.default_rng(3)
+    base = rng.random(60)
+    a = [{"id": f"q{i}", "set": "s", "score": float(x)} for i, x in enumerate(base)]
+    b = [{"id": f"q{i}", "set": "s", "score": float(min(1.0, x + 0.1))} for i, x in enumerate(base)]
+    eval_run(tmp_path, "desktop", "eval-a", "m", a)
+    eval_run(tmp_path, "desktop", "eval-b", "m", b)
+    store = ResultsStore(tmp_path)
+    overall = compare_runs([store.find("eval-a"), store.find("eval-b")], margin=20).pairs[0].recorded.overall
+    assert overall.test.method == "sign-flip" and overall.test.b is None and overall.test.p < 0.001
+    assert overall.equivalence.equivalent  # every gap is at most 0.1, well inside ±20 points
+    assert overall.verdict() == "equivalent"
+
+
+def test_holm_across_the_pairs_of_a_matrix(store, tmp_path):
+    c_rows = json.loads(json.dumps(_rows({"choice": [1] * 21 + [0] * 19, "math": [1] * 10 + [0] * 30,
+                                          "tools": [1] * 15 + [0] * 25})))
+    eval_run(tmp_path, "desktop", "eval-c", "m3", c_rows)
+    result = compare_runs([store.find("eval-a"), store.find("eval-b"), store.find("eval-c")])
+    raw = [p.recorded.overall.test.p for p in result.pairs]
+    assert len(result.holm) == 3 and all(h >= r for h, r in zip(result.holm, raw, strict=True))
+    smallest = int(np.argmin(raw))
+    assert result.holm[smallest] == pytest.approx(min(1.0, 3 * raw[smallest]))
+
+
+def test_bad_equivalence_margin_is_refused(store):
+    with pytest.raises(ConfigError, match="equivalence margin 0"):
+        compare_runs([store.find("eval-a"), store.find("eval-b")], margin=0)
+
+
+def test_compare_cli_flips_margin_and_plan(store):
+    from benchlab import rigctl
+
+    done = rigctl("compare", "desktop/eval-a", "desktop/eval-b", "--flips", "--equivalence-margin", "2", "--plan",
+                  results=store.root)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "0 / 36" in out and "p (exact)" in out and "±2 points" in out and "different" in out
+    assert "flips, desktop/eval-a → desktop/eval-b" in out and "wrong→right" in out
+    assert "smallest gap detectable at 80 % power" in out and "36 (30%)" in out
+    bad = rigctl("compare", "desktop/eval-a", "desktop/eval-b", "--equivalence-margin", "-1", results=store.root)
+    assert bad.returncode != 0 and "error:" in bad.stderr and "equivalence margin" in bad.stderr

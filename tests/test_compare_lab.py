@@ -100,9 +100,12 @@ def test_lab_campaign_end_to_end(lab_served: Inventory, tmp_path: Path):
     assert checked["speed"] == 8 and checked["ratio"] == 4  # pp16 and tg4 at depths 0 and 32, two models
     assert checked["quality"] == 2 * (3 + 1) + 2 + 2  # suite: 3 sets + overall; gsm8k, bfcl: overall
     assert checked["gap"] == 3 and checked["habits"] == 2 * (3 + 1 + 2)
+    # b / c with McNemar's p and Holm over the 3 comparisons; flips of 3 + 1 + 1 sets and 3 overall rows, 2 ways.
+    assert checked["tests"] == 3 and checked["holm"] == 3 and checked["flips"] == 2 * (5 + 3)
     sections = {section for section, _, _ in tables(report.markdown)}
     assert {"Speed", "Quality", "Quantisation cost", "Load", "Sensitivity", "Answer habits", "Runs"} <= sections
-    assert "Not pulled yet" not in report.markdown and len(report.charts) == 6  # speed, depth, 3 quality, load
+    assert "Not pulled yet" not in report.markdown and len(report.charts) == 7  # speed, depth, 3 quality, load, forest
+    assert "Smallest gap detectable at 80 % power" in report.markdown
     # The depth sweep, side by side; the CPU rig has no bandwidth figure rather than a made-up one.
     (depth,) = [rows for _, _, rows in tables(report.markdown) if rows and "d32" in rows[0]]
     assert {r["test"] for r in depth} == {"pp16", "tg4"} and all(r["d0"] != "-" and r["d32"] != "-" for r in depth)

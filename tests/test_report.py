@@ -33,6 +33,7 @@ CAMPAIGN = {
     "drafting": [{"name": "mtp", "host": "desktop", "baseline": "qwen", "drafters": ["qwen-mtp"], "repeats": 2,
                   "temperatures": [0.0]}],
     "not_measured": ["thinking on"],
+    "equivalence_margin": 2,
 }
 
 
@@ -81,6 +82,8 @@ def test_report_numbers_recompute_from_the_raw_files(tmp_path, results):
     assert checked["speed"] == 4 and checked["ratio"] == 2
     assert checked["quality"] == 8 and checked["gap"] == 1
     assert checked["habits"] == 2 * 3 + 2
+    # b / c and McNemar's p by hand, Holm over the one comparison, flips per set and overall.
+    assert checked["tests"] == 1 and checked["holm"] == 1 and checked["flips"] == 2 * (3 + 1)
     assert checked["drafting"] == 3  # t/s of both contenders, the drafter's speedup
     (race,) = [rows for section, _, rows in tables(report.markdown) if section == "Drafting"]
     assert [r["contender"] for r in race] == ["qwen", "qwen-mtp"]
@@ -88,14 +91,21 @@ def test_report_numbers_recompute_from_the_raw_files(tmp_path, results):
     assert checked["links"] > 30
     for chart in report.charts:
         assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert {c.name for c in report.charts} == {"speed-speed-desktop.png", "quality-suite.png"}
+    assert {c.name for c in report.charts} == {"speed-speed-desktop.png", "quality-suite.png",
+                                               "comparisons-forest.png"}
+    assert "![every comparison's gap" in report.markdown
     assert "Drafting" in report.headline
     text = report.markdown
     # The scope line names hosts, builds, dates, repeats, what was not measured and what is missing.
     scope = next(line for line in text.splitlines() if line.startswith("**Scope.**"))
     for part in ("desktop", "laptop", "7182ef71e", "2026-11-29 to 2026-11-30", "5 repetitions x 2 cells",
-                 "Not measured: thinking on", "Not pulled yet: eval suite qwen-bf16@laptop"):
+                 "Not measured: thinking on", "Not pulled yet: eval suite qwen-bf16@laptop",
+                 "Smallest gap detectable at 80 % power", "Gemma QAT vs Qwen Q4_0 on suite ±"):
         assert part in scope, part
+    # B is right wherever A is and on 36 more of 120: clearly different, never "equivalent within ±2".
+    (head,) = [rows for section, _, rows in tables(text) if section == "Head to head"]
+    assert head[0]["b / c"].startswith("[0 / 36]") and head[0]["verdict"] == "different"
+    assert head[0]["p (Holm, 1 comparison)"] == "<0.001"
     # The quantisation comparison lacks its bf16 run: left out, not invented.
     assert "Rounding Qwen" not in text
     assert "](" not in report.headline and "| pp512 | ngl99 t6 f16/f16 fa1 |" in report.headline

@@ -2,7 +2,10 @@
 
 ``start_run`` makes the run directory and its record; ``execute`` asks every question not yet in
 ``answers.jsonl`` (so a resumed run answers each question exactly once), appending and flushing one line
-per answer as it completes; ``resume_run`` reopens a stopped run after checking that the task file, the
+per answer as it completes, with the label of the server that gave it. Given several servers of one
+artifact and build (a fan-out), the questions wait in one queue and each server's N workers take the
+next one as they come free, so a faster server answers more; the run is still one run.
+``resume_run`` reopens a stopped run after checking that the task file, the
 datasets and the server's model and build are the ones it started with. ``scorers.summarise`` turns the answer
 lines into per-set and overall scores.
 """
@@ -10,6 +13,7 @@ lines into per-set and overall scores.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.metadata
 import json
 import logging
@@ -31,6 +35,13 @@ from rigctl.trust import redact_argv
 log = logging.getLogger(__name__)
 
 DEFAULT_CONCURRENCY = 8
+FANOUT = "fanout"  # run record server key: one entry per server of a fan-out run
+
+Endpoints = Endpoint | Sequence[Endpoint]
+
+
+def endpoint_list(endpoint: Endpoints) -> list[Endpoint]:
+    return [endpoint] if isinstance(endpoint, Endpoint) else list(endpoint)
 
 
 @dataclass(frozen=True)
@@ -137,19 +148,35 @@ def server_provenance(props: Props, endpoint: Endpoint) -> dict[str, Any]:
             "model_path": props.model_path, "total_slots": props.total_slots, "n_ctx": props.n_ctx}
 
 
-def start_run(task: LoadedTask, endpoint: Endpoint, store: ResultsStore, host: str, *, options: Options,
+def _props(endpoint: Endpoint, retry: Retry | None = None) -> Props:
+    with ServerClient(endpoint, timeouts=Timeouts(read=30.0), retry=retry or Retry()) as client:
+        return client.props()
+
+
+def start_run(task: LoadedTask, endpoint: Endpoints, store: ResultsStore, host: str, *, options: Options,
               limit: int | None = None, server: Mapping[str, Any] | None = None,
               artifacts: Sequence[Mapping[str, Any]] = (), extra: Mapping[str, Any] | None = None,
-              gpu: Mapping[str, Any] | None = None,
-              llama_cpp: Mapping[str, Any] | None = None) -> tuple[Path, RunRecord]:
+              gpu: Mapping[str, Any] | None = None, llama_cpp: Mapping[str, Any] | None = None,
+              fanout: Sequence[Mapping[str, Any]] = ()) -> tuple[Path, RunRecord]:
     """A new run directory with its record (status running). ``server`` adds inventory facts (name, profile,
-    flags) to what the server's ``/props`` says."""
-    with ServerClient(endpoint, timeouts=Timeouts(read=30.0), retry=options.retry) as client:
-        props = client.props()
+    flags) to what the server's ``/props`` says. Several endpoints make a fan-out run: ``fanout`` holds
+    each one's inventory facts (host, name, ...) in the same order, and servers whose ``/props`` report
+    different builds are refused."""
+    endpoints = endpoint_list(endpoint)
+    props = [_props(e, options.retry) for e in endpoints]
+    for other, other_props in zip(endpoints[1:], props[1:], strict=True):
+        if other_props.build_info != props[0].build_info:
+            raise EvalError(f"refusing a fan-out over different builds: {endpoints[0]} runs "
+                            f"{props[0].build_info!r}, {other} runs {other_props.build_info!r}")
+    server_facts = {**server_provenance(props[0], endpoints[0]), **dict(server or {})}
+    if len(endpoints) > 1:
+        facts = list(fanout) or [{} for _ in endpoints]
+        server_facts[FANOUT] = [{**server_provenance(p, e), **dict(f)}
+                                for p, e, f in zip(props, endpoints, facts, strict=True)]
     record = RunRecord(
         id=new_run_id("eval"), kind="eval", host=host, started=utc_now(),
         gpu=dict(gpu or {}), llama_cpp=dict(llama_cpp or {}),
-        server={**server_provenance(props, endpoint), **dict(server or {})},
+        server=server_facts,
         artifacts=[dict(a) for a in artifacts],
         task={"name": task.name, "scorer": task.scorer, "file": str(task.path.resolve()),
               "file_sha256": task.file_sha256, "dataset_sha256": task.dataset_sha256,
@@ -170,8 +197,15 @@ def _version() -> str:
         return "unknown"
 
 
-def resume_run(store: ResultsStore, ref: str, endpoint: Endpoint) -> tuple[Path, RunRecord, LoadedTask, Options]:
-    """Reopen a stopped run: same task file, same datasets, same model and build on the server."""
+def recorded_servers(record: RunRecord) -> list[dict[str, Any]]:
+    """The servers a run was started with: the fan-out's entries, or its one server."""
+    server = record.server or {}
+    return [dict(s) for s in server.get(FANOUT) or [server]]
+
+
+def resume_run(store: ResultsStore, ref: str, endpoint: Endpoints) -> tuple[Path, RunRecord, LoadedTask, Options]:
+    """Reopen a stopped run: same task file, same datasets, same model and build on every server, and
+    (for a fan-out) only servers the run started with."""
     run = store.find(ref)
     record = run.record
     if record.kind != "eval" or not record.task:
@@ -182,12 +216,19 @@ def resume_run(store: ResultsStore, ref: str, endpoint: Endpoint) -> tuple[Path,
         raise EvalError(f"run {run.id}: task file {task.path} changed since the run started (sha256 differs)")
     if task.dataset_sha256 != record.task["dataset_sha256"]:
         raise EvalError(f"run {run.id}: the task's datasets differ from the ones the run started with")
-    with ServerClient(endpoint, timeouts=Timeouts(read=30.0)) as client:
-        props = client.props()
-    before = record.server or {}
-    for key, now in (("model_path", props.model_path), ("build_info", props.build_info)):
-        if before.get(key) and before[key] != now:
-            raise EvalError(f"run {run.id}: the server's {key} is now {now!r}, the run started with {before[key]!r}")
+    started_with = recorded_servers(record)
+    for current in endpoint_list(endpoint):
+        before = next((s for s in started_with if s.get("endpoint") == current.url), None)
+        if before is None:
+            if len(started_with) > 1:
+                known = ", ".join(str(s.get("endpoint")) for s in started_with)
+                raise EvalError(f"run {run.id}: {current} is not one of the servers it started with ({known})")
+            before = started_with[0]
+        props = _props(current)
+        for key, now in (("model_path", props.model_path), ("build_info", props.build_info)):
+            if before.get(key) and before[key] != now:
+                raise EvalError(f"run {run.id}: {current}'s {key} is now {now!r}, the run started with "
+                                f"{before[key]!r}")
     options = Options(concurrency=record.concurrency or DEFAULT_CONCURRENCY, seed=record.seed or DEFAULT_SEED,
                       thinking=bool(record.extra.get("thinking")), timeout=float(record.extra.get("timeout_s", 600)))
     record.status = "running"
@@ -200,9 +241,10 @@ def resume_run(store: ResultsStore, ref: str, endpoint: Endpoint) -> tuple[Path,
 OnAnswer = Callable[[dict[str, Any], int, int], None]
 
 
-async def execute(task: LoadedTask, endpoint: Endpoint, run_dir: Path, record: RunRecord, options: Options,
+async def execute(task: LoadedTask, endpoint: Endpoints, run_dir: Path, record: RunRecord, options: Options,
                   on_answer: OnAnswer | None = None) -> dict[str, Any]:
-    """Ask every question not yet answered in ``run_dir``; seal the run and return its summary.
+    """Ask every question not yet answered in ``run_dir`` (``options.concurrency`` at a time per server;
+    several servers share one queue); seal the run and return its summary.
 
     A request that still fails after its retries stops the run (status failed, answers kept for
     ``resume``); so does Ctrl-C (status stopped)."""
@@ -216,30 +258,35 @@ async def execute(task: LoadedTask, endpoint: Endpoint, run_dir: Path, record: R
     for question in pending:
         queue.put_nowait(question)
     status = "failed"
+    endpoints = endpoint_list(endpoint)
     try:
-        async with AsyncServerClient(endpoint, timeouts=Timeouts(read=options.timeout), retry=options.retry,
-                                     max_connections=options.concurrency) as client:
-            prepared = await asker.prepare(client)
+        async with contextlib.AsyncExitStack() as stack:
+            clients = [await stack.enter_async_context(
+                AsyncServerClient(e, timeouts=Timeouts(read=options.timeout), retry=options.retry,
+                                  max_connections=options.concurrency)) for e in endpoints]
+            prepared = await _prepare(asker, clients)
             if prepared:
                 record.extra.update(prepared)
                 record.save(run_dir)
             with answers_path.open("a", encoding="utf-8") as out:
 
-                async def worker() -> None:
+                async def worker(client: AsyncServerClient) -> None:
                     nonlocal count
                     while True:
                         try:
                             question = queue.get_nowait()
                         except asyncio.QueueEmpty:
                             return
-                        row = {"id": question.id, "set": question.set, **await asker.ask(client, question)}
+                        answer = await asker.ask(client, question)
+                        row = {"id": question.id, "set": question.set, "server": client.endpoint.label, **answer}
                         out.write(json.dumps(row, ensure_ascii=False) + "\n")
                         out.flush()
                         count += 1
                         if on_answer:
                             on_answer(row, count, total)
 
-                workers = [asyncio.create_task(worker()) for _ in range(max(1, min(options.concurrency, len(pending))))]
+                per_server = max(1, min(options.concurrency, len(pending)))
+                workers = [asyncio.create_task(worker(c)) for c in clients for _ in range(per_server)]
                 try:
                     await asyncio.gather(*workers)
                 finally:
@@ -263,7 +310,18 @@ async def execute(task: LoadedTask, endpoint: Endpoint, run_dir: Path, record: R
     return summary
 
 
-def run(task: LoadedTask, endpoint: Endpoint, run_dir: Path, record: RunRecord, options: Options,
+async def _prepare(asker: _Asker, clients: Sequence[AsyncServerClient]) -> dict[str, Any]:
+    """The asker's per-run facts from every server; a fan-out's servers must agree on them (the choice
+    labels' tokens), since one run scores every answer by the same rules."""
+    prepared = [await asker.prepare(client) for client in clients]
+    for client, other in zip(clients[1:], prepared[1:], strict=True):
+        if other != prepared[0]:
+            raise EvalError(f"refusing a fan-out: {client.endpoint} tokenizes the labels differently from "
+                            f"{clients[0].endpoint} ({other} vs {prepared[0]})")
+    return prepared[0]
+
+
+def run(task: LoadedTask, endpoint: Endpoints, run_dir: Path, record: RunRecord, options: Options,
         on_answer: OnAnswer | None = None) -> dict[str, Any]:
     """``execute`` from synchronous code."""
     return asyncio.run(execute(task, endpoint, run_dir, record, options, on_answer))

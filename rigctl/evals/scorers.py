@@ -16,17 +16,21 @@ BFCL's rules (its ``ast_checker``, simple category, Python), restated:
   dict by dict in order, anything else by equality with one of the possible answers;
 * a parameter in the possible answer that the call omits is only fine when ``""`` is among its answers
   (optional).
+
+Whatever a server sends back, the record functions (``gsm8k_record``, ``bfcl_record``, ``choice_record``)
+return a record: a reply that cannot be read (no choices, a message that is no object, tool calls that
+are no list, arguments that are no JSON, numbers too long to convert, nesting too deep to parse) is a
+wrong answer with the reason in ``error``, never an exception that stops the run.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import re
+import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
 from typing import Any
 
 # ----------------------------------------------------------------------------------------------- GSM8K
@@ -34,18 +38,31 @@ from typing import Any
 _NUMBER = r"-?\$?\s?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
 _STRICT = re.compile(r"####\s*(" + _NUMBER + r")")
 _ANY_NUMBER = re.compile(_NUMBER)
+_PLAIN = re.compile(r"(-?)(\d+)(?:\.(\d+))?")
+
+
+def _ascii_digits(digits: str) -> str:
+    return "".join(str(unicodedata.decimal(ch)) for ch in digits)
 
 
 def normalise_number(text: str) -> str | None:
-    """``"$1,234.50."`` -> ``"1234.5"``, ``"-7"`` -> ``"-7"``, ``"18.00"`` -> ``"18"``; None when not a number."""
-    cleaned = text.strip().rstrip(".").replace(",", "").replace("$", "").replace(" ", "")
-    try:
-        value = Decimal(cleaned)
-    except InvalidOperation:
+    """``"$1,234.50."`` -> ``"1234.5"``, ``"-7"`` -> ``"-7"``, ``"18.00"`` -> ``"18"``, ``"١٢"`` -> ``"12"``;
+    None when not a plain decimal number.
+
+    Done on the digits as text, so a number of any length keeps every digit (a decimal context of 28
+    digits would round two long numbers to one, and raise on quantising them) and nothing like an
+    exponent, ``NaN`` or ``Infinity`` is read as a number."""
+    if not isinstance(text, str):
         return None
-    if value == value.to_integral_value():
-        return str(value.quantize(Decimal(1)))
-    return format(value.normalize(), "f")
+    cleaned = text.strip().rstrip(".").replace(",", "").replace("$", "").replace(" ", "")
+    match = _PLAIN.fullmatch(cleaned)
+    if not match:
+        return None
+    sign, whole, fraction = match.group(1), _ascii_digits(match.group(2)).lstrip("0") or "0", match.group(3)
+    fraction = _ascii_digits(fraction).rstrip("0") if fraction else ""
+    if whole == "0" and not fraction:
+        sign = ""
+    return f"{sign}{whole}" + (f".{fraction}" if fraction else "")
 
 
 def extract_strict(reply: str) -> str | None:
@@ -69,11 +86,15 @@ def gsm8k_gold(answer: str) -> str:
 
 
 def score_gsm8k(reply: str, gold: str, finish_reason: str) -> dict[str, Any]:
-    """``score`` is the flexible match (last number); ``strict_score`` the ``#### n`` match."""
+    """``score`` is the flexible match (last number); ``strict_score`` the ``#### n`` match. A wrong answer
+    says why in ``error``."""
     strict = extract_strict(reply)
     flexible = extract_flexible(reply)
-    return {"strict": strict, "flexible": flexible, "gold": gold, "strict_score": int(strict == gold),
-            "score": int(flexible == gold), "cutoff": finish_reason == "length", "finish_reason": finish_reason}
+    out = {"strict": strict, "flexible": flexible, "gold": gold, "strict_score": int(strict == gold),
+           "score": int(flexible == gold), "cutoff": finish_reason == "length", "finish_reason": finish_reason}
+    if flexible != gold:
+        out["error"] = "no number in the reply" if flexible is None else f"last number {flexible}, gold {gold}"
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- BFCL
@@ -232,7 +253,10 @@ def check_simple_call(function: Mapping[str, Any], calls: Sequence[tuple[str, An
         if described in ("array", "tuple"):
             nested = _PYTHON_TYPES.get(str((details[param].get("items") or {}).get("type", "any")), str)
         if described == "float" and type(value) is int:
-            value = float(value)
+            try:
+                value = float(value)
+            except OverflowError:
+                return Check(False, f"parameter {param!r}: {value} is too large for a float", "type_error:simple")
         check, is_variable = _type_check(param, value, answers[param], expected, nested, described)
         if not check.valid:
             return check
@@ -268,7 +292,7 @@ def looks_like_missed_call(text: str) -> bool:
     for match in re.finditer(r"\{", text):
         try:
             value, _ = decoder.raw_decode(text, match.start())
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON here, a number past the digit limit, too deep
             continue
         if _is_call_object(value):
             return True
@@ -325,40 +349,97 @@ def chat_request(scorer: str, data: Mapping[str, Any], *, max_tokens: int, seed:
     return body
 
 
-def _chat_reply(answer: Mapping[str, Any]) -> dict[str, Any]:
+def _message(answer: Any) -> tuple[Mapping[str, Any], Mapping[str, Any], str]:
+    """The first choice, its message and what was wrong with the answer's shape ("" when nothing)."""
+    choices = answer.get("choices") if isinstance(answer, Mapping) else None
+    if not isinstance(choices, list) or not choices:
+        return {}, {}, f"no choices in the answer: {_excerpt(answer)}"
+    choice = choices[0]
+    if not isinstance(choice, Mapping):
+        return {}, {}, f"the first choice is no object: {_excerpt(choice)}"
+    message = choice.get("message")
+    if message is None:
+        return choice, {}, ""
+    if not isinstance(message, Mapping):
+        return choice, {}, f"the message is no object: {_excerpt(message)}"
+    return choice, message, ""
+
+
+def _excerpt(value: Any, limit: int = 200) -> str:
     try:
-        choice = answer["choices"][0]
-    except (KeyError, IndexError, TypeError):
-        raise ValueError(f"no choices in the answer: {json.dumps(answer)[:200]}") from None
-    message = choice.get("message") or {}
-    out: dict[str, Any] = {"reply": message.get("content") or "", "finish_reason": choice.get("finish_reason") or "",
-                           "tokens": (answer.get("usage") or {}).get("completion_tokens")}
+        text = json.dumps(value, ensure_ascii=False, default=repr)
+    except (ValueError, RecursionError):
+        text = repr(type(value))
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _text(content: Any) -> str:
+    """Message content as text: a string, or the text parts of a list of content parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(str(part.get("text", "")) for part in content if isinstance(part, Mapping))
+    return "" if content is None else _excerpt(content)
+
+
+def _chat_reply(answer: Any) -> dict[str, Any]:
+    choice, message, problem = _message(answer)
+    finish = choice.get("finish_reason")
+    usage = answer.get("usage") if isinstance(answer, Mapping) else None
+    tokens = usage.get("completion_tokens") if isinstance(usage, Mapping) else None
+    out: dict[str, Any] = {"reply": _text(message.get("content")), "finish_reason": finish if isinstance(finish, str)
+                           else "", "tokens": tokens if isinstance(tokens, int) else None}
     if message.get("reasoning_content"):
-        out["reasoning"] = message["reasoning_content"]
+        out["reasoning"] = _text(message["reasoning_content"])
+    if problem:
+        out["error"] = problem
     return out
 
 
-def _calls(answer: Mapping[str, Any]) -> list[tuple[str, Any]]:
-    calls = []
-    for item in ((answer["choices"][0].get("message") or {}).get("tool_calls") or []):
-        function = item.get("function") or {}
-        arguments = function.get("arguments", "")
-        if isinstance(arguments, str):
-            with contextlib.suppress(json.JSONDecodeError):  # not JSON: kept as text, the checker reports it
-                arguments = json.loads(arguments)
-        calls.append((str(function.get("name", "")), arguments))
-    return calls
+def _arguments(raw: Any) -> Any:
+    """Tool-call arguments: JSON text decoded; text that is not JSON is kept as text (the checker says so)."""
+    if not isinstance(raw, str):
+        return raw
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):  # not JSON, an integer past Python's digit limit, nesting too deep
+        return raw
 
 
-def gsm8k_record(data: Mapping[str, Any], answer: Mapping[str, Any]) -> dict[str, Any]:
+def _calls(message: Mapping[str, Any]) -> tuple[list[tuple[str, Any]], str]:
+    """(name, arguments) of every tool call, and what was malformed about them ("" when nothing)."""
+    items = message.get("tool_calls")
+    if items is None:
+        return [], ""
+    if not isinstance(items, list):
+        return [], f"tool_calls is no list: {_excerpt(items)}"
+    calls: list[tuple[str, Any]] = []
+    for item in items:
+        function = item.get("function") if isinstance(item, Mapping) else None
+        if not isinstance(function, Mapping):
+            return calls, f"a tool call without a function object: {_excerpt(item)}"
+        name = function.get("name", "")
+        calls.append((name if isinstance(name, str) else _excerpt(name), _arguments(function.get("arguments", ""))))
+    return calls, ""
+
+
+def gsm8k_record(data: Mapping[str, Any], answer: Any) -> dict[str, Any]:
     reply = _chat_reply(answer)
-    return {**reply, **score_gsm8k(reply["reply"], data["gold"], reply["finish_reason"])}
+    scored = score_gsm8k(reply["reply"], data["gold"], reply["finish_reason"])
+    return {**reply, **scored, **({"error": reply["error"]} if "error" in reply else {})}
 
 
-def bfcl_record(data: Mapping[str, Any], answer: Mapping[str, Any]) -> dict[str, Any]:
+def bfcl_record(data: Mapping[str, Any], answer: Any) -> dict[str, Any]:
     reply = _chat_reply(answer)
-    calls = _calls(answer)
-    check = check_simple_call(data["function"], calls, data["possible_answer"])
+    _, message, _ = _message(answer)
+    calls, problem = _calls(message)
+    try:
+        check = Check(False, problem, "simple_function_checker:malformed_call") if problem else \
+            check_simple_call(data["function"], calls, data["possible_answer"])
+    except (ValueError, TypeError, OverflowError, RecursionError) as exc:  # values no checker rule foresaw
+        check = Check(False, f"arguments the checker cannot read: {exc}", "simple_function_checker:unreadable")
+    if reply.get("error"):
+        check = Check(False, reply["error"], "malformed_answer")
     toolless = not calls
     return {**reply, "tool_calls": [{"name": n, "arguments": a} for n, a in calls], "score": int(check.valid),
             "error": check.error, "error_type": check.error_type, "toolless": toolless,
@@ -381,16 +462,28 @@ def _probability(entry: Mapping[str, Any]) -> float:
     return math.exp(float(entry["logprob"])) if "logprob" in entry else float(entry.get("prob", 0.0))
 
 
-def first_token_probs(answer: Mapping[str, Any]) -> tuple[dict[int, float], str]:
+def first_token_probs(answer: Any) -> tuple[dict[int, float], str]:
     """Token id -> probability of the first generated position's top candidates, and the most probable
-    token's text."""
-    positions = answer.get("completion_probabilities") or []
-    if not positions:
+    token's text. Candidates that cannot be read (no id, a probability that is no number) are left out;
+    no readable position at all raises ValueError."""
+    positions = answer.get("completion_probabilities") if isinstance(answer, Mapping) else None
+    if not isinstance(positions, list) or not positions or not isinstance(positions[0], Mapping):
         raise ValueError("no completion_probabilities in the answer (was n_probs sent?)")
-    entries = positions[0].get("top_logprobs") or positions[0].get("top_probs") or positions[0].get("probs") or []
-    probs = {int(e.get("id", -1)): _probability(e) for e in entries}
-    best = max(entries, key=_probability) if entries else positions[0]
-    return probs, str(best.get("token", best.get("tok_str", "")))
+    first = positions[0]
+    entries = first.get("top_logprobs") or first.get("top_probs") or first.get("probs") or []
+    probs: dict[int, float] = {}
+    best: tuple[float, str] | None = None
+    for entry in entries if isinstance(entries, list) else []:
+        try:
+            token, probability = int(entry["id"]), _probability(entry)
+        except (KeyError, TypeError, ValueError, OverflowError):
+            continue
+        if not 0.0 <= probability <= 1.0:
+            continue
+        probs[token] = probability
+        if best is None or probability > best[0]:
+            best = (probability, str(entry.get("token", entry.get("tok_str", ""))))
+    return probs, best[1] if best else str(first.get("token", first.get("tok_str", "")))
 
 
 def label_token(label: str, tokenize_answer: Mapping[str, Any]) -> dict[str, Any]:
@@ -417,11 +510,21 @@ def clashing_labels(labels: Sequence[str], tokens: Mapping[str, Mapping[str, Any
     return None
 
 
-def choice_record(data: Mapping[str, Any], answer: Mapping[str, Any],
+def choice_record(data: Mapping[str, Any], answer: Any,
                   tokens: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
-    probs, best = first_token_probs(answer)
+    try:
+        probs, best = first_token_probs(answer)
+    except ValueError as exc:
+        probs, best, problem = {}, "", str(exc)
+    else:
+        problem = ""
     label_probs = {label: probs.get(int(tokens[label]["id"])) for label in data["labels"]}
-    return {**score_choice(label_probs, data["gold"]), "top_token": best}
+    out = {**score_choice(label_probs, data["gold"]), "top_token": best}
+    if problem or out["pred"] is None:
+        out["error"] = problem or "no label among the server's top candidates"
+    elif not out["score"]:
+        out["error"] = f"picked {out['pred']!r}, gold {data['gold']!r}"
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- summary

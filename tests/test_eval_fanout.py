@@ -1,0 +1,106 @@
+"""Fan-out without a lab: which servers may share one run (same artifact sha256, same build), the campaign's
+``servers`` targets, and which pulled runs answer them."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from handmade_runs import eval_run
+
+from rigctl.campaign import EvalTarget, eval_matches, load_campaign
+from rigctl.errors import ConfigError
+from rigctl.evals.fanout import FanOut
+from rigctl.evals.target import Target
+from rigctl.results import ResultsStore, RunRecord
+from rigctl.server import Endpoint
+
+SHA = "5" * 64
+BUILD = {"commit": "7182ef71e", "version": "b7100", "build_key": "cpu-avx2"}
+
+
+def _target(host: str, name: str = "smollm2", *, artifact: str = "smollm2-135m-q4_1", sha256: str | None = SHA,
+            build: dict | None = None) -> Target:
+    return Target(host=host, endpoint=Endpoint(f"http://10.0.0.{len(host)}:8080", None, f"{host}/{name}"),
+                  server={"name": name, "host": host, "artifact": artifact},
+                  artifacts=[{"name": artifact, "sha256": sha256}], llama_cpp=dict(BUILD if build is None else build),
+                  gpu={"name": f"{host} gpu"})
+
+
+def test_same_artifact_and_build_fan_out():
+    fanout = FanOut.of([_target("desktop"), _target("laptop")])
+    assert [str(e) for e in fanout.endpoints] == ["desktop/smollm2", "laptop/smollm2"]
+    facts = fanout.member_facts()
+    assert [(f["host"], f["name"], f["gpu"]["name"]) for f in facts] == [
+        ("desktop", "smollm2", "desktop gpu"), ("laptop", "smollm2", "laptop gpu")]
+    assert FanOut.of([_target("desktop")]).member_facts() == []
+
+
+@pytest.mark.parametrize(("other", "message"), [
+    (_target("laptop", artifact="smollm2-135m-q4_0", sha256="6" * 64),
+     "different artifacts: desktop/smollm2 serves smollm2-135m-q4_1 (sha256 555555555555), laptop/smollm2 serves "
+     "smollm2-135m-q4_0 (sha256 666666666666)"),
+    (_target("laptop", build={**BUILD, "commit": "0000000aa"}),
+     "different llama.cpp builds: desktop/smollm2 runs 7182ef71e (build cpu-avx2), laptop/smollm2 runs 0000000aa"),
+    (_target("laptop", build={**BUILD, "build_key": "cuda-sm75"}), "different llama.cpp builds"),
+    (_target("laptop", sha256=None), "laptop/smollm2: the sha256 of artifact 'smollm2-135m-q4_1' could not be read"),
+    (_target("laptop", build={}), "laptop/smollm2: the llama.cpp build (commit and build key) could not be read"),
+    (_target("desktop"), "lists desktop/smollm2 more than once"),
+])
+def test_mixed_artifacts_or_builds_are_refused(other, message):
+    with pytest.raises(ConfigError) as info:
+        FanOut.of([_target("desktop"), other])
+    assert message in str(info.value)
+
+
+def test_campaign_fan_out_targets(tmp_path):
+    (tmp_path / "t.yaml").write_text("name: t\nscorer: gsm8k\ndataset: {path: d.jsonl}\n")
+    data = {"name": "c", "title": "c", "hosts": ["desktop", "laptop"],
+            "evals": [{"name": "e", "task": "t.yaml", "runs": [
+                {"servers": [{"host": "desktop", "server": "smollm2"}, {"host": "laptop", "server": "smollm2"}],
+                 "artifact": "smollm2-135m-q4_1"},
+                {"host": "desktop", "server": "smollm2", "artifact": "smollm2-135m-q4_1"}]}],
+            "comparisons": [{"name": "fan-out vs one", "a": "smollm2-135m-q4_1@desktop",
+                             "b": "smollm2-135m-q4_1@desktop+laptop", "equivalence_margin": 5}],
+            "equivalence_margin": 2}
+    path = tmp_path / "c.yml"
+    path.write_text(yaml.safe_dump(data))
+    campaign = load_campaign(path).campaign
+    fanned, single = campaign.evals[0].runs
+    assert fanned.fanout and fanned.id == "smollm2-135m-q4_1@desktop+laptop" and fanned.host == "desktop"
+    assert not single.fanout and single.id == "smollm2-135m-q4_1@desktop"
+    assert campaign.margin(campaign.comparisons[0]) == 5
+    for change, message in (
+            ({"hosts": ["desktop"]}, "hosts not listed under hosts: laptop"),
+            ({"evals": [{"name": "e", "task": "t.yaml", "runs": [
+                {"servers": [{"host": "desktop", "server": "smollm2"}], "artifact": "a"}]}], "comparisons": []},
+             "a fan-out needs a list of at least two"),
+            ({"evals": [{"name": "e", "task": "t.yaml", "runs": [
+                {"host": "desktop", "server": "x", "servers": [{"host": "desktop", "server": "smollm2"},
+                                                               {"host": "laptop", "server": "smollm2"}],
+                 "artifact": "a"}]}], "comparisons": []}, "give host and server, or servers, not both"),
+            ({"equivalence_margin": 0}, "equivalence_margin: Input should be greater than 0")):
+        path.write_text(yaml.safe_dump({**data, **change}))
+        with pytest.raises(ConfigError, match=f"campaign {path}") as info:
+            load_campaign(path)
+        assert message in str(info.value), (message, str(info.value))
+
+
+def test_fan_out_runs_answer_only_fan_out_targets(tmp_path):
+    single_dir = eval_run(tmp_path, "desktop", "eval-1", "smollm2-135m-q4_1", [{"id": "q", "set": "s", "score": 1}])
+    fanned_dir = eval_run(tmp_path, "desktop", "eval-2", "smollm2-135m-q4_1", [{"id": "q", "set": "s", "score": 1}])
+    record = RunRecord.load(fanned_dir)
+    record.server = {"name": "smollm2", "host": "desktop", "fanout": [
+        {"name": "smollm2", "host": "desktop"}, {"name": "smollm2", "host": "laptop"}]}
+    record.save(fanned_dir)
+    record = RunRecord.load(single_dir)
+    record.server = {"name": "smollm2", "host": "desktop"}
+    record.save(single_dir)
+    store = ResultsStore(tmp_path)
+    fanned = EvalTarget.model_validate({"servers": [{"host": "desktop", "server": "smollm2"},
+                                                    {"host": "laptop", "server": "smollm2"}],
+                                        "artifact": "smollm2-135m-q4_1"})
+    single = EvalTarget(host="desktop", server="smollm2", artifact="smollm2-135m-q4_1")
+    assert eval_matches(store.find("desktop/eval-2"), "suite", fanned)
+    assert not eval_matches(store.find("desktop/eval-1"), "suite", fanned)
+    assert eval_matches(store.find("desktop/eval-1"), "suite", single)
+    assert not eval_matches(store.find("desktop/eval-2"), "suite", single)
