@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -205,15 +206,21 @@ def run_playbook(
     on_event: Callable[[TaskEvent], None] | None = None,
     on_task: Callable[[str], None] | None = None,
     timeout: int | None = None,
+    extra_args: Iterable[str] = (),
+    passwords: Mapping[str, str] | None = None,
+    project: Path | None = None,
 ) -> DeployResult:
     """Run ``playbooks/<playbook>`` against ``inventory`` and return every host's outcome.
 
     A failed host never stops the others from being reported; the caller decides whether to raise.
+    ``passwords`` maps a prompt (a regular expression) to its answer: ansible-runner types it at
+    ansible-playbook's prompt (``--ask-pass`` in ``extra_args``), so a secret reaches no command
+    line, file or event.
     """
     selected = inventory.select(limit)
     import ansible_runner
 
-    root = project_root(inventory)
+    root = project or project_root(inventory)
     playbook_path = root / "playbooks" / playbook
     if not playbook_path.is_file():
         raise ConfigError(f"playbook {playbook_path}: no such file")
@@ -229,12 +236,13 @@ def run_playbook(
             inventory=str(inventory.source.resolve()),
             limit=",".join(h.name for h in selected) if limit is not None else None,
             tags=",".join(tags) or None,
-            cmdline="--check --diff" if check else None,
+            cmdline=" ".join([*(["--check", "--diff"] if check else []), *map(shlex.quote, extra_args)]) or None,
             extravars=dict(extravars or {}),
             envvars={**ansible_env(root), **(env or {})},
             event_handler=collector,
             quiet=True,
             timeout=timeout,
+            passwords=dict(passwords) if passwords else None,
         )
         stdout = runner.stdout.read() if runner.stdout else ""
     result = DeployResult(

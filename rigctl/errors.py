@@ -109,3 +109,17 @@ class JobBusyError(JobError):
         self.running = running
         super().__init__(f"{host}: refused: job {running} is running and holds the {lock!r} lock; "
                          f"wait for it (`rigctl jobs {host}`) or stop it")
+
+
+class ProbeError(RigctlError):
+    """What ``host`` reported when probed (``rigctl hosts probe``) is missing or malformed at ``field``."""
+
+    def __init__(self, host: str, field: str, reason: str):
+        self.host = host
+        self.field = field
+        super().__init__(f"{host}: probe: {field}: {reason}")
+
+
+class EnrollError(RigctlError):
+    """A host cannot be added to (or removed from) the inventory: first contact, bootstrap or the
+    inventory files refused it."""
