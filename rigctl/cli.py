@@ -332,4 +332,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # `python -m rigctl.cli` runs this file as __main__, a second copy of the module: the command modules
+    # register on rigctl.cli's app, so run that one.
+    from rigctl.cli import main as _main
+
+    _main()
