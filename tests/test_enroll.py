@@ -322,3 +322,36 @@ def test_cli_add_needs_one_way_in(lab_copy: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "rigctl.cli", "-i", str(lab_copy), "hosts", "add", "x", "10.0.0.1"],
                          capture_output=True, text=True, timeout=60, cwd=REPO)
     assert out.returncode == 2 and out.stderr.strip() == "error: give exactly one of --ask-pass or --key FILE"
+
+
+def test_lab_config_knows_a_stranger_rig_until_it_is_enrolled(lab_copy: Path) -> None:
+    from ruamel.yaml import YAML
+
+    from rigctl.errors import LabError
+    from rigctl.lab import Lab
+
+    yaml = YAML()
+    lab_vars = lab_copy / "group_vars" / "all" / "lab.yml"
+    data = yaml.load(lab_vars.read_text())
+    gpus = [{"name": "A", "vram_mib": 16384, "compute_capability": "8.9"},
+            {"name": "B", "vram_mib": 8192, "compute_capability": "8.6"}]
+    data["rigctl_lab"]["unenrolled"] = {"spare": {"address": "10.213.{{ rigctl_lab_slot }}.13", "gpus": gpus}}
+    with lab_vars.open("w") as f:
+        yaml.dump(data, f)
+    lab = Lab.from_inventory(Inventory.load(lab_copy))
+    desktop, spare = lab.rig("desktop"), lab.rig("spare")
+    assert not desktop.stranger and desktop.enrolled and desktop.gpu.additional_gpus == ()
+    assert spare.stranger and not spare.enrolled and spare.user == "root" and spare.address.endswith(".13")
+    assert (spare.gpu.name, spare.gpu.compute_cap) == ("A", "8.9")
+    assert [(g["name"], g["compute_cap"], g["pci_bus_id"]) for g in spare.gpu.additional_gpus] == [
+        ("B", "8.6", "00000000:02:00.0")]
+    assert json.loads(spare.gpu.to_json())["additional_gpus"][0]["memory_total_mib"] == 8192
+    with pytest.raises(LabError, match="spare is not enrolled yet"):
+        lab.ssh_argv("spare")
+
+    files = InventoryFiles(lab_copy)
+    files.add_to_group("spare", "lab", {"ansible_host": spare.address})
+    files.update_host_vars("spare", {"ansible_user": "rigctl", "gpu_host_gpu": gpus[0]})
+    enrolled = Lab.from_inventory(Inventory.load(lab_copy)).rig("spare")
+    assert enrolled.stranger and enrolled.enrolled and enrolled.user == "rigctl"
+    assert "rigctl@" in " ".join(Lab.from_inventory(Inventory.load(lab_copy)).ssh_argv("spare"))
