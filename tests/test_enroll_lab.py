@@ -18,6 +18,7 @@ import httpx
 import pytest
 from ruamel.yaml import YAML
 
+from rigctl.enroll import bootstrap, ensure_key_pair
 from rigctl.inventory import Inventory
 from rigctl.lab import Lab
 
@@ -165,6 +166,12 @@ def test_stranger_rig_is_enrolled_provisioned_and_serves(stranger: tuple[Path, L
     assert again.returncode == 0, again.stdout + again.stderr
     assert "nothing changed" in again.stdout and "(known already)" in again.stdout
     assert snapshot(inv, known_hosts) == enrolled
+
+    # The bootstrap again in check mode, as the fleet user with its key (sudo): nothing would change.
+    checked = bootstrap(RIG, rig.address, rig.port, known_hosts, login_user="rigctl", password=None,
+                        login_key=lab.config.key_file, fleet_user="rigctl",
+                        fleet_public_key=ensure_key_pair(lab.config.key_file), project=REPO, check=True)
+    assert checked.succeeded and checked.hosts[RIG].changed == 0 and checked.hosts[RIG].ok >= 6, checked.hosts
 
     # Pin the instance to the second GPU, then provision the new host alone.
     vars_file = inv / "host_vars" / f"{RIG}.yml"
