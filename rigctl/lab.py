@@ -944,8 +944,7 @@ class Lab:
 
     def _guest(self, rig: RigSpec, argv: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str]:
         """``argv`` inside the rig (its init's namespaces, by nsenter), whatever its exit status."""
-        nspawn = _live_pid(self._paths(rig).nspawn_pid, f"--directory={self._paths(rig).rootfs}")
-        init = _guest_init(nspawn) if nspawn is not None else None
+        init = next((pid for pid in sorted(self._rig_pids(rig)) if _is_namespace_init(pid)), None)
         if init is None:
             raise LabError(f"{rig.name}: the container is not running")
         command = ["nsenter", f"--target={init}", "--mount", "--uts", "--ipc", "--net", "--pid", "--", *argv]
@@ -1556,16 +1555,17 @@ def _try_flock(fd: int) -> bool:
     return True
 
 
-def _guest_init(nspawn: int) -> int | None:
-    """The container's PID 1 (systemd): nspawn's child."""
+def _is_namespace_init(pid: int) -> bool:
+    """Whether ``pid`` is PID 1 of a PID namespace below this one (a container's init)."""
     try:
-        children = Path(f"/proc/{nspawn}/task/{nspawn}/children").read_text().split()
+        status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
-        return None
-    for child in children:
-        if _alive(int(child)):
-            return int(child)
-    return None
+        return False
+    for line in status.splitlines():
+        if line.startswith("NSpid:"):
+            ids = line.split()[1:]
+            return len(ids) > 1 and ids[-1] == "1"
+    return False
 
 
 def _read_gpu_state(path: Path, rig: str) -> GpuState:
