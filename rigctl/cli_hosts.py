@@ -71,19 +71,19 @@ def hosts_add(
     if fingerprint is not None:
         check_fingerprint_option(fingerprint)
     inv = _inventory()
-    password = None
-    if ask_pass:
-        password = typer.prompt(f"SSH password for {user}@{address}", hide_input=True, err=True)
+
+    def ask_password() -> str:
+        return typer.prompt(f"SSH password for {user}@{address}", hide_input=True, err=True)
 
     def confirm(key_type: str, presented: str) -> bool:
         err_console.print(f"{name} ({address}:{port}) presents {key_type} {presented}", highlight=False)
         return typer.confirm("Is this the host's key? (compare with `ssh-keygen -lf` on its console)",
                              default=False, err=True)
 
-    options = AddOptions(name=name, address=address, port=port, login_user=user, password=password,
+    options = AddOptions(name=name, address=address, port=port, login_user=user, ask_pass=ask_pass,
                          login_key=key, fingerprint=fingerprint, group=group)
-    console.print(f"[bold]bootstrap[/bold] {name} as {user}", highlight=False)
-    result = add_host(inv, options, confirm=confirm, on_event=_print_event, on_task=_print_task)
+    result = add_host(inv, options, confirm=confirm, ask_password=ask_password, on_event=_print_event,
+                      on_task=_print_task)
     console.print(f"{name}: host key {result.contact.key_type} {result.contact.fingerprint}"
                   + (" written to known_hosts" if result.contact.written else " (known already)"), highlight=False)
     _print_deploy_summary(result.bootstrap, "bootstrap.yml")

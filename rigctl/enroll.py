@@ -458,7 +458,8 @@ class AddOptions:
     address: str
     port: int = 22
     login_user: str = "root"
-    password: str | None = None
+    #: Log in with a password, asked for once the host key is vouched for (else ``login_key``).
+    ask_pass: bool = False
     login_key: Path | None = None
     fingerprint: str | None = None
     group: str = DEFAULT_GROUP
@@ -476,14 +477,20 @@ def add_host(
     options: AddOptions,
     *,
     confirm: Callable[[str, str], bool],
+    ask_password: Callable[[], str] | None = None,
     on_event: Callable[[TaskEvent], None] | None = None,
     on_task: Callable[[str], None] | None = None,
 ) -> AddResult:
     """First contact, bootstrap and facts for a new host; the inventory files changed only when every
-    step, and ``inventory check``, passed."""
+    step, and ``inventory check``, passed. ``confirm(key_type, fingerprint)`` vouches for an unknown host
+    key; ``ask_password()`` is called only after that, for ``ask_pass``."""
     from rigctl.inventory_check import check
 
     name = check_host_name(options.name)
+    if options.ask_pass == (options.login_key is not None):
+        raise ConfigError("give exactly one of --ask-pass or --key FILE")
+    if options.ask_pass and ask_password is None:
+        raise ConfigError("--ask-pass needs a way to ask for the password")
     if options.login_key is not None and not options.login_key.is_file():
         raise ConfigError(f"--key {options.login_key}: no such file")
     existing = inventory.hosts.get(name)
@@ -506,9 +513,10 @@ def add_host(
                             fingerprint=options.fingerprint, confirm=confirm)
     files = InventoryFiles(inventory.source)
     try:
+        password = ask_password() if options.ask_pass and ask_password is not None else None
         public_key = ensure_key_pair(fleet_key)
         result = bootstrap(name, options.address, options.port, known_hosts, login_user=options.login_user,
-                           password=options.password, login_key=options.login_key, fleet_user=fleet_user,
+                           password=password, login_key=options.login_key, fleet_user=fleet_user,
                            fleet_public_key=public_key, project=root, on_event=on_event, on_task=on_task)
         result.raise_for_failures()
         target = SshTarget(name, options.address, options.port, fleet_user, fleet_key, known_hosts)

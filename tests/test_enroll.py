@@ -355,3 +355,17 @@ def test_lab_config_knows_a_stranger_rig_until_it_is_enrolled(lab_copy: Path) ->
     enrolled = Lab.from_inventory(Inventory.load(lab_copy)).rig("spare")
     assert enrolled.stranger and enrolled.enrolled and enrolled.user == "rigctl"
     assert "rigctl@" in " ".join(Lab.from_inventory(Inventory.load(lab_copy)).ssh_argv("spare"))
+
+
+def test_add_asks_for_the_password_only_after_the_host_key_is_vouched_for(ssh_server, lab_copy: Path) -> None:
+    from rigctl.enroll import AddOptions, add_host
+
+    port, _key, server = ssh_server
+    before = {p: p.read_text() for p in lab_copy.rglob("*.yml")}
+    options = AddOptions(name="new", address="127.0.0.1", port=port, ask_pass=True, fingerprint="SHA256:" + "A" * 43,
+                         group="lab")
+    with pytest.raises(HostKeyError, match="refused, nothing sent"):
+        add_host(Inventory.load(lab_copy), options, confirm=lambda *_: True,
+                 ask_password=lambda: pytest.fail("asked for the password"))
+    assert server.auth_attempts == []
+    assert {p: p.read_text() for p in lab_copy.rglob("*.yml")} == before
