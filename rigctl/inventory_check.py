@@ -47,7 +47,6 @@ class HostFactsSpec(_Strict):
     cpu_flags: list[str]
     cpus: int = Field(gt=0)
     memory_mib: int = Field(gt=0)
-    disk_free_mib: int = Field(ge=0)
     os: str = Field(min_length=1)
 
 

@@ -213,7 +213,8 @@ def _positive_int(host: str, field: str, text: str) -> int:
 def inventory_vars(facts: HostFacts) -> dict[str, object]:
     """The host_vars the facts become: the first GPU as ``gpu_host_gpu`` (what the roles check), every
     GPU as ``gpu_host_gpus`` when there are several, the CUDA architectures, the rest as
-    ``rigctl_host_facts``."""
+    ``rigctl_host_facts``. Free disk space is shown, not recorded: it changes on its own, and a record
+    of it would make every `hosts add` rewrite the file."""
     first = facts.gpus[0]
     out: dict[str, object] = {
         "gpu_host_gpu": {"name": first.name, "vram_mib": first.vram_mib,
@@ -232,14 +233,9 @@ def inventory_vars(facts: HostFacts) -> dict[str, object]:
         "cpu_flags": list(facts.cpu_flags),
         "cpus": facts.cpus,
         "memory_mib": facts.memory_mib,
-        "disk_free_mib": facts.disk_free_mib,
         "os": facts.os,
     }
     return out
-
-
-#: Facts that change on their own (free disk space): shown, never called drift.
-VOLATILE = frozenset({"rigctl_host_facts.disk_free_mib"})
 
 
 def drift(recorded: Mapping[str, object], observed: Mapping[str, object]) -> list[tuple[str, object, object]]:
@@ -250,7 +246,7 @@ def drift(recorded: Mapping[str, object], observed: Mapping[str, object]) -> lis
         if isinstance(new, Mapping) and isinstance(old, Mapping):
             for key in new:
                 walk(f"{path}.{key}" if path else str(key), old.get(key), new[key])
-        elif old != new and path not in VOLATILE:
+        elif old != new:
             out.append((path, old, new))
 
     walk("", recorded, observed)

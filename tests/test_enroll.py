@@ -84,6 +84,7 @@ def test_probe_reads_every_gpu_and_the_machine(smi_path: dict[str, str]) -> None
                                        "compute_capability": "8.6"}
     assert [g["index"] for g in written["gpu_host_gpus"]] == [0, 1]
     assert written["llama_cpp_cuda_architectures"] == "75;86"
+    assert "disk_free_mib" not in written["rigctl_host_facts"]  # shown, not recorded: it moves on its own
 
 
 def test_one_gpu_gets_no_gpu_list(smi_path: dict[str, str], tmp_path: Path) -> None:
@@ -118,11 +119,11 @@ def test_probe_names_a_missing_driver(tmp_path: Path) -> None:
         parse_probe("new", run_probe(env), "t0k3n")
 
 
-def test_drift_names_changed_values_not_volatile_ones() -> None:
+def test_drift_names_changed_and_missing_values() -> None:
     recorded = {"gpu_host_gpu": {"name": "A", "vram_mib": 8192, "compute_capability": "8.6"},
-                "rigctl_host_facts": {"driver_version": "535", "disk_free_mib": 10}}
+                "rigctl_host_facts": {"driver_version": "535", "cpus": 8}, "ansible_user": "rigctl"}
     observed = {"gpu_host_gpu": {"name": "A", "vram_mib": 8192, "compute_capability": "8.9"},
-                "rigctl_host_facts": {"driver_version": "550", "disk_free_mib": 99},
+                "rigctl_host_facts": {"driver_version": "550", "cpus": 8},
                 "gpu_host_gpus": [{"index": 0}]}
     assert drift(recorded, observed) == [
         ("gpu_host_gpu.compute_capability", "8.6", "8.9"),
