@@ -206,7 +206,7 @@ def test_targeted_restart_failed_rollout_and_api_key(lab_served: Inventory) -> N
         # The inventory as it is: smollm2-b goes away, the key file too.
         run_playbook(inv, "site.yml", limit="desktop", tags=["llama_server"]).raise_for_failures()
     assert _remote(inv, "desktop", "ls /etc/llama-server").split() == sorted(
-        f"{s.name}.{ext}" for s in inv.host("desktop").servers for ext in ("args", "bin"))
+        f"{s.name}.{ext}" for s in inv.host("desktop").servers for ext in ("args", "bin", "env"))
     assert unit_states(inv.host("desktop"), ["smollm2-b"])["smollm2-b"].active_state == "inactive"
     wait_healthy(inv)
 
