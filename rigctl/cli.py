@@ -101,9 +101,16 @@ def inventory_check() -> None:
     console.print(summary, markup=False, highlight=False)
 
 
-@app.command("hosts")
-def hosts() -> None:
+hosts_app = typer.Typer(invoke_without_command=True,
+                        help="The fleet: list it (no subcommand); add, probe or remove a host.")
+app.add_typer(hosts_app, name="hosts")
+
+
+@hosts_app.callback()
+def hosts(ctx: typer.Context) -> None:
     """The fleet: each host's address, GPU, llama.cpp pin and servers."""
+    if ctx.invoked_subcommand is not None:
+        return
     inv = _inventory()
     table = Table(title=f"fleet ({inv.source})")
     for column in ("host", "address", "GPU", "CC", "VRAM", "llama.cpp", "servers"):
@@ -318,7 +325,7 @@ def models_pin(limit: LimitOption = None) -> None:
 
 
 # Each of these modules registers its command group on `app` when imported.
-from rigctl import cli_bench, cli_compare, cli_eval, cli_exporter, cli_servers  # noqa: E402,F401
+from rigctl import cli_bench, cli_compare, cli_eval, cli_exporter, cli_hosts, cli_servers  # noqa: E402,F401
 
 
 def usage_message(exc: ClickException) -> str:
@@ -355,4 +362,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # `python -m rigctl.cli` runs this file as __main__, a second copy of the module: the command modules
+    # register on rigctl.cli's app, so run that one.
+    from rigctl.cli import main as _main
+
+    _main()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -248,6 +249,9 @@ def run_playbook(
     on_task: Callable[[str], None] | None = None,
     timeout: int | None = None,
     preflight: bool = True,
+    extra_args: Iterable[str] = (),
+    passwords: Mapping[str, str] | None = None,
+    project: Path | None = None,
 ) -> DeployResult:
     """Run ``playbooks/<playbook>`` against ``inventory`` and return every host's outcome.
 
@@ -255,13 +259,16 @@ def run_playbook(
     ``preflight``: first check the selected hosts' keys (:func:`check_host_keys`); a refused key raises
     HostKeyError and nothing runs. Off, Ansible's own strict checking refuses the host (unreachable).
     One run per inventory at a time: DeployBusyError names the run that holds the inventory's lock.
+    ``passwords`` maps a prompt (a regular expression) to its answer: ansible-runner types it at
+    ansible-playbook's prompt (``--ask-pass`` in ``extra_args``), so a secret reaches no command
+    line, file or event.
     """
     selected = inventory.select(limit)
     if preflight:
         check_host_keys(selected)
     import ansible_runner
 
-    root = project_root(inventory)
+    root = project or project_root(inventory)
     playbook_path = root / "playbooks" / playbook
     if not playbook_path.is_file():
         raise ConfigError(f"playbook {playbook_path}: no such file")
@@ -277,12 +284,13 @@ def run_playbook(
             inventory=str(inventory.source.resolve()),
             limit=",".join(h.name for h in selected) if limit is not None else None,
             tags=",".join(tags) or None,
-            cmdline="--check --diff" if check else None,
+            cmdline=" ".join([*(["--check", "--diff"] if check else []), *map(shlex.quote, extra_args)]) or None,
             extravars=dict(extravars or {}),
             envvars={**ansible_env(root), **(env or {})},
             event_handler=collector,
             quiet=True,
             timeout=timeout,
+            passwords=dict(passwords) if passwords else None,
         )
         stdout = runner.stdout.read() if runner.stdout else ""
     result = DeployResult(

@@ -125,3 +125,17 @@ class DeployBusyError(DeployError):
         self.command = command
         super().__init__(f"inventory {inventory}: refused: pid {pid if pid is not None else '?'} "
                          f"(`{command}`, since {since}) is running a playbook against it; wait for it to finish")
+
+
+class ProbeError(RigctlError):
+    """What ``host`` reported when probed (``rigctl hosts probe``) is missing or malformed at ``field``."""
+
+    def __init__(self, host: str, field: str, reason: str):
+        self.host = host
+        self.field = field
+        super().__init__(f"{host}: probe: {field}: {reason}")
+
+
+class EnrollError(RigctlError):
+    """A host cannot be added to (or removed from) the inventory: first contact, bootstrap or the
+    inventory files refused it."""

@@ -178,7 +178,10 @@ class Inventory:
     group_parents: dict[str, list[str]] = field(repr=False, default_factory=dict)
 
     @classmethod
-    def load(cls, source: str | os.PathLike[str] | None = None) -> Inventory:
+    def load(cls, source: str | os.PathLike[str] | None = None, *,
+             add_hosts: Mapping[str, str] | None = None) -> Inventory:
+        """Load ``source``; ``add_hosts`` ({host: group}) adds hosts in memory only, to see the variables
+        a host would get there before the files say so."""
         path = Path(source) if source is not None else default_source()
         if not path.exists():
             raise ConfigError(f"inventory {path}: no such file or directory")
@@ -197,6 +200,12 @@ class Inventory:
         try:
             with _ansible_warnings() as warnings:
                 manager = InventoryManager(loader=loader, sources=[str(path)], parse=True)
+                for name, group in (add_hosts or {}).items():
+                    manager.add_group(group)
+                    manager.add_host(name, group=group)
+                if add_hosts:
+                    manager.reconcile_inventory()  # a new group goes under 'all', as a parsed one would
+                    manager.clear_caches()
             if not manager.get_hosts():
                 reason = next((w for w in warnings if "Failed to parse" in w), None)
                 raise ConfigError(f"inventory {path}: " + (reason or "no hosts (is it an Ansible inventory?)"))

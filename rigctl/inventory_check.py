@@ -103,6 +103,24 @@ class GpuSpec(_Strict):
     bandwidth_gbs: float | None = Field(default=None, gt=0)
 
 
+class IndexedGpuSpec(GpuSpec):
+    """One of several GPUs: ``index`` is nvidia-smi's (and CUDA_VISIBLE_DEVICES')."""
+
+    index: int = Field(ge=0)
+
+
+class HostFactsSpec(_Strict):
+    """What `rigctl hosts add` / `hosts probe --write` recorded about the host."""
+
+    driver_version: str = Field(min_length=1)
+    cuda_version: Annotated[str, Field(pattern=r"^\d+\.\d+$")]
+    cpu_model: str = Field(min_length=1)
+    cpu_flags: list[str]
+    cpus: int = Field(gt=0)
+    memory_mib: int = Field(gt=0)
+    os: str = Field(min_length=1)
+
+
 class ArchiveSpec(_Strict):
     url: str | None = None
     path: str | None = None
@@ -215,17 +233,30 @@ class InstanceSpec(_Strict):
     profile: str = Field(min_length=1)
     port: int = Field(ge=1, le=65535)
     enabled: bool = True
+    #: The GPU (gpu_host_gpus index) the instance is pinned to with CUDA_VISIBLE_DEVICES.
+    gpu: int | None = Field(default=None, ge=0)
+
+
+class UnenrolledRigSpec(_Strict):
+    """A lab rig that starts as a stranger: root with a password only, no fleet user, not in hosts.yml."""
+
+    address: Annotated[str, Field(pattern=r"^\d+\.\d+\.\d+\.\d+$")]
+    gpus: list[GpuSpec] = Field(min_length=1)
 
 
 class LabSpec(_Strict):
     dir: str = Field(min_length=1)
     bridge: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,15}$")]
     bridge_address: Annotated[str, Field(pattern=r"^\d+\.\d+\.\d+\.\d+/\d+$")]
+    unenrolled: dict[str, UnenrolledRigSpec] | None = None
 
 
 #: Every variable rigctl itself reads, with its schema.
 SCHEMA: dict[str, Any] = {
     "gpu_host_gpu": GpuSpec,
+    "gpu_host_gpus": list[IndexedGpuSpec],
+    "rigctl_host_facts": HostFactsSpec,
+    "rigctl_fleet_user": Annotated[str, Field(pattern=r"^[a-z_][a-z0-9_-]{0,31}$")],
     "llama_cpp_source": Literal["git", "archive"],
     "llama_cpp_repo": str,
     "llama_cpp_version": str,
@@ -329,6 +360,20 @@ def check_host(host: Host, known: set[str]) -> list[Problem]:
     out.extend(_check_servers(where, parsed))
     out.extend(_check_pins(where, v, parsed))
     out.extend(_check_exposure(host, parsed))
+    out.extend(_check_gpus(where, parsed))
+    return out
+
+
+def _check_gpus(where: str, parsed: Mapping[str, Any]) -> list[Problem]:
+    gpus: list[IndexedGpuSpec] | None = parsed.get("gpu_host_gpus")
+    if not gpus:
+        return []
+    out = []
+    if [g.index for g in gpus] != list(range(len(gpus))):
+        out.append(Problem(where, "gpu_host_gpus", f"indexes {[g.index for g in gpus]} are not 0..{len(gpus) - 1}"))
+    first: GpuSpec | None = parsed.get("gpu_host_gpu")
+    if first is not None and first.model_dump() != gpus[0].model_dump(exclude={"index"}):
+        out.append(Problem(where, "gpu_host_gpu", "differs from gpu_host_gpus[0], the GPU the roles check"))
     return out
 
 
@@ -509,8 +554,13 @@ def _check_servers(where: str, parsed: Mapping[str, Any]) -> list[Problem]:
             out.append(Problem(where, f"llama_server_profile_overrides.{name}",
                                f"{name!r} is not in llama_server_profiles"))
     ports: dict[int, str] = {}
+    gpus: list[IndexedGpuSpec] | None = parsed.get("gpu_host_gpus")
     for name, inst in sorted(instances.items()):
         base = f"llama_server_instances.{name}"
+        if inst.gpu is not None and inst.gpu >= len(gpus or [None]):
+            count = len(gpus) if gpus else 1
+            out.append(Problem(where, f"{base}.gpu", f"GPU {inst.gpu} does not exist: this host has {count} "
+                                                     f"(gpu_host_gpus indexes 0..{count - 1})"))
         if artifacts and inst.artifact not in artifacts:
             out.append(Problem(where, f"{base}.artifact", f"{inst.artifact!r} is not an artifact in models_catalog"))
         # Profiles that failed validation are reported already; don't call every reference to them unknown.

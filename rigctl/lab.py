@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import shlex
 import shutil
 import signal
@@ -99,6 +100,11 @@ DEFAULT_GPU_POWER_W = 20.0
 #: What one entry of ``clocks_sequence`` may set.
 GPU_CLOCK_KEYS = {"clocks_sm_mhz": int, "clocks_mem_mhz": int, "power_draw_w": (int, float),
                   "clocks_event_reasons": int}
+ADDITIONAL_GPU_FIELDS = frozenset({"name", "memory_total_mib", "compute_cap", "uuid", "pci_bus_id"})
+#: A stranger rig's sshd: root logs in with its password, nothing else is set up.
+STRANGER_SSHD_CONF = Path("etc/ssh/sshd_config.d/rigctl-lab-stranger.conf")
+STRANGER_SSHD_SETTINGS = ("# rigctl lab: a host not enrolled yet, root with a password only\n"
+                          "PermitRootLogin yes\nPasswordAuthentication yes\n")
 
 DEBOOTSTRAP_TIMEOUT_S = 1800
 PACK_TIMEOUT_S = 600
@@ -154,11 +160,15 @@ class GpuState:
     #: Each nvidia-smi call that reports a clock, power or reasons field applies the next entry (a
     #: mapping of GPU_CLOCK_KEYS), which then sticks: how tests throttle a card in the middle of a cell.
     clocks_sequence: tuple[dict[str, Any], ...] = ()
+    #: A rig with several GPUs: the second, third... (each its own name, memory_total_mib,
+    #: compute_cap, uuid and pci_bus_id); what it does not say comes from the first.
+    additional_gpus: tuple[Mapping[str, Any], ...] = ()
 
     def to_json(self) -> str:
         data = dataclasses.asdict(self)
         data["temperature_sequence"] = list(self.temperature_sequence)
         data["clocks_sequence"] = [dict(entry) for entry in self.clocks_sequence]
+        data["additional_gpus"] = [dict(g) for g in self.additional_gpus]
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
     @classmethod
@@ -176,6 +186,8 @@ class GpuState:
             values["clocks_sequence"] = tuple(values["clocks_sequence"] or ())
         if isinstance(values.get("power_draw_w"), int) and not isinstance(values["power_draw_w"], bool):
             values["power_draw_w"] = float(values["power_draw_w"])
+        if "additional_gpus" in values:
+            values["additional_gpus"] = tuple(values["additional_gpus"] or ())
         try:
             state = cls(**values)
         except TypeError as exc:
@@ -200,6 +212,14 @@ class GpuState:
                                   f"{', '.join(sorted(GPU_CLOCK_KEYS))} to numbers, got {entry!r}")
         if not 0 <= self.memory_used_mib <= self.memory_total_mib:
             raise ConfigError(f"{origin}: memory_used_mib {self.memory_used_mib} is outside 0..{self.memory_total_mib}")
+        for number, extra in enumerate(self.additional_gpus, 1):
+            if not isinstance(extra, Mapping) or set(extra) != ADDITIONAL_GPU_FIELDS:
+                raise ConfigError(f"{origin}: additional_gpus[{number - 1}] must have exactly "
+                                  f"{', '.join(sorted(ADDITIONAL_GPU_FIELDS))}")
+            if type(extra["memory_total_mib"]) is not int or not all(
+                type(extra[k]) is str for k in ADDITIONAL_GPU_FIELDS - {"memory_total_mib"}
+            ):
+                raise ConfigError(f"{origin}: additional_gpus[{number - 1}] has a value of the wrong type")
 
 
 @dataclass(frozen=True)
@@ -211,6 +231,12 @@ class RigSpec:
     port: int
     user: str
     gpu: GpuState
+    #: Listed in rigctl_lab.unenrolled: made as a host the fleet has never seen (root with a password,
+    #: no key, no fleet user), for `rigctl hosts add` to enrol.
+    stranger: bool = False
+    #: In the inventory (a stranger is not until `hosts add`): the lab vouches for its host key and
+    #: logs in with its key; until then it does neither.
+    enrolled: bool = True
 
 
 @dataclass(frozen=True)
@@ -280,6 +306,11 @@ class RigPaths:
     @property
     def console_log(self) -> Path:
         return self.dir / "console.log"
+
+    @property
+    def root_password(self) -> Path:
+        """A stranger rig's root password (drawn when the rig is made; mode 0600)."""
+        return self.dir / "root-password"
 
 
 @dataclass(frozen=True)
@@ -554,6 +585,9 @@ class Lab:
     def ssh_argv(self, name: str, command: str | Sequence[str] | None = None) -> list[str]:
         """The ``ssh`` command line for rig ``name`` (strict host keys, the lab key, no prompts)."""
         rig = self.rig(name)
+        if not rig.enrolled:
+            raise LabError(f"{name} is not enrolled yet: no key logs in "
+                           f"(rigctl hosts add {name} {rig.address} --ask-pass)")
         argv = ["ssh", "-o", f"UserKnownHostsFile={self.config.known_hosts}", "-o", "StrictHostKeyChecking=yes"]
         argv += ["-o", "BatchMode=yes", "-i", str(self.config.key_file), "-o", "IdentitiesOnly=yes"]
         if rig.port != 22:
@@ -604,6 +638,29 @@ class Lab:
         if problems:
             raise LabError(f"lab down left {len(problems)} problem(s); first: {problems[0]}")
         log.info("lab: down in %.1fs", time.monotonic() - started)
+
+    def root_password(self, name: str) -> str:
+        """The root password of stranger rig ``name`` (what its owner would hand you for first contact)."""
+        rig = self.rig(name)
+        if not rig.stranger:
+            raise LabError(f"{name} is not a stranger rig (rigctl_lab.unenrolled); root logs in with the lab's key")
+        try:
+            return self._paths(rig).root_password.read_text().strip()
+        except OSError as exc:
+            raise LabError(f"{name}: no root password ({exc.strerror}); is the lab up?") from None
+
+    def guest_run(self, name: str, argv: Sequence[str], timeout: float = COMMAND_TIMEOUT_S) -> str:
+        """stdout of ``argv`` run inside rig ``name`` without SSH (for tests: what did its sshd log?)."""
+        return self._guest(self.rig(name), argv, timeout).stdout
+
+    def remove(self, name: str) -> None:
+        """Stop rig ``name`` and remove what it used; the other rigs and the bridge stay."""
+        _check_root()
+        with self._locked():
+            problems = self._remove_rigs([self.rig(name)])
+            problems += _collect(self._refresh_known_hosts, "known_hosts")
+        if problems:
+            raise LabError(f"removing {name} left {len(problems)} problem(s); first: {problems[0]}")
 
     def gpu_state(self, name: str) -> GpuState:
         path = self._gpu_state_path(self.rig(name))
@@ -760,11 +817,28 @@ class Lab:
             _run(["ssh-keygen", "-A", "-f", str(root)], timeout=COMMAND_TIMEOUT_S)
             _write_file(root / "etc/hostname", f"{rig.name}\n", 0o644)
             _write_file(root / "etc/hosts", render_etc_hosts(rig.name, self.config.rigs), 0o644)
-            (root / "root/.ssh").mkdir(mode=0o700, exist_ok=True)
-            _write_file(root / "root/.ssh/authorized_keys", public_key, 0o600)
+            if rig.stranger:
+                self._make_stranger(rig, root)
+            else:
+                (root / "root/.ssh").mkdir(mode=0o700, exist_ok=True)
+                _write_file(root / "root/.ssh/authorized_keys", public_key, 0o600)
             _write_file(root / NVIDIA_SMI_IN_RIG, _asset_text("nvidia-smi"), 0o755)
             (root / GPU_STATE_IN_RIG).parent.mkdir(parents=True, exist_ok=True)
             _write_file(root / GPU_STATE_IN_RIG, rig.gpu.to_json(), 0o644)
+
+    def _make_stranger(self, rig: RigSpec, root: Path) -> None:
+        """Root logs in with a fresh password only: no key, no fleet user."""
+        password = secrets.token_urlsafe(18)
+        paths = self._paths(rig)
+        fd = os.open(paths.root_password, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(password + "\n")
+        # chpasswd reads the password on stdin: never an argument.
+        done = subprocess.run(["chroot", str(root), "chpasswd"], input=f"root:{password}\n", text=True,
+                              capture_output=True, timeout=COMMAND_TIMEOUT_S)
+        if done.returncode != 0:
+            raise LabError(f"chpasswd exited {done.returncode}: {_last(done.stderr)}")
+        _write_file(root / STRANGER_SSHD_CONF, STRANGER_SSHD_SETTINGS, 0o644)
 
     def _make_network(self, rig: RigSpec) -> None:
         ns, veth = self._tag(rig), veth_name(self.config.bridge, rig.name)
@@ -835,7 +909,7 @@ class Lab:
         paths = self._paths(rig)
         with _step(rig.name, "wait for sshd"):
             deadline = time.monotonic() + SSH_WAIT_TIMEOUT_S
-            while not self._ssh_answers(rig):
+            while not (self._ssh_answers(rig) if rig.enrolled else _tcp_answers(rig.address, rig.port)):
                 if _live_pid(paths.supervisor_pid, str(paths.supervisor_script)) is None:
                     raise LabError(f"the container stopped: {_console_tail(paths.console_log)}")
                 if time.monotonic() > deadline:
@@ -863,7 +937,10 @@ class Lab:
 
     def _remote(self, rig: RigSpec, command: str, timeout: float) -> str:
         """stdout of ``command`` on the rig over strict-key SSH, whatever its exit status; LabError when
-        SSH itself fails."""
+        SSH itself fails. A rig not enrolled has no key to log in with: the command runs in its
+        namespaces from here instead, for the lab's own checks."""
+        if not rig.enrolled:
+            return self._guest(rig, ["sh", "-c", command], timeout).stdout.strip()
         argv = self.ssh_argv(rig.name, command)
         argv[1:1] = ["-o", "ConnectTimeout=5"]
         try:
@@ -879,6 +956,8 @@ class Lab:
         """known_hosts as the rigs that exist now are: their real host keys, by name and address."""
         lines: list[str] = []
         for rig in self.config.rigs:
+            if not rig.enrolled:  # first contact is `rigctl hosts add`'s to make
+                continue
             keys = sorted((self._paths(rig).rootfs / "etc/ssh").glob("ssh_host_*_key.pub"))
             lines += known_hosts_lines(rig, [k.read_text() for k in keys])
         path = self.config.known_hosts
@@ -888,6 +967,17 @@ class Lab:
         elif not path.is_file() or path.read_text() != text:
             path.parent.mkdir(parents=True, exist_ok=True)
             _write_file_atomically(path, text, 0o644)
+
+    def _guest(self, rig: RigSpec, argv: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str]:
+        """``argv`` inside the rig (its init's namespaces, by nsenter), whatever its exit status."""
+        init = next((pid for pid in sorted(self._rig_pids(rig)) if _is_namespace_init(pid)), None)
+        if init is None:
+            raise LabError(f"{rig.name}: the container is not running")
+        command = ["nsenter", f"--target={init}", "--mount", "--uts", "--ipc", "--net", "--pid", "--", *argv]
+        try:
+            return subprocess.run(command, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            raise LabError(f"{rig.name}: `{shlex.join(argv)}` ran past {timeout:.0f}s") from None
 
     # ------------------------------------------------------------------ status
 
@@ -1058,12 +1148,24 @@ def _config_from_hosts(hosts: Sequence[Host]) -> LabConfig:
     cache = first.vars.get("rigctl_cache_dir")
     if not cache:
         raise ConfigError(f"{first.name}: rigctl_cache_dir is not set")
+    strangers = settings.get("unenrolled") or {}
+    if not isinstance(strangers, Mapping):
+        raise ConfigError(f"{first.name}: rigctl_lab.unenrolled must map rig names to {{address, gpus}}")
     rigs = []
     for host in hosts:
+        if host.name in strangers:
+            spec = _stranger(host.name, strangers[host.name])
+            if spec.address != host.address:
+                raise ConfigError(f"{host.name}: ansible_host {host.address} is not "
+                                  f"rigctl_lab.unenrolled's {spec.address}")
+            rigs.append(dataclasses.replace(spec, port=host.port, user=host.user, enrolled=True))
+            continue
         gpu = host.vars.get("gpu_host_gpu")
         if not isinstance(gpu, Mapping):
             raise ConfigError(f"{host.name}: gpu_host_gpu is not set; the lab's stand-in nvidia-smi needs it")
         rigs.append(RigSpec(host.name, host.address, host.port, host.user, gpu_seed(host.name, gpu)))
+    known = {host.name for host in hosts}
+    rigs += [_stranger(name, spec) for name, spec in strangers.items() if name not in known]
     return LabConfig(
         dir=lab_dir,
         bridge=str(settings["bridge"]),
@@ -1073,6 +1175,24 @@ def _config_from_hosts(hosts: Sequence[Host]) -> LabConfig:
         key_file=expected_key,
         rigs=tuple(rigs),
     )
+
+
+def _stranger(name: str, spec: Any) -> RigSpec:
+    """A rig of rigctl_lab.unenrolled: its address and GPUs (the first as the stand-in's main one)."""
+    origin = f"rigctl_lab.unenrolled.{name}"
+    if not isinstance(spec, Mapping) or not spec.get("address") or not spec.get("gpus"):
+        raise ConfigError(f"{origin}: needs address and gpus (a list of name, vram_mib, compute_capability)")
+    gpus = spec["gpus"]
+    if not isinstance(gpus, Sequence) or not all(isinstance(g, Mapping) for g in gpus):
+        raise ConfigError(f"{origin}.gpus: must be a list of GPUs (name, vram_mib, compute_capability)")
+    first = gpu_seed(name, gpus[0])
+    extra = []
+    for index, gpu in enumerate(gpus[1:], 1):
+        seed = gpu_seed(f"{name}-gpu{index}", gpu)
+        extra.append({"name": seed.name, "memory_total_mib": seed.memory_total_mib, "compute_cap": seed.compute_cap,
+                      "uuid": seed.uuid, "pci_bus_id": f"00000000:{index + 1:02x}:00.0"})
+    state = GpuState.from_mapping({**dataclasses.asdict(first), "additional_gpus": extra}, origin)
+    return RigSpec(name, str(spec["address"]), 22, "root", state, stranger=True, enrolled=False)
 
 
 # ----------------------------------------------------------------------------------------------- base image
@@ -1459,6 +1579,19 @@ def _try_flock(fd: int) -> bool:
     except BlockingIOError:
         return False
     return True
+
+
+def _is_namespace_init(pid: int) -> bool:
+    """Whether ``pid`` is PID 1 of a PID namespace below this one (a container's init)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    for line in status.splitlines():
+        if line.startswith("NSpid:"):
+            ids = line.split()[1:]
+            return len(ids) > 1 and ids[-1] == "1"
+    return False
 
 
 def _read_gpu_state(path: Path, rig: str) -> GpuState:

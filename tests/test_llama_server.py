@@ -208,7 +208,7 @@ def test_targeted_restart_failed_rollout_and_api_key(lab_served: Inventory) -> N
         run_playbook(inv, "site.yml", limit="desktop", tags=["llama_server"]).raise_for_failures()
     key_file = ["api-key"] if inv.host("desktop").vars.get("llama_server_api_key") else []
     assert _remote(inv, "desktop", "ls /etc/llama-server").split() == sorted(
-        [*key_file, *(f"{s.name}.{ext}" for s in inv.host("desktop").servers for ext in ("args", "bin"))])
+        [*key_file, *(f"{s.name}.{ext}" for s in inv.host("desktop").servers for ext in ("args", "bin", "env"))])
     assert unit_states(inv.host("desktop"), ["smollm2-b"])["smollm2-b"].active_state == "inactive"
     wait_healthy(inv)
 

@@ -1,0 +1,142 @@
+"""`rigctl hosts add|remove|probe`: a GPU host joins (or leaves) the fleet's inventory."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from rigctl.cli import (
+    _inventory,
+    _print_deploy_summary,
+    _print_event,
+    _print_task,
+    console,
+    err_console,
+    hosts_app,
+    state,
+)
+from rigctl.errors import ConfigError
+from rigctl.probe import HostFacts
+
+
+def _print_facts(name: str, facts: HostFacts) -> None:
+    table = Table(title=f"{name}: {facts.os}, {facts.cpu_model}, {facts.cpus} CPUs, "
+                        f"{facts.memory_mib / 1024:.1f} GiB, {facts.disk_free_mib / 1024:.1f} GiB free")
+    for column in ("GPU", "name", "VRAM", "CC", "arch", "uuid"):
+        table.add_column(column)
+    for gpu in facts.gpus:
+        table.add_row(str(gpu.index), gpu.name, f"{gpu.vram_mib / 1024:g} GiB", gpu.compute_capability,
+                      gpu.cuda_arch, gpu.uuid)
+    console.print(table)
+    console.print(f"driver {facts.driver_version}, CUDA {facts.cuda_version}; "
+                  f"CPU flags: {' '.join(facts.cpu_flags) or 'none of note'}", highlight=False)
+
+
+def _provision_command(name: str) -> str:
+    inventory = ["-i", str(state.inventory_source)] if state.inventory_source else []
+    return shlex.join(["rigctl", *inventory, "provision", "--limit", name])
+
+
+@hosts_app.command("add")
+def hosts_add(
+    name: Annotated[str, typer.Argument(help="The host's name in the inventory.")],
+    address: Annotated[str, typer.Argument(help="Where to reach it (address or DNS name).")],
+    user: Annotated[str, typer.Option("--user", help="Who logs in for the bootstrap (root or a sudoer).")] = "root",
+    ask_pass: Annotated[bool, typer.Option("--ask-pass", help="Log in with a password (prompted, never echoed).")]
+    = False,
+    key: Annotated[Path | None, typer.Option("--key", help="Log in with this existing private key.")] = None,
+    port: Annotated[int, typer.Option("--port", min=1, max=65535, help="SSH port.")] = 22,
+    fingerprint: Annotated[str | None, typer.Option(
+        "--fingerprint", help="The host key's expected SHA256 fingerprint (for scripts; else asked).")] = None,
+    group: Annotated[str, typer.Option("--group", help="The inventory group to add it to.")] = "gpu_hosts",
+    provision: Annotated[bool, typer.Option("--provision", help="Then run `provision --limit NAME`.")] = False,
+) -> None:
+    """First contact, bootstrap, facts into the inventory: a new GPU host joins the fleet.
+
+    The host key is shown and must be confirmed (or match --fingerprint) before anything is sent;
+    playbooks/bootstrap.yml makes the fleet user with the controller's key and sudo; one probe writes
+    host_vars/NAME.yml and adds NAME to hosts.yml; inventory check must pass. Run again: no change.
+    """
+    from rigctl.deploy import run_playbook
+    from rigctl.enroll import AddOptions, add_host, check_fingerprint_option, check_host_name
+    from rigctl.inventory import Inventory
+
+    check_host_name(name)
+    if ask_pass == (key is not None):
+        raise ConfigError("give exactly one of --ask-pass or --key FILE")
+    if fingerprint is not None:
+        check_fingerprint_option(fingerprint)
+    inv = _inventory()
+
+    def ask_password() -> str:
+        return typer.prompt(f"SSH password for {user}@{address}", hide_input=True, err=True)
+
+    def confirm(key_type: str, presented: str) -> bool:
+        err_console.print(f"{name} ({address}:{port}) presents {key_type} {presented}", highlight=False)
+        return typer.confirm("Is this the host's key? (compare with `ssh-keygen -lf` on its console)",
+                             default=False, err=True)
+
+    options = AddOptions(name=name, address=address, port=port, login_user=user, ask_pass=ask_pass,
+                         login_key=key, fingerprint=fingerprint, group=group)
+    result = add_host(inv, options, confirm=confirm, ask_password=ask_password, on_event=_print_event,
+                      on_task=_print_task)
+    console.print(f"{name}: host key {result.contact.key_type} {result.contact.fingerprint}"
+                  + (" written to known_hosts" if result.contact.written else " (known already)"), highlight=False)
+    _print_deploy_summary(result.bootstrap, "bootstrap.yml")
+    _print_facts(name, result.facts)
+    if result.changed_files:
+        for path in result.changed_files:
+            console.print(f"wrote {path}", highlight=False)
+    else:
+        console.print(f"{name}: the inventory has it exactly so already; nothing changed", highlight=False)
+    console.print(f"{inv.source}: inventory check passed", highlight=False)
+    if not provision:
+        console.print(f"next: {_provision_command(name)}", highlight=False)
+        return
+    reloaded = Inventory.load(inv.source)
+    deployed = run_playbook(reloaded, "site.yml", limit=name, on_event=_print_event, on_task=_print_task)
+    _print_deploy_summary(deployed, "site.yml")
+    deployed.raise_for_failures()
+
+
+@hosts_app.command("remove")
+def hosts_remove(name: Annotated[str, typer.Argument(help="Host in the inventory.")]) -> None:
+    """Take NAME out of hosts.yml, its host_vars file and known_hosts; nothing on the host changes."""
+    from rigctl.enroll import remove_host
+
+    result = remove_host(_inventory(), name)
+    parts = [what for what, done in (("hosts.yml", result.hosts_file), ("host_vars", result.host_vars),
+                                     ("known_hosts", result.known_hosts)) if done]
+    console.print(f"{name}: removed from {', '.join(parts) or 'nothing (it held no entries)'}", highlight=False)
+
+
+@hosts_app.command("probe")
+def hosts_probe(
+    name: Annotated[str, typer.Argument(help="Host in the inventory.")],
+    write: Annotated[bool, typer.Option("--write", help="Update host_vars/NAME.yml with what was found.")] = False,
+) -> None:
+    """Read NAME's GPUs, CPU, memory, disk and OS again; show drift against its host_vars.
+
+    Exits 1 when there is drift, unless --write updates host_vars/NAME.yml.
+    """
+    from rigctl.enroll import probe_host
+
+    result = probe_host(_inventory(), name, write=write)
+    _print_facts(name, result.facts)
+    if not result.drift:
+        console.print(f"{name}: host_vars agree with the host", highlight=False)
+    else:
+        table = Table(title=f"{name}: drift (host_vars → host)")
+        for column in ("key", "host_vars", "host"):
+            table.add_column(column)
+        for key, recorded, observed in result.drift:
+            table.add_row(key, "-" if recorded is None else str(recorded), str(observed))
+        console.print(table)
+    if write:
+        console.print(f"{name}: host_vars " + ("updated" if result.written else "unchanged"), highlight=False)
+    elif result.drift:
+        raise typer.Exit(1)
