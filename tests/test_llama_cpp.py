@@ -87,6 +87,8 @@ def test_both_rigs_run_the_pinned_build(built: tuple[Inventory, DeployResult]) -
         assert (current.version, current.commit, current.build_number) == ("b11434", "b11434", 11434)
         assert builds.current.source == "archive" and not builds.current.cuda
         assert "-DGGML_CUDA=OFF" in builds.current.cmake_flags
+        # The lab's build runs on any x86-64 machine with AVX2, AMX or not (llama_cpp_native: false).
+        assert "-DGGML_NATIVE=OFF" in builds.current.cmake_flags and builds.current.cpu == "portable"
         assert builds.current.name == current_target(host)
         # The fact's hashes are the binaries' on disk.
         sums = ssh(host, f"cd {INSTALL_ROOT}/current/bin && sha256sum *")
