@@ -242,6 +242,7 @@ def test_a_link_dropped_mid_provision_fails_that_host_within_the_ssh_timeouts(se
             proc.kill()
     output = "".join(lines)
     assert dropped is not None, output
+    print(f"laptop's link dropped: the play ended {ended - dropped:.0f} s later")
     assert proc.returncode == 1, output
     assert "laptop" in output and "unreachable" in output, output[-3000:]
     # Keepalives 5 s x 3 and a 10 s connect timeout: the play is not held for minutes by one dead link.
