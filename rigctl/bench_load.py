@@ -212,7 +212,7 @@ def run_load(
     result = LoadResult(host=host.name, instance=instance)
     port = probe_port or servers[instance].port + 200
     flags = {("--parallel", "-np"): str(slots), ("-c", "--ctx-size"): str(slots * slot_ctx)}
-    with SshClient(SshTarget.from_host(host)) as ssh, instance_stopped(ssh, instance), \
+    with SshClient(SshTarget.from_host(host)) as ssh, instance_stopped(ssh, host, instance), \
             probe_server(ssh, host, instance, flags, port, "load") as probe:
         with ServerClient(probe.endpoint) as client:
             props = client.props()

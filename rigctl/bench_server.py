@@ -192,9 +192,9 @@ class Probe:
 
 
 @contextmanager
-def instance_stopped(ssh: SshClient, instance: str) -> Iterator[None]:
-    """``instance``'s unit stopped (its card and port free for probes), started again on exit when it
-    was running before."""
+def instance_stopped(ssh: SshClient, host: Host, instance: str) -> Iterator[None]:
+    """``instance``'s unit stopped (its card and port free for probes); on exit, when it was running
+    before, started again and waited for until it answers /health (what follows finds it as it was)."""
     unit = unit_name(instance)
     running = ssh.run(f"systemctl is-active --quiet {shlex.quote(unit)}", timeout=30, check=False).ok
     ssh.run(f"systemctl stop {shlex.quote(unit)}", timeout=300, check=True)
@@ -203,6 +203,8 @@ def instance_stopped(ssh: SshClient, instance: str) -> Iterator[None]:
     finally:
         if running:
             ssh.run(operator_start([unit]), timeout=300, check=True)
+            with ServerClient(Endpoint.from_inventory(host, instance)) as client:
+                client.wait_healthy(HEALTH_TIMEOUT_S)
 
 
 @contextmanager
@@ -235,7 +237,7 @@ def probe_server(ssh: SshClient, host: Host, instance: str, flags: Mapping[tuple
 def _memory_sweep(ssh: SshClient, host: Host, instance: str, ctx_sizes: Sequence[int], port: int,
                   say: Callable[[str], None]) -> list[MemoryPoint]:
     points = []
-    with instance_stopped(ssh, instance):
+    with instance_stopped(ssh, host, instance):
         for size in ctx_sizes:
             with probe_server(ssh, host, instance, {("-c", "--ctx-size"): str(size)}, port, f"ctx {size}"):
                 points.append(MemoryPoint(size, _memory_used(ssh)))

@@ -262,7 +262,9 @@ def served(request: pytest.FixtureRequest):
 
 
 # What the stand-in nvidia-smi answers, one reading per call: hot, cooling, and hot again after cells.
-TEMPERATURES = [72, 55, 38, 66, 47, 39, 58, 36, 61, 35]
+# Per cell: the cool-down's readings, then (clock readings far apart) the poller's as the cell starts
+# and as it ends.
+TEMPERATURES = [72, 55, 38, 50, 66, 47, 39, 41, 58, 36, 44, 61, 35, 37, 35]
 
 
 @pytest.mark.lab
@@ -274,7 +276,7 @@ def test_two_artifact_bench_alternates_waits_while_hot_and_summarises(served, tm
     Lab.from_inventory(served).set_gpu("desktop", temperature=80, temperature_sequence=TEMPERATURES)
     done = rigctl("bench", "run", "-H", "desktop", "-m", "smollm2-135m-q4_1,smollm2-135m-q4_0", "-p", "16",
                   "-n", "4", "-r", "1", "-t", "1", "--rounds", "2", "--order", "alternate", "--cooldown", "40",
-                  "--cooldown-poll", "0.2", "--wait", results=tmp_path, timeout=600)
+                  "--cooldown-poll", "0.2", "--clock-sample", "600", "--wait", results=tmp_path, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "cooling down" in done.stdout  # progress streamed while it waited
     job_id = next(line.split()[2] for line in done.stdout.splitlines() if " started " in line)
@@ -304,7 +306,7 @@ def test_two_artifact_bench_alternates_waits_while_hot_and_summarises(served, tm
     for c in cells:
         *hot, start = c["cooldown"]["readings"]
         assert start <= 40 and all(t > 40 for t in hot) and c["temp_start_c"] == start
-        assert c["temp_end_c"] in TEMPERATURES
+    assert [c["temp_end_c"] for c in cells] == [66, 58, 61, 35]  # the poller's reading as each cell ended
     assert cells[0]["cooldown"]["readings"][:2] == [72, 55] and cells[0]["cooldown"]["waited_s"] > 0
 
     summary = rigctl("bench", "summary", run.id, "--csv", str(tmp_path / "s.csv"), "--png", str(tmp_path / "s.png"),

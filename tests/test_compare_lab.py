@@ -78,6 +78,11 @@ def test_lab_campaign_end_to_end(lab_served: Inventory, tmp_path: Path):
     steps: list[str] = []
     outcomes = run_campaign(loaded, lab_served, store, on_step=steps.append)
     assert [o.status for o in outcomes] == ["ran"] * 8, [(o.step, o.status, o.error) for o in outcomes]
+    # The load curve gave its instance back healthy: the evals found it serving and left it so.
+    from rigctl.ssh import SshClient, SshTarget
+
+    with SshClient(SshTarget.from_host(lab_served.host("desktop"))) as ssh:
+        assert ssh.run("systemctl is-active llama-server@smollm2.service", timeout=30).stdout.strip() == "active"
 
     # Compare and habits on the pulled runs: Q4_0 against Q4_1 per eval, question by question.
     runs = {(r.record.task or {}).get("name", r.record.kind) + "/" + ",".join(a["name"] for a in r.record.artifacts): r

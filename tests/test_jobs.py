@@ -137,7 +137,8 @@ def test_job_outlives_a_cut_connection_and_pull_brings_it_home(served: Inventory
     assert store.verify(run) == []
     assert {f.path for f in run.record.files} == {
         "cells.jsonl", "llama-bench/cell-001-smollm2-135m-q4_1.json", "llama-bench/cell-001-smollm2-135m-q4_1.log",
-        "llama-bench/cell-002-smollm2-135m-q4_0.json", "llama-bench/cell-002-smollm2-135m-q4_0.log"}
+        "llama-bench/cell-002-smollm2-135m-q4_0.json", "llama-bench/cell-002-smollm2-135m-q4_0.log",
+        "llama-bench/cell-001-smollm2-135m-q4_1.clocks.jsonl", "llama-bench/cell-002-smollm2-135m-q4_0.clocks.jsonl"}
     for raw in run.record.files:
         assert file_sha256(run.path / raw.path) == raw.sha256
     cells = [json.loads(line) for line in (run.path / "cells.jsonl").read_text().splitlines()]
