@@ -5,7 +5,8 @@ Runs the eval runner itself (rigctl.evals.runner) on the same GSM8K-style questi
 in one invocation: once against one server, once fanned out over that server and a second one serving
 the same artifact with the same build (checked as `rigctl eval run` checks it: sha256 of the model file
 and llama.cpp build from each host, `/props` build of each server). Prints both wall times, the wall
-ratio (one server over two: 2.0 is perfect sharing), and how many questions each server answered.
+ratio (one server over two: 2.0 is perfect sharing), and how many questions each server answered. The
+two kinds of run alternate (``--repeats`` pairs) so that a load change on the machine hits both alike.
 
 Default: the lab's `smollm2` instance on the desktop and laptop rigs (RIGCTL_LAB_SLOT picks the lab;
 each serves with --parallel 1). The two lab rigs share this machine's CPU cores, so their ratio says
@@ -59,6 +60,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--concurrency", type=int, default=1, help="requests in flight per server")
     parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--repeats", type=int, default=2, help="one-server / fan-out pairs, alternating")
     args = parser.parse_args()
 
     inventory = Inventory.load(os.environ.get("RIGCTL_INVENTORY") or REPO / "inventory" / "lab")
@@ -82,16 +84,23 @@ def main() -> int:
         options = runner.Options(concurrency=args.concurrency)
         store = ResultsStore(Path(tmp) / "results")
         timed_run(task, both, store, options)  # warm both servers (model pages, first-request costs)
-        one_wall, _ = timed_run(task, one, store, options)
-        two_wall, shares = timed_run(task, both, store, options)
+        one_walls, two_walls, shares = [], [], Counter()
+        for _ in range(args.repeats):
+            one_walls.append(timed_run(task, one, store, options)[0])
+            wall, answered = timed_run(task, both, store, options)
+            two_walls.append(wall)
+            shares.update(answered)
+    one_wall, two_wall = sum(one_walls), sum(two_walls)
 
     print(f"questions   {args.requests} (gsm8k-style, max_tokens {args.max_tokens}), {args.concurrency} in flight "
           "per server")
     print(f"artifact    {both.first.server.get('artifact')} sha256 {both.first.artifacts[0]['sha256'][:12]}, "
           f"build {both.first.llama_cpp.get('commit')}")
-    print(f"{'one server':12}{one_wall:8.2f} s   {args.first}")
-    print(f"{'fan-out':12}{two_wall:8.2f} s   " + ", ".join(f"{k} {v}" for k, v in sorted(shares.items())))
-    print(f"wall ratio  {one_wall / two_wall:.2f} (one server / two; 2.00 would be perfect sharing)")
+    print(f"{'one server':12}" + "".join(f"{w:8.2f} s" for w in one_walls) + f"   {args.first}")
+    print(f"{'fan-out':12}" + "".join(f"{w:8.2f} s" for w in two_walls) + "   answers: "
+          + ", ".join(f"{k} {v}" for k, v in sorted(shares.items())))
+    print(f"wall ratio  {one_wall / two_wall:.2f} over {args.repeats} alternating pairs "
+          "(one server / two; 2.00 would be perfect sharing)")
     return 0
 
 

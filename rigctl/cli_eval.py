@@ -186,19 +186,21 @@ def read_api_key(path: Path | None) -> str | None:
 
 
 def _recorded_targets(run: Any, api_key: str | None) -> list[Any]:
-    """The servers a stopped run started with, for ``--resume`` without --host/--server: inventory servers
-    where the inventory still has them (keys and addresses from there), else the recorded endpoints."""
+    """The servers a stopped run started with, for ``--resume`` without --host/--server: its recorded
+    endpoint; for a fan-out, each server from the inventory where it still has it (keys and addresses
+    from there), else its recorded endpoint."""
     from rigctl.evals.runner import recorded_servers
     from rigctl.evals.target import inventory_target, url_target
 
     targets = []
     inventory = None
-    for entry in recorded_servers(run.record):
+    entries = recorded_servers(run.record)
+    for entry in entries:
         endpoint = entry.get("endpoint")
         if not endpoint:
             raise ConfigError(f"run {run.host}/{run.id}: no server endpoint recorded; give --url or --host/--server")
         host_name, name = entry.get("host"), entry.get("name")
-        if host_name and name:
+        if len(entries) > 1 and host_name and name:
             inventory = inventory or _inventory()
             if host_name in inventory.hosts:
                 targets.append(inventory_target(inventory.host(host_name), str(name), api_key=api_key, facts=False))

@@ -307,7 +307,8 @@ def _job(info: Any) -> dict[str, Any]:
 
 def _gap(gap: Any) -> dict[str, Any]:
     return {"set": gap.set, "n": gap.n, "score_a": gap.score_a, "score_b": gap.score_b,
-            "gap": gap.gap.estimate, "low": gap.gap.low, "high": gap.gap.high}
+            "gap": gap.gap.estimate, "low": gap.gap.low, "high": gap.gap.high,
+            "test": gap.test.to_dict() if gap.test else None}
 
 
 def _run_summary(run: StoredRun) -> dict[str, Any]:

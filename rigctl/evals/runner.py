@@ -5,8 +5,8 @@
 per answer as it completes, with the label of the server that gave it. Given several servers of one
 artifact and build (a fan-out), the questions wait in one queue and each server's N workers take the
 next one as they come free, so a faster server answers more; the run is still one run.
-``resume_run`` reopens a stopped run after checking that the task file, the
-datasets and the server's model and build are the ones it started with. ``scorers.summarise`` turns the answer
+``resume_run`` reopens a stopped run after checking that the task file, the datasets and each server's
+model and build are the ones it started with. ``scorers.summarise`` turns the answer
 lines into per-set and overall scores.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import importlib.metadata
 import json
 import logging
@@ -313,7 +314,8 @@ async def execute(task: LoadedTask, endpoint: Endpoints, run_dir: Path, record: 
 async def _prepare(asker: _Asker, clients: Sequence[AsyncServerClient]) -> dict[str, Any]:
     """The asker's per-run facts from every server; a fan-out's servers must agree on them (the choice
     labels' tokens), since one run scores every answer by the same rules."""
-    prepared = [await asker.prepare(client) for client in clients]
+    # Copied as they come: an asker may keep (and refill) what it prepared on itself.
+    prepared = [copy.deepcopy(await asker.prepare(client)) for client in clients]
     for client, other in zip(clients[1:], prepared[1:], strict=True):
         if other != prepared[0]:
             raise EvalError(f"refusing a fan-out: {client.endpoint} tokenizes the labels differently from "
