@@ -36,6 +36,7 @@ from ruamel.yaml.comments import CommentedMap
 
 from rigctl.deploy import DeployResult, TaskEvent, project_root, run_playbook
 from rigctl.errors import ConfigError, EnrollError, HostKeyError
+from rigctl.files import write_atomically
 from rigctl.inventory import Host, Inventory
 from rigctl.probe import PROBE_TIMEOUT_S, HostFacts, drift, inventory_vars, new_token, parse_probe, probe_command
 from rigctl.ssh import DEFAULT_CONNECT_TIMEOUT, SshClient, SshTarget, known_hosts_name
@@ -153,7 +154,7 @@ def first_contact(
     line = f"{','.join(names)} {key.get_name()} {key.get_base64()}\n"
     known_hosts.parent.mkdir(parents=True, exist_ok=True)
     before = known_hosts.read_text() if known_hosts.is_file() else ""
-    _write_atomically(known_hosts, before + ("" if not before or before.endswith("\n") else "\n") + line, 0o644)
+    write_atomically(known_hosts, before + ("" if not before or before.endswith("\n") else "\n") + line, 0o644)
     log.info("%s: %s %s written to %s", name, key.get_name(), presented, known_hosts)
     return FirstContact(name, key.get_name(), presented, written=True)
 
@@ -174,7 +175,7 @@ def remove_known_host(known_hosts: Path, names: set[str]) -> bool:
     text = "".join(out)
     if text == known_hosts.read_text():
         return False
-    _write_atomically(known_hosts, text, 0o644)
+    write_atomically(known_hosts, text, 0o644)
     return True
 
 
@@ -382,7 +383,7 @@ class InventoryFiles:
             return False
         self._remember(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomically(path, text, 0o644)
+        write_atomically(path, text, 0o644)
         return True
 
     @property
@@ -394,7 +395,7 @@ class InventoryFiles:
             if text is None:
                 path.unlink(missing_ok=True)
             else:
-                _write_atomically(path, text, 0o644)
+                write_atomically(path, text, 0o644)
         self._saved.clear()
 
 
@@ -584,14 +585,4 @@ def _run(argv: list[str]) -> str:
     return done.stdout
 
 
-def _write_atomically(path: Path, text: str, mode: int) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from rigctl.errors import ConfigError, LabError
+from rigctl.files import write_atomically
 from rigctl.inventory import Host, Inventory
 
 log = logging.getLogger(__name__)
@@ -673,7 +674,7 @@ class Lab:
         with _gpu_lock(path):
             current = dataclasses.asdict(_read_gpu_state(path, name))
             state = GpuState.from_mapping({**current, **fields}, f"{name}: set_gpu")
-            _write_file_atomically(path, state.to_json(), 0o644)
+            write_atomically(path, state.to_json(), 0o644)
         log.info("%s: stand-in GPU set: %s", name, ", ".join(f"{k}={v!r}" for k, v in sorted(fields.items())))
         return state
 
@@ -780,7 +781,7 @@ class Lab:
                 timeout=COMMAND_TIMEOUT_S,
             )
         public = _run(["ssh-keygen", "-y", "-f", str(key)], timeout=COMMAND_TIMEOUT_S).stdout
-        _write_file_atomically(key.with_name(key.name + ".pub"), public, 0o644)
+        write_atomically(key.with_name(key.name + ".pub"), public, 0o644)
         return public
 
     def _fence(self) -> None:
@@ -966,7 +967,7 @@ class Lab:
             path.unlink(missing_ok=True)
         elif not path.is_file() or path.read_text() != text:
             path.parent.mkdir(parents=True, exist_ok=True)
-            _write_file_atomically(path, text, 0o644)
+            write_atomically(path, text, 0o644)
 
     def _guest(self, rig: RigSpec, argv: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str]:
         """``argv`` inside the rig (its init's namespaces, by nsenter), whatever its exit status."""
@@ -1544,16 +1545,6 @@ def _write_file(path: Path, text: str, mode: int) -> None:
     path.chmod(mode)
 
 
-def _write_file_atomically(path: Path, text: str, mode: int) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _asset_text(name: str) -> str:

@@ -50,6 +50,7 @@ from rigctl.compare import (
     sample_file,
 )
 from rigctl.errors import RigctlError
+from rigctl.files import write_atomically
 from rigctl.results import RUN_FILE, ResultsStore, StoredRun, read_jsonl
 from rigctl.stats import Interval, holm, verdict_text
 
@@ -793,9 +794,7 @@ def build_report(loaded: LoadedCampaign, store: ResultsStore, out_dir: Path) -> 
              *_habits_section(loaded, found, links), *_runs_section(found, links)]
     markdown = "\n".join(lines).rstrip() + "\n"
     path = out_dir / "report.md"
-    tmp = path.with_name(".report.md.tmp")
-    tmp.write_text(markdown)
-    os.replace(tmp, path)
+    write_atomically(path, markdown)
     headline = "\n".join([*speed, *quality, *_comparison_sections(loaded, compared, problems, links),
                           *_drafting_section(loaded, found, links), *load]).strip()
     return Report(path=path, markdown=markdown, charts=charts, headline=plain(headline), missing=missing)

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rigctl.errors import ConfigError
+from rigctl.files import write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -129,9 +130,7 @@ class RunRecord:
         """Written to a temp name and renamed, so a reader never sees half a record."""
         run_dir.mkdir(parents=True, exist_ok=True)
         path = run_dir / RUN_FILE
-        tmp = path.with_name(f".{RUN_FILE}.tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, path)
+        write_atomically(path, json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
         return path
 
     def seal(self, run_dir: Path, status: RunStatus = "done") -> None:
