@@ -153,7 +153,7 @@ def test_pipeline_on_the_rigs(inv_dir, checkout, tmp_path):
     print(f"first run {first_s:.1f} s, no-op rerun {second.duration:.1f} s")
     assert _total(second, "changed") == 0
     inv = Inventory.load(inv_dir)
-    manifests = Path(inv.hosts["desktop"].vars["rigctl_cache_dir"]) / "manifests"
+    manifests = Path(inv.hosts["desktop"].vars["models_controller_manifests"])
     for host in ("desktop", "laptop"):
         for art in ("hf-bf16", "hf-q4_0", "ckpt-bf16", "ckpt-q4_0", "ckpt-q4_k-im"):
             m = parse_manifest((manifests / host / f"{art}.json").read_text(), host)
