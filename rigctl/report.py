@@ -435,7 +435,12 @@ def _comparisons(loaded: LoadedCampaign, found: Located) -> tuple[list[_Compared
     scoring = Scoring(cutoff_as_right=campaign.sensitivity.cutoff_as_right,
                       toolless_as_right=campaign.sensitivity.toolless_as_right,
                       exclude=tuple(campaign.sensitivity.exclude))
-    out, problems = [], []
+    out: list[_Compared] = []
+    problems: list[str] = []
+    try:  # the excluded sets are the campaign's: each must be in one of its runs, not in every pair's
+        check_sets(scoring.exclude, [run for run in found.evals.values() if run is not None], "sensitivity.exclude")
+    except RigctlError as exc:
+        problems.append(str(exc))
     for comparison in campaign.comparisons:
         for evaluation in campaign.evals:
             if comparison.evals and evaluation.name not in comparison.evals:
@@ -445,7 +450,6 @@ def _comparisons(loaded: LoadedCampaign, found: Located) -> tuple[list[_Compared
             if run_a is None or run_b is None:
                 continue
             try:
-                check_sets(scoring.exclude, [run_a, run_b], "sensitivity.exclude")
                 pair = compare_pair(run_a, run_b, scoring=scoring, resamples=campaign.resamples, seed=campaign.seed,
                                     margin=campaign.margin(comparison))
             except RigctlError as exc:  # a refusal (different tasks) is reported, not fatal to the report
