@@ -226,7 +226,8 @@ def bootstrap(
         raise ConfigError("bootstrap needs exactly one of a password (--ask-pass) or a key (--key)")
     common = f"-o UserKnownHostsFile={known_hosts} -o StrictHostKeyChecking=yes"
     host: dict[str, Any] = {"ansible_host": address, "ansible_port": port, "ansible_user": login_user,
-                            "ansible_ssh_common_args": common, "ansible_python_interpreter": "auto_silent"}
+                            "ansible_ssh_common_args": common, "ansible_python_interpreter": "auto_silent",
+                            "rigctl_known_hosts": str(known_hosts)}
     extra_args: list[str] = []
     passwords: dict[str, str] = {}
     if login_key is not None:
@@ -247,7 +248,8 @@ def bootstrap(
         inventory_file.write_text(buffer.getvalue())
         inventory = Inventory.load(inventory_file)
         result = run_playbook(
-            inventory, "bootstrap.yml", check=check, project=project, extra_args=extra_args,
+            # First contact vouched for the key a moment ago; Ansible still checks it against known_hosts.
+            inventory, "bootstrap.yml", check=check, project=project, extra_args=extra_args, preflight=False,
             passwords=passwords or None,
             extravars={"bootstrap_user": fleet_user, "bootstrap_public_key": fleet_public_key},
             on_event=on_event, on_task=on_task, timeout=BOOTSTRAP_TIMEOUT_S,
