@@ -197,7 +197,7 @@ def test_run_on_hosts_reaches_each_rig(lab_up: Inventory) -> None:
 @lab
 def test_run_on_hosts_keeps_other_hosts_results(lab_up: Inventory) -> None:
     desktop, laptop = lab_up.host("desktop"), lab_up.host("laptop")
-    unreachable = dataclasses.replace(laptop, port=1)
+    unreachable = dataclasses.replace(laptop, vars={**laptop.vars, "ansible_port": 1})
     outcomes = run_on_hosts([unreachable, desktop], "hostname", timeout=20, max_workers=2, retries=1)
     assert isinstance(outcomes["laptop"], ConnectError)
     assert str(outcomes["laptop"]) == "laptop: cannot connect: connection refused (after 2 attempts)"
