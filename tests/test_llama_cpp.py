@@ -229,6 +229,9 @@ def test_new_pin_rebuilds_warm_keeps_old_and_rolls_back(built: tuple[Inventory, 
     desktop = inv.host("desktop")
     original = current_target(desktop)
     misses_before = ccache_counters(desktop).get("cache_miss", 0)
+    # Warm only where this rig compiled the current build; one copied from the controller's cache (a
+    # machine that built it before) leaves the rig's ccache empty, and this rebuild then starts cold.
+    compiled_here = misses_before > 0
     result = provision(inv, limit="desktop", extravars={"llama_cpp_build_commit": "rollbacktest"})
     assert result.succeeded, result.failures()
     assert result.hosts["desktop"].changed > 0
@@ -237,8 +240,11 @@ def test_new_pin_rebuilds_warm_keeps_old_and_rolls_back(built: tuple[Inventory, 
     assert "commit rollbacktest)" in ssh(desktop, f"{INSTALL_ROOT}/current/bin/llama-server --version 2>&1")
     assert ssh(desktop, f"readlink {INSTALL_ROOT}/previous").strip() == original
     assert ssh(desktop, f"test -x {INSTALL_ROOT}/{original}/bin/llama-server && echo kept").strip() == "kept"
-    # ccache-warm: only what the stamp touches is compiled again.
-    assert ccache_counters(desktop).get("cache_miss", 0) - misses_before <= 5
+    misses = ccache_counters(desktop).get("cache_miss", 0) - misses_before
+    if compiled_here:  # ccache-warm: only what the stamp touches is compiled again
+        assert misses <= 5, misses
+    else:  # compiled here for the first time
+        assert misses > 5, misses
 
     rolled = rollback(inv, "desktop")
     assert rolled.before.name == new and rolled.after.name == original
