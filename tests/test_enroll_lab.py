@@ -190,8 +190,10 @@ def test_stranger_rig_is_enrolled_provisioned_and_serves(stranger: tuple[Path, L
         except httpx.HTTPError:
             pass
         time.sleep(1)
+    key = Inventory.load(inv).host(RIG).vars.get("llama_server_api_key")  # the lab's servers carry one
     reply = httpx.post(f"{base}/completion", json={"prompt": "The capital of France is", "n_predict": 8,
-                                                   "temperature": 0, "seed": 1}, timeout=60)
+                                                   "temperature": 0, "seed": 1}, timeout=60,
+                       headers={"Authorization": f"Bearer {key}"} if key else {})
     assert reply.status_code == 200
     body = reply.json()
     assert body["tokens_predicted"] == 8 and body["content"].strip()
