@@ -10,7 +10,7 @@ export PIP_CACHE_DIR ?= $(RIGCTL_CACHE_DIR)/pip
 # Prometheus (and promtool) from Debian: the monitoring tests start the real thing.
 HOST_PACKAGES := systemd-container debootstrap iproute2 openssh-client zstd prometheus
 
-.PHONY: demo test lint venv host-deps lab-down clean
+.PHONY: demo test check lint venv host-deps lab-down clean
 
 venv: $(VENV)/.installed
 
@@ -27,10 +27,17 @@ host-deps:
 	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \
 	fi
 
-test: venv host-deps
-	$(VENV)/bin/ruff check rigctl tests bench
+lint: venv
+	$(VENV)/bin/ruff check rigctl tests perf
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/ansible-lint --offline -q playbooks/ roles/
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/pytest
+
+# Lint and the unit tests (no lab rigs, no root): the quick loop while working.
+check: lint
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/pytest -q -n auto tests/unit
+
+# Everything: lint, the unit tests, then the lab tests on real rigs (one session, one lab).
+test: check host-deps
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/pytest tests/lab
 
 demo: venv host-deps
 	$(RIGCTL) inventory check

@@ -43,7 +43,7 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from rigctl.bench import BenchSpec
+from rigctl.bench.matrix import BenchSpec
 from rigctl.errors import ConfigError, EvalError, JobBusyError, RigctlError
 from rigctl.inputs import read_text, yaml_problem
 from rigctl.inventory import Inventory
@@ -147,7 +147,7 @@ class Sensitivity(_Strict):
 
 
 class CampaignDrafting(_Strict):
-    """A drafter race (rigctl.bench_spec.run_race): a baseline instance against its drafting instances."""
+    """A drafter race (rigctl.bench.drafting.run_race): a baseline instance against its drafting instances."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     host: str
@@ -159,7 +159,7 @@ class CampaignDrafting(_Strict):
 
 
 class CampaignLoad(_Strict):
-    """A load curve (rigctl.bench_load.run_load): a probe of ``server`` with a slot per client."""
+    """A load curve (rigctl.bench.load.run_load): a probe of ``server`` with a slot per client."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     host: str
@@ -380,7 +380,7 @@ OnStep = Callable[[str], None]
 def _run_bench(inventory: Inventory, bench: CampaignBench, host_name: str, store: ResultsStore,
                on_step: OnStep) -> str:
     from rigctl import jobs
-    from rigctl.bench import bench_job_spec
+    from rigctl.bench.matrix import bench_job_spec
 
     host = inventory.host(host_name)
     try:
@@ -557,7 +557,7 @@ def run_campaign(loaded: LoadedCampaign, inventory: Inventory, store: ResultsSto
 
 
 def _run_load(inventory: Inventory, load: CampaignLoad, store: ResultsStore, on_step: OnStep) -> str:
-    from rigctl.bench_load import run_load
+    from rigctl.bench.load import run_load
 
     on_step(f"load {load.name} on {load.host}: {load.server} at concurrency {','.join(map(str, load.concurrency))}")
     result = run_load(inventory.host(load.host), load.server, concurrency=load.concurrency, requests=load.requests,
@@ -567,7 +567,7 @@ def _run_load(inventory: Inventory, load: CampaignLoad, store: ResultsStore, on_
 
 
 def _run_drafting(inventory: Inventory, race: CampaignDrafting, store: ResultsStore, on_step: OnStep) -> str:
-    from rigctl.bench_spec import run_race
+    from rigctl.bench.drafting import run_race
 
     against = ", ".join(race.drafters) or "its drafting instances"
     on_step(f"drafting {race.name} on {race.host}: {race.baseline} against {against}")

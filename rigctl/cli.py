@@ -81,7 +81,7 @@ def main_options(
 def inventory_check() -> None:
     """Validate the inventory: types, required keys, unique ports, models and profiles defined, pins."""
     from rigctl.deploy import project_root
-    from rigctl.inventory_check import check
+    from rigctl.inventory.check import check
 
     inv = _inventory()
     try:

@@ -1,5 +1,5 @@
 """`rigctl bench run|summary|server|spec`, `rigctl jobs`, `rigctl pull`: rendering only; the work is
-in :mod:`rigctl.bench`, :mod:`rigctl.bench_server`, :mod:`rigctl.bench_spec` and :mod:`rigctl.jobs`."""
+in :mod:`rigctl.bench.matrix`, :mod:`rigctl.bench.server`, :mod:`rigctl.bench.drafting` and :mod:`rigctl.jobs`."""
 
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def bench_run(
     threshold with no thermal or power clock-event reason active, and is marked throttled when its clock
     readings say heat or power held it back."""
     from rigctl import jobs
-    from rigctl.bench import load_spec, parse_spec, start_bench
+    from rigctl.bench.matrix import load_spec, parse_spec, start_bench
     from rigctl.ssh import SshClient, SshTarget
 
     matrix = {k: v for k, v in {"p": _ints(p, "-p"), "n": _ints(n, "-n"), "r": r, "fa": _ints(fa, "--fa"),
@@ -173,7 +173,7 @@ def bench_summary(
 ) -> None:
     """Per test and model: mean ± stddev t/s, ratio between models, fa1/fa0, cold vs steady state, and
     the throttled cells, left out of the means (from the raw files)."""
-    from rigctl.bench import load_run_samples, summarize, to_csv, to_markdown, to_png
+    from rigctl.bench.matrix import load_run_samples, summarize, to_csv, to_markdown, to_png
 
     store = _store(results)
     samples = [s for ref in runs for s in load_run_samples(store.find(ref))]
@@ -245,7 +245,7 @@ def bench_spec(
     results: ResultsOption = None,
 ) -> None:
     """The drafter race: speedup (geometric mean), acceptance and greedy byte-identity against no drafting."""
-    from rigctl.bench_spec import run_race, to_markdown
+    from rigctl.bench.drafting import run_race, to_markdown
 
     try:
         temps = [float(t) for t in temperatures.split(",") if t.strip()]
@@ -283,7 +283,7 @@ def bench_server(
     results: ResultsOption = None,
 ) -> None:
     """TTFT and decode t/s over a prompt-length sweep, model load time, GPU memory per context size."""
-    from rigctl.bench_server import run_server_bench, to_markdown
+    from rigctl.bench.server import run_server_bench, to_markdown
 
     result = run_server_bench(
         _inventory().host(host), instance, prompt_lengths=_ints(prompt_lengths, "--prompt-lengths") or [],
@@ -313,7 +313,7 @@ def bench_load(
 ) -> None:
     """A load curve: per concurrency level, output t/s, requests/s, TTFT and TPOT p50/p95/p99 (streamed)
     and errors, through a probe of the instance with a slot per client (the instance is stopped meanwhile)."""
-    from rigctl.bench_load import run_load, to_markdown, to_png
+    from rigctl.bench.load import run_load, to_markdown, to_png
 
     result = run_load(_inventory().host(host), instance, concurrency=_ints(concurrency, "--concurrency") or [],
                       requests=requests, max_tokens=max_tokens, slot_ctx=slot_ctx, level_timeout_s=level_timeout,

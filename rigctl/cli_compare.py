@@ -170,7 +170,7 @@ def print_habits(habits: list[RunHabits]) -> None:
 
 
 def print_load_comparison(stored, *, resamples: int, seed: int) -> None:
-    from rigctl.bench_load import compare_load
+    from rigctl.bench.load import compare_load
     from rigctl.compare import ratio_text
 
     if len(stored) != 2:

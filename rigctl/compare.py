@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rigctl.bench import RAW_DIR, BenchSample, counted, load_run_samples
+from rigctl.bench.matrix import RAW_DIR, BenchSample, counted, load_run_samples
 from rigctl.errors import ConfigError
 from rigctl.results import ANSWERS_FILE, StoredRun, read_jsonl
 from rigctl.stats import (

@@ -487,7 +487,7 @@ def add_host(
     """First contact, bootstrap and facts for a new host; the inventory files changed only when every
     step, and ``inventory check``, passed. ``confirm(key_type, fingerprint)`` vouches for an unknown host
     key; ``ask_password()`` is called only after that, for ``ask_pass``."""
-    from rigctl.inventory_check import check
+    from rigctl.inventory.check import check
 
     name = check_host_name(options.name)
     if options.ask_pass == (options.login_key is not None):

@@ -316,7 +316,7 @@ def _artifact_of(run: StoredRun) -> str:
 
 def bench_results(run: StoredRun) -> list[BenchResult]:
     """Mean t/s per model, test and configuration of a bench run, over every repetition of every cell."""
-    from rigctl.bench import load_run_samples
+    from rigctl.bench.matrix import load_run_samples
 
     pooled: dict[tuple[str, str, str], list[float]] = {}
     for sample in load_run_samples(run):

@@ -2,7 +2,7 @@
 
 A job is one run (bench, eval, spec, server-speed) executed *on the host*. The hosts have Python
 3.11 and no rigctl, so the job's code travels with it: :func:`start` copies the stdlib-only job
-runtime :mod:`rigctl.remote.jobrun` and one task module from :mod:`rigctl.remote` (``bench_task``,
+runtime :mod:`rigctl.hostside.jobrun` and one task module from :mod:`rigctl.hostside` (``bench_task``,
 ``eval_task``, ...) into ``/var/lib/rigctl/jobs/<id>/`` with ``spec.json`` (the task's parameters
 and the run record's first fields) and any extra files (in one round trip), and starts::
 
@@ -25,7 +25,7 @@ new job becomes the holder. The runtime releases the lock when it ends, whatever
 holder whose unit is gone (host rebooted, unit killed) does not block.
 
 **Writing a task** (how ``rigctl eval --remote`` runs through this module): put a stdlib-only
-module in ``rigctl/remote/<name>.py`` with ``run(job) -> None``. ``job`` (:class:`rigctl.remote.
+module in ``rigctl/hostside/<name>.py`` with ``run(job) -> None``. ``job`` (:class:`rigctl.hostside.
 jobrun.Job`) gives ``job.params`` (the JobSpec's params, JSON), ``job.dir`` (the job directory,
 where ``JobSpec.files`` were shipped), ``job.run_dir`` (write raw files here), ``job.record`` (the
 run record dict: fill ``task``, ``server``, ``artifacts``, ``seed``, ``concurrency``, ``extra``;
@@ -193,7 +193,7 @@ print(json.dumps(out))
 
 @dataclass(frozen=True)
 class JobSpec:
-    """What to run: a task module of :mod:`rigctl.remote` with JSON params."""
+    """What to run: a task module of :mod:`rigctl.hostside` with JSON params."""
 
     kind: RunKind
     task: str
@@ -254,9 +254,9 @@ def task_source(task: str) -> str:
     if not task.isidentifier():
         raise ConfigError(f"task {task!r}: not a module name")
     try:
-        return resources.files("rigctl.remote").joinpath(f"{task}.py").read_text()
+        return resources.files("rigctl.hostside").joinpath(f"{task}.py").read_text()
     except FileNotFoundError:
-        raise ConfigError(f"task {task!r}: no rigctl/remote/{task}.py") from None
+        raise ConfigError(f"task {task!r}: no rigctl/hostside/{task}.py") from None
 
 
 def rigctl_version() -> str:
@@ -508,7 +508,7 @@ def _vetted_record(host: str, run_id: str, data: Any) -> RunRecord:
 def _check_references(run_dir: Path, record: RunRecord) -> None:
     """Every raw-file path a record inside the run names (cells.jsonl's raw and log files) is one of the
     run's own files."""
-    from rigctl.bench import CELLS_FILE, cell_files
+    from rigctl.bench.matrix import CELLS_FILE, cell_files
 
     files = {raw.path for raw in record.files}
     if CELLS_FILE not in files:

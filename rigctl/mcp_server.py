@@ -252,7 +252,7 @@ class FleetTools:
     def start_bench(self, host_name: str, models: list[str], prompt_tokens: list[int], gen_tokens: list[int],
                     repetitions: int, rounds: int, cooldown_c: float | None) -> dict[str, Any]:
         self.require_actions("start_bench")
-        from rigctl.bench import parse_spec, start_bench
+        from rigctl.bench.matrix import parse_spec, start_bench
 
         host = self.host(host_name)
         spec = parse_spec({"hosts": [host.name], "models": models, "rounds": rounds,

@@ -4,7 +4,7 @@ Sections: scope line (hosts, builds, dates, repeats, runs, the smallest gap each
 detect, what is missing or was not measured); speed (mean t/s ± sd per test and model over the
 unthrottled cells, ratio with a bootstrap interval from the per-repetition samples, cold -> steady,
 the throttled cells, a by-depth table for depth sweeps, every tg figure against the memory-bandwidth
-bound of :mod:`rigctl.bandwidth` with impossible ones flagged instead of printed); quality (score per
+bound of :mod:`rigctl.bench.bandwidth` with impossible ones flagged instead of printed); quality (score per
 set and overall with intervals); the campaign's comparisons grouped as head-to-head, quantisation
 cost and what QAT is worth (paired gaps in points, McNemar's exact or a sign-flip test with the
 discordant counts, Holm-adjusted p-values across the campaign's comparisons, the equivalence
@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from rigctl.bandwidth import NO_FIGURE, DecodeBound, decode_bound
-from rigctl.bench import BenchSample, cold_and_steady, counted, load_run_samples, throttled_cells
+from rigctl.bench.bandwidth import NO_FIGURE, DecodeBound, decode_bound
+from rigctl.bench.matrix import BenchSample, cold_and_steady, counted, load_run_samples, throttled_cells
 from rigctl.campaign import CampaignBench, LoadedCampaign, Located, locate
 from rigctl.compare import (
     OVERALL,
@@ -577,7 +577,7 @@ def _flips_section(compared: list[_Compared], links: _Links, out_dir: Path) -> l
 def _drafting_section(loaded: LoadedCampaign, found: Located, links: _Links) -> list[str]:
     """Per race: each contender's decode t/s, speedup over the baseline (geometric mean of the per-prompt
     speedups), draft acceptance and greedy replies byte-identical to the baseline's, per temperature."""
-    from rigctl.bench_spec import REQUESTS_FILE, RaceRequest, summarize_race
+    from rigctl.bench.drafting import REQUESTS_FILE, RaceRequest, summarize_race
 
     campaign = loaded.campaign
     if not campaign.drafting:
@@ -610,7 +610,7 @@ def _drafting_section(loaded: LoadedCampaign, found: Located, links: _Links) -> 
 def _load_section(loaded: LoadedCampaign, found: Located, links: _Links, out_dir: Path,
                   charts: list[Path]) -> list[str]:
     """Per load curve: each level's output t/s, requests/s, TTFT and TPOT percentiles and errors, and the curve."""
-    from rigctl.bench_load import REQUESTS_FILE, load_levels, to_png
+    from rigctl.bench.load import REQUESTS_FILE, load_levels, to_png
 
     campaign = loaded.campaign
     if not campaign.loads:
@@ -657,8 +657,8 @@ def _server_flags(argv: Sequence[str]) -> dict[str, str]:
 def _deployed_section(loaded: LoadedCampaign, found: Located, links: _Links) -> list[str]:
     """Deployed decode (llama-server, streamed, one request at a time: the load curve's first level) over
     llama-bench's tg for the same artifact on the same host, with whether their settings agree."""
-    from rigctl.bench import flash_attn_flag
-    from rigctl.bench_load import REQUESTS_FILE, load_requests
+    from rigctl.bench.load import REQUESTS_FILE, load_requests
+    from rigctl.bench.matrix import flash_attn_flag
 
     rows = []
     for load in loaded.campaign.loads:

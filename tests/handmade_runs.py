@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rigctl.bench import Matrix
+from rigctl.bench.matrix import Matrix
 from rigctl.results import ANSWERS_FILE, RunRecord
 
 TASK_FILE = "a" * 64
@@ -44,7 +44,7 @@ def bench_run(root: Path, host: str, run_id: str, cells: list[tuple[str, list[di
               matrix: dict[str, Any] | None = None, gpu: dict[str, Any] | None = None,
               artifacts: dict[str, dict[str, Any]] | None = None,
               throttled: dict[int, list[str]] | None = None) -> Path:
-    """A bench run as rigctl.remote.bench_task writes it: cells.jsonl plus one llama-bench JSON per
+    """A bench run as rigctl.hostside.bench_task writes it: cells.jsonl plus one llama-bench JSON per
     cell (``cells``: artifact and its test objects, in the order they ran). ``artifacts``: more of each
     artifact's record entry (manifest, gguf shape); ``throttled``: cell index -> why it was throttled."""
     run_dir = root / host / run_id
@@ -69,7 +69,7 @@ def bench_run(root: Path, host: str, run_id: str, cells: list[tuple[str, list[di
 def spec_run(root: Path, host: str, run_id: str, requests: list[dict[str, Any]], *, baseline: str,
              contenders: list[str], repeats: int, max_tokens: int = 256,
              temperatures: tuple[float, ...] = (0.0, 0.8)) -> Path:
-    """A drafter race as rigctl.bench_spec.run_race writes it: requests.jsonl and the run record."""
+    """A drafter race as rigctl.bench.drafting.run_race writes it: requests.jsonl and the run record."""
     run_dir = root / host / run_id
     run_dir.mkdir(parents=True)
     (run_dir / "requests.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in requests))
@@ -83,11 +83,11 @@ def spec_run(root: Path, host: str, run_id: str, requests: list[dict[str, Any]],
 def load_run(root: Path, host: str, run_id: str, levels: dict[int, list[dict[str, Any]]], *, server: str,
              artifact: str, args: list[str] | None = None, max_tokens: int = 16, slot_ctx: int = 256,
              started: str = "2026-11-30T07:00:00.000000Z") -> Path:
-    """A load curve as rigctl.bench_load.run_load writes it: ``levels``: concurrency -> its requests
+    """A load curve as rigctl.bench.load.run_load writes it: ``levels``: concurrency -> its requests
     (LoadRequest fields but level and index), each level's wall time the latest request's end."""
     from dataclasses import asdict
 
-    from rigctl.bench_load import LoadRequest, summarize_level
+    from rigctl.bench.load import LoadRequest, summarize_level
 
     run_dir = root / host / run_id
     run_dir.mkdir(parents=True)

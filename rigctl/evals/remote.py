@@ -3,7 +3,7 @@
 The rigs have Python 3.11 and no rigctl, and may have no network, so the controller does what needs
 rigctl's dependencies or the network — loading the task file, fetching and verifying its datasets,
 building the questions — and ships the questions with a copy of the stdlib-only
-:mod:`rigctl.evals.scorers`; :mod:`rigctl.remote.eval_task` then asks the local server (127.0.0.1) over
+:mod:`rigctl.evals.scorers`; :mod:`rigctl.hostside.eval_task` then asks the local server (127.0.0.1) over
 urllib with the same request bodies and scoring rules, and the job machinery pulls the run home
 (sha256-checked). The job takes the host's ``gpu`` lock, so an eval never overlaps a bench.
 """

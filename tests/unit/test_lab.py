@@ -1,0 +1,536 @@
+"""The lab rigs: pure helpers and the stand-in nvidia-smi (fast), preflight errors, and one real lifecycle.
+
+The lifecycle runs on a test lab of its own: a copy of inventory/lab whose rigs are renamed (lt-desktop,
+lt-laptop) on another bridge and network, with its own lab directory. It uses the same code, base image
+and GPU values as the real lab, but never touches a real lab that a developer or another test has up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rigctl.errors import ConfigError, LabError
+from rigctl.inventory import Inventory
+from rigctl.lab import (
+    BASE_PACKAGES,
+    IMAGE_RECIPE_REVISION,
+    GpuState,
+    Lab,
+    RigSpec,
+    apt_mirror,
+    cgroup_roots,
+    check_lab_network,
+    check_lab_paths,
+    dead_end_gateway,
+    find_host_conflicts,
+    gpu_seed,
+    image_file_name,
+    known_hosts_lines,
+    lab_mac,
+    mounts_under,
+    render_etc_hosts,
+    rig_tag,
+    veth_name,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+LAB_INVENTORY = REPO / "inventory" / "lab"
+NVIDIA_SMI = REPO / "rigctl" / "lab_assets" / "nvidia-smi"
+TEST_PREFIX = "lt-"
+TEST_NETWORK = "10.213.7"
+TEST_BRIDGE = "rigctl-ltbr0"
+GPU_QUERY = "--query-gpu=name,temperature.gpu,memory.total,memory.used,compute_cap --format=csv,noheader,nounits"
+
+
+def lab_skip_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "the lab rigs need root"
+    for tool in ("systemd-nspawn", "debootstrap", "ip", "ssh-keygen", "ssh", "zstd"):
+        if shutil.which(tool) is None:
+            return f"the lab rigs need {tool}"
+    return None
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+
+
+def rig(name: str, address: str) -> RigSpec:
+    return RigSpec(
+        name, address, 22, "root", GpuState(name="g", memory_total_mib=4096, compute_cap="7.5", uuid="GPU-x")
+    )
+
+
+def real_inventory() -> Inventory:
+    return Inventory.load(LAB_INVENTORY)
+
+
+def make_test_inventory(
+    dest: Path, lab_dir: Path, prefix: str = TEST_PREFIX, network: str = TEST_NETWORK, bridge: str = TEST_BRIDGE
+) -> Path:
+    """inventory/lab with its rigs renamed ``prefix + name`` on ``network``.0/24, lab in ``lab_dir``."""
+    shutil.copytree(LAB_INVENTORY, dest)
+
+    def rename(node: object) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("hosts"), dict):
+                node["hosts"] = {
+                    prefix + name: {
+                        **(spec or {}),
+                        "ansible_host": f"{network}.{spec['ansible_host'].rsplit('.', 1)[1]}",
+                    }
+                    for name, spec in node["hosts"].items()
+                }
+            for value in node.values():
+                rename(value)
+
+    hosts = yaml.safe_load((dest / "hosts.yml").read_text())
+    rename(hosts)
+    (dest / "hosts.yml").write_text(yaml.safe_dump(hosts))
+    for host_vars in (dest / "host_vars").glob("*.yml"):
+        host_vars.rename(host_vars.with_name(prefix + host_vars.name))
+    lab_yml = dest / "group_vars" / "all" / "lab.yml"
+    settings = yaml.safe_load(lab_yml.read_text())
+    settings["rigctl_lab"] = {"dir": str(lab_dir), "bridge": bridge, "bridge_address": f"{network}.1/24"}
+    lab_yml.write_text(yaml.safe_dump(settings))
+    return dest
+
+
+# ----------------------------------------------------------------------------------------------- pure helpers
+
+
+DEB822 = """\
+Types: deb
+URIs: http://mirror.example/debian-security
+Suites: bookworm-security
+Components: main
+
+Types: deb-src
+URIs: http://src.example/debian
+Suites: bookworm
+
+Types: deb
+URIs: http://mirror.example/debian http://second.example/debian
+Suites: bookworm bookworm-updates
+Components: main
+"""
+
+
+def test_apt_mirror_prefers_the_suite_entry_and_first_uri() -> None:
+    assert apt_mirror([DEB822], None) == "http://mirror.example/debian"
+
+
+def test_apt_mirror_skips_disabled_stanzas_and_reads_one_line_format() -> None:
+    disabled = "Types: deb\nURIs: http://off.example/debian\nSuites: bookworm\nEnabled: no\n"
+    one_line = (
+        "# deb http://commented.example/debian bookworm main\n"
+        "deb [arch=amd64 signed-by=/k.gpg] http://one.example/debian bookworm main\n"
+    )
+    assert apt_mirror([disabled], one_line) == "http://one.example/debian"
+
+
+def test_apt_mirror_falls_back_to_first_entry_and_fails_on_none() -> None:
+    assert apt_mirror(["Types: deb\nURIs: http://a.example/d\nSuites: trixie\n"], None) == "http://a.example/d"
+    with pytest.raises(LabError, match="no Debian mirror"):
+        apt_mirror([], "deb-src http://x.example/debian bookworm main\n")
+
+
+def test_image_name_carries_the_package_list_hash() -> None:
+    name = image_file_name("bookworm", "minbase", BASE_PACKAGES, IMAGE_RECIPE_REVISION)
+    assert name.startswith("bookworm-minbase-") and name.endswith(".tar.zst")
+    assert image_file_name("bookworm", "minbase", tuple(reversed(BASE_PACKAGES)), IMAGE_RECIPE_REVISION) == name
+    assert image_file_name("bookworm", "minbase", (*BASE_PACKAGES, "vim"), IMAGE_RECIPE_REVISION) != name
+    assert image_file_name("bookworm", "minbase", BASE_PACKAGES, IMAGE_RECIPE_REVISION + 1) != name
+
+
+def test_dead_end_gateway_is_the_last_host_address() -> None:
+    assert str(dead_end_gateway("10.213.0.1/24")) == "10.213.0.254"
+    assert str(dead_end_gateway("192.0.2.9/28")) == "192.0.2.14"
+
+
+@pytest.mark.parametrize(
+    ("address", "message"),
+    [
+        ("10.99.0.11", r"desktop: address 10\.99\.0\.11 is not inside the lab network 10\.213\.0\.0/24"),
+        ("10.213.0.1", "is the bridge's own address"),
+        ("10.213.0.254", "dead-end gateway"),
+        ("10.213.0.255", "broadcast"),
+        ("desktop.local", "is not an IPv4 address"),
+    ],
+)
+def test_check_lab_network_rejects_bad_rig_addresses(address: str, message: str) -> None:
+    with pytest.raises(LabError, match=message):
+        check_lab_network("rigctl-br0", "10.213.0.1/24", [rig("desktop", address)])
+
+
+def test_check_lab_network_rejects_duplicates_and_long_names() -> None:
+    check_lab_network("rigctl-br0", "10.213.0.1/24", [rig("desktop", "10.213.0.11"), rig("laptop", "10.213.0.12")])
+    with pytest.raises(LabError, match="laptop: address 10.213.0.11 is also desktop's"):
+        check_lab_network("rigctl-br0", "10.213.0.1/24", [rig("desktop", "10.213.0.11"), rig("laptop", "10.213.0.11")])
+    with pytest.raises(LabError, match="too long for a link name"):
+        check_lab_network("rigctl-br0", "10.213.0.1/24", [rig("a-very-long-rig-name", "10.213.0.11")])
+    with pytest.raises(LabError, match="longer than 15"):
+        check_lab_network("rigctl-bridge-zero", "10.213.0.1/24", [])
+    with pytest.raises(LabError, match="must be IPv4"):
+        check_lab_network("rigctl-br0", "fd00::1/64", [])
+
+
+def test_lab_paths_must_fit_overlay_mount_options() -> None:
+    config = Lab.from_inventory(real_inventory()).config
+    check_lab_paths(config)
+    with pytest.raises(LabError, match="rigctl_lab.dir /srv/lab:1 must be an absolute path without"):
+        check_lab_paths(dataclasses.replace(config, dir=Path("/srv/lab:1")))
+    with pytest.raises(LabError, match="rigctl_cache_dir cache must be an absolute path"):
+        check_lab_paths(dataclasses.replace(config, cache_dir=Path("cache")))
+
+
+def test_find_host_conflicts_names_strangers_only() -> None:
+    config = Lab.from_inventory(real_inventory()).config
+    mine = {
+        "ifname": "rigctl-br0",
+        "ifalias": config.link_marker,
+        "addr_info": [{"family": "inet", "local": "10.213.0.1", "prefixlen": 24}],
+    }
+    eth0 = {"ifname": "eth0", "addr_info": [{"family": "inet", "local": "192.0.2.2", "prefixlen": 24}]}
+    assert find_host_conflicts([mine, eth0], config) == []
+    stranger_bridge = {"ifname": "rigctl-br0", "addr_info": []}
+    assert find_host_conflicts([stranger_bridge], config) == [
+        "rigctl-br0 (the lab bridge's name) is already used by an interface that is not this lab's"
+    ]
+    overlapping = {"ifname": "tun0", "addr_info": [{"family": "inet", "local": "10.213.0.12", "prefixlen": 32}]}
+    assert find_host_conflicts([overlapping], config) == [
+        "address 10.213.0.12/32 on tun0 overlaps the lab network 10.213.0.0/24"
+    ]
+
+
+def test_render_etc_hosts_and_known_hosts() -> None:
+    rigs = [rig("desktop", "10.213.0.11"), rig("laptop", "10.213.0.12")]
+    hosts = render_etc_hosts("laptop", rigs)
+    assert "127.0.1.1\tlaptop\n" in hosts and "10.213.0.11\tdesktop\n" in hosts and "10.213.0.12\tlaptop\n" in hosts
+    keys = ["ssh-ed25519 AAAAC3Nz root@build\n", "ecdsa-sha2-nistp256 AAAAE2V root@build\n"]
+    assert known_hosts_lines(rigs[0], keys) == [
+        "desktop,10.213.0.11 ssh-ed25519 AAAAC3Nz",
+        "desktop,10.213.0.11 ecdsa-sha2-nistp256 AAAAE2V",
+    ]
+    assert known_hosts_lines(dataclasses.replace(rigs[0], port=2222), keys[:1]) == [
+        "[desktop]:2222,[10.213.0.11]:2222 ssh-ed25519 AAAAC3Nz"
+    ]
+
+
+MOUNTINFO = """\
+31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
+32 31 0:29 / /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu
+40 31 0:37 / /sys/fs/cgroup/systemd rw,relatime - cgroup cgroup rw,name=systemd
+41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw
+50 23 0:40 / /var/lib/rigctl/lab/hosts/desktop/rootfs/proc rw - proc proc rw
+51 50 0:41 / /var/lib/rigctl/lab/hosts/desktop/rootfs/proc/sys/fs/binfmt_misc rw - binfmt_misc b rw
+52 23 0:42 / /var/lib/rigctl/lab/hosts/desktop2 rw - tmpfs tmpfs rw
+53 23 0:43 / /var/lib/rigctl/with\\040space rw - tmpfs tmpfs rw
+"""
+
+
+def test_cgroup_roots_are_systemds_and_the_unified_hierarchy() -> None:
+    assert cgroup_roots(MOUNTINFO) == [Path("/sys/fs/cgroup/systemd"), Path("/sys/fs/cgroup/unified")]
+
+
+def test_mounts_under_lists_deepest_first_and_not_siblings() -> None:
+    assert mounts_under(MOUNTINFO, Path("/var/lib/rigctl/lab/hosts/desktop")) == [
+        Path("/var/lib/rigctl/lab/hosts/desktop/rootfs/proc/sys/fs/binfmt_misc"),
+        Path("/var/lib/rigctl/lab/hosts/desktop/rootfs/proc"),
+    ]
+    assert mounts_under(MOUNTINFO, Path("/var/lib/rigctl/with space")) == [Path("/var/lib/rigctl/with space")]
+
+
+def test_lab_macs_are_fixed_local_unicast_and_distinct() -> None:
+    assert lab_mac("10.213.0.11") == "02:72:0a:d5:00:0b"
+    assert lab_mac("10.213.0.12") != lab_mac("10.213.0.11") != lab_mac("10.213.1.11")
+
+
+def test_names_of_the_rigs_pieces() -> None:
+    assert rig_tag("rigctl-br0", "desktop") == "rigctl-br0-desktop"
+    # Same rig names on two bridges: two different link names, both short enough for the kernel.
+    first, second = veth_name("rigctl-br0", "desktop"), veth_name("rigctl-bb0", "desktop")
+    assert first != second and first.endswith("-desktop") and len(first) <= 15
+
+
+def test_gpu_seed_from_the_inventory_and_state_checks() -> None:
+    seed = gpu_seed("desktop", {"name": "Lab stand-in", "vram_mib": 8192, "compute_capability": "8.6"})
+    assert (seed.name, seed.memory_total_mib, seed.compute_cap, seed.memory_used_mib) == (
+        "Lab stand-in",
+        8192,
+        "8.6",
+        0,
+    )
+    assert seed.uuid == gpu_seed("desktop", {"name": "x", "vram_mib": 1, "compute_capability": "1"}).uuid
+    assert seed.uuid != gpu_seed("laptop", {"name": "x", "vram_mib": 1, "compute_capability": "1"}).uuid
+    assert (
+        gpu_seed("d", {"name": "n", "vram_mib": 1, "compute_capability": "1", "driver_version": "550.1"}).driver_version
+        == "550.1"
+    )
+    with pytest.raises(ConfigError, match="desktop: gpu_host_gpu: missing vram_mib"):
+        gpu_seed("desktop", {"name": "n", "compute_capability": "8.6"})
+    data = dataclasses.asdict(seed)
+    with pytest.raises(ConfigError, match="unknown GPU field.*fan_speed"):
+        GpuState.from_mapping({**data, "fan_speed": 30}, "t")
+    with pytest.raises(ConfigError, match="temperature must be int"):
+        GpuState.from_mapping({**data, "temperature": "hot"}, "t")
+    with pytest.raises(ConfigError, match="memory_used_mib 9000 is outside 0..8192"):
+        GpuState.from_mapping({**data, "memory_used_mib": 9000}, "t")
+    assert json.loads(seed.to_json())["temperature_sequence"] == []
+
+
+# ----------------------------------------------------------------------------------------------- inventory wiring
+
+
+def test_lab_from_the_lab_inventory() -> None:
+    inventory = real_inventory()
+    lab = Lab.from_inventory(inventory)
+    lab_vars = inventory.hosts["desktop"].vars["rigctl_lab"]
+    assert lab.config.dir == Path(lab_vars["dir"])
+    assert lab.config.bridge == lab_vars["bridge"]
+    assert lab.config.bridge_address == lab_vars["bridge_address"]
+    assert lab.config.key_file == inventory.hosts["desktop"].key_file
+    assert lab.config.known_hosts == inventory.hosts["desktop"].known_hosts
+    assert lab.config.cache_dir == Path(inventory.hosts["desktop"].vars["rigctl_cache_dir"])
+    assert {r.name: r.address for r in lab.config.rigs} == {h.name: h.address for h in inventory.hosts.values()}
+    desktop_gpu = inventory.hosts["desktop"].vars["gpu_host_gpu"]
+    assert lab.rig("desktop").gpu.name == desktop_gpu["name"]
+    assert lab.rig("desktop").gpu.memory_total_mib == desktop_gpu["vram_mib"]
+
+
+def test_ssh_argv_is_strict_and_unknown_rigs_are_named() -> None:
+    lab = Lab.from_inventory(real_inventory())
+    config = lab.config
+    assert lab.ssh_argv("laptop") == [
+        "ssh",
+        "-o",
+        f"UserKnownHostsFile={config.known_hosts}",
+        "-o",
+        "StrictHostKeyChecking=yes",
+        "-o",
+        "BatchMode=yes",
+        "-i",
+        str(config.key_file),
+        "-o",
+        "IdentitiesOnly=yes",
+        "root@10.213.0.12",
+    ]
+    assert lab.ssh_argv("laptop", ["echo", "a b"])[-2:] == ["--", "echo 'a b'"]
+    with pytest.raises(ConfigError, match=r"unknown lab rig 'server' \(lab rigs: desktop, laptop\)"):
+        lab.ssh_argv("server")
+
+
+def test_key_file_must_be_the_labs_key(tmp_path: Path) -> None:
+    inv = make_test_inventory(tmp_path / "inv", tmp_path / "lab")
+    connection = inv / "group_vars" / "all" / "connection.yml"
+    data = yaml.safe_load(connection.read_text())
+    data["ansible_ssh_private_key_file"] = "/root/.ssh/id_ed25519"
+    connection.write_text(yaml.safe_dump(data))
+    with pytest.raises(
+        ConfigError, match=r"lt-desktop: ansible_ssh_private_key_file is /root/.ssh/id_ed25519, but the lab's key is"
+    ):
+        Lab.from_inventory(Inventory.load(inv))
+
+
+def test_up_refuses_an_address_outside_the_bridge_network_before_touching_anything(tmp_path: Path) -> None:
+    inv = make_test_inventory(tmp_path / "inv", tmp_path / "lab")
+    hosts_yml = inv / "hosts.yml"
+    hosts_yml.write_text(hosts_yml.read_text().replace(f"{TEST_NETWORK}.12", "10.99.0.12"))
+    lab = Lab.from_inventory(Inventory.load(inv))
+    with pytest.raises(LabError, match=r"lt-laptop: address 10\.99\.0\.12 is not inside the lab network"):
+        lab.up()
+    assert not (tmp_path / "lab").exists()
+
+
+@needs_root
+def test_missing_tool_names_its_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("systemd-nspawn", "debootstrap", "ip", "ssh-keygen", "ssh", "tar"):
+        found = shutil.which(tool)
+        if found is None:
+            pytest.skip(f"{tool} is not installed here")
+        (bin_dir / tool).symlink_to(found)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    lab = Lab.from_inventory(Inventory.load(make_test_inventory(tmp_path / "inv", tmp_path / "lab")))
+    with pytest.raises(LabError, match="^zstd not found; install the zstd package$"):
+        lab.up()
+
+
+@needs_root
+def test_up_refuses_when_not_root() -> None:
+    if shutil.which("setpriv") is None:
+        pytest.skip("needs setpriv to drop root")
+    # pytest's own temporary directories are root's alone; the unprivileged child needs to read this one.
+    readable = Path(tempfile.mkdtemp(prefix="rigctl-lab-test-"))
+    readable.chmod(0o755)
+    inv = make_test_inventory(readable / "inv", readable / "lab")
+    home = readable / "home"
+    home.mkdir()
+    os.chown(home, 65534, 65534)
+    code = (
+        "from rigctl.inventory import Inventory\nfrom rigctl.lab import Lab\nfrom rigctl.errors import LabError\n"
+        f"lab = Lab.from_inventory(Inventory.load({str(inv)!r}))\n"
+        "try:\n    lab.up()\nexcept LabError as exc:\n    print(exc)\n"
+    )
+    done = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), "HOME": str(home)},
+    )
+    shutil.rmtree(readable)
+    assert (
+        done.stdout.strip() == "the lab rigs need root (network namespaces, systemd-nspawn, debootstrap); run as root"
+    ), done.stderr
+
+
+@needs_root
+def test_up_and_down_fail_at_once_while_another_holds_the_lock(tmp_path: Path) -> None:
+    reason = lab_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    lab = Lab.from_inventory(Inventory.load(make_test_inventory(tmp_path / "inv", tmp_path / "lab")))
+    (tmp_path / "lab").mkdir()
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys, time\n"
+            "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+            "os.pwrite(fd, f'{os.getpid()}\\n'.encode(), 0)\n"
+            "print('locked', flush=True)\n"
+            "time.sleep(60)\n",
+            str(lab.config.lock_file),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        for action in (lab.up, lab.down):
+            started = time.monotonic()
+            with pytest.raises(LabError, match=rf"is busy: another rigctl lab command \(pid {holder.pid}\) holds"):
+                action()
+            assert time.monotonic() - started < 5
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+    assert not lab.config.hosts_dir.exists()
+
+
+@needs_root
+def test_up_refuses_a_bridge_name_used_by_a_stranger(tmp_path: Path) -> None:
+    reason = lab_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    stranger = "rigctl-ltbr9"
+    lab = Lab.from_inventory(
+        Inventory.load(make_test_inventory(tmp_path / "inv", tmp_path / "lab", network="10.213.8", bridge=stranger))
+    )
+    subprocess.run(["ip", "link", "add", stranger, "type", "bridge"], check=True, timeout=10)
+    try:
+        with pytest.raises(LabError, match=f"^{stranger} \\(the lab bridge's name\\) is already used by an interface"):
+            lab.up()
+        assert subprocess.run(["ip", "link", "show", stranger], capture_output=True, timeout=10).returncode == 0
+    finally:
+        subprocess.run(["ip", "link", "del", stranger], timeout=10)
+    assert not lab.config.hosts_dir.exists()
+
+
+# ----------------------------------------------------------------------------------------------- stand-in nvidia-smi
+
+
+@pytest.fixture
+def gpu_state(tmp_path: Path) -> Path:
+    state = gpu_seed(
+        "desktop", {"name": "Lab stand-in for RTX 3050 OEM", "vram_mib": 8192, "compute_capability": "8.6"}
+    )
+    path = tmp_path / "gpu.json"
+    path.write_text(dataclasses.replace(state, memory_used_mib=512, utilization_gpu=7, temperature=41).to_json())
+    return path
+
+
+def smi(state: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(NVIDIA_SMI), *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "RIGCTL_LAB_GPU_STATE": str(state)},
+    )
+
+
+def test_stand_in_says_loudly_what_it_is() -> None:
+    head = NVIDIA_SMI.read_text().splitlines()[:5]
+    assert head[0] == "#!/usr/bin/python3"
+    assert any("NOT NVIDIA'S nvidia-smi" in line and "LAB GPU STAND-IN" in line for line in head)
+
+
+def test_stand_in_query_formats_like_the_real_tool(gpu_state: Path) -> None:
+    fields = "--query-gpu=name,temperature.gpu,memory.total,memory.used,memory.free,utilization.gpu,compute_cap"
+    full = smi(gpu_state, fields, "--format=csv")
+    assert full.returncode == 0, full.stderr
+    assert full.stdout.splitlines() == [
+        "name, temperature.gpu, memory.total [MiB], memory.used [MiB], memory.free [MiB], utilization.gpu [%], "
+        "compute_cap",
+        "Lab stand-in for RTX 3050 OEM, 41, 8192 MiB, 512 MiB, 7680 MiB, 7 %, 8.6",
+    ]
+    assert smi(gpu_state, fields, "--format=csv,noheader").stdout == (
+        "Lab stand-in for RTX 3050 OEM, 41, 8192 MiB, 512 MiB, 7680 MiB, 7 %, 8.6\n"
+    )
+    assert smi(gpu_state, fields, "--format=csv,noheader,nounits").stdout == (
+        "Lab stand-in for RTX 3050 OEM, 41, 8192, 512, 7680, 7, 8.6\n"
+    )
+    other = smi(gpu_state, "--query-gpu=index,driver_version,persistence_mode,pci.bus_id,uuid", "--format=csv,noheader")
+    uuid = json.loads(gpu_state.read_text())["uuid"]
+    assert other.stdout == f"0, 535.183.01, Disabled, 00000000:01:00.0, {uuid}\n"
+
+
+def test_stand_in_rejects_unknown_fields_and_formats(gpu_state: Path) -> None:
+    bad = smi(gpu_state, "--query-gpu=name,fan.speedy", "--format=csv")
+    assert (bad.returncode, bad.stdout, bad.stderr.strip()) == (
+        2,
+        "",
+        'Field "fan.speedy" is not a valid field to query.',
+    )
+    assert smi(gpu_state, "--query-gpu=name", "--format=xml").returncode == 2
+    assert smi(gpu_state, "--query-gpu=name").returncode == 2
+    assert smi(gpu_state, "--bogus").returncode == 2
+
+
+def test_stand_in_temperature_sequence_is_consumed_and_the_last_value_sticks(gpu_state: Path) -> None:
+    state = json.loads(gpu_state.read_text())
+    gpu_state.write_text(json.dumps({**state, "temperature_sequence": [83, 62, 44]}))
+    seen = [
+        smi(gpu_state, "--query-gpu=temperature.gpu", "--format=csv,noheader,nounits").stdout.strip() for _ in range(5)
+    ]
+    assert seen == ["83", "62", "44", "44", "44"]
+    assert smi(gpu_state, "--query-gpu=name", "--format=csv,noheader").stdout.strip() == state["name"]
+    after = json.loads(gpu_state.read_text())
+    assert (after["temperature"], after["temperature_sequence"]) == (44, [])
+
+
+def test_stand_in_persistence_mode_and_summary_table(gpu_state: Path) -> None:
+    on = smi(gpu_state, "-pm", "1")
+    assert on.stdout == "Enabled persistence mode for GPU 00000000:01:00.0.\nAll done.\n"
+    assert json.loads(gpu_state.read_text())["persistence_mode"] is True
+    table = smi(gpu_state).stdout.splitlines()
+    assert table[2].startswith("| NVIDIA-SMI 535.183.01") and "Driver Version: 535.183.01" in table[2]
+    assert "CUDA Version: 12.2" in table[2]
+    assert all(len(line) == 89 for line in table[1:] if line.startswith(("|", "+")))
+    assert any("Lab stand-in for RTX 3050" in line and " On " in line for line in table)
+    assert any("41C" in line and "512MiB /  8192MiB" in line for line in table)

@@ -1,0 +1,245 @@
+"""Campaign files and the report on hand-made runs: validation, locating runs, every number recomputed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import yaml
+from handmade_runs import bench_record, bench_run, eval_run, spec_run
+from report_check import check_report, tables
+from test_compare import _rows
+
+from rigctl.bench.matrix import Matrix
+from rigctl.campaign import load_campaign, locate
+from rigctl.errors import ConfigError
+from rigctl.report import build_report
+from rigctl.results import ResultsStore
+
+CAMPAIGN = {
+    "name": "mini",
+    "title": "Mini study",
+    "hosts": ["desktop", "laptop"],
+    "artifacts": {"qwen-q4_0": {"label": "Qwen Q4_0"}, "gemma-qat": {"label": "Gemma QAT"},
+                  "qwen-bf16": {"label": "Qwen bf16"}},
+    "benches": [{"name": "speed", "hosts": ["desktop"], "models": ["qwen-q4_0", "gemma-qat"], "rounds": 2}],
+    "evals": [{"name": "suite", "task": "suite.yaml", "runs": [
+        {"host": "desktop", "server": "qwen", "artifact": "qwen-q4_0"},
+        {"host": "desktop", "server": "gemma", "artifact": "gemma-qat"},
+        {"host": "laptop", "server": "qwen-bf16", "artifact": "qwen-bf16"}]}],
+    "comparisons": [{"name": "Gemma QAT vs Qwen Q4_0", "a": "qwen-q4_0@desktop", "b": "gemma-qat@desktop"},
+                    {"name": "Rounding Qwen", "section": "quantisation", "a": "qwen-bf16@laptop",
+                     "b": "qwen-q4_0@desktop"}],
+    "sensitivity": {"cutoff_as_right": True, "toolless_as_right": True, "exclude": ["choice"]},
+    "drafting": [{"name": "mtp", "host": "desktop", "baseline": "qwen", "drafters": ["qwen-mtp"], "repeats": 2,
+                  "temperatures": [0.0]}],
+    "not_measured": ["thinking on"],
+    "equivalence_margin": 2,
+}
+
+
+def _write_campaign(tmp_path, data=None):
+    (tmp_path / "suite.yaml").write_text("name: suite\nscorer: gsm8k\ndataset: {path: data.jsonl}\n")
+    path = tmp_path / "mini.yml"
+    path.write_text(yaml.safe_dump(data or CAMPAIGN))
+    return path
+
+
+@pytest.fixture
+def results(tmp_path):
+    root = tmp_path / "results"
+    rng = np.random.default_rng(4)
+    cells = []
+    for _ in range(2):
+        cells.append(("qwen-q4_0", [bench_record((512, 0), list(5200 + rng.normal(0, 30, 5))),
+                                    bench_record((0, 128), list(133 + rng.normal(0, 1, 5)))]))
+        cells.append(("gemma-qat", [bench_record((512, 0), list(4200 + rng.normal(0, 30, 5))),
+                                    bench_record((0, 128), list(118 + rng.normal(0, 1, 5)))]))
+    bench_run(root, "desktop", "bench-1", cells)
+    a = _rows({"choice": [1] * 20 + [0] * 20, "math": [1] * 10 + [0] * 30, "tools": [1] * 15 + [0] * 25},
+              cutoff=set(range(10, 30)), toolless=set(range(15, 35)), missed={15}, preds=["yes"] * 40)
+    b = _rows({"choice": [1] * 36 + [0] * 4, "math": [1] * 20 + [0] * 20, "tools": [1] * 25 + [0] * 15},
+              cutoff={20, 21})
+    eval_run(root, "desktop", "eval-q", "qwen-q4_0", a, started="2026-11-29T10:00:00.000000Z")
+    eval_run(root, "desktop", "eval-g", "gemma-qat", b, started="2026-11-30T10:00:00.000000Z")
+    requests = []
+    for repeat in (1, 2):
+        for prompt, base_speed, gain in (("code", 130.0, 1.25), ("story", 128.0, 1.09)):
+            for contender, speed, drafted in (("qwen", base_speed, 0), ("qwen-mtp", base_speed * gain, 40)):
+                requests.append({"contender": contender, "prompt": prompt, "temperature": 0.0, "repeat": repeat,
+                                 "tokens": 256, "tokens_per_s": speed + repeat, "wall_s": 2.0, "draft_n": drafted,
+                                 "draft_n_accepted": int(drafted * 0.9), "finish_reason": "length",
+                                 "text": f"{prompt} reply" + ("!" if contender == "qwen-mtp" and repeat == 2 else "")})
+    spec_run(root, "desktop", "spec-1", requests, baseline="qwen", contenders=["qwen", "qwen-mtp"], repeats=2,
+             temperatures=(0.0,))
+    return root
+
+
+def test_report_numbers_recompute_from_the_raw_files(tmp_path, results):
+    loaded = load_campaign(_write_campaign(tmp_path))
+    report = build_report(loaded, ResultsStore(results), tmp_path / "out")
+    checked = check_report(report.path)
+    # 2 tests x 2 models, 2 ratios, 2 runs x (3 sets + overall), 1 comparison, habits of 2 runs x 3 sets.
+    assert checked["speed"] == 4 and checked["ratio"] == 2
+    assert checked["quality"] == 8 and checked["gap"] == 1
+    assert checked["habits"] == 2 * 3 + 2
+    # b / c and McNemar's p by hand, Holm over the one comparison, flips per set and overall.
+    assert checked["tests"] == 1 and checked["holm"] == 1 and checked["flips"] == 2 * (3 + 1)
+    assert checked["drafting"] == 3  # t/s of both contenders, the drafter's speedup
+    (race,) = [rows for section, _, rows in tables(report.markdown) if section == "Drafting"]
+    assert [r["contender"] for r in race] == ["qwen", "qwen-mtp"]
+    assert race[1]["acceptance"].startswith("[0.900]") and race[1]["greedy identical"].startswith("[2 of 4]")
+    assert checked["links"] > 30
+    for chart in report.charts:
+        assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert {c.name for c in report.charts} == {"speed-speed-desktop.png", "quality-suite.png",
+                                               "comparisons-forest.png"}
+    assert "![every comparison's gap" in report.markdown
+    assert "Drafting" in report.headline
+    text = report.markdown
+    # The scope line names hosts, builds, dates, repeats, what was not measured and what is missing.
+    scope = next(line for line in text.splitlines() if line.startswith("**Scope.**"))
+    for part in ("desktop", "laptop", "7182ef71e", "2026-11-29 to 2026-11-30", "5 repetitions x 2 cells",
+                 "Not measured: thinking on", "Not pulled yet: eval suite qwen-bf16@laptop",
+                 "Smallest gap detectable at 80 % power", "Gemma QAT vs Qwen Q4_0 on suite ±"):
+        assert part in scope, part
+    # B is right wherever A is and on 36 more of 120: clearly different, never "equivalent within ±2".
+    (head,) = [rows for section, _, rows in tables(text) if section == "Head to head"]
+    assert head[0]["b / c"].startswith("[0 / 36]") and head[0]["verdict"] == "different"
+    assert head[0]["p (Holm, 1 comparison)"] == "<0.001"
+    # The quantisation comparison lacks its bf16 run: left out, not invented.
+    assert "Rounding Qwen" not in text
+    assert "](" not in report.headline and "| pp512 | ngl99 t6 f16/f16 fa1 |" in report.headline
+    sections = [section for section, _, _ in tables(text)]
+    assert sections.index("Speed") < sections.index("Quality") < sections.index("Head to head")
+
+
+def test_sensitivity_rows_move_the_gap(tmp_path, results):
+    report = build_report(load_campaign(_write_campaign(tmp_path)), ResultsStore(results), tmp_path / "out")
+    (rows,) = [rows for section, _, rows in tables(report.markdown) if section == "Sensitivity"]
+    by = {r["scoring"]: r for r in rows}
+    assert list(by) == ["as recorded", "cut-off as right", "tool-less as right", "without choice",
+                        "cut-off as right + tool-less as right + without choice"]
+    for label in ("cut-off as right", "tool-less as right", "without choice"):
+        assert float(by[label]["moved"]) < 0, label  # every switch favours the weaker run A here
+
+
+@pytest.mark.parametrize("unfinished", ["stopped", "failed", "lost"])
+def test_locate_takes_the_newest_finished_run_and_notes_unfinished_ones(tmp_path, results, unfinished):
+    a = _rows({"math": [1, 0]})
+    eval_run(results, "desktop", "eval-q-old", "qwen-q4_0", a, started="2026-11-01T00:00:00.000000Z")
+    stopped = eval_run(results, "laptop", "eval-bf16", "qwen-bf16", a)
+    record = (stopped / "run.json").read_text().replace('"status": "done"', f'"status": "{unfinished}"')
+    (stopped / "run.json").write_text(record)
+    found = locate(load_campaign(_write_campaign(tmp_path)), ResultsStore(results))
+    assert found.evals[("suite", "qwen-q4_0@desktop")].id == "eval-q"
+    assert found.evals[("suite", "qwen-bf16@laptop")] is None
+    assert found.unfinished[("suite", "qwen-bf16@laptop")].id == "eval-bf16"
+    assert found.benches[("speed", "desktop")].id == "bench-1"
+    assert found.drafting["mtp"].id == "spec-1"
+
+
+def test_bench_runs_with_another_matrix_do_not_answer_the_campaign(tmp_path):
+    root = tmp_path / "results"
+    bench_run(root, "desktop", "bench-x", [("qwen-q4_0", [bench_record((512, 0), [1.0])]),
+                                            ("gemma-qat", [bench_record((512, 0), [1.0])])],
+              matrix={"p": [64], "n": [16], "r": 3, "fa": [1], "ngl": [0], "t": [2], "ctk": [], "ctv": [], "d": []})
+    found = locate(load_campaign(_write_campaign(tmp_path)), ResultsStore(root))
+    assert found.benches[("speed", "desktop")] is None
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"comparisons": [{"name": "x", "a": "nope@desktop", "b": "gemma-qat@desktop"}]},
+     "comparison 'x': 'nope@desktop' is no eval target"),
+    ({"hosts": ["desktop"]}, "hosts not listed under hosts: laptop"),
+    ({"benches": [{"name": "speed", "hosts": ["desktop"], "models": ["mystery"]}]},
+     "artifact 'mystery' is not listed under artifacts"),
+    ({"benches": [{"name": "speed", "hosts": ["desktop"], "models": ["qwen-q4_0"], "matrix": {"r": 0}}]},
+     "benches.0.matrix.r: Input should be greater than or equal to 1"),
+    ({"colour": "blue"}, "colour: Extra inputs are not permitted"),
+])
+def test_bad_campaign_files_name_the_culprit(tmp_path, change, message):
+    path = _write_campaign(tmp_path, {**CAMPAIGN, **change})
+    with pytest.raises(ConfigError, match=f"campaign {path}: .*{message.split(':')[0]}") as info:
+        load_campaign(path)
+    assert message in str(info.value)
+
+
+def test_shipped_campaigns_validate():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "campaigns"
+    reference = load_campaign(root / "reference.yml").campaign
+    assert {b.name for b in reference.benches} >= {"speed-desktop"}
+    assert len({t.id for e in reference.evals for t in e.runs}) >= 5
+    assert {c.section for c in reference.comparisons} >= {"headline", "quantisation", "qat"}
+    lab = load_campaign(root / "lab.yml").campaign
+    assert lab.benches[0].models == ["smollm2-135m-q4_1", "smollm2-135m-q4_0"]
+    assert {(d.host, d.baseline) for d in reference.drafting} == {("desktop-3050", "qwen"), ("laptop-1650ti", "qwen")}
+
+
+# SmolLM2-135M's shape as the bench task reads it from the GGUF: 30 layers, 3 KV heads of 64.
+SHAPE = {"architecture": "llama", "block_count": 30, "embedding_length": 576, "attention.head_count": 9,
+         "attention.head_count_kv": 3}
+
+
+def _manifest(weights: int) -> dict:
+    return {"manifest": {"types": {"q4_0": {"tensors": 200, "bytes": weights - 10_000_000},
+                                   "f32": {"tensors": 60, "bytes": 10_000_000}}}, "gguf": SHAPE}
+
+
+def test_tg_above_the_bandwidth_bound_is_flagged_not_printed(tmp_path):
+    from rigctl.bench.bandwidth import decode_bound
+
+    root = tmp_path / "results"
+    cells = []
+    for depth in (0, 4096):
+        # qwen at 133 t/s reading 2 GB a token through 224 GB/s: above the ~112 t/s bound, impossible.
+        cells.append(("qwen-q4_0", [bench_record((0, 128), [133.0 - depth / 1000, 131.0, 130.0], depth=depth)]))
+        cells.append(("gemma-qat", [bench_record((0, 128), [118.0 - depth / 1000, 116.0, 115.0], depth=depth)]))
+    # A third gemma cell ran throttled: slower, and left out of its mean.
+    cells.append(("gemma-qat", [bench_record((0, 128), [60.0, 58.0, 57.0])]))
+    matrix = {**Matrix().flags(), "n": [128], "p": [0], "d": [0, 4096]}
+    bench_run(root, "desktop", "bench-bw", cells, matrix=matrix, gpu={"name": "RTX 3050", "bandwidth_gbs": 224},
+              artifacts={"qwen-q4_0": _manifest(2_000_000_000), "gemma-qat": _manifest(1_500_000_000)},
+              throttled={5: ["reason hw_thermal_slowdown"]})
+    campaign = {**CAMPAIGN, "benches": [{"name": "speed", "hosts": ["desktop"], "models": ["qwen-q4_0", "gemma-qat"],
+                                         "matrix": {"n": [128], "p": [0], "d": [0, 4096]}}],
+                "evals": CAMPAIGN["evals"][:1], "comparisons": [], "drafting": []}
+    report = build_report(load_campaign(_write_campaign(tmp_path, campaign)), ResultsStore(root), tmp_path / "out")
+    checked = check_report(report.path)
+    assert checked["impossible"] == 2 and checked["speed"] == 2  # qwen's two figures; gemma's recomputed
+    text = report.markdown
+    (main, depth, bound) = [rows for section, heading, rows in tables(text) if heading == "speed on desktop"]
+    qwen = [r for r in main if r["test"] == "tg128"][0]
+    assert qwen["Qwen Q4_0 t/s"].startswith("[impossible") and "133" not in qwen["Qwen Q4_0 t/s"]
+    gemma = [r for r in main if r["test"] == "tg128"][0]["Gemma QAT t/s"]
+    assert gemma.endswith("(1 throttled cell left out)") and gemma.startswith("[116.33 ± 1.53]")
+    assert "- desktop/bench-bw cell 5 (gemma-qat): reason hw_thermal_slowdown" in text
+    by = {(r["test"], r["model"]): r for r in bound}
+    assert by[("tg128", "Qwen Q4_0")]["t/s"] == "-"
+    assert "IMPOSSIBLE: 1" in by[("tg128", "Qwen Q4_0")]["share of the bound"]
+    # Recomputed by hand: 1.5 GB of weights + 30 x 3 x (64 + 64) x 2 bytes of KV per token x 64 tokens.
+    kv = 30 * 3 * 128 * 2
+    expected = (116 + 1 / 3) / (224e9 / (1.5e9 + kv * 64))
+    assert f"{expected:.1%}" in by[("tg128", "Gemma QAT")]["share of the bound"]
+    assert decode_bound(116.0, bandwidth_gbs=224, artifact=_manifest(1_500_000_000),
+                        entry={"n_gen": 128, "n_depth": 4096, "n_gpu_layers": 99}).kv_bytes_per_token == kv
+    # The depth table: both depths side by side, and the first model's lead at each.
+    assert [r["model"] for r in depth] == ["Qwen Q4_0", "Gemma QAT", "Qwen Q4_0 / Gemma QAT"]
+    assert depth[1]["d4096"].startswith("[114.97]")  # (113.904 + 116 + 115) / 3
+    assert {c.name for c in report.charts} >= {"depth-speed-desktop.png", "speed-speed-desktop.png"}
+
+
+def test_cpu_runs_and_rigs_without_a_bandwidth_give_no_figure(tmp_path):
+    root = tmp_path / "results"
+    cells = [("qwen-q4_0", [bench_record((0, 128), [20.0, 19.0], ngl=0)]),
+             ("gemma-qat", [bench_record((0, 128), [18.0, 17.0], ngl=0)])]
+    bench_run(root, "desktop", "bench-cpu", cells, matrix={**Matrix().flags(), "n": [128], "p": [0], "ngl": [0]},
+              artifacts={"qwen-q4_0": _manifest(2_000_000_000), "gemma-qat": _manifest(1_500_000_000)})
+    campaign = {**CAMPAIGN, "benches": [{"name": "speed", "hosts": ["desktop"], "models": ["qwen-q4_0", "gemma-qat"],
+                                         "matrix": {"n": [128], "p": [0], "ngl": [0]}}],
+                "evals": CAMPAIGN["evals"][:1], "comparisons": [], "drafting": []}
+    report = build_report(load_campaign(_write_campaign(tmp_path, campaign)), ResultsStore(root), tmp_path / "out")
+    assert ("Bandwidth bound: no bandwidth figure (the inventory gives this GPU no gpu_host_gpu.bandwidth_gbs)."
+            in report.markdown)
+    assert check_report(report.path)["speed"] == 2

@@ -1,0 +1,157 @@
+"""rigctl.ssh against real sshd: the lab rigs, and bare sockets on loopback for connect failures."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import rigctl
+from rigctl.errors import ConnectError, RemoteCommandError
+from rigctl.inventory import Inventory
+from rigctl.ssh import (
+    CommandResult,
+    SshClient,
+    SshTarget,
+    backoff_delays,
+    known_hosts_name,
+)
+
+lab = pytest.mark.lab
+
+
+# --- pure helpers -------------------------------------------------------------------------------
+
+
+def test_known_hosts_name_uses_bracket_form_off_port_22() -> None:
+    assert known_hosts_name("10.213.0.11", 22) == "10.213.0.11"
+    assert known_hosts_name("10.213.0.11", 2222) == "[10.213.0.11]:2222"
+    assert known_hosts_name("desktop", 2222) == "[desktop]:2222"
+
+
+def test_target_looks_up_address_then_name() -> None:
+    target = SshTarget("desktop", "10.213.0.11", 2222, "root", None, Path("/kh"))
+    assert target.known_hosts_names() == ["[10.213.0.11]:2222", "[desktop]:2222"]
+    by_name = dataclasses.replace(target, address="desktop", port=22)
+    assert by_name.known_hosts_names() == ["desktop"]
+
+
+def test_target_from_inventory_host(lab_inventory: Inventory) -> None:
+    target = SshTarget.from_host(lab_inventory.host("laptop"))
+    assert (target.name, target.address, target.port, target.user) == ("laptop", "10.213.0.12", 22, "root")
+    assert target.key_file == Path("/var/lib/rigctl/lab/id_ed25519")
+    assert target.known_hosts == Path("/var/lib/rigctl/lab/known_hosts")
+
+
+def test_backoff_grows_exponentially_with_jitter_and_cap() -> None:
+    delays = backoff_delays(6, base=0.5, cap=4.0, rng=random.Random(7))
+    ceilings = [0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
+    assert len(delays) == 6
+    for delay, ceiling in zip(delays, ceilings, strict=True):
+        assert ceiling / 2 <= delay <= ceiling
+    assert len(set(delays)) == 6  # jittered, not a fixed schedule
+    assert delays == backoff_delays(6, base=0.5, cap=4.0, rng=random.Random(7))
+    assert backoff_delays(0, base=0.5, cap=4.0, rng=random.Random(7)) == []
+
+
+def test_command_result_check() -> None:
+    ok = CommandResult("desktop", "true", 0, "", "", 0.1)
+    assert ok.ok and ok.check() is ok
+    failed = CommandResult("desktop", "make", 2, "building\n", "cc: error: boom\nmake: *** failed\n", 1.0)
+    with pytest.raises(RemoteCommandError) as info:
+        failed.check()
+    assert (info.value.host, info.value.rc) == ("desktop", 2)
+    assert str(info.value) == "desktop: `make` exited 2: make: *** failed"
+    quiet = CommandResult("laptop", "grep x f", 1, "last stdout line\n", "", 0.1)
+    with pytest.raises(RemoteCommandError, match=r"^laptop: `grep x f` exited 1: last stdout line$"):
+        quiet.check()
+
+
+# --- connect failures on loopback (no lab) ----------------------------------------------------------
+
+
+def _loopback_target(port: int, tmp_path: Path, key_file: Path | None = None) -> SshTarget:
+    return SshTarget("loop", "127.0.0.1", port, "root", key_file, tmp_path / "known_hosts")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_refused_is_retried_with_backoff_then_fails(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="rigctl.ssh")
+    client = SshClient(_loopback_target(_free_port(), tmp_path), retries=2, backoff_base=0.1)
+    started = time.monotonic()
+    with pytest.raises(ConnectError, match=r"^loop: cannot connect: connection refused \(after 3 attempts\)$"):
+        client.connect()
+    elapsed = time.monotonic() - started
+    retries = [r for r in caplog.records if r.name == "rigctl.ssh" and "retry" in r.getMessage()]
+    assert len(retries) == 2
+    assert 0.1 <= elapsed < 2  # slept 0.05-0.1 then 0.1-0.2 between attempts
+
+
+def test_silent_server_times_out(tmp_path: Path) -> None:
+    with socket.socket() as server:  # accepts TCP (backlog), never sends an SSH banner
+        server.bind(("127.0.0.1", 0))
+        server.listen(8)
+        client = SshClient(
+            _loopback_target(server.getsockname()[1], tmp_path), connect_timeout=0.3, retries=1, backoff_base=0.1
+        )
+        started = time.monotonic()
+        with pytest.raises(ConnectError, match=r"banner.*timed out.*after 2 attempts"):
+            client.connect()
+        assert time.monotonic() - started < 3
+
+
+_SILENT_SERVER_SCRIPT = """
+import logging, socket, sys
+from pathlib import Path
+from rigctl.errors import ConnectError
+from rigctl.ssh import SshClient, SshTarget
+logging.basicConfig(level=logging.WARNING)  # as an application would
+server = socket.socket()
+server.bind(("127.0.0.1", 0))
+server.listen(8)
+target = SshTarget("loop", "127.0.0.1", server.getsockname()[1], "root", None, Path(sys.argv[1]))
+try:
+    SshClient(target, connect_timeout=0.3, retries=0).connect()
+except ConnectError as exc:
+    print(exc)
+"""
+
+
+def test_paramiko_failure_logging_stays_off_the_console(tmp_path: Path) -> None:
+    # paramiko logs a failed handshake as an ERROR with a traceback; rigctl's one-line error is enough.
+    repo = Path(rigctl.__file__).resolve().parent.parent
+    proc = subprocess.run(
+        [sys.executable, "-c", _SILENT_SERVER_SCRIPT, str(tmp_path / "known_hosts")],
+        capture_output=True, text=True, timeout=30, env={**os.environ, "PYTHONPATH": str(repo)},
+    )
+    assert proc.stdout.startswith("loop: cannot connect: Error reading SSH protocol banner")
+    assert proc.stderr == ""
+
+
+def test_missing_private_key_fails_before_connecting(tmp_path: Path) -> None:
+    client = SshClient(_loopback_target(_free_port(), tmp_path, key_file=tmp_path / "nope"), retries=5)
+    started = time.monotonic()
+    with pytest.raises(ConnectError, match=r"private key .*/nope: no such file"):
+        client.connect()
+    assert time.monotonic() - started < 0.5
+
+
+# --- the lab rigs -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def desktop(lab_up: Inventory) -> SshTarget:
+    return SshTarget.from_host(lab_up.host("desktop"))
