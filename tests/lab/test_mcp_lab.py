@@ -5,49 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import sys
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
-from mcp import Client, StdioServerParameters
+from mcp import Client
+from mcp_support import mcp_session, tool_data
 
 from rigctl.inventory import Inventory
-
-REPO = Path(__file__).resolve().parents[2]
-RIGCTL = Path(sys.executable).with_name("rigctl")
-LAB_INVENTORY = REPO / "inventory" / "lab"
-
-READ_ONLY = {"list_hosts", "fleet_status", "server_health", "server_logs", "job_status", "list_results",
-             "compare_runs"}
-ACTIONS = {"restart_server", "start_bench", "start_eval", "pull_results"}
-
-
-def _params(results: Path, *extra: str) -> StdioServerParameters:
-    env = {"RIGCTL_RESULTS": str(results), "RIGCTL_LAB_SLOT": os.environ.get("RIGCTL_LAB_SLOT", "0")}
-    return StdioServerParameters(command=str(RIGCTL), args=["-i", str(LAB_INVENTORY), "mcp", *extra], env=env,
-                                 cwd=str(REPO))
-
-
-def _session(results: Path, *extra: str, body: Callable[[Client], Awaitable[Any]]) -> Any:
-    async def main() -> Any:
-        async with Client(_params(results, *extra), read_timeout_seconds=300) as client:
-            return await body(client)
-
-    return asyncio.run(main())
-
-
-def _text(result) -> str:
-    return "\n".join(c.text for c in result.content if getattr(c, "type", "") == "text")
-
-
-def _data(result) -> dict[str, Any]:
-    assert not result.is_error, _text(result)
-    return result.structured_content if result.structured_content is not None else json.loads(_text(result))
-
 
 # ------------------------------------------------------------------------------------------------ lab
 
@@ -55,12 +20,12 @@ def _data(result) -> dict[str, Any]:
 @pytest.mark.lab
 def test_fleet_status_both_rigs_up_and_servers_healthy(lab_served: Inventory, tmp_path: Path):
     async def body(client: Client):
-        status = _data(await client.call_tool("fleet_status", {}))
-        health = _data(await client.call_tool("server_health", {"host": "laptop", "server": "smollm2"}))
-        logs = _data(await client.call_tool("server_logs", {"host": "desktop", "server": "smollm2", "lines": 5}))
+        status = tool_data(await client.call_tool("fleet_status", {}))
+        health = tool_data(await client.call_tool("server_health", {"host": "laptop", "server": "smollm2"}))
+        logs = tool_data(await client.call_tool("server_logs", {"host": "desktop", "server": "smollm2", "lines": 5}))
         return status, health, logs
 
-    status, health, logs = _session(tmp_path, body=body)
+    status, health, logs = mcp_session(tmp_path, body=body)
     for name in ("desktop", "laptop"):
         host = status["hosts"][name]
         assert host["up"] is True
@@ -79,9 +44,9 @@ def test_restart_with_allow_actions_gives_a_new_main_pid(lab_served: Inventory, 
     from rigctl.ssh import SshClient, SshTarget
 
     async def body(client: Client):
-        return _data(await client.call_tool("restart_server", {"host": "laptop", "server": "smollm2"}))
+        return tool_data(await client.call_tool("restart_server", {"host": "laptop", "server": "smollm2"}))
 
-    restarted = _session(tmp_path, "--allow-actions", body=body)
+    restarted = mcp_session(tmp_path, "--allow-actions", body=body)
     assert restarted["main_pid_before"] > 0 and restarted["main_pid_after"] > 0
     assert restarted["main_pid_after"] != restarted["main_pid_before"]
     assert restarted["healthy"] is True
@@ -100,20 +65,20 @@ def test_start_a_short_eval_and_read_its_result_through_the_tools(lab_served: In
     results = tmp_path / "results"
 
     async def body(client: Client):
-        started = _data(await client.call_tool(
+        started = tool_data(await client.call_tool(
             "start_eval", {"host": "desktop", "server": "smollm2", "task": task.name, "concurrency": 2}))
         job_id = started["job"]["id"]
         deadline = time.monotonic() + 180
         while True:
-            jobs = _data(await client.call_tool("job_status", {"host": "desktop", "job": job_id}))["jobs"]
+            jobs = tool_data(await client.call_tool("job_status", {"host": "desktop", "job": job_id}))["jobs"]
             if jobs[0]["state"] in ("done", "failed", "stopped", "lost") or time.monotonic() > deadline:
                 break
             await asyncio.sleep(1)
-        pulled = _data(await client.call_tool("pull_results", {"host": "desktop"}))
-        listed = _data(await client.call_tool("list_results", {"host": "desktop", "kind": "eval"}))
+        pulled = tool_data(await client.call_tool("pull_results", {"host": "desktop"}))
+        listed = tool_data(await client.call_tool("list_results", {"host": "desktop", "kind": "eval"}))
         return started, jobs[0], pulled, listed
 
-    started, job, pulled, listed = _session(results, "--allow-actions", "--task-dir", str(tmp_path), body=body)
+    started, job, pulled, listed = mcp_session(results, "--allow-actions", "--task-dir", str(tmp_path), body=body)
     assert started["questions"] == len(questions)
     assert job["state"] == "done", job
     assert job["done"] == job["total"] == len(questions)

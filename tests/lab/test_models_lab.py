@@ -8,7 +8,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,33 +23,12 @@ from rigctl.ssh import SshClient, SshTarget
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 from hf_server import HfRepo, HfServer  # noqa: E402
-from make_hf_checkout import make_checkout, tools_python  # noqa: E402
+from make_hf_checkout import make_checkout  # noqa: E402
+from models_support import gguf_reader_summary  # noqa: E402
 
 REVISION = "0123456789abcdef0123456789abcdef01234567"
 CALIBRATION = Path(__file__).resolve().parents[1] / "fixtures" / "calibration.txt"
 BRIDGE = f"10.213.{os.environ.get('RIGCTL_LAB_SLOT') or 0}.1"
-
-
-def gguf_reader_summary(path: Path) -> dict:
-    """Tensor count and tensors/bytes per type by the gguf package (in the tools venv)."""
-    script = (
-        "import json, sys, gguf\n"
-        "r = gguf.GGUFReader(sys.argv[1])\n"
-        "types = {}\n"
-        "for t in r.tensors:\n"
-        "    e = types.setdefault(t.tensor_type.name, {'tensors': 0, 'bytes': 0})\n"
-        "    e['tensors'] += 1; e['bytes'] += int(t.n_bytes)\n"
-        "print(json.dumps({'tensor_count': len(r.tensors), 'types': types}))\n"
-    )
-    out = subprocess.run([str(tools_python_cached()), "-c", script, str(path)], capture_output=True, text=True,
-                         check=True, timeout=300)
-    return json.loads(out.stdout)
-
-
-def tools_python_cached() -> Path:
-    from make_hf_checkout import cache_dir
-
-    return tools_python(cache_dir())
 
 
 # ------------------------------------------------------------------------------------------- lab

@@ -18,15 +18,13 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
+from labrigs_support import TEST_NETWORK, TEST_PREFIX, lab_skip_reason, make_test_inventory, real_inventory
 
 from rigctl.errors import ConfigError, LabError
 from rigctl.inventory import Inventory
 from rigctl.lab import (
     GPU_STATE_IN_RIG,
-    GpuState,
     Lab,
-    RigSpec,
     RigStatus,
     lab_mac,
     mounts_under,
@@ -34,98 +32,14 @@ from rigctl.lab import (
     veth_name,
 )
 
-REPO = Path(__file__).resolve().parents[2]
-LAB_INVENTORY = REPO / "inventory" / "lab"
-NVIDIA_SMI = REPO / "rigctl" / "lab_assets" / "nvidia-smi"
-TEST_PREFIX = "lt-"
-TEST_NETWORK = "10.213.7"
-TEST_BRIDGE = "rigctl-ltbr0"
 GPU_QUERY = "--query-gpu=name,temperature.gpu,memory.total,memory.used,compute_cap --format=csv,noheader,nounits"
-
-
-def lab_skip_reason() -> str | None:
-    if os.geteuid() != 0:
-        return "the lab rigs need root"
-    for tool in ("systemd-nspawn", "debootstrap", "ip", "ssh-keygen", "ssh", "zstd"):
-        if shutil.which(tool) is None:
-            return f"the lab rigs need {tool}"
-    return None
-
-
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
-
-
-def rig(name: str, address: str) -> RigSpec:
-    return RigSpec(
-        name, address, 22, "root", GpuState(name="g", memory_total_mib=4096, compute_cap="7.5", uuid="GPU-x")
-    )
-
-
-def real_inventory() -> Inventory:
-    return Inventory.load(LAB_INVENTORY)
-
-
-def make_test_inventory(
-    dest: Path, lab_dir: Path, prefix: str = TEST_PREFIX, network: str = TEST_NETWORK, bridge: str = TEST_BRIDGE
-) -> Path:
-    """inventory/lab with its rigs renamed ``prefix + name`` on ``network``.0/24, lab in ``lab_dir``."""
-    shutil.copytree(LAB_INVENTORY, dest)
-
-    def rename(node: object) -> None:
-        if isinstance(node, dict):
-            if isinstance(node.get("hosts"), dict):
-                node["hosts"] = {
-                    prefix + name: {
-                        **(spec or {}),
-                        "ansible_host": f"{network}.{spec['ansible_host'].rsplit('.', 1)[1]}",
-                    }
-                    for name, spec in node["hosts"].items()
-                }
-            for value in node.values():
-                rename(value)
-
-    hosts = yaml.safe_load((dest / "hosts.yml").read_text())
-    rename(hosts)
-    (dest / "hosts.yml").write_text(yaml.safe_dump(hosts))
-    for host_vars in (dest / "host_vars").glob("*.yml"):
-        host_vars.rename(host_vars.with_name(prefix + host_vars.name))
-    lab_yml = dest / "group_vars" / "all" / "lab.yml"
-    settings = yaml.safe_load(lab_yml.read_text())
-    settings["rigctl_lab"] = {"dir": str(lab_dir), "bridge": bridge, "bridge_address": f"{network}.1/24"}
-    lab_yml.write_text(yaml.safe_dump(settings))
-    return dest
 
 
 # ----------------------------------------------------------------------------------------------- pure helpers
 
 
-DEB822 = """\
-Types: deb
-URIs: http://mirror.example/debian-security
-Suites: bookworm-security
-Components: main
-
-Types: deb-src
-URIs: http://src.example/debian
-Suites: bookworm
-
-Types: deb
-URIs: http://mirror.example/debian http://second.example/debian
-Suites: bookworm bookworm-updates
-Components: main
-"""
 
 
-MOUNTINFO = """\
-31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
-32 31 0:29 / /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu
-40 31 0:37 / /sys/fs/cgroup/systemd rw,relatime - cgroup cgroup rw,name=systemd
-41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw
-50 23 0:40 / /var/lib/rigctl/lab/hosts/desktop/rootfs/proc rw - proc proc rw
-51 50 0:41 / /var/lib/rigctl/lab/hosts/desktop/rootfs/proc/sys/fs/binfmt_misc rw - binfmt_misc b rw
-52 23 0:42 / /var/lib/rigctl/lab/hosts/desktop2 rw - tmpfs tmpfs rw
-53 23 0:43 / /var/lib/rigctl/with\\040space rw - tmpfs tmpfs rw
-"""
 
 
 # ----------------------------------------------------------------------------------------------- the lifecycle

@@ -29,21 +29,6 @@ from rigctl.ssh import (
 lab = pytest.mark.lab
 
 
-_SILENT_SERVER_SCRIPT = """
-import logging, socket, sys
-from pathlib import Path
-from rigctl.errors import ConnectError
-from rigctl.ssh import SshClient, SshTarget
-logging.basicConfig(level=logging.WARNING)  # as an application would
-server = socket.socket()
-server.bind(("127.0.0.1", 0))
-server.listen(8)
-target = SshTarget("loop", "127.0.0.1", server.getsockname()[1], "root", None, Path(sys.argv[1]))
-try:
-    SshClient(target, connect_timeout=0.3, retries=0).connect()
-except ConnectError as exc:
-    print(exc)
-"""
 
 
 # --- the lab rigs -------------------------------------------------------------------------------------

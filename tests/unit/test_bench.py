@@ -251,10 +251,6 @@ def test_load_run_samples_reads_the_raw_files(tmp_path: Path) -> None:
     assert next(r for r in rows if r.model == "q4_1").ratio["q4_0"] == pytest.approx(1.5)
 
 
-# What the stand-in nvidia-smi answers, one reading per call: hot, cooling, and hot again after cells.
-# Per cell: the cool-down's readings, then (clock readings far apart) the poller's as the cell starts
-# and as it ends.
-TEMPERATURES = [72, 55, 38, 50, 66, 47, 39, 41, 58, 36, 44, 61, 35, 37, 35]
 
 
 # ----------------------------------------------------------------------------------------------- drafter race

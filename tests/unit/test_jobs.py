@@ -7,9 +7,6 @@ import pytest
 from rigctl import jobs
 from rigctl.errors import ConfigError
 
-MODELS = ["smollm2-135m-q4_1", "smollm2-135m-q4_0"]
-
-
 # ----------------------------------------------------------------------------------------------- pure
 
 
@@ -31,4 +28,3 @@ def test_task_sources_ship_only_remote_modules() -> None:
             jobs.task_source(bad)
 
 
-COOLING = "cell 1/1 smollm2-135m-q4_1: cooling down"

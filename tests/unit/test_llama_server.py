@@ -14,7 +14,6 @@ import pytest
 from rigctl.servers import operator_start, parse_unit_show
 
 ROLE = Path(__file__).resolve().parents[2] / "roles" / "llama_server"
-QUESTION = [{"role": "user", "content": "What is 2+2?"}]
 
 
 def _load(path: Path, name: str) -> Any:

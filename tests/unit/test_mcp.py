@@ -3,46 +3,14 @@ Claude Code starts it, and every call goes over JSON-RPC on its stdin/stdout."""
 
 from __future__ import annotations
 
-import asyncio
-import json
-import os
-import sys
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
-from mcp import Client, StdioServerParameters
-
-REPO = Path(__file__).resolve().parents[2]
-RIGCTL = Path(sys.executable).with_name("rigctl")
-LAB_INVENTORY = REPO / "inventory" / "lab"
+from mcp import Client
+from mcp_support import mcp_session, tool_data, tool_text
 
 READ_ONLY = {"list_hosts", "fleet_status", "server_health", "server_logs", "job_status", "list_results",
              "compare_runs"}
 ACTIONS = {"restart_server", "start_bench", "start_eval", "pull_results"}
-
-
-def _params(results: Path, *extra: str) -> StdioServerParameters:
-    env = {"RIGCTL_RESULTS": str(results), "RIGCTL_LAB_SLOT": os.environ.get("RIGCTL_LAB_SLOT", "0")}
-    return StdioServerParameters(command=str(RIGCTL), args=["-i", str(LAB_INVENTORY), "mcp", *extra], env=env,
-                                 cwd=str(REPO))
-
-
-def _session(results: Path, *extra: str, body: Callable[[Client], Awaitable[Any]]) -> Any:
-    async def main() -> Any:
-        async with Client(_params(results, *extra), read_timeout_seconds=300) as client:
-            return await body(client)
-
-    return asyncio.run(main())
-
-
-def _text(result) -> str:
-    return "\n".join(c.text for c in result.content if getattr(c, "type", "") == "text")
-
-
-def _data(result) -> dict[str, Any]:
-    assert not result.is_error, _text(result)
-    return result.structured_content if result.structured_content is not None else json.loads(_text(result))
 
 
 def test_tools_listed_actions_refused_and_bad_input_are_tool_errors_not_crashes(tmp_path: Path):
@@ -64,7 +32,7 @@ def test_tools_listed_actions_refused_and_bad_input_are_tool_errors_not_crashes(
             still_serving
 
     (tools, refused, refused_eval, unknown_host, unknown_server, bad_lines, bad_name, missing_run,
-     still_serving) = _session(tmp_path, body=body)
+     still_serving) = mcp_session(tmp_path, body=body)
     by_name = {t.name: t for t in tools}
     assert set(by_name) == READ_ONLY | ACTIONS
     for name in READ_ONLY:
@@ -74,12 +42,12 @@ def test_tools_listed_actions_refused_and_bad_input_are_tool_errors_not_crashes(
         assert "--allow-actions" in by_name[name].description
     assert by_name["server_logs"].input_schema["properties"]["lines"]["maximum"] == 2000
     for result in (refused, refused_eval):
-        assert result.is_error and "refused" in _text(result) and "--allow-actions" in _text(result)
-    assert unknown_host.is_error and "unknown host 'nowhere'" in _text(unknown_host)
-    assert unknown_server.is_error and "no llama-server instance 'nope'" in _text(unknown_server)
-    assert bad_lines.is_error and "lines" in _text(bad_lines)
-    assert bad_name.is_error and "host" in _text(bad_name)
-    assert missing_run.is_error and "not found" in _text(missing_run)
-    hosts = _data(still_serving)["hosts"]
+        assert result.is_error and "refused" in tool_text(result) and "--allow-actions" in tool_text(result)
+    assert unknown_host.is_error and "unknown host 'nowhere'" in tool_text(unknown_host)
+    assert unknown_server.is_error and "no llama-server instance 'nope'" in tool_text(unknown_server)
+    assert bad_lines.is_error and "lines" in tool_text(bad_lines)
+    assert bad_name.is_error and "host" in tool_text(bad_name)
+    assert missing_run.is_error and "not found" in tool_text(missing_run)
+    hosts = tool_data(still_serving)["hosts"]
     assert sorted(h["name"] for h in hosts) == ["desktop", "laptop"]
     assert hosts[0]["servers"][0]["name"] == "smollm2"

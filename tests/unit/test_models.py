@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,11 +15,8 @@ from rigctl.models import parse_manifest, set_pins_text
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
-from make_hf_checkout import gguf_file, tools_python  # noqa: E402
-
-REVISION = "0123456789abcdef0123456789abcdef01234567"
-CALIBRATION = Path(__file__).resolve().parents[1] / "fixtures" / "calibration.txt"
-BRIDGE = f"10.213.{os.environ.get('RIGCTL_LAB_SLOT') or 0}.1"
+from make_hf_checkout import gguf_file  # noqa: E402
+from models_support import gguf_reader_summary  # noqa: E402
 
 
 def _artifact_module():
@@ -29,28 +24,6 @@ def _artifact_module():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def gguf_reader_summary(path: Path) -> dict:
-    """Tensor count and tensors/bytes per type by the gguf package (in the tools venv)."""
-    script = (
-        "import json, sys, gguf\n"
-        "r = gguf.GGUFReader(sys.argv[1])\n"
-        "types = {}\n"
-        "for t in r.tensors:\n"
-        "    e = types.setdefault(t.tensor_type.name, {'tensors': 0, 'bytes': 0})\n"
-        "    e['tensors'] += 1; e['bytes'] += int(t.n_bytes)\n"
-        "print(json.dumps({'tensor_count': len(r.tensors), 'types': types}))\n"
-    )
-    out = subprocess.run([str(tools_python_cached()), "-c", script, str(path)], capture_output=True, text=True,
-                         check=True, timeout=300)
-    return json.loads(out.stdout)
-
-
-def tools_python_cached() -> Path:
-    from make_hf_checkout import cache_dir
-
-    return tools_python(cache_dir())
 
 
 # ------------------------------------------------------------------------------------------- no lab

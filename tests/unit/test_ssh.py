@@ -25,9 +25,6 @@ from rigctl.ssh import (
     known_hosts_name,
 )
 
-lab = pytest.mark.lab
-
-
 # --- pure helpers -------------------------------------------------------------------------------
 
 
@@ -152,6 +149,3 @@ def test_missing_private_key_fails_before_connecting(tmp_path: Path) -> None:
 # --- the lab rigs -------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def desktop(lab_up: Inventory) -> SshTarget:
-    return SshTarget.from_host(lab_up.host("desktop"))

@@ -1,0 +1,80 @@
+"""Helpers the lab module's unit and lab tests share: a test inventory of their own slot, its rigs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import yaml
+
+from rigctl.inventory import Inventory
+from rigctl.lab import (
+    GpuState,
+    RigSpec,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+LAB_INVENTORY = REPO / "inventory" / "lab"
+
+
+TEST_PREFIX = "lt-"
+
+
+TEST_NETWORK = "10.213.7"
+
+
+TEST_BRIDGE = "rigctl-ltbr0"
+
+
+def lab_skip_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "the lab rigs need root"
+    for tool in ("systemd-nspawn", "debootstrap", "ip", "ssh-keygen", "ssh", "zstd"):
+        if shutil.which(tool) is None:
+            return f"the lab rigs need {tool}"
+    return None
+
+
+def rig(name: str, address: str) -> RigSpec:
+    return RigSpec(
+        name, address, 22, "root", GpuState(name="g", memory_total_mib=4096, compute_cap="7.5", uuid="GPU-x")
+    )
+
+
+def real_inventory() -> Inventory:
+    return Inventory.load(LAB_INVENTORY)
+
+
+def make_test_inventory(
+    dest: Path, lab_dir: Path, prefix: str = TEST_PREFIX, network: str = TEST_NETWORK, bridge: str = TEST_BRIDGE
+) -> Path:
+    """inventory/lab with its rigs renamed ``prefix + name`` on ``network``.0/24, lab in ``lab_dir``."""
+    shutil.copytree(LAB_INVENTORY, dest)
+
+    def rename(node: object) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("hosts"), dict):
+                node["hosts"] = {
+                    prefix + name: {
+                        **(spec or {}),
+                        "ansible_host": f"{network}.{spec['ansible_host'].rsplit('.', 1)[1]}",
+                    }
+                    for name, spec in node["hosts"].items()
+                }
+            for value in node.values():
+                rename(value)
+
+    hosts = yaml.safe_load((dest / "hosts.yml").read_text())
+    rename(hosts)
+    (dest / "hosts.yml").write_text(yaml.safe_dump(hosts))
+    for host_vars in (dest / "host_vars").glob("*.yml"):
+        host_vars.rename(host_vars.with_name(prefix + host_vars.name))
+    lab_yml = dest / "group_vars" / "all" / "lab.yml"
+    settings = yaml.safe_load(lab_yml.read_text())
+    settings["rigctl_lab"] = {"dir": str(lab_dir), "bridge": bridge, "bridge_address": f"{network}.1/24"}
+    lab_yml.write_text(yaml.safe_dump(settings))
+    return dest
+
