@@ -65,25 +65,20 @@ def main() -> int:
     flag_name, _, flag_value = args.flag.partition("=")
 
     inventory = Inventory.load(args.inventory)
-    lab = Lab.from_inventory(inventory)
-    started_lab = not all(rig.running and rig.sshd for rig in lab.status())
-    if started_lab:
-        lab.up()
-    host = inventory.host(args.host)
-    base = {"llama_cpp_install_root": INSTALL_ROOT, "llama_cpp_work_root": WORK_ROOT, "llama_cpp_build_once": False}
-    clean = f"rm -rf {INSTALL_ROOT} {WORK_ROOT}"
-    try:
-        on_rig(host, clean)
-        cold, cold_changed = timed(inventory, args.host, base)
-        noop, noop_changed = timed(inventory, args.host, base)
-        before = ccache_stats(host)
-        warm, _ = timed(inventory, args.host, {**base, "llama_cpp_cmake_options": {flag_name: flag_value}})
-        after = ccache_stats(host)
-        cores = on_rig(host, "nproc").strip()
-    finally:
-        on_rig(host, clean)
-        if started_lab:
-            lab.down()
+    with Lab.from_inventory(inventory).up_while():
+        host = inventory.host(args.host)
+        base = {"llama_cpp_install_root": INSTALL_ROOT, "llama_cpp_work_root": WORK_ROOT, "llama_cpp_build_once": False}
+        clean = f"rm -rf {INSTALL_ROOT} {WORK_ROOT}"
+        try:
+            on_rig(host, clean)
+            cold, cold_changed = timed(inventory, args.host, base)
+            noop, noop_changed = timed(inventory, args.host, base)
+            before = ccache_stats(host)
+            warm, _ = timed(inventory, args.host, {**base, "llama_cpp_cmake_options": {flag_name: flag_value}})
+            after = ccache_stats(host)
+            cores = on_rig(host, "nproc").strip()
+        finally:
+            on_rig(host, clean)
 
     hits = sum(after.get(k, 0) - before.get(k, 0) for k in ("direct_cache_hit", "preprocessed_cache_hit"))
     misses = after.get("cache_miss", 0) - before.get("cache_miss", 0)

@@ -52,11 +52,7 @@ def main() -> int:
     args = parser.parse_args()
 
     inventory = Inventory.load(args.inventory)
-    lab = Lab.from_inventory(inventory)
-    started_lab = not all(rig.running and rig.sshd for rig in lab.status())
-    if started_lab:
-        lab.up()
-    try:
+    with Lab.from_inventory(inventory).up_while():
         _, changed, tasks = timed_run(inventory, {})  # converge first; the measured runs change nothing
         print(f"converge: {changed} changed, {tasks} tasks per host")
         walls: dict[str, list[float]] = {name: [] for name in VARIANTS}
@@ -77,9 +73,6 @@ def main() -> int:
         ratio = statistics.median(walls["configured (ansible.cfg: mitogen)"]) / default
         print(f"\nratio configured/defaults = {ratio:.2f} (aim <= 0.25): {'ok' if ratio <= 0.25 else 'MISSED'}")
         return 0
-    finally:
-        if started_lab:
-            lab.down()
 
 
 if __name__ == "__main__":

@@ -95,42 +95,37 @@ def main() -> int:
     args = parser.parse_args()
 
     inventory = Inventory.load(args.inventory)
-    lab = Lab.from_inventory(inventory)
-    started_lab = not all(rig.running and rig.sshd for rig in lab.status())
-    if started_lab:
-        lab.up()
-    exporter = Exporter(inventory, results=ResultsStore(Path(tempfile.mkdtemp(prefix="rigctl-bench-"))),
-                        interval=args.interval, host_timeout=args.host_timeout)
-    port = free_port()
-    server, _ = exporter.serve(f"127.0.0.1:{port}")
-    url = f"http://127.0.0.1:{port}/metrics"
-    exporter.start()
-    try:
-        wait(lambda: all(host_up(url, h) == 1.0 for h in inventory.hosts), 60, "every rig up")
-        print(f"{args.scrapes} scrapes of {url}, collection every {args.interval:g}s, host timeout "
-              f"{args.host_timeout:g}s, {len(inventory.hosts)} rigs")
-        times, size = scrape_latencies(url, args.scrapes)
-        _, p99_up = report("both rigs up", times, size, exporter.snapshot.duration_seconds)
-        with SshClient(SshTarget.from_host(inventory.host(args.down))) as rig:
-            # This session outlives sshd (KillMode=process); a timer starts sshd again if the bench dies.
-            rig.run("systemd-run --unit=rigctl-bench-sshd-back --on-active=300 systemctl start ssh.service",
-                    timeout=30)
-            rig.run("systemctl stop ssh.service", timeout=30)
-            try:
-                wait(lambda: host_up(url, args.down) == 0.0, args.interval + args.host_timeout + 5,
-                     f"{args.down} down")
-                times, size = scrape_latencies(url, args.scrapes)
-                _, p99_down = report(f"{args.down} down", times, size, exporter.snapshot.duration_seconds)
-            finally:
-                rig.run("systemctl start ssh.service; systemctl stop rigctl-bench-sshd-back.timer", timeout=30,
-                        check=False)
-        print(f"p99 one rig down / both up: {p99_down / p99_up:.2f}x")
-        wait(lambda: host_up(url, args.down) == 1.0, 60, f"{args.down} back up")
-    finally:
-        server.shutdown()
-        exporter.stop()
-        if started_lab:
-            lab.down()
+    with Lab.from_inventory(inventory).up_while():
+        exporter = Exporter(inventory, results=ResultsStore(Path(tempfile.mkdtemp(prefix="rigctl-bench-"))),
+                            interval=args.interval, host_timeout=args.host_timeout)
+        port = free_port()
+        server, _ = exporter.serve(f"127.0.0.1:{port}")
+        url = f"http://127.0.0.1:{port}/metrics"
+        exporter.start()
+        try:
+            wait(lambda: all(host_up(url, h) == 1.0 for h in inventory.hosts), 60, "every rig up")
+            print(f"{args.scrapes} scrapes of {url}, collection every {args.interval:g}s, host timeout "
+                  f"{args.host_timeout:g}s, {len(inventory.hosts)} rigs")
+            times, size = scrape_latencies(url, args.scrapes)
+            _, p99_up = report("both rigs up", times, size, exporter.snapshot.duration_seconds)
+            with SshClient(SshTarget.from_host(inventory.host(args.down))) as rig:
+                # This session outlives sshd (KillMode=process); a timer starts sshd again if the bench dies.
+                rig.run("systemd-run --unit=rigctl-bench-sshd-back --on-active=300 systemctl start ssh.service",
+                        timeout=30)
+                rig.run("systemctl stop ssh.service", timeout=30)
+                try:
+                    wait(lambda: host_up(url, args.down) == 0.0, args.interval + args.host_timeout + 5,
+                         f"{args.down} down")
+                    times, size = scrape_latencies(url, args.scrapes)
+                    _, p99_down = report(f"{args.down} down", times, size, exporter.snapshot.duration_seconds)
+                finally:
+                    rig.run("systemctl start ssh.service; systemctl stop rigctl-bench-sshd-back.timer", timeout=30,
+                            check=False)
+            print(f"p99 one rig down / both up: {p99_down / p99_up:.2f}x")
+            wait(lambda: host_up(url, args.down) == 1.0, 60, f"{args.down} back up")
+        finally:
+            server.shutdown()
+            exporter.stop()
     return 0 if max(p99_up, p99_down) < AIM_P99_MS else 1
 
 

@@ -78,11 +78,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="rigctl-bench-") as tmp:
         inventory = Inventory.load(bench_inventory(Path(tmp) / "inventory", checkout))
         host = inventory.host(args.host)
-        lab = Lab.from_inventory(inventory)
-        started_lab = not all(rig.ready for rig in lab.status())
-        if started_lab:
-            lab.up()
-        try:
+        with Lab.from_inventory(inventory).up_while():
             models_dir = host.vars.get("models_dir", "/var/lib/rigctl/models")
             with SshClient(SshTarget.from_host(host)) as ssh:
                 paths = " ".join(f"{models_dir}/{a}.gguf {models_dir}/{a}.gguf.manifest.json" for a in ARTIFACTS)
@@ -92,9 +88,6 @@ def main() -> int:
                 manifests = {a: parse_manifest(ssh.run(f"cat {models_dir}/{a}.gguf.manifest.json", timeout=30).stdout,
                                                host.name) for a in ARTIFACTS}
                 peaks = {a: peak_rss_mib(ssh, m.command, m.path) for a, m in manifests.items()}
-        finally:
-            if started_lab:
-                lab.down()
 
     print(f"SmolLM2-135M checkout on {host.name} (llama.cpp {manifests['bench-q4_0'].llama_cpp['name']}):")
     for artifact, label in zip(ARTIFACTS, ("convert_hf_to_gguf --outtype bf16", "llama-quantize Q4_0"), strict=True):

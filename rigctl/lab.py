@@ -624,6 +624,18 @@ class Lab:
         log.info("lab: up in %.1fs", time.monotonic() - started)
         return self.status()
 
+    @contextlib.contextmanager
+    def up_while(self) -> Iterator[list[RigStatus]]:
+        """The rigs up for the ``with`` block; left as found: taken down afterwards only when this brought
+        them up (a developer's lab, or ``make demo``'s, stays up)."""
+        was_up = all(rig.ready for rig in self.status())
+        statuses = self.up()
+        try:
+            yield statuses
+        finally:
+            if not was_up:
+                self.down()
+
     def down(self) -> None:
         """Stop every rig and remove all the lab made outside the cache but the fence; fine when nothing
         is up."""

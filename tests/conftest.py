@@ -25,6 +25,14 @@ def lab_unavailable_reason() -> str | None:
     return None
 
 
+@pytest.fixture
+def rigs(tmp_path: Path) -> Path:
+    """A copy of the reference rigs' inventory (inventory/rigs) to break on purpose."""
+    dest = tmp_path / "rigs"
+    shutil.copytree(REPO / "inventory" / "rigs", dest)
+    return dest
+
+
 @pytest.fixture(scope="session")
 def lab_inventory() -> Inventory:
     return Inventory.load(LAB_INVENTORY)
@@ -39,14 +47,8 @@ def lab_up(lab_inventory: Inventory) -> Iterator[Inventory]:
         pytest.skip(reason)
     from rigctl.lab import Lab
 
-    lab = Lab.from_inventory(lab_inventory)
-    was_up = all(rig.running and rig.sshd for rig in lab.status())
-    lab.up()
-    try:
+    with Lab.from_inventory(lab_inventory).up_while():
         yield lab_inventory
-    finally:
-        if not was_up:
-            lab.down()
 
 
 def wait_healthy(inventory: Inventory, timeout: float = 180.0) -> None:

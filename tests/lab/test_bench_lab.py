@@ -1,4 +1,4 @@
-"""rigctl bench: pure parsers and summaries on real llama-bench JSON; lab benches on the rigs."""
+"""rigctl bench on the lab rigs: llama-bench matrices, clock gating, server speed and a drafter race end to end."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""rigctl exporter: pure parsers and exposition, the Grafana dashboard, and (lab) the exporter against
-both rigs over real SSH, scraped by the real Prometheus from Debian's package."""
+"""rigctl exporter against both lab rigs over real SSH, scraped by the real Prometheus from Debian's package."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 at once, a link that drops mid-provision, a failed rollout next to disabled instances.
 
 Each fault is made for real (a tmpfs that fills up, a veth downed in the rig's namespace, a second rigctl
-process) and undone afterwards; every wait is bounded. The tests that need no rig come first.
+process) and undone afterwards; every wait is bounded.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""rigctl jobs: detached jobs on the lab rigs, their lock, a cut connection, pulling."""
+"""rigctl jobs on the lab rigs: detached jobs, their lock, a cut connection, pulling."""
 
 from __future__ import annotations
 

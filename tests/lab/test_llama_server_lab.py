@@ -1,6 +1,6 @@
-"""roles/llama_server and rigctl.servers against the lab rigs: units, idempotence, targeted restarts,
-crash and reboot recovery, a failed rollout's rollback, the API key. Pure parts (profile resolution,
-flags, the VRAM estimate, systemd's output) are tested without the lab."""
+"""roles/llama_server and rigctl.servers on the lab rigs: units, idempotence, targeted restarts, crash and
+reboot recovery, a failed rollout's rollback, the API key.
+"""
 
 from __future__ import annotations
 

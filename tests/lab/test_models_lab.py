@@ -1,5 +1,6 @@
-"""roles/models and rigctl.models: manifests against the gguf package's reader, pins, and the lab pipeline
-(hf over a local HF_ENDPOINT and controller sources -> bf16 -> Q4_0 on the rigs, served by llama-server)."""
+"""roles/models on the lab rigs: hf over a local HF_ENDPOINT and controller sources -> bf16 -> Q4_0 on the rigs,
+served by llama-server.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""The lab rigs: pure helpers and the stand-in nvidia-smi (fast), preflight errors, and one real lifecycle.
-
-The lifecycle runs on a test lab of its own: a copy of inventory/lab whose rigs are renamed (lt-desktop,
+"""One real lab lifecycle, on a test lab of its own: a copy of inventory/lab whose rigs are renamed (lt-desktop,
 lt-laptop) on another bridge and network, with its own lab directory. It uses the same code, base image
 and GPU values as the real lab, but never touches a real lab that a developer or another test has up.
 """

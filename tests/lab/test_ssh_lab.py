@@ -1,4 +1,4 @@
-"""rigctl.ssh against real sshd: the lab rigs, and bare sockets on loopback for connect failures."""
+"""rigctl.ssh against the lab rigs' real sshd."""
 
 from __future__ import annotations
 

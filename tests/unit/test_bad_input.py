@@ -42,10 +42,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 from handmade_runs import bench_record, bench_run, eval_run
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from inventory_support import edit_yaml
 
 from rigctl.compare import compare_pair, compare_runs, load_answers
 from rigctl.errors import ConfigError, EvalError, RigctlError
@@ -84,19 +84,6 @@ def one_error(done: subprocess.CompletedProcess[str], rc: int, *needles: str) ->
     return lines[0]
 
 
-@pytest.fixture
-def rigs(tmp_path: Path) -> Path:
-    dest = tmp_path / "rigs"
-    shutil.copytree(REPO / "inventory" / "rigs", dest)
-    return dest
-
-
-def edit(path: Path, change) -> None:
-    data = yaml.safe_load(path.read_text()) if path.exists() else {}
-    change(data)
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-
-
 # ----------------------------------------------------------------------------------------------- 1
 
 
@@ -112,20 +99,20 @@ def test_usage_errors_name_the_option_and_exit_2() -> None:
 
 
 def test_values_are_validated_where_the_typed_views_read_them(rigs: Path) -> None:
-    edit(rigs / "host_vars/desktop-3050.yml", lambda d: d.update(ansible_port="twenty-two"))
+    edit_yaml(rigs / "host_vars/desktop-3050.yml", lambda d: d.update(ansible_port="twenty-two"))
     check_run = rigctl("-i", str(rigs), "inventory", "check")
     assert check_run.returncode == 2
     assert "host desktop-3050: ansible_port: Input should be a valid integer, unable to parse string as an " \
            "integer (got 'twenty-two')" in check_run.stderr, check_run.stderr
     one_error(rigctl("-i", str(rigs), "hosts"), 2, "host desktop-3050: ansible_port:", "'twenty-two'")
 
-    edit(rigs / "host_vars/desktop-3050.yml", lambda d: d.pop("ansible_port"))
-    edit(rigs / "host_vars/laptop-1650ti.yml",
+    edit_yaml(rigs / "host_vars/desktop-3050.yml", lambda d: d.pop("ansible_port"))
+    edit_yaml(rigs / "host_vars/laptop-1650ti.yml",
          lambda d: d.update(llama_server_instances={"broken": {"artifact": "qwen3.5-2b-q4_0", "profile": "laptop"}}))
     one_error(rigctl("-i", str(rigs), "hosts"), 2, "host laptop-1650ti: llama_server_instances.broken.port: "
                                                    "required but not set")
     one_error(rigctl("-i", str(rigs), "servers"), 2, "llama_server_instances.broken.port")
-    edit(rigs / "host_vars/laptop-1650ti.yml", lambda d: d.update(gpu_host_gpu="GTX 1650 Ti"))
+    edit_yaml(rigs / "host_vars/laptop-1650ti.yml", lambda d: d.update(gpu_host_gpu="GTX 1650 Ti"))
     with pytest.raises(ConfigError, match="host laptop-1650ti: gpu_host_gpu: "):
         _ = Inventory.load(rigs).host("laptop-1650ti").gpu
 
@@ -144,8 +131,8 @@ def test_inventory_check_refuses_values_that_break_later(rigs: Path) -> None:
         d.setdefault("llama_server_instances", {})["bad name;rm"] = {"artifact": "qwen3.5-2b-q4_0", "profile": "laptop",
                                                       "port": 8099}
 
-    edit(rigs / "host_vars/desktop-3050.yml", desktop)
-    edit(rigs / "host_vars/laptop-1650ti.yml", laptop)
+    edit_yaml(rigs / "host_vars/desktop-3050.yml", desktop)
+    edit_yaml(rigs / "host_vars/laptop-1650ti.yml", laptop)
     (rigs / "host_vars/desktop-3060.yml").write_text("ansible_host: 192.0.2.9\n")  # no such host
     done = rigctl("-i", str(rigs), "inventory", "check")
     assert done.returncode == 2
@@ -248,7 +235,7 @@ def test_degenerate_input_is_refused(tmp_path: Path) -> None:
     inventory = tmp_path / "rigs"
     shutil.copytree(REPO / "inventory" / "rigs", inventory)
     for name in ("desktop-3050", "laptop-1650ti"):
-        edit(inventory / "host_vars" / f"{name}.yml", lambda d: d.update(ansible_host="127.0.0.1", ansible_port=9))
+        edit_yaml(inventory / "host_vars" / f"{name}.yml", lambda d: d.update(ansible_host="127.0.0.1", ansible_port=9))
     done = rigctl("-i", str(inventory), "models", "list")
     assert done.returncode == 1, done.stdout + done.stderr
     failures = [line for line in error_lines(done) if line.startswith("error: ")]
@@ -305,6 +292,7 @@ _HOST_KEYS = sorted(SCHEMA)
 @pytest.mark.timeout(120)
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.dictionaries(st.sampled_from(_HOST_KEYS), _json, max_size=6))
+@example({"llama_server_instances": {"0\n": None}})  # a key ending in a newline once broke the one line
 def test_inventory_checker_reports_never_raises(variables: dict) -> None:
     host = Host(name="h", address="192.0.2.1", user="root", groups=("all",), vars=variables)
     problems = check_host(host, set(SCHEMA))

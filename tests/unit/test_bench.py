@@ -1,4 +1,4 @@
-"""rigctl bench: pure parsers and summaries on real llama-bench JSON; lab benches on the rigs."""
+"""rigctl bench without rigs: parsers and summaries on real llama-bench JSON, specs, drafter and server-speed maths."""
 
 from __future__ import annotations
 

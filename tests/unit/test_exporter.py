@@ -1,5 +1,4 @@
-"""rigctl exporter: pure parsers and exposition, the Grafana dashboard, and (lab) the exporter against
-both rigs over real SSH, scraped by the real Prometheus from Debian's package."""
+"""rigctl exporter without rigs: pure parsers and exposition, promtool's lint, the Grafana dashboard."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Faults on the lab rigs (issue 16, class 8): a tampered model without a pin, a full disk, two provisions
-at once, a link that drops mid-provision, a failed rollout next to disabled instances.
-
-Each fault is made for real (a tmpfs that fills up, a veth downed in the rig's namespace, a second rigctl
-process) and undone afterwards; every wait is bounded. The tests that need no rig come first.
+"""Faults that need no rig (issue 16, class 8): one hash rule for verify and the exporter, a second provision
+refused, a cell without results, a full disk under the models module (a real tmpfs).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
+from inventory_support import edit_yaml
 
 from rigctl.errors import ConfigError
 from rigctl.inventory import Inventory
@@ -21,20 +21,6 @@ ROLES = [REPO / "roles"]
 def rigctl(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "rigctl.cli", *args], cwd=cwd, capture_output=True,
                           text=True, timeout=120)
-
-
-@pytest.fixture
-def rigs(tmp_path: Path) -> Path:
-    """A copy of the reference rigs' inventory to break on purpose."""
-    dest = tmp_path / "rigs"
-    shutil.copytree(REPO / "inventory" / "rigs", dest)
-    return dest
-
-
-def edit(path: Path, change) -> None:
-    data = yaml.safe_load(path.read_text())
-    change(data)
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
 
 
 def lines(inv_path: Path) -> list[str]:
@@ -72,7 +58,7 @@ def test_unpinned_model_revision_is_a_warning_not_an_error() -> None:
 
 
 def test_misspelled_variable_names_the_group_and_suggests(rigs: Path) -> None:
-    edit(rigs / "group_vars/all/llama_cpp.yml", lambda d: d.update(llama_cpp_verison=d.pop("llama_cpp_version")))
+    edit_yaml(rigs / "group_vars/all/llama_cpp.yml", lambda d: d.update(llama_cpp_verison=d.pop("llama_cpp_version")))
     assert lines(rigs) == [
         "group all: llama_cpp_verison: unknown variable (did you mean llama_cpp_version?)",
         "host desktop-3050: llama_cpp_version: required but not set",
@@ -85,7 +71,7 @@ def test_misspelled_profile_key_and_missing_key(rigs: Path) -> None:
         d["llama_server_profiles"]["rig"]["ctx_szie"] = 4096
         del d["llama_server_instances"]["gemma"]["port"]
 
-    edit(rigs / "group_vars/all/servers.yml", change)
+    edit_yaml(rigs / "group_vars/all/servers.yml", change)
     assert lines(rigs) == [
         "group all: llama_server_instances.gemma.port: required but not set",
         "group all: llama_server_profiles.rig.ctx_szie: unknown key",
@@ -98,7 +84,7 @@ LAPTOP_CLASH = {"gemma": {"artifact": "gemma-4-e2b-qat-q4_0", "profile": "rig", 
 
 
 def test_port_clash_is_reported_on_the_host_that_defines_it(rigs: Path) -> None:
-    edit(rigs / "host_vars/laptop-1650ti.yml", lambda d: d.update(llama_server_instances=LAPTOP_CLASH))
+    edit_yaml(rigs / "host_vars/laptop-1650ti.yml", lambda d: d.update(llama_server_instances=LAPTOP_CLASH))
     assert lines(rigs) == ["host laptop-1650ti: llama_server_instances.qwen-bf16.port: port 8081 is also used by gemma"]
 
 
@@ -109,7 +95,7 @@ def test_undefined_artifact_profile_and_drafter(rigs: Path) -> None:
         d["llama_server_profiles"]["rig-gemma-draft"]["spec"]["draft_model"] = "tiny-drafter"
         d["llama_server_profiles"]["rig"]["extends"] = "rig-mtp"  # rig-mtp extends rig: a cycle
 
-    edit(rigs / "group_vars/all/servers.yml", change)
+    edit_yaml(rigs / "group_vars/all/servers.yml", change)
     got = lines(rigs)
     assert ("group all: llama_server_instances.qwen.artifact: 'qwen3.5-2b-q8_0' is not an artifact in "
             "models_catalog") in got
@@ -120,9 +106,9 @@ def test_undefined_artifact_profile_and_drafter(rigs: Path) -> None:
 
 
 def test_malformed_pins(rigs: Path) -> None:
-    edit(rigs / "group_vars/all/llama_cpp.yml", lambda d: d.update(llama_cpp_version="v1.2-main"))
-    edit(rigs / "host_vars/desktop-3050.yml", lambda d: d["gpu_host_gpu"].update(compute_capability="sm_86"))
-    edit(rigs / "group_vars/all/models.yml",
+    edit_yaml(rigs / "group_vars/all/llama_cpp.yml", lambda d: d.update(llama_cpp_version="v1.2-main"))
+    edit_yaml(rigs / "host_vars/desktop-3050.yml", lambda d: d["gpu_host_gpu"].update(compute_capability="sm_86"))
+    edit_yaml(rigs / "group_vars/all/models.yml",
          lambda d: d["models_catalog"]["qwen3.5-2b"]["artifacts"]["qwen3.5-2b-q4_0"].update({"from": "qwen-f16"}))
     got = lines(rigs)
     assert "group all: llama_cpp_version: 'v1.2-main' is not a commit hash (7 to 40 hex digits)" in got
@@ -135,7 +121,7 @@ def test_malformed_pins(rigs: Path) -> None:
 def test_archive_pin_needs_a_sha256(tmp_path: Path) -> None:
     lab = tmp_path / "lab"
     shutil.copytree(REPO / "inventory" / "lab", lab)
-    edit(lab / "group_vars/all/llama_cpp.yml", lambda d: d["llama_cpp_archive"].update(sha256="deadbeef"))
+    edit_yaml(lab / "group_vars/all/llama_cpp.yml", lambda d: d["llama_cpp_archive"].update(sha256="deadbeef"))
     got = lines(lab)
     assert len(got) == 1 and got[0].startswith("group all: llama_cpp_archive.sha256: String should match pattern")
 
@@ -152,7 +138,7 @@ def test_cli_inventory_check_exit_codes(rigs: Path) -> None:
     ok = rigctl("-i", str(REPO / "inventory" / "lab"), "inventory", "check")
     assert ok.returncode == 0, ok.stderr
     assert "2 hosts, 0 errors, 0 warnings" in ok.stdout
-    edit(rigs / "host_vars/laptop-1650ti.yml", lambda d: d.update(llama_server_instances=LAPTOP_CLASH))
+    edit_yaml(rigs / "host_vars/laptop-1650ti.yml", lambda d: d.update(llama_server_instances=LAPTOP_CLASH))
     bad = rigctl("-i", str(rigs), "inventory", "check")
     assert bad.returncode == 2
     assert "host laptop-1650ti: llama_server_instances.qwen-bf16.port: port 8081 is also used by gemma" in bad.stderr
@@ -182,7 +168,7 @@ def test_cli_bad_inventory_path_and_unknown_limit_are_one_line_errors() -> None:
 def test_model_pins_must_be_sha256_of_known_artifacts(tmp_path: Path) -> None:
     lab = tmp_path / "lab"
     shutil.copytree(REPO / "inventory" / "lab", lab)
-    edit(lab / "host_vars/laptop.yml", lambda d: d.update(models_pins={"smollm2-135m-q4_1": "abc123",
+    edit_yaml(lab / "host_vars/laptop.yml", lambda d: d.update(models_pins={"smollm2-135m-q4_1": "abc123",
                                                                        "smollm2-135m-q8_0": "0" * 64},
                                                          models_pin_policy="ignore"))
     got = lines(lab)
@@ -200,7 +186,7 @@ def test_problem_paths_keep_keys_named_like_union_tags(tmp_path: Path) -> None:
         del d["models_catalog"]["smollm2-135m"]["artifacts"]["smollm2-135m-q4_1"]["file"]
         d["models_catalog"]["smollm2-135m"]["source"]["url"] = "http://example.invalid/x"
 
-    edit(lab / "group_vars/all/models.yml", change)
+    edit_yaml(lab / "group_vars/all/models.yml", change)
     assert lines(lab) == [
         "group all: models_catalog.smollm2-135m.artifacts.smollm2-135m-q4_1.file: required but not set",
         "group all: models_catalog.smollm2-135m.source.url: unknown key",

@@ -1,4 +1,4 @@
-"""rigctl jobs: detached jobs on the lab rigs, their lock, a cut connection, pulling."""
+"""rigctl jobs without rigs: a running job whose unit is gone is lost; only host-side modules ship as tasks."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""roles/llama_server and rigctl.servers against the lab rigs: units, idempotence, targeted restarts,
-crash and reboot recovery, a failed rollout's rollback, the API key. Pure parts (profile resolution,
-flags, the VRAM estimate, systemd's output) are tested without the lab."""
+"""roles/llama_server's pure parts without rigs: profile resolution, flags, the VRAM estimate, systemd's output."""
 
 from __future__ import annotations
 

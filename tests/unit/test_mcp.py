@@ -1,5 +1,4 @@
-"""rigctl mcp, driven by the MCP SDK's own stdio client: `rigctl mcp` runs as a subprocess exactly as
-Claude Code starts it, and every call goes over JSON-RPC on its stdin/stdout."""
+"""rigctl mcp without rigs, driven by the MCP SDK's own stdio client: tools listed, actions refused, bad input."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""roles/models and rigctl.models: manifests against the gguf package's reader, pins, and the lab pipeline
-(hf over a local HF_ENDPOINT and controller sources -> bf16 -> Q4_0 on the rigs, served by llama-server)."""
+"""roles/models and rigctl.models without rigs: manifests against the gguf package's reader, pins."""
 
 from __future__ import annotations
 
