@@ -13,7 +13,7 @@ from rigctl.bench.matrix import (
     load_run_samples,
     summarize,
 )
-from rigctl.results import ResultsStore
+from rigctl.results.store import ResultsStore
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 # Real output of `llama-bench -m smollm2-135m-q4_0.gguf -p 32 -n 16 -r 2 -fa 0,1 -ngl 99 -t 2 -o json` on a lab rig.

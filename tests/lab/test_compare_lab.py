@@ -11,7 +11,7 @@ import pytest
 from report_check import check_report, tables
 
 from rigctl.inventory import Inventory
-from rigctl.results import ResultsStore
+from rigctl.results.store import ResultsStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 from make_hf_checkout import cache_dir, make_checkout, tools_python  # noqa: E402

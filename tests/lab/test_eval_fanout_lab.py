@@ -17,7 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rigctl.results import ResultsStore, RunRecord, read_jsonl
+from rigctl.results.record import RunRecord
+from rigctl.results.store import ResultsStore, read_jsonl
 from rigctl.ssh import SshClient, SshTarget
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -20,7 +20,8 @@ import httpx
 import pytest
 
 from rigctl.evals import scorers
-from rigctl.results import ResultsStore, RunRecord, read_jsonl
+from rigctl.results.record import RunRecord
+from rigctl.results.store import ResultsStore, read_jsonl
 from rigctl.server import Endpoint
 from rigctl.ssh import SshClient, SshTarget
 

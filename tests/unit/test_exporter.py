@@ -36,7 +36,8 @@ from rigctl.exporter import (
     unit_instance,
 )
 from rigctl.inventory import Inventory
-from rigctl.results import RawFile, ResultsStore, RunRecord, file_sha256
+from rigctl.results.record import RawFile, RunRecord, file_sha256
+from rigctl.results.store import ResultsStore
 from rigctl.servers import UnitState
 
 REPO = Path(__file__).resolve().parents[2]
