@@ -30,7 +30,7 @@ from rigctl.evals.scorers import summarise
 from rigctl.evals.target import Target
 from rigctl.evals.tasks import LoadedTask, Question, load_task
 from rigctl.jobs import rigctl_version
-from rigctl.results.record import ANSWERS_FILE, Provenance, RunRecord, Server, Task, utc_now
+from rigctl.results.record import ANSWERS_FILE, Artifact, Provenance, RunRecord, Server, Task, utc_now
 from rigctl.results.stamp import with_props
 from rigctl.results.store import ResultsStore, read_jsonl
 from rigctl.server import DEFAULT_SEED, AsyncServerClient, Endpoint, Props, Retry, ServerClient, Timeouts
@@ -171,9 +171,14 @@ def target_stamp(targets: Sequence[Target]) -> Provenance:
             stamps.append(Provenance(host=target.host, servers=[Server(endpoint=target.endpoint.url)]))
             continue
         name, artifact = str(target.server["name"]), target.server.get("artifact")
-        with SshClient(SshTarget.from_host(host)) as ssh:
-            stamps.append(collect_stamp(host, ssh, [inventory_server(host, name)],
-                                        artifacts=[str(artifact)] if artifact else []))
+        try:
+            with SshClient(SshTarget.from_host(host)) as ssh:
+                stamps.append(collect_stamp(host, ssh, [inventory_server(host, name)],
+                                            artifacts=[str(artifact)] if artifact else []))
+        except RigctlError as exc:  # the server may answer over HTTP while SSH does not: the record says so
+            log.warning("%s: provenance not read (the record names the server, no argv): %s", host.name, exc)
+            stamps.append(Provenance(host=target.host, servers=[inventory_server(host, name)],
+                                     artifacts=[Artifact(name=str(artifact))] if artifact else []))
     first = stamps[0]
     if len(stamps) > 1:
         for stamp in stamps:

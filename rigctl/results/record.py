@@ -202,9 +202,12 @@ class RunRecord:
 
     @classmethod
     def begin(cls, kind: RunKind, stamp: Provenance, **outcome: Any) -> RunRecord:
-        """A new record (status running) of ``kind`` with ``stamp``'s provenance."""
-        return cls(id=outcome.pop("id", None) or new_run_id(kind), kind=kind, started=utc_now(),
-                   **{name: getattr(stamp, name) for name in PROVENANCE_FIELDS}, **outcome)
+        """A new record (status running) of ``kind`` with ``stamp``'s provenance; ``outcome``: the other
+        fields (``host``: the results tree's host directory, when it is not the stamp's)."""
+        fields = {name: getattr(stamp, name) for name in PROVENANCE_FIELDS}
+        fields.update(outcome)
+        fields.setdefault("id", new_run_id(kind))
+        return cls(kind=kind, started=utc_now(), **fields)
 
     @property
     def server(self) -> Server | None:
