@@ -59,13 +59,13 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from importlib import metadata, resources
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from rigctl.errors import ConfigError, ConnectError, JobBusyError, JobError, RigctlError, TransferError, TrustError
 from rigctl.inventory import Host
-from rigctl.results.record import RUN_FILE, RUN_ID, RunKind, RunRecord, new_run_id
+from rigctl.results.record import RUN_FILE, RUN_ID, RunKind, RunRecord, new_run_id, rigctl_version
 from rigctl.results.store import ResultsStore, read_jsonl
 from rigctl.ssh import SshClient, SshTarget
 from rigctl.trust import inside, relative_path
@@ -258,13 +258,6 @@ def task_source(task: str) -> str:
         return resources.files("rigctl.hostside").joinpath(f"{task}.py").read_text()
     except FileNotFoundError:
         raise ConfigError(f"task {task!r}: no rigctl/hostside/{task}.py") from None
-
-
-def rigctl_version() -> str:
-    try:
-        return metadata.version("rigctl")
-    except metadata.PackageNotFoundError:
-        return ""
 
 
 def parse_job(host: str, entry: Mapping[str, Any]) -> JobInfo:

@@ -15,8 +15,9 @@ and what this runtime writes::
 
 The run directory ``<results_dir>/<host>/<id>/`` gets ``run.json`` (the run record, the layout of
 :class:`rigctl.results.record.RunRecord`) as soon as the job starts (status ``running``) and again, sealed
-with every raw file's sha256, when it ends. Host facts, the GPU (from ``nvidia-smi``) and the
-llama.cpp build (from the llama_cpp role's fact file) are filled in before the task runs.
+with every raw file's sha256, when it ends. Host facts, the GPU (from ``nvidia-smi``), the
+llama.cpp build (from the llama_cpp role's fact file) and each server's argv as deployed (its unit's
+main process, by :mod:`rigctl.hostside.stamp`, shipped beside this file) are filled in before the task runs.
 
 On SIGTERM (``systemctl stop``, RuntimeMaxSec) the running child is terminated, the task's
 ``finally`` blocks run (a bench restores the llama-server units it stopped) and the run is sealed

@@ -34,6 +34,16 @@ CTX_FLAGS = ("-c", "--ctx-size")
 _CHUNK = 1 << 20
 
 
+def rigctl_version() -> str:
+    """This rigctl's version, as its records carry it ("" when not installed as a package)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("rigctl")
+    except metadata.PackageNotFoundError:
+        return ""
+
+
 def utc_now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 

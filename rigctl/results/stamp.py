@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING, Any
 from rigctl.errors import RigctlError
 from rigctl.hostside.jobrun import parse_gpu_query, parse_llama_cpp_fact
 from rigctl.inventory import Host
-from rigctl.jobs import rigctl_version
-from rigctl.results.record import Artifact, Gpu, LlamaCppBuild, Provenance, Server, Task
+from rigctl.results.record import Artifact, Gpu, LlamaCppBuild, Provenance, Server, Task, rigctl_version
 from rigctl.trust import redact_argv
 
 if TYPE_CHECKING:
