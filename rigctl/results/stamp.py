@@ -80,7 +80,7 @@ def collect_stamp(host: Host, ssh: SshClient, servers: Sequence[Server], *, arti
     paths = {name: artifact_path(host, name) for name in artifacts}
     answer = host_facts(ssh, [s.unit or unit_of(str(s.name)) for s in servers], list(paths.values()))
     entries = answer.get("servers") if isinstance(answer.get("servers"), list) else []
-    stamped = [_deployed(s, e, host.name) for s, e in zip(servers, [*entries, *[None] * len(servers)], strict=False)]
+    stamped = [_deployed(s, entries[i] if i < len(entries) else None, host.name) for i, s in enumerate(servers)]
     build = LlamaCppBuild()
     if isinstance(answer.get("llama_cpp_fact"), str):
         try:
