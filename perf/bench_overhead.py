@@ -31,7 +31,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from rigctl.inventory import Inventory
-from rigctl.results import ResultsStore
+from rigctl.results.store import ResultsStore
 
 REPO = Path(__file__).resolve().parent.parent
 RIGCTL = str(Path(sys.executable).parent / "rigctl")

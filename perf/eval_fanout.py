@@ -33,7 +33,7 @@ from rigctl.evals.fanout import FanOut
 from rigctl.evals.target import inventory_target
 from rigctl.evals.tasks import load_task
 from rigctl.inventory import Inventory
-from rigctl.results import ResultsStore, read_jsonl
+from rigctl.results.store import ResultsStore, read_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
 QUESTIONS = REPO / "tests" / "fixtures" / "evals" / "hf" / "gsm8k.jsonl"
@@ -42,8 +42,7 @@ QUESTIONS = REPO / "tests" / "fixtures" / "evals" / "hf" / "gsm8k.jsonl"
 def timed_run(task, fanout: FanOut, store: ResultsStore, options: runner.Options) -> tuple[float, Counter]:
     """Wall seconds of one eval run over the fan-out's servers, and the answers per server."""
     run_dir, record = runner.start_run(task, fanout.endpoints, store, fanout.first.host, options=options,
-                                       server=fanout.first.server, artifacts=fanout.first.artifacts,
-                                       llama_cpp=fanout.first.llama_cpp, fanout=fanout.member_facts())
+                                       stamp=runner.target_stamp(fanout.targets))
     started = time.perf_counter()
     runner.run(task, fanout.endpoints, run_dir, record, options)
     wall = time.perf_counter() - started

@@ -27,7 +27,7 @@ import numpy as np
 from rigctl.exporter import DEFAULT_INTERVAL, Exporter
 from rigctl.inventory import Inventory
 from rigctl.lab import Lab
-from rigctl.results import ResultsStore
+from rigctl.results.store import ResultsStore
 from rigctl.ssh import SshClient, SshTarget
 
 REPO = Path(__file__).resolve().parent.parent

@@ -47,7 +47,7 @@ from rigctl.bench.matrix import BenchSpec
 from rigctl.errors import ConfigError, EvalError, JobBusyError, RigctlError
 from rigctl.inputs import read_text, yaml_problem
 from rigctl.inventory import Inventory
-from rigctl.results import ResultsStore, StoredRun
+from rigctl.results.store import ResultsStore, StoredRun
 
 log = logging.getLogger(__name__)
 
@@ -261,7 +261,7 @@ def load_campaign(path: Path) -> LoadedCampaign:
 
 
 def _artifact_names(run: StoredRun) -> set[str]:
-    return {str(a.get("name")) for a in run.record.artifacts if a.get("name")}
+    return {a.name for a in run.record.artifacts if a.name}
 
 
 def bench_matches(run: StoredRun, bench: CampaignBench, host: str) -> bool:
@@ -277,10 +277,9 @@ def drafting_matches(run: StoredRun, race: CampaignDrafting) -> bool:
     record = run.record
     if record.kind != "spec" or run.host != race.host or record.status != "done":
         return False
-    server = record.server or {}
-    names = {str(c.get("name")) for c in server.get("contenders", [])}
+    names = {str(s.name) for s in record.servers}
     extra = record.extra
-    return (server.get("baseline") == race.baseline and set(race.drafters) <= names
+    return (extra.get("baseline") == race.baseline and set(race.drafters) <= names
             and extra.get("repeats") == race.repeats and extra.get("max_tokens") == race.max_tokens
             and extra.get("temperatures") == race.temperatures)
 
@@ -289,28 +288,26 @@ def load_matches(run: StoredRun, load: CampaignLoad) -> bool:
     record = run.record
     if record.kind != "load" or run.host != load.host or record.status != "done":
         return False
-    server, extra = record.server or {}, record.extra
-    return (server.get("name") == load.server and server.get("slot_ctx") == load.slot_ctx
+    server, extra = record.server, record.extra
+    return (server is not None and server.name == load.server and extra.get("slot_ctx") == load.slot_ctx
             and extra.get("levels") == load.concurrency and extra.get("requests") == load.requests
             and extra.get("max_tokens") == load.max_tokens)
 
 
 def run_servers(run: StoredRun) -> set[tuple[str, str]]:
     """(host, server) of every server that answered an eval run (several for a fan-out)."""
-    server = run.record.server or {}
-    members = server.get("fanout") or [server]
-    return {(str(m.get("host") or run.host), str(m.get("name"))) for m in members}
+    return {(str(s.host or run.host), str(s.name)) for s in run.record.servers}
 
 
 def eval_matches(run: StoredRun, task_name: str, target: EvalTarget) -> bool:
     record = run.record
-    if record.kind != "eval" or run.host != target.host or (record.task or {}).get("name") != task_name:
+    if record.kind != "eval" or run.host != target.host or record.task is None or record.task.name != task_name:
         return False
-    server = record.server or {}
-    if target.fanout or server.get("fanout"):
+    if target.fanout or len(record.servers) > 1:
         wanted = {(s.host, s.server) for s in target.members}
         return run_servers(run) == wanted and target.artifact in _artifact_names(run)
-    return target.artifact in _artifact_names(run) or server.get("name") == target.server
+    return target.artifact in _artifact_names(run) or (
+        record.server is not None and record.server.name == target.server)
 
 
 @dataclass
@@ -426,23 +423,12 @@ def _stop_server(inventory: Inventory, member: ServerRef) -> None:
 
 def _start_single(inventory: Inventory, loaded: LoadedCampaign, evaluation: CampaignEval, target: EvalTarget,
                   task, options, store: ResultsStore):
-    from rigctl.build import read_builds
     from rigctl.evals import runner
-    from rigctl.server import Endpoint
+    from rigctl.evals.target import inventory_target
 
-    host = inventory.host(target.host)
-    build = read_builds(host).current
-    instance = next((s for s in host.servers if s.name == target.server), None)
-    gpu = host.gpu
-    return runner.start_run(
-        task, Endpoint.from_inventory(host, target.server), store, target.host, options=options,
-        limit=evaluation.limit,
-        server={"name": target.server, "host": target.host, "profile": instance.profile if instance else None},
-        artifacts=[{"name": target.artifact}],
-        gpu={"name": gpu.name, "vram_mib": gpu.vram_mib, "compute_capability": gpu.compute_capability}
-        if gpu else None,
-        llama_cpp={"commit": build.commit, "version": build.version, "build_key": build.key} if build else None,
-        extra={"campaign": loaded.campaign.name})
+    member = inventory_target(inventory.host(target.host), target.server, facts=False)
+    return runner.start_run(task, member.endpoint, store, target.host, options=options, limit=evaluation.limit,
+                            stamp=runner.target_stamp([member]), extra={"campaign": loaded.campaign.name})
 
 
 def _start_fanout(inventory: Inventory, loaded: LoadedCampaign, evaluation: CampaignEval, target: EvalTarget,
@@ -459,9 +445,7 @@ def _start_fanout(inventory: Inventory, loaded: LoadedCampaign, evaluation: Camp
                               f"not {target.artifact}")
     first = fanout.first
     return runner.start_run(task, fanout.endpoints, store, first.host, options=options, limit=evaluation.limit,
-                            server=first.server, artifacts=first.artifacts, gpu=first.gpu,
-                            llama_cpp=first.llama_cpp, fanout=fanout.member_facts(),
-                            extra={"campaign": loaded.campaign.name})
+                            stamp=runner.target_stamp(fanout.targets), extra={"campaign": loaded.campaign.name})
 
 
 def _run_eval(inventory: Inventory, loaded: LoadedCampaign, evaluation: CampaignEval, target: EvalTarget,

@@ -35,7 +35,7 @@ def _words(value: str | None) -> list[str] | None:
 
 
 def _store(results: Path | None):
-    from rigctl.results import ResultsStore
+    from rigctl.results.store import ResultsStore
 
     return ResultsStore(results)
 

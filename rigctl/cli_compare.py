@@ -14,7 +14,7 @@ from rich.table import Table
 
 from rigctl.cli import _inventory, app, console, err_console
 from rigctl.errors import ConfigError
-from rigctl.results import ResultsStore
+from rigctl.results.store import ResultsStore
 from rigctl.stats import DEFAULT_RESAMPLES, DEFAULT_SEED
 
 if TYPE_CHECKING:  # rigctl.compare pulls in the bench and pydantic: imported where used

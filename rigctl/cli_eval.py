@@ -101,7 +101,7 @@ def eval_run(
     from rigctl.evals.fanout import FanOut
     from rigctl.evals.target import inventory_target, url_target
     from rigctl.evals.tasks import load_task
-    from rigctl.results import ResultsStore, read_jsonl
+    from rigctl.results.store import ResultsStore, read_jsonl
 
     store = ResultsStore(results)
     api_key = read_api_key(api_key_file)
@@ -152,8 +152,7 @@ def eval_run(
             console.print(f"{run.host}/{run.id}: pulled to {run.path}", highlight=False)
             return
         run_dir, record = runner.start_run(loaded, endpoints, store, target.host, options=options, limit=limit,
-                                           server=target.server, artifacts=target.artifacts, gpu=target.gpu,
-                                           llama_cpp=target.llama_cpp, fanout=fanout.member_facts())
+                                           stamp=runner.target_stamp(fanout.targets))
         console.print(f"{record.host}/{record.id}: {loaded.name}, {len(loaded.questions)} questions against "
                       f"{fanout.describe()}, {options.concurrency} at a time" +
                       (" per server" if len(endpoints) > 1 else ""), highlight=False)
@@ -189,17 +188,18 @@ def _recorded_targets(run: Any, api_key: str | None) -> list[Any]:
     """The servers a stopped run started with, for ``--resume`` without --host/--server: its recorded
     endpoint; for a fan-out, each server from the inventory where it still has it (keys and addresses
     from there), else its recorded endpoint."""
-    from rigctl.evals.runner import recorded_servers
     from rigctl.evals.target import inventory_target, url_target
 
     targets = []
     inventory = None
-    entries = recorded_servers(run.record)
+    entries = run.record.servers
+    if not entries:
+        raise ConfigError(f"run {run.host}/{run.id}: no server endpoint recorded; give --url or --host/--server")
     for entry in entries:
-        endpoint = entry.get("endpoint")
+        endpoint = entry.endpoint
         if not endpoint:
             raise ConfigError(f"run {run.host}/{run.id}: no server endpoint recorded; give --url or --host/--server")
-        host_name, name = entry.get("host"), entry.get("name")
+        host_name, name = entry.host, entry.name
         if len(entries) > 1 and host_name and name:
             inventory = inventory or _inventory()
             if host_name in inventory.hosts:

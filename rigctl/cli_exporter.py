@@ -31,7 +31,7 @@ def exporter(
     """Serve the fleet's state as Prometheus metrics: reachability, builds and model pins against the
     inventory, llama-server units, GPUs, and the latest pulled bench and eval results."""
     from rigctl.exporter import Exporter
-    from rigctl.results import ResultsStore
+    from rigctl.results.store import ResultsStore
 
     inventory = _inventory()
     overrides = {**({"ansible_ssh_private_key_file": str(ssh_key)} if ssh_key else {}),

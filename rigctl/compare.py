@@ -38,7 +38,8 @@ from typing import Any
 
 from rigctl.bench.matrix import RAW_DIR, BenchSample, counted, load_run_samples
 from rigctl.errors import ConfigError
-from rigctl.results import ANSWERS_FILE, StoredRun, read_jsonl
+from rigctl.results.record import ANSWERS_FILE
+from rigctl.results.store import StoredRun, read_jsonl
 from rigctl.stats import (
     DEFAULT_RESAMPLES,
     DEFAULT_SEED,
@@ -80,10 +81,11 @@ class RunRef:
     @classmethod
     def of(cls, run: StoredRun) -> RunRef:
         record = run.record
-        artifacts = ", ".join(a.get("name", "?") for a in record.artifacts) or (record.server or {}).get("name", "?")
-        build = record.llama_cpp.get("commit") or record.llama_cpp.get("version")
+        artifacts = ", ".join(a.name for a in record.artifacts) or \
+            str(record.server.name if record.server and record.server.name else "?")
+        build = record.llama_cpp.label or None
         return cls(host=run.host, id=run.id, path=run.path, kind=record.kind, label=f"{run.host}:{artifacts}",
-                   task=(record.task or {}).get("name"), build=build, started=record.started)
+                   task=record.task.name if record.task else None, build=build, started=record.started)
 
     @property
     def name(self) -> str:
@@ -102,8 +104,10 @@ def _short(hashes: tuple[str, ...]) -> str:
 
 
 def task_identity(run: StoredRun) -> tuple[str | None, str | None, tuple[str, ...]]:
-    task = run.record.task or {}
-    return task.get("name"), task.get("file_sha256"), _dataset_hashes(task.get("dataset_sha256"))
+    task = run.record.task
+    if task is None:
+        return None, None, ()
+    return task.name, task.file_sha256, _dataset_hashes(task.dataset_sha256)
 
 
 def task_mismatch(a: StoredRun, b: StoredRun) -> str | None:

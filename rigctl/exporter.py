@@ -44,7 +44,8 @@ from rigctl.build import Builds, parse_fact
 from rigctl.errors import ConfigError, RigctlError
 from rigctl.inventory import Host, Inventory
 from rigctl.models import artifact_path, expected_sha256, host_artifacts, host_pins, parse_manifest
-from rigctl.results import ANSWERS_FILE, ResultsStore, StoredRun, read_jsonl
+from rigctl.results.record import ANSWERS_FILE
+from rigctl.results.store import ResultsStore, StoredRun, read_jsonl
 from rigctl.servers import UNIT_PROPERTIES, UnitState, parse_unit_show, unit_name
 
 log = logging.getLogger(__name__)
@@ -309,9 +310,9 @@ def _unix(stamp: str | None) -> float:
 def _artifact_of(run: StoredRun) -> str:
     """The artifact an eval run asked: the record's first artifact, else its server's."""
     for artifact in run.record.artifacts:
-        if artifact.get("name"):
-            return str(artifact["name"])
-    return str((run.record.server or {}).get("artifact") or "unknown")
+        if artifact.name:
+            return artifact.name
+    return str(run.record.server.artifact if run.record.server and run.record.server.artifact else "unknown")
 
 
 def bench_results(run: StoredRun) -> list[BenchResult]:
@@ -336,7 +337,7 @@ def eval_score(run: StoredRun) -> EvalScore | None:
     scores = [float(r["score"]) for r in rows if isinstance(r.get("score"), int | float)]
     if not scores:
         return None
-    task = str((run.record.task or {}).get("name") or "unknown")
+    task = run.record.task.name if run.record.task else "unknown"
     return EvalScore(run.host, task, _artifact_of(run), sum(scores) / len(scores), len(scores), run.id,
                      _unix(run.record.ended))
 

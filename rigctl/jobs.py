@@ -8,12 +8,12 @@ and the run record's first fields) and any extra files (in one round trip), and 
 
     systemd-run --unit rigctl-<id> --collect -p RuntimeMaxSec=... python3 jobrun.py /var/lib/rigctl/jobs/<id>
 
-The job id is the run id (:func:`rigctl.results.new_run_id`, ``bench-20261130T051200Z-3f9a``), so
+The job id is the run id (:func:`rigctl.results.record.new_run_id`, ``bench-20261130T051200Z-3f9a``), so
 the unit is ``rigctl-<kind>-<timestamp>-<hex>``. The runtime writes ``state.json`` in the job
 directory (state, done/total, message: what :func:`status` and ``rigctl jobs`` show) and the run
 directory ``/var/lib/rigctl/results/<host>/<id>/`` (``run.json`` + raw files), sealed with every
 raw file's sha256 when the job ends. :func:`pull` copies finished run directories into the
-controller's :class:`rigctl.results.ResultsStore` (same layout), each file checked against the
+controller's :class:`rigctl.results.store.ResultsStore` (same layout), each file checked against the
 sha256 in ``run.json``, a run directory appearing only once complete; runs the store already has
 are never copied again. A run whose unit died without sealing it (SIGKILL, the host going down) is
 sealed as ``lost`` on the host first, so what it wrote comes home too (an eval resumes from it).
@@ -59,13 +59,14 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from importlib import metadata, resources
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from rigctl.errors import ConfigError, ConnectError, JobBusyError, JobError, RigctlError, TransferError, TrustError
 from rigctl.inventory import Host
-from rigctl.results import RUN_FILE, RUN_ID, ResultsStore, RunKind, RunRecord, new_run_id, read_jsonl
+from rigctl.results.record import RUN_FILE, RUN_ID, RunKind, RunRecord, new_run_id, rigctl_version
+from rigctl.results.store import ResultsStore, read_jsonl
 from rigctl.ssh import SshClient, SshTarget
 from rigctl.trust import inside, relative_path
 
@@ -259,13 +260,6 @@ def task_source(task: str) -> str:
         raise ConfigError(f"task {task!r}: no rigctl/hostside/{task}.py") from None
 
 
-def rigctl_version() -> str:
-    try:
-        return metadata.version("rigctl")
-    except metadata.PackageNotFoundError:
-        return ""
-
-
 def parse_job(host: str, entry: Mapping[str, Any]) -> JobInfo:
     """One entry of the host's job listing as a :class:`JobInfo` (pure)."""
     spec, state = entry["spec"], entry["state"]
@@ -308,7 +302,7 @@ def start(host: Host, spec: JobSpec, *, job_id: str | None = None, client: SshCl
     job_dir = f"{JOBS_DIR}/{job_id}"
     lock_file = f"{JOBS_DIR}/locks/{spec.lock}.json" if spec.lock else None
     for name, path in spec.files.items():
-        if "/" in name or name in ("spec.json", "state.json", "jobrun.py", f"{spec.task}.py"):
+        if "/" in name or name in ("spec.json", "state.json", "jobrun.py", "stamp.py", f"{spec.task}.py"):
             raise ConfigError(f"job file name {name!r}: must be a plain name not used by the job itself")
         if not Path(path).is_file():
             raise ConfigError(f"job file {name}: {path} does not exist")
@@ -318,7 +312,8 @@ def start(host: Host, spec: JobSpec, *, job_id: str | None = None, client: SshCl
         "results_dir": RESULTS_DIR, "record": dict(spec.record), "rigctl_version": rigctl_version(),
         "max_runtime_s": int(spec.max_runtime_s),
     }
-    sources = {"jobrun.py": task_source("jobrun"), f"{spec.task}.py": task_source(spec.task),
+    sources = {"jobrun.py": task_source("jobrun"), "stamp.py": task_source("stamp"),
+               f"{spec.task}.py": task_source(spec.task),
                "spec.json": json.dumps(remote_spec, indent=2, sort_keys=True) + "\n"}
     with _session(host, client) as ssh:
         if spec.files:  # data files (datasets) may be large or binary: SFTP, before the unit can start

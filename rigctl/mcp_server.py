@@ -27,7 +27,8 @@ from pydantic import Field
 
 from rigctl.errors import ConfigError, RigctlError, TrustError
 from rigctl.inventory import Host, Inventory
-from rigctl.results import RUN_ID, ResultsStore, StoredRun
+from rigctl.results.record import RUN_ID
+from rigctl.results.store import ResultsStore, StoredRun
 from rigctl.trust import contained, inside, relative_path
 
 log = logging.getLogger(__name__)
@@ -318,9 +319,9 @@ def _run_summary(run: StoredRun) -> dict[str, Any]:
     summary: dict[str, Any] = {
         "host": run.host, "id": run.id, "kind": record.kind, "status": record.status,
         "started": record.started, "ended": record.ended,
-        "task": (record.task or {}).get("name"),
-        "artifacts": [a.get("name") for a in record.artifacts],
-        "llama_cpp": record.llama_cpp.get("version") or record.llama_cpp.get("commit"),
+        "task": record.task.name if record.task else None,
+        "artifacts": [a.name for a in record.artifacts],
+        "llama_cpp": record.llama_cpp.version or record.llama_cpp.commit or None,
     }
     if record.status == "done" and record.kind == "eval":
         score = eval_score(run)

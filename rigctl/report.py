@@ -51,7 +51,8 @@ from rigctl.compare import (
 )
 from rigctl.errors import RigctlError
 from rigctl.files import write_atomically
-from rigctl.results import RUN_FILE, ResultsStore, StoredRun, read_jsonl
+from rigctl.results.record import RUN_FILE
+from rigctl.results.store import ResultsStore, StoredRun, read_jsonl
 from rigctl.stats import Interval, holm, verdict_text
 
 log = logging.getLogger(__name__)
@@ -151,10 +152,9 @@ def _scope(loaded: LoadedCampaign, found: Located, missing: list[str], compared:
     runs = found.runs()
     hosts = []
     for host in campaign.hosts:
-        gpus = {str(r.record.gpu.get("name")) for r in runs if r.host == host and r.record.gpu.get("name")}
+        gpus = {str(r.record.gpu.name) for r in runs if r.host == host and r.record.gpu.name}
         hosts.append(f"{host} ({', '.join(sorted(gpus))})" if gpus else host)
-    builds = sorted({str(r.record.llama_cpp.get("commit") or r.record.llama_cpp.get("version"))
-                     for r in runs if r.record.llama_cpp})
+    builds = sorted({r.record.llama_cpp.label for r in runs if r.record.llama_cpp.label})
     dates = sorted(r.record.started[:10] for r in runs)
     repeats = sorted({f"{b.matrix.r} repetitions x {b.rounds} cells per model" for b in campaign.benches})
     per_target: dict[str, int] = {}
@@ -242,8 +242,8 @@ def _bench_section(bench: CampaignBench, host: str, run: StoredRun, links: _Link
 def _bounds(run: StoredRun, by_key: dict[tuple[str, str, int], dict[str, list[BenchSample]]]
             ) -> dict[tuple[tuple[str, str, int], str], DecodeBound]:
     """Every tg figure's decode bound, by (test key, model)."""
-    artifacts = {str(a.get("name")): a for a in run.record.artifacts}
-    bandwidth = run.record.gpu.get("bandwidth_gbs")
+    artifacts = {a.name: a for a in run.record.artifacts}
+    bandwidth = run.record.gpu.bandwidth_gbs
     out = {}
     for key, per_model in by_key.items():
         for model, group in per_model.items():
@@ -253,7 +253,7 @@ def _bounds(run: StoredRun, by_key: dict[tuple[str, str, int], dict[str, list[Be
             values = [v for c in counted(group) for v in c.samples_ts]
             out[(key, model)] = decode_bound(
                 float(np.mean(values)), bandwidth_gbs=float(bandwidth) if bandwidth is not None else None,
-                artifact=artifacts.get(model, {}),
+                artifact=dataclasses.asdict(artifacts[model]) if model in artifacts else {},
                 entry={"n_gen": s.n_gen, "n_depth": s.depth, "n_gpu_layers": s.ngl, "type_k": s.type_k,
                        "type_v": s.type_v})
     return out
@@ -665,9 +665,9 @@ def _deployed_section(loaded: LoadedCampaign, found: Located, links: _Links) -> 
         run = found.loads.get(load.name)
         if run is None or 1 not in load.concurrency:
             continue
-        artifact = str((run.record.artifacts or [{}])[0].get("name"))
+        artifact = run.record.artifacts[0].name if run.record.artifacts else "None"
         decode = [r.decode_per_s for r in load_requests(run) if r.level == 1 and r.ok and r.decode_per_s]
-        flags = _server_flags((run.record.server or {}).get("args") or [])
+        flags = _server_flags(run.record.server.argv if run.record.server else [])
         for (bench_name, host), bench_run in found.benches.items():
             if bench_run is None or host != load.host:
                 continue
@@ -747,7 +747,7 @@ def _runs_section(found: Located, links: _Links) -> list[str]:
     rows = []
     for run in sorted(found.runs(), key=lambda r: r.record.started):
         record = run.record
-        what = (record.task or {}).get("name") or ", ".join(str(a.get("name")) for a in record.artifacts)
+        what = (record.task.name if record.task else None) or ", ".join(a.name for a in record.artifacts)
         rows.append([f"[{run.host}/{run.id}]({links.rel(run.path / RUN_FILE)})", record.kind, what,
                      record.started[:19], record.status])
     if not rows:

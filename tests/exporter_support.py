@@ -10,7 +10,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from rigctl.results import RawFile, RunRecord, file_sha256
+from rigctl.results.record import RawFile, RunRecord, file_sha256
 
 PROMTOOL = shutil.which("promtool")
 

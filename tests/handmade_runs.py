@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from rigctl.bench.matrix import Matrix
-from rigctl.results import ANSWERS_FILE, RunRecord
+from rigctl.results.record import ANSWERS_FILE, Artifact, Gpu, LlamaCppBuild, RunRecord, Server, Task
 
 TASK_FILE = "a" * 64
 DATASET = "d" * 64
@@ -21,9 +21,9 @@ def eval_run(root: Path, host: str, run_id: str, artifact: str, rows: list[dict[
     run_dir.mkdir(parents=True)
     (run_dir / ANSWERS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
     record = RunRecord(id=run_id, kind="eval", host=host, started=started,
-                       llama_cpp={"commit": commit, "version": "b0"},
-                       artifacts=[{"name": artifact, "sha256": "0" * 64}],
-                       task={"name": task, "file_sha256": file_sha256, "dataset_sha256": dataset_sha256})
+                       llama_cpp=LlamaCppBuild(commit=commit, version="b0"),
+                       artifacts=[Artifact(name=artifact, sha256="0" * 64)],
+                       task=Task(name=task, file_sha256=file_sha256, dataset_sha256={"data": dataset_sha256}))
     record.seal(run_dir)
     return run_dir
 
@@ -59,8 +59,9 @@ def bench_run(root: Path, host: str, run_id: str, cells: list[tuple[str, list[di
                       "throttle": {"throttled": why is not None, "why": why or []}})
     (run_dir / "cells.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     names = list(dict.fromkeys(a for a, _ in cells))
-    record = RunRecord(id=run_id, kind="bench", host=host, started=started, llama_cpp={"commit": commit},
-                       gpu=gpu or {}, artifacts=[{"name": a, **(artifacts or {}).get(a, {})} for a in names],
+    record = RunRecord(id=run_id, kind="bench", host=host, started=started, llama_cpp=LlamaCppBuild(commit=commit),
+                       gpu=Gpu(**(gpu or {})),
+                       artifacts=[Artifact(name=a, **(artifacts or {}).get(a, {})) for a in names],
                        matrix={**(matrix or Matrix().flags()), "rounds": len(cells) // max(1, len(names))})
     record.seal(run_dir)
     return run_dir
@@ -74,8 +75,9 @@ def spec_run(root: Path, host: str, run_id: str, requests: list[dict[str, Any]],
     run_dir.mkdir(parents=True)
     (run_dir / "requests.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in requests))
     record = RunRecord(id=run_id, kind="spec", host=host, started="2026-11-30T06:00:00.000000Z",
-                       server={"baseline": baseline, "contenders": [{"name": c} for c in contenders]},
-                       extra={"repeats": repeats, "max_tokens": max_tokens, "temperatures": list(temperatures)})
+                       servers=[Server(name=c) for c in contenders],
+                       extra={"baseline": baseline, "repeats": repeats, "max_tokens": max_tokens,
+                              "temperatures": list(temperatures)})
     record.seal(run_dir)
     return run_dir
 
@@ -99,8 +101,8 @@ def load_run(root: Path, host: str, run_id: str, levels: dict[int, list[dict[str
     (run_dir / "requests.jsonl").write_text("".join(json.dumps(asdict(r)) + "\n" for r in requests))
     (run_dir / "levels.jsonl").write_text("".join(json.dumps(asdict(s)) + "\n" for s in summaries))
     record = RunRecord(id=run_id, kind="load", host=host, started=started, concurrency=max(levels),
-                       server={"name": server, "slot_ctx": slot_ctx, "args": args or []},
-                       artifacts=[{"name": artifact}],
-                       extra={"levels": list(levels), "requests": None, "max_tokens": max_tokens})
+                       servers=[Server(name=server, argv=args or [])], artifacts=[Artifact(name=artifact)],
+                       extra={"slot_ctx": slot_ctx, "levels": list(levels), "requests": None,
+                              "max_tokens": max_tokens})
     record.seal(run_dir)
     return run_dir

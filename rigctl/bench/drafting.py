@@ -36,8 +36,9 @@ import yaml
 from rigctl.errors import ConfigError, RemoteCommandError
 from rigctl.inputs import read_text, yaml_problem
 from rigctl.inventory import Host
-from rigctl.jobs import rigctl_version
-from rigctl.results import ResultsStore, RunRecord, new_run_id, utc_now
+from rigctl.results.record import RunRecord
+from rigctl.results.stamp import collect_stamp, inventory_server, with_props
+from rigctl.results.store import ResultsStore
 from rigctl.server import Endpoint, ServerClient, Timeouts
 from rigctl.servers import operator_start, unit_name
 from rigctl.ssh import SshClient, SshTarget
@@ -318,8 +319,6 @@ def run_race(
     if started:
         log.info("%s: starting %s for the race", host.name, ", ".join(started))
         _systemctl(host, "start", started)
-    record = RunRecord(id=new_run_id("spec"), kind="spec", host=host.name, started=utc_now(),
-                       rigctl_version=rigctl_version(), seed=seed, concurrency=1)
     clients = {c.name: ServerClient(Endpoint.from_inventory(host, c.name), timeouts=timeouts) for c in field_}
     result = RaceResult(host=host.name, baseline=baseline, contenders=field_, requests=[])
     try:
@@ -327,6 +326,12 @@ def run_race(
         for name, client in clients.items():
             client.wait_healthy(HEALTH_TIMEOUT_S)
             props[name] = client.props()
+        with SshClient(SshTarget.from_host(host)) as ssh:  # while every contender runs: their argv as deployed
+            stamp = collect_stamp(host, ssh, [inventory_server(host, c.name) for c in field_],
+                                  artifacts=[field_[0].artifact], seed=seed, concurrency=1)
+        record = RunRecord.begin("spec", stamp, host=host.name)
+        for server, c in zip(record.servers, field_, strict=True):
+            with_props(server, props[c.name], clients[c.name].endpoint).draft = dict(c.spec) if c.spec else None
         before = {name: dict(client.metrics().samples) for name, client in clients.items()}
         for temperature in temperatures:
             for repeat in range(1, repeats + 1):
@@ -352,11 +357,7 @@ def run_race(
     (run_dir / REQUESTS_FILE).write_text("".join(json.dumps(asdict(r), sort_keys=True) + "\n"
                                                  for r in result.requests))
     (run_dir / METRICS_FILE).write_text(json.dumps(result.metrics, indent=2, sort_keys=True) + "\n")
-    record.server = {"baseline": baseline, "contenders": [
-        {**asdict(c), "endpoint": clients[c.name].endpoint.url, "build_info": props[c.name].build_info,
-         "model_path": props[c.name].model_path} for c in field_]}
-    record.artifacts = [{"name": c.artifact, "instance": c.name} for c in field_[:1]]
-    record.extra = {"prompts": prompts, "repeats": repeats, "temperatures": list(temperatures),
+    record.extra = {"baseline": baseline, "prompts": prompts, "repeats": repeats, "temperatures": list(temperatures),
                     "max_tokens": max_tokens, "started_instances": started,
                     "summary": [asdict(r) for r in result.rows]}
     record.seal(run_dir)

@@ -38,7 +38,8 @@ from typing import Any
 import numpy as np
 
 from rigctl.errors import ConfigError, RigctlError
-from rigctl.results import ResultsStore, RunRecord, StoredRun, new_run_id, read_jsonl, utc_now
+from rigctl.results.record import RunRecord
+from rigctl.results.store import ResultsStore, StoredRun, read_jsonl
 from rigctl.stats import DEFAULT_RESAMPLES, DEFAULT_SEED, Interval, bootstrap_rate_ratio, bootstrap_ratio
 
 log = logging.getLogger(__name__)
@@ -187,7 +188,7 @@ def run_load(
     """The load curve of ``instance`` on ``host`` through a probe with a slot per client; saved to ``store``.
     ``requests``: per level (default four per client, at least 8)."""
     from rigctl.bench.server import instance_stopped, probe_server
-    from rigctl.jobs import rigctl_version
+    from rigctl.results.stamp import collect_stamp, inventory_server, with_props
     from rigctl.server import ServerClient
     from rigctl.ssh import SshClient, SshTarget
 
@@ -207,8 +208,6 @@ def run_load(
     say = on_step or (lambda message: None)
     slots = max(levels)
     prompts = shipped_prompts()
-    record = RunRecord(id=new_run_id("load"), kind="load", host=host.name, started=utc_now(),
-                       rigctl_version=rigctl_version(), concurrency=slots)
     result = LoadResult(host=host.name, instance=instance)
     port = probe_port or servers[instance].port + 200
     flags = {("--parallel", "-np"): str(slots), ("-c", "--ctx-size"): str(slots * slot_ctx)}
@@ -216,6 +215,11 @@ def run_load(
             probe_server(ssh, host, instance, flags, port, "load") as probe:
         with ServerClient(probe.endpoint) as client:
             props = client.props()
+        # The probe served the requests: its argv as it runs is the record's, not the instance's file.
+        stamp = collect_stamp(host, ssh, [inventory_server(host, instance, unit=probe.unit, port=port)],
+                              artifacts=[servers[instance].artifact], concurrency=slots)
+        record = RunRecord.begin("load", stamp, host=host.name)
+        with_props(record.servers[0], props, probe.endpoint)
         say(f"probe {probe.unit} on port {port}: {slots} slots of {slot_ctx} tokens")
         drive_level(probe.endpoint, 1, 1, max_tokens, level_timeout_s, prompts)  # warm-up, not recorded
         for level in levels:
@@ -227,19 +231,14 @@ def run_load(
             say(f"concurrency {level}: {summary.requests} requests in {wall:.2f} s, {summary.output_tps:.2f} "
                 f"output t/s, TTFT p50 {_ms(summary.ttft_s['p50'])}, TPOT p50 {_ms(summary.tpot_s['p50'])}, "
                 f"{summary.errors} errors")
-        args = probe.argv
     store = store or ResultsStore()
     run_dir = store.run_dir(host.name, record.id)
     run_dir.mkdir(parents=True, exist_ok=True)
     _write_jsonl(run_dir / REQUESTS_FILE, [asdict(r) for r in result.requests])
     _write_jsonl(run_dir / LEVELS_FILE, [asdict(s) for s in result.levels])
-    spec = servers[instance]
-    record.server = {"name": instance, "profile": spec.profile, "probe_port": port, "slots": slots,
-                     "slot_ctx": slot_ctx, "args": args, "build_info": props.build_info,
-                     "model_path": props.model_path, "n_ctx": props.n_ctx}
-    record.artifacts = [{"name": spec.artifact}]
-    record.extra = {"levels": levels, "requests": requests, "max_tokens": max_tokens,
-                    "level_timeout_s": level_timeout_s, "prompts": [kind for kind, _ in prompts]}
+    record.extra = {"slots": slots, "slot_ctx": slot_ctx, "levels": levels, "requests": requests,
+                    "max_tokens": max_tokens, "level_timeout_s": level_timeout_s,
+                    "prompts": [kind for kind, _ in prompts]}
     record.seal(run_dir)
     result.run_dir = run_dir
     return result

@@ -53,7 +53,7 @@ from rigctl.errors import ConfigError, RigctlError
 from rigctl.hostside.bench_task import plan_cells
 from rigctl.inventory import Host, Inventory
 from rigctl.models import artifact_path, host_artifacts
-from rigctl.results import StoredRun, read_jsonl
+from rigctl.results.store import StoredRun, read_jsonl
 from rigctl.trust import inside
 
 if TYPE_CHECKING:  # rigctl.jobs brings paramiko; summaries (and rigctl.compare) do not need it
@@ -307,7 +307,7 @@ def load_run_samples(run: StoredRun) -> list[BenchSample]:
     cells_path = run.path / CELLS_FILE
     if not cells_path.is_file():
         raise ConfigError(f"{run.host}/{run.id}: no {CELLS_FILE}")
-    build = str(run.record.llama_cpp.get("commit", ""))
+    build = run.record.llama_cpp.commit
     samples: list[BenchSample] = []
     for number, cell in enumerate(read_jsonl(cells_path), 1):
         if cell.get("rc") != 0 or cell.get("error"):  # a failed cell has no results to count

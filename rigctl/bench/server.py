@@ -29,8 +29,9 @@ import numpy as np
 
 from rigctl.errors import ConfigError, ServerError
 from rigctl.inventory import Host
-from rigctl.jobs import rigctl_version
-from rigctl.results import ResultsStore, RunRecord, new_run_id, utc_now
+from rigctl.results.record import RunRecord
+from rigctl.results.stamp import collect_stamp, inventory_server, with_props
+from rigctl.results.store import ResultsStore
 from rigctl.server import Endpoint, ServerClient, Timeouts
 from rigctl.servers import operator_start, unit_name
 from rigctl.ssh import SshClient, SshTarget
@@ -138,12 +139,14 @@ def run_server_bench(
     say = on_step or (lambda message: None)
     endpoint = Endpoint.from_inventory(host, instance)
     unit = unit_name(instance)
-    record = RunRecord(id=new_run_id("server-speed"), kind="server-speed", host=host.name, started=utc_now(),
-                       rigctl_version=rigctl_version(), concurrency=1)
     result = ServerBenchResult(host=host.name, instance=instance)
     with SshClient(SshTarget.from_host(host)) as ssh, ServerClient(endpoint, timeouts=Timeouts(read=900)) as server:
         server.wait_healthy(HEALTH_TIMEOUT_S)
         props = server.props()
+        stamp = collect_stamp(host, ssh, [inventory_server(host, instance)], artifacts=[servers[instance].artifact],
+                              concurrency=1)
+        record = RunRecord.begin("server-speed", stamp, host=host.name)
+        with_props(record.servers[0], props, endpoint)
         for length in prompt_lengths:
             prompt = filler_prompt(length, lambda text: len(server.tokenize(text)))
             tokens = len(server.tokenize(prompt))
@@ -171,10 +174,6 @@ def run_server_bench(
     for name, rows in ((SWEEP_FILE, result.sweep), (MEMORY_FILE, result.memory),
                        (LOAD_FILE, [{"load_s": s} for s in result.load_s])):
         (run_dir / name).write_text("".join(json.dumps(r if isinstance(r, dict) else asdict(r)) + "\n" for r in rows))
-    spec = servers[instance]
-    record.server = {"name": instance, "profile": spec.profile, "endpoint": endpoint.url,
-                     "build_info": props.build_info, "model_path": props.model_path, "n_ctx": props.n_ctx}
-    record.artifacts = [{"name": spec.artifact}]
     record.extra = {"prompt_lengths": list(prompt_lengths), "max_tokens": max_tokens, "ctx_sizes": list(ctx_sizes),
                     "kv_bytes_per_token": result.kv_bytes_per_token}
     record.seal(run_dir)

@@ -30,7 +30,7 @@ import httpx
 
 from rigctl.errors import EvalError
 from rigctl.inputs import read_text
-from rigctl.results import file_sha256
+from rigctl.results.record import file_sha256
 from rigctl.trust import register_secret, same_origin
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from rigctl.errors import ConfigError
 from rigctl.evals.target import Target
@@ -85,11 +84,6 @@ class FanOut:
     def endpoints(self) -> list[Endpoint]:
         return [t.endpoint for t in self.targets]
 
-    def member_facts(self) -> list[dict[str, Any]]:
-        """Per server: its inventory facts and GPU (hosts of one fan-out may hold different GPUs)."""
-        if len(self.targets) < 2:
-            return []
-        return [{**t.server, "gpu": dict(t.gpu)} for t in self.targets]
 
     def describe(self) -> str:
         return ", ".join(str(e) for e in self.endpoints)

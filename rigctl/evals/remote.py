@@ -10,6 +10,7 @@ urllib with the same request bodies and scoring rules, and the job machinery pul
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 from collections.abc import Callable
@@ -19,10 +20,11 @@ from typing import Any
 from rigctl import jobs
 from rigctl.errors import ConfigError, EvalError
 from rigctl.evals import scorers
-from rigctl.evals.runner import Options
+from rigctl.evals.runner import Options, task_stamp
 from rigctl.evals.target import Target
 from rigctl.evals.tasks import LoadedTask
-from rigctl.results import ANSWERS_FILE, ResultsStore, StoredRun, read_jsonl
+from rigctl.results.record import ANSWERS_FILE
+from rigctl.results.store import ResultsStore, StoredRun, read_jsonl
 from rigctl.servers import server_key_file
 
 
@@ -41,10 +43,9 @@ def job_spec(task: LoadedTask, target: Target, options: Options, questions_file:
     if target.artifacts:
         params["artifact"] = {"name": target.artifacts[0]["name"], "path": target.artifacts[0]["path"]}
     record = {
-        "server": {k: v for k, v in target.server.items()},
-        "task": {"name": task.name, "scorer": task.scorer, "file": str(task.path.resolve()),
-                 "file_sha256": task.file_sha256, "dataset_sha256": task.dataset_sha256,
-                 "questions": len(task.questions)},
+        # Inventory names only: the job's runtime reads the server's argv as deployed on the host.
+        "servers": [{k: target.server.get(k) for k in ("name", "host", "profile", "port", "artifact")}],
+        "task": dataclasses.asdict(task_stamp(task)),
         "seed": options.seed, "concurrency": options.concurrency,
         "extra": {"thinking": options.thinking, "limit": limit, "timeout_s": options.timeout, "remote": True},
     }

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import importlib.metadata
 import json
 import logging
 import os
@@ -28,15 +27,17 @@ from typing import Any
 from rigctl.errors import EvalError, RigctlError, ServerError
 from rigctl.evals import scorers
 from rigctl.evals.scorers import summarise
+from rigctl.evals.target import Target
 from rigctl.evals.tasks import LoadedTask, Question, load_task
-from rigctl.results import ANSWERS_FILE, ResultsStore, RunRecord, new_run_id, read_jsonl, utc_now
+from rigctl.results.record import ANSWERS_FILE, Artifact, Provenance, RunRecord, Server, Task, rigctl_version, utc_now
+from rigctl.results.stamp import with_props
+from rigctl.results.store import ResultsStore, read_jsonl
 from rigctl.server import DEFAULT_SEED, AsyncServerClient, Endpoint, Props, Retry, ServerClient, Timeouts
 from rigctl.trust import redact_argv
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CONCURRENCY = 8
-FANOUT = "fanout"  # run record server key: one entry per server of a fan-out run
 
 Endpoints = Endpoint | Sequence[Endpoint]
 
@@ -144,64 +145,71 @@ def answered(path: Path) -> set[tuple[str, str]]:
     return {(str(row["set"]), str(row["id"])) for row in read_jsonl(path)}
 
 
-def server_provenance(props: Props, endpoint: Endpoint) -> dict[str, Any]:
-    return {"endpoint": endpoint.url, "label": endpoint.label, "build_info": props.build_info,
-            "model_path": props.model_path, "total_slots": props.total_slots, "n_ctx": props.n_ctx}
-
-
 def _props(endpoint: Endpoint, retry: Retry | None = None) -> Props:
     with ServerClient(endpoint, timeouts=Timeouts(read=30.0), retry=retry or Retry()) as client:
         return client.props()
 
 
+def task_stamp(task: LoadedTask) -> Task:
+    return Task(name=task.name, scorer=task.scorer, file=str(task.path.resolve()), file_sha256=task.file_sha256,
+                dataset_sha256=dict(task.dataset_sha256), questions=len(task.questions))
+
+
+def target_stamp(targets: Sequence[Target]) -> Provenance:
+    """The stamp of a run against ``targets`` (one, or a fan-out's): for inventory servers, read from their
+    hosts as they run now (:func:`rigctl.results.stamp.collect_stamp`, the argv as deployed among it); for a
+    bare URL only its endpoint. A fan-out's first target gives the host, GPU, build and artifacts; each
+    server keeps its own GPU."""
+    from rigctl.results.stamp import collect_stamp, inventory_server
+    from rigctl.ssh import SshClient, SshTarget
+
+    stamps = []
+    for target in targets:
+        host = target.inventory_host
+        if host is None or not target.server.get("name"):
+            stamps.append(Provenance(host=target.host, servers=[Server(endpoint=target.endpoint.url)]))
+            continue
+        name, artifact = str(target.server["name"]), target.server.get("artifact")
+        try:
+            with SshClient(SshTarget.from_host(host)) as ssh:
+                stamps.append(collect_stamp(host, ssh, [inventory_server(host, name)],
+                                            artifacts=[str(artifact)] if artifact else []))
+        except RigctlError as exc:  # the server may answer over HTTP while SSH does not: the record says so
+            log.warning("%s: provenance not read (the record names the server, no argv): %s", host.name, exc)
+            stamps.append(Provenance(host=target.host, servers=[inventory_server(host, name)],
+                                     artifacts=[Artifact(name=str(artifact))] if artifact else []))
+    first = stamps[0]
+    if len(stamps) > 1:
+        for stamp in stamps:
+            stamp.servers[0].gpu = stamp.gpu
+        first.servers = [s for stamp in stamps for s in stamp.servers]
+    return first
+
+
 def start_run(task: LoadedTask, endpoint: Endpoints, store: ResultsStore, host: str, *, options: Options,
-              limit: int | None = None, server: Mapping[str, Any] | None = None,
-              artifacts: Sequence[Mapping[str, Any]] = (), extra: Mapping[str, Any] | None = None,
-              gpu: Mapping[str, Any] | None = None, llama_cpp: Mapping[str, Any] | None = None,
-              fanout: Sequence[Mapping[str, Any]] = ()) -> tuple[Path, RunRecord]:
-    """A new run directory with its record (status running). ``server`` adds inventory facts (name, profile,
-    flags) to what the server's ``/props`` says. Several endpoints make a fan-out run: ``fanout`` holds
-    each one's inventory facts (host, name, ...) in the same order, and servers whose ``/props`` report
-    different builds are refused."""
+              limit: int | None = None, stamp: Provenance | None = None,
+              extra: Mapping[str, Any] | None = None) -> tuple[Path, RunRecord]:
+    """A new run directory with its record (status running). ``stamp`` (:func:`target_stamp`) holds one
+    server per endpoint, in order; each gets what its ``/props`` says. Servers whose ``/props`` report
+    different builds are refused (a fan-out is one build)."""
     endpoints = endpoint_list(endpoint)
     props = [_props(e, options.retry) for e in endpoints]
     for other, other_props in zip(endpoints[1:], props[1:], strict=True):
         if other_props.build_info != props[0].build_info:
             raise EvalError(f"refusing a fan-out over different builds: {endpoints[0]} runs "
                             f"{props[0].build_info!r}, {other} runs {other_props.build_info!r}")
-    server_facts = {**server_provenance(props[0], endpoints[0]), **dict(server or {})}
-    if len(endpoints) > 1:
-        facts = list(fanout) or [{} for _ in endpoints]
-        server_facts[FANOUT] = [{**server_provenance(p, e), **dict(f)}
-                                for p, e, f in zip(props, endpoints, facts, strict=True)]
-    record = RunRecord(
-        id=new_run_id("eval"), kind="eval", host=host, started=utc_now(),
-        gpu=dict(gpu or {}), llama_cpp=dict(llama_cpp or {}),
-        server=server_facts,
-        artifacts=[dict(a) for a in artifacts],
-        task={"name": task.name, "scorer": task.scorer, "file": str(task.path.resolve()),
-              "file_sha256": task.file_sha256, "dataset_sha256": task.dataset_sha256,
-              "questions": len(task.questions)},
-        seed=options.seed, concurrency=options.concurrency, commands=[" ".join(redact_argv(sys.argv))],
-        rigctl_version=_version(),
+    stamp = stamp or Provenance(host=host)
+    servers = list(stamp.servers) + [Server() for _ in endpoints[len(stamp.servers):]]
+    stamp.servers = [with_props(s, p, e) for s, p, e in zip(servers, props, endpoints, strict=False)]
+    stamp.task = task_stamp(task)
+    stamp.seed, stamp.concurrency, stamp.rigctl_version = options.seed, options.concurrency, rigctl_version()
+    record = RunRecord.begin(
+        "eval", stamp, host=host, commands=[" ".join(redact_argv(sys.argv))],
         extra={"thinking": options.thinking, "limit": limit, "timeout_s": options.timeout, **dict(extra or {})})
     run_dir = store.run_dir(host, record.id)
     run_dir.mkdir(parents=True, exist_ok=False)
     record.save(run_dir)
     return run_dir, record
-
-
-def _version() -> str:
-    try:
-        return importlib.metadata.version("rigctl")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
-
-
-def recorded_servers(record: RunRecord) -> list[dict[str, Any]]:
-    """The servers a run was started with: the fan-out's entries, or its one server."""
-    server = record.server or {}
-    return [dict(s) for s in server.get(FANOUT) or [server]]
 
 
 def resume_run(store: ResultsStore, ref: str, endpoint: Endpoints) -> tuple[Path, RunRecord, LoadedTask, Options]:
@@ -212,24 +220,26 @@ def resume_run(store: ResultsStore, ref: str, endpoint: Endpoints) -> tuple[Path
     if record.kind != "eval" or not record.task:
         raise EvalError(f"run {ref}: not an eval run")
     limit = record.extra.get("limit")
-    task = load_task(record.task["file"], limit=limit)
-    if task.file_sha256 != record.task["file_sha256"]:
+    if not record.task.file:
+        raise EvalError(f"run {run.id}: its record names no task file")
+    task = load_task(record.task.file, limit=limit)
+    if task.file_sha256 != record.task.file_sha256:
         raise EvalError(f"run {run.id}: task file {task.path} changed since the run started (sha256 differs)")
-    if task.dataset_sha256 != record.task["dataset_sha256"]:
+    if task.dataset_sha256 != record.task.dataset_sha256:
         raise EvalError(f"run {run.id}: the task's datasets differ from the ones the run started with")
-    started_with = recorded_servers(record)
+    started_with = record.servers or [Server()]
     for current in endpoint_list(endpoint):
-        before = next((s for s in started_with if s.get("endpoint") == current.url), None)
+        before = next((s for s in started_with if s.endpoint == current.url), None)
         if before is None:
             if len(started_with) > 1:
-                known = ", ".join(str(s.get("endpoint")) for s in started_with)
+                known = ", ".join(str(s.endpoint) for s in started_with)
                 raise EvalError(f"run {run.id}: {current} is not one of the servers it started with ({known})")
             before = started_with[0]
         props = _props(current)
-        for key, now in (("model_path", props.model_path), ("build_info", props.build_info)):
-            if before.get(key) and before[key] != now:
-                raise EvalError(f"run {run.id}: {current}'s {key} is now {now!r}, the run started with "
-                                f"{before[key]!r}")
+        for key, was, now in (("model_path", before.model_path, props.model_path),
+                              ("build_info", before.build_info, props.build_info)):
+            if was and was != now:
+                raise EvalError(f"run {run.id}: {current}'s {key} is now {now!r}, the run started with {was!r}")
     options = Options(concurrency=record.concurrency or DEFAULT_CONCURRENCY, seed=record.seed or DEFAULT_SEED,
                       thinking=bool(record.extra.get("thinking")), timeout=float(record.extra.get("timeout_s", 600)))
     record.status = "running"

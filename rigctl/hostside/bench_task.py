@@ -311,14 +311,6 @@ def gguf_shape(path: str) -> dict[str, Any] | None:
     return shape
 
 
-def active_servers() -> list[str]:
-    """Instance names of the llama-server units running now (enabled or started by hand)."""
-    listing = subprocess.run(["systemctl", "list-units", "llama-server@*.service", "--state=active", "--plain",
-                              "--no-legend"], capture_output=True, text=True, check=False, timeout=30).stdout
-    units = [line.split()[0] for line in listing.splitlines() if line.strip()]
-    return sorted(u.removeprefix("llama-server@").removesuffix(".service") for u in units)
-
-
 def stop_servers(job: Any, names: list[str]) -> list[str]:
     """Stop the named llama-server units; the ones stopped, to start again after."""
     stopped = []
@@ -375,7 +367,8 @@ def run(job: Any) -> None:
     raw_dir = job.run_dir / "llama-bench"
     raw_dir.mkdir(parents=True, exist_ok=True)
     gpu = GpuReader(job)
-    stopped = stop_servers(job, active_servers() if p.get("stop_servers") else [])
+    # The servers running now, their argv read by the runtime before this task began.
+    stopped = stop_servers(job, [s["name"] for s in job.record["servers"]] if p.get("stop_servers") else [])
     job.record["extra"]["servers_stopped"] = stopped
     try:
         for index, (round_no, model) in enumerate(cells, 1):

@@ -80,10 +80,10 @@ def run(job: Any) -> None:
     server = Server(int(params["port"]), _api_key(params.get("api_key_file"), job.TaskError),
                     float(params["timeout_s"]), int(params.get("retries", 4)), job.TaskError)
     props = server.call("GET", "/props")
-    job.record["server"] = {**(job.record.get("server") or {}), "endpoint": server.base,
-                            "build_info": props.get("build_info", ""), "model_path": props.get("model_path", ""),
-                            "total_slots": props.get("total_slots"),
-                            "n_ctx": (props.get("default_generation_settings") or {}).get("n_ctx")}
+    # The runtime put the server (its argv as deployed among it) in the record; /props adds the rest.
+    job.record["servers"][0].update(endpoint=server.base, build_info=props.get("build_info", ""),
+                                    model_path=props.get("model_path", ""), total_slots=props.get("total_slots"),
+                                    n_ctx=(props.get("default_generation_settings") or {}).get("n_ctx"))
     artifact = params.get("artifact")
     if artifact:
         job.record["artifacts"] = [job.artifact(artifact["name"], artifact["path"])]

@@ -14,9 +14,10 @@ and what this runtime writes::
     output.log     stdout and stderr of the unit (systemd appends; also in the journal)
 
 The run directory ``<results_dir>/<host>/<id>/`` gets ``run.json`` (the run record, the layout of
-:class:`rigctl.results.RunRecord`) as soon as the job starts (status ``running``) and again, sealed
-with every raw file's sha256, when it ends. Host facts, the GPU (from ``nvidia-smi``) and the
-llama.cpp build (from the llama_cpp role's fact file) are filled in before the task runs.
+:class:`rigctl.results.record.RunRecord`) as soon as the job starts (status ``running``) and again, sealed
+with every raw file's sha256, when it ends. Host facts, the GPU (from ``nvidia-smi``), the
+llama.cpp build (from the llama_cpp role's fact file) and each server's argv as deployed (its unit's
+main process, by :mod:`rigctl.hostside.stamp`, shipped beside this file) are filled in before the task runs.
 
 On SIGTERM (``systemctl stop``, RuntimeMaxSec) the running child is terminated, the task's
 ``finally`` blocks run (a bench restores the llama-server units it stopped) and the run is sealed
@@ -55,6 +56,8 @@ RESERVE_BYTES = 1 << 20
 #: Less free space than this after a failure: the failure is (most likely) the disk being full.
 DISK_FULL_BYTES = 16 << 20
 RUN_FILE = "run.json"
+#: :data:`rigctl.results.record.RECORD_VERSION` of the records this runtime writes.
+RECORD_VERSION = 2
 #: sha256 of model files by path and file identity, beside the jobs directory.
 HASH_CACHE_FILE = "sha256-cache.json"
 STATE_FILE = "state.json"
@@ -170,7 +173,8 @@ class Job:
         self.run_dir = Path(self.spec["results_dir"]) / self.spec["host"] / self.id
         self.record: dict[str, Any] = {
             "id": self.id, "kind": self.spec["kind"], "host": self.spec["host"], "started": utc_now(),
-            "ended": None, "status": "running", "gpu": {}, "llama_cpp": {}, "server": None, "artifacts": [],
+            "version": RECORD_VERSION, "ended": None, "status": "running", "gpu": {}, "llama_cpp": {},
+            "servers": [], "artifacts": [],
             "task": None, "matrix": None, "seed": None, "concurrency": None, "commands": [],
             "rigctl_version": self.spec.get("rigctl_version", ""), "files": [], "extra": {},
         }
@@ -299,7 +303,19 @@ class Job:
         return digest, "hashed now"
 
     def collect_facts(self) -> None:
+        """Host, GPU, llama.cpp build and the servers' argv as deployed: the servers the spec's record
+        names (an eval's), else every llama-server running now (what a bench found, and stops)."""
         self.record["extra"]["host_facts"] = host_facts()
+        stamp = _sibling("stamp")
+        servers = self.record["servers"] or [{"name": name, "host": self.spec["host"]} for name in active_servers()]
+        for server in servers:
+            server.setdefault("unit", f"llama-server@{server['name']}.service")
+            found = stamp.deployed(server["unit"])
+            if found["argv"]:
+                server.update(argv=found["argv"], argv_from=found["argv_from"], pid=found["pid"])
+            else:
+                self.log(f"no deployed argv for {server['unit']}: {found.get('error')}")
+        self.record["servers"] = servers
         gpu = self.gpu_query("name,driver_version,memory.total,compute_cap")
         if gpu:
             self.record["gpu"] = parse_gpu_query(gpu)
@@ -326,6 +342,26 @@ class Job:
             return
         if holder.get("job") == self.id:
             Path(lock_file).unlink(missing_ok=True)
+
+
+def active_servers() -> list[str]:
+    """Instance names of the llama-server units running now (enabled or started by hand)."""
+    try:
+        listing = subprocess.run(["systemctl", "list-units", "llama-server@*.service", "--state=active", "--plain",
+                                  "--no-legend"], capture_output=True, text=True, check=False, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    units = [line.split()[0] for line in listing.splitlines() if line.strip()]
+    return sorted(u.removeprefix("llama-server@").removesuffix(".service") for u in units)
+
+
+def _sibling(name: str) -> Any:
+    """A host-side module shipped beside this file (the job directory on a host, the package here)."""
+    spec = importlib.util.spec_from_file_location(f"rigctl_{name}", Path(__file__).with_name(f"{name}.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def load_task(job_dir: Path, name: str) -> Any:

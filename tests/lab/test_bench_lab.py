@@ -13,7 +13,7 @@ from rigctl.bench.matrix import (
     load_run_samples,
     summarize,
 )
-from rigctl.results import ResultsStore
+from rigctl.results.store import ResultsStore
 
 # ----------------------------------------------------------------------------------------------- lab
 
@@ -48,11 +48,16 @@ def test_two_artifact_bench_alternates_waits_while_hot_and_summarises(served, tm
     run = store.find(f"desktop/{job_id}")  # the pull also brings the host's earlier runs
     record = run.record
     assert record.status == "done" and store.verify(run) == []
-    assert [a["name"] for a in record.artifacts] == ["smollm2-135m-q4_1", "smollm2-135m-q4_0"]
+    assert [a.name for a in record.artifacts] == ["smollm2-135m-q4_1", "smollm2-135m-q4_0"]
     for artifact in record.artifacts:
-        assert artifact["sha256"] == artifact["manifest"]["sha256"]
-    assert record.llama_cpp["commit"] and record.llama_cpp["build_key"]
-    assert record.gpu["name"] == "Lab stand-in for RTX 3050 OEM" and record.gpu["vram_mib"] == 8192
+        assert artifact.manifest and artifact.sha256 == artifact.manifest["sha256"]
+    assert record.llama_cpp.commit and record.llama_cpp.build_key
+    assert record.gpu.name == "Lab stand-in for RTX 3050 OEM" and record.gpu.vram_mib == 8192
+    # What ran on the card before the bench took it: the server's argv as deployed, read on the rig.
+    from benchlab import assert_deployed
+
+    assert [s.name for s in record.servers] == ["smollm2"]
+    assert_deployed(record.servers[0], served, "desktop", "smollm2")
     assert len(record.commands) == 4 and all(" -p 16 -n 4 -r 1 " in c for c in record.commands)
     # The instance serving on the rig gave the card up for the run and is back.
     assert record.extra["servers_stopped"] == ["smollm2"] and "restore_problems" not in record.extra
@@ -151,6 +156,13 @@ def test_drafter_race_reports_acceptance_and_identical_greedy_text(served, tmp_p
     metrics = json.loads((run.path / "metrics.json").read_text())
     assert metrics["smollm2-q4_0-draft"]["llamacpp:spec_decode_num_accepted_tokens_total"] == accepted
     assert run.record.extra["started_instances"] == ["smollm2-q4_0", "smollm2-q4_0-draft"]  # and stopped after
+    from benchlab import assert_deployed
+
+    assert [s.name for s in run.record.servers] == ["smollm2-q4_0", "smollm2-q4_0-draft"]
+    for server in run.record.servers:
+        assert_deployed(server, served, "desktop", server.name)
+    assert run.record.extra["baseline"] == "smollm2-q4_0" and run.record.servers[1].draft
+    assert run.record.llama_cpp.commit and run.record.gpu.name == "Lab stand-in for RTX 3050 OEM"
 
 
 @pytest.mark.lab
@@ -172,7 +184,11 @@ def test_server_speed_sweep_load_time_and_memory_per_context(served, tmp_path: P
     memory = [json.loads(line) for line in (run.path / "memory.jsonl").read_text().splitlines()]
     assert memory == [{"ctx_size": 512, "memory_used_mib": 1234}, {"ctx_size": 1024, "memory_used_mib": 1234}]
     assert run.record.extra["kv_bytes_per_token"] == pytest.approx(0.0, abs=1e-6)  # the stand-in's memory is flat
-    assert run.record.server["build_info"].startswith("b11434")
+    assert run.record.server.build_info.startswith("b11434")
+    from benchlab import assert_deployed
+
+    assert_deployed(run.record.server, served, "desktop", "smollm2")
+    assert run.record.artifacts[0].sha256 and run.record.llama_cpp.build_key
     from rigctl.ssh import SshClient, SshTarget
 
     with SshClient(SshTarget.from_host(served.host("desktop"))) as ssh:  # the instance is back, the probe gone

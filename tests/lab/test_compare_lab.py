@@ -11,7 +11,7 @@ import pytest
 from report_check import check_report, tables
 
 from rigctl.inventory import Inventory
-from rigctl.results import ResultsStore
+from rigctl.results.store import ResultsStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 from make_hf_checkout import cache_dir, make_checkout, tools_python  # noqa: E402
@@ -85,8 +85,8 @@ def test_lab_campaign_end_to_end(lab_served: Inventory, tmp_path: Path):
         assert ssh.run("systemctl is-active llama-server@smollm2.service", timeout=30).stdout.strip() == "active"
 
     # Compare and habits on the pulled runs: Q4_0 against Q4_1 per eval, question by question.
-    runs = {(r.record.task or {}).get("name", r.record.kind) + "/" + ",".join(a["name"] for a in r.record.artifacts): r
-            for r in store.runs()}
+    runs = {(r.record.task.name if r.record.task else r.record.kind) + "/"
+            + ",".join(a.name for a in r.record.artifacts): r for r in store.runs()}
     for task in ("lab-suite", "lab-gsm8k", "lab-bfcl"):
         a, b = runs[f"{task}/smollm2-135m-q4_1"], runs[f"{task}/smollm2-135m-q4_0"]
         pair = compare_runs([a, b], cutoff_as_right=True).pairs[0]
@@ -121,7 +121,9 @@ def test_lab_campaign_end_to_end(lab_served: Inventory, tmp_path: Path):
     assert [r["concurrency"] for r in curve] == ["1", "2"] and all(r["errors"].startswith("[0]") for r in curve)
     requests = [json.loads(line) for line in (load.path / "requests.jsonl").read_text().splitlines()]
     assert len(requests) == 8 and all(r["ok"] and r["tokens"] == 8 and r["ttft_s"] > 0 for r in requests)
-    assert load.record.server["args"][load.record.server["args"].index("--parallel") + 1] == "2"
+    # The probe that served the curve, as it ran (its /proc cmdline): a slot per client.
+    assert load.record.server.flag("--parallel", "-np") == "2" and load.record.server.argv_from.startswith("/proc/")
+    assert load.record.server.unit == "rigctl-loadprobe-smollm2"
     assert "Deployed decode against llama-bench" in sections
 
     # Resumable: a second run finds everything pulled and runs nothing.

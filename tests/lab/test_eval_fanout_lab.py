@@ -17,7 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rigctl.results import ResultsStore, RunRecord, read_jsonl
+from rigctl.results.record import RunRecord
+from rigctl.results.store import ResultsStore, read_jsonl
 from rigctl.ssh import SshClient, SshTarget
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -79,10 +80,11 @@ def test_fan_out_answers_each_question_once_and_records_the_server(lab, env):
     assert "answers per server:" in done.stdout
     record = RunRecord.load(path)
     assert record.status == "done" and record.extra["summary"]["overall"]["n"] == 10
-    fanout = record.server["fanout"]
-    assert {f"{f['host']}/{f['name']}" for f in fanout} == SERVERS
-    assert len({f["build_info"] for f in fanout}) == 1 and all(f["build_info"] for f in fanout)
-    assert record.artifacts[0]["sha256"] and record.llama_cpp["build_key"]
+    fanout = record.servers
+    assert {f"{s.host}/{s.name}" for s in fanout} == SERVERS
+    assert len({s.build_info for s in fanout}) == 1 and all(s.build_info for s in fanout)
+    assert all(s.argv and s.argv_from and s.gpu and s.gpu.name for s in fanout)  # each rig's own, as deployed
+    assert record.artifacts[0].sha256 and record.llama_cpp.build_key
     store = ResultsStore(env[0])
     assert store.verify(store.find(str(path))) == []
 
@@ -142,8 +144,7 @@ def test_compare_fan_out_against_one_server(lab, env):
     single = rigctl(env, "eval", "run", "--host", "desktop", "--server", "smollm2", "--task", str(TASK))
     assert single.returncode == 0, single.stderr
     (single_path,) = new_runs(env, before)
-    fanned = next(r for r in store.runs(kind="eval") if (r.record.server or {}).get("fanout")
-                  and r.record.status == "done")
+    fanned = next(r for r in store.runs(kind="eval") if len(r.record.servers) > 1 and r.record.status == "done")
     done = rigctl(env, "compare", f"desktop/{single_path.name}", f"{fanned.host}/{fanned.id}", "--flips",
                   "--equivalence-margin", "50", "--plan")
     assert done.returncode == 0, done.stderr

@@ -20,13 +20,14 @@ import httpx
 import pytest
 
 from rigctl.evals import scorers
-from rigctl.results import ResultsStore, RunRecord, read_jsonl
+from rigctl.results.record import RunRecord
+from rigctl.results.store import ResultsStore, read_jsonl
 from rigctl.server import Endpoint
 from rigctl.ssh import SshClient, SshTarget
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
-from benchlab import REPO, RIGCTL, cli_env, served_inventory  # noqa: E402
+from benchlab import REPO, RIGCTL, assert_deployed, cli_env, served_inventory  # noqa: E402
 from hf_server import HfRepo, HfServer  # noqa: E402
 
 pytestmark = pytest.mark.lab
@@ -83,14 +84,15 @@ def check_record(path: Path, task_file: Path, lab) -> RunRecord:
     record = RunRecord.load(path)
     props = httpx.get(f"{base_url(lab)}/props", headers=auth(lab), timeout=30).json()
     assert (record.kind, record.status, record.concurrency, record.seed) == ("eval", "done", 8, 1234)
-    assert record.server["build_info"] == props["build_info"] and record.server["model_path"] == props["model_path"]
-    assert record.server["flags"]["parallel"] == 1 and record.server["name"] == SERVER
-    assert record.task["file_sha256"] == hashlib.sha256(task_file.read_bytes()).hexdigest()
-    for key, digest in record.task["dataset_sha256"].items():
+    assert record.server.build_info == props["build_info"] and record.server.model_path == props["model_path"]
+    assert_deployed(record.server, lab, HOST, SERVER)
+    assert record.server.flag("--parallel", "-np") == "1" and record.server.n_ctx
+    assert record.task.file_sha256 == hashlib.sha256(task_file.read_bytes()).hexdigest()
+    for key, digest in record.task.dataset_sha256.items():
         local = FIXTURES / "hf" / key.split("@", 1)[1].split("/", 1)[1]
         assert digest == hashlib.sha256(local.read_bytes()).hexdigest(), key
-    assert record.artifacts and re.fullmatch(r"[0-9a-f]{64}", record.artifacts[0]["sha256"])
-    assert record.llama_cpp.get("commit") is not None
+    assert record.artifacts and re.fullmatch(r"[0-9a-f]{64}", record.artifacts[0].sha256 or "")
+    assert record.llama_cpp.commit and record.gpu.name
     store = ResultsStore(path.parent.parent)
     assert store.verify(store.find(str(path))) == []
     return record
@@ -234,8 +236,9 @@ def test_remote_run_is_a_job_on_the_rig_pulled_home(lab, env):
     assert path in set((env[0] / HOST).glob("eval-*")) - before
     record = RunRecord.load(path)
     assert record.status == "done" and record.extra["remote"] is True
-    assert record.server["build_info"] and record.server["endpoint"] == "http://127.0.0.1:8080"
-    assert re.fullmatch(r"[0-9a-f]{64}", record.artifacts[0]["sha256"])
+    assert record.server.build_info and record.server.endpoint == "http://127.0.0.1:8080"
+    assert_deployed(record.server, lab, HOST, SERVER)  # read on the rig by the job, before it asked
+    assert re.fullmatch(r"[0-9a-f]{64}", record.artifacts[0].sha256 or "")
     rows = read_jsonl(path / "answers.jsonl")
     assert sorted(r["id"] for r in rows) == ["simple_0", "simple_1", "simple_2", "simple_3"]
     assert record.extra["summary"]["overall"]["n"] == 4

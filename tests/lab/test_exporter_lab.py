@@ -23,7 +23,7 @@ from rigctl.exporter import (
     Exporter,
 )
 from rigctl.inventory import Inventory
-from rigctl.results import ResultsStore
+from rigctl.results.store import ResultsStore
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -23,7 +23,7 @@ from rigctl.deploy import run_playbook
 from rigctl.errors import DeployError
 from rigctl.inventory import Inventory
 from rigctl.lab import Lab
-from rigctl.results import ResultsStore
+from rigctl.results.store import ResultsStore
 from rigctl.ssh import SshClient, SshTarget
 
 REPO = Path(__file__).resolve().parents[2]

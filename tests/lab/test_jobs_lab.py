@@ -19,7 +19,8 @@ from rigctl.bench.matrix import BenchSpec, bench_job_spec, parse_spec
 from rigctl.errors import JobBusyError
 from rigctl.inventory import Host, Inventory
 from rigctl.lab import Lab
-from rigctl.results import ResultsStore, file_sha256
+from rigctl.results.record import file_sha256
+from rigctl.results.store import ResultsStore
 from rigctl.ssh import SshClient, SshTarget
 
 MODELS = ["smollm2-135m-q4_1", "smollm2-135m-q4_0"]

@@ -18,7 +18,7 @@ from labkeys import RESTORE_HOST_KEYS, ROTATE_HOST_KEYS
 from rigctl.deploy import run_playbook
 from rigctl.inventory import Inventory
 from rigctl.jobs import JOBS_DIR, RESULTS_DIR
-from rigctl.results import RawFile, RunRecord
+from rigctl.results.record import RawFile, RunRecord
 from rigctl.ssh import SshClient, SshTarget
 
 pytestmark = pytest.mark.lab

@@ -53,7 +53,8 @@ from rigctl.evals.tasks import load_task
 from rigctl.exporter import ResultsReader
 from rigctl.inventory import Host, Inventory
 from rigctl.inventory.check import SCHEMA, check_host
-from rigctl.results import RUN_FILE, ResultsStore, RunRecord
+from rigctl.results.record import RUN_FILE, RunRecord
+from rigctl.results.store import ResultsStore
 
 REPO = Path(__file__).resolve().parents[2]
 #: The installed command (``python -m rigctl.cli`` would miss the command groups registered on import).

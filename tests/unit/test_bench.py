@@ -26,7 +26,8 @@ from rigctl.bench.matrix import (
 )
 from rigctl.errors import ConfigError
 from rigctl.hostside.bench_task import gguf_shape, llama_bench_argv, parse_reading, plan_cells, throttle_verdict
-from rigctl.results import ResultsStore, RunRecord
+from rigctl.results.record import RunRecord
+from rigctl.results.store import ResultsStore
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 # Real output of `llama-bench -m smollm2-135m-q4_0.gguf -p 32 -n 16 -r 2 -fa 0,1 -ngl 99 -t 2 -o json` on a lab rig.

@@ -11,7 +11,7 @@ from handmade_runs import bench_record, bench_run, load_run
 
 from rigctl.bench.load import LoadRequest, compare_load, parse_levels, summarize_level
 from rigctl.errors import ConfigError
-from rigctl.results import ResultsStore
+from rigctl.results.store import ResultsStore
 
 
 def _request(ttft: float, wall: float, tokens: int = 16, started: float = 0.0, ok: bool = True,

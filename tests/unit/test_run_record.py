@@ -1,0 +1,220 @@
+"""The run record without the lab: the typed shape and its stamp, old (version 1) run directories loading,
+the host-side argv reader on a real process, and the store's confined paths."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rigctl.errors import ConfigError, TrustError
+from rigctl.hostside import jobrun
+from rigctl.hostside import stamp as host_stamp
+from rigctl.results.record import (
+    RECORD_VERSION,
+    RUN_FILE,
+    Artifact,
+    Gpu,
+    LlamaCppBuild,
+    Provenance,
+    RunRecord,
+    Server,
+    Task,
+    upgrade,
+)
+from rigctl.results.store import ResultsStore
+
+ARGV = ["/etc/llama-server/smollm2.bin", "--model", "/var/lib/rigctl/models/smollm2.gguf", "--port", "8080",
+        "-c", "4096", "--parallel", "2", "--api-key-file", "/etc/llama-server/api-key"]
+
+
+def _write(root: Path, host: str, run_id: str, data: dict) -> Path:
+    run_dir = root / host / run_id
+    run_dir.mkdir(parents=True)
+    (run_dir / RUN_FILE).write_text(json.dumps(data))
+    return run_dir
+
+
+# ----------------------------------------------------------------------------------------------- record
+
+
+def test_a_record_begins_with_the_stamp_and_round_trips(tmp_path):
+    stamp = Provenance(host="desktop", gpu=Gpu(name="RTX 3050", vram_mib=8192),
+                       llama_cpp=LlamaCppBuild(commit="abc123", build_key="cuda-86"),
+                       artifacts=[Artifact(name="smollm2", sha256="0" * 64, sha256_from="manifest")],
+                       servers=[Server(name="smollm2", host="desktop", unit="llama-server@smollm2.service",
+                                       argv=ARGV, argv_from="/proc/42/cmdline", pid=42)],
+                       task=Task(name="gsm8k", dataset_sha256={"d": "1" * 64}), seed=7, concurrency=2,
+                       rigctl_version="0.1")
+    record = RunRecord.begin("eval", stamp, host="desktop", extra={"limit": 3})
+    assert record.id.startswith("eval-") and record.status == "running" and record.version == RECORD_VERSION
+    assert record.server is not None and record.server.ctx_size == 4096 and record.server.flag("--parallel") == "2"
+    record.seal(tmp_path / "desktop" / record.id)
+    loaded = RunRecord.load(tmp_path / "desktop" / record.id)
+    assert loaded == record
+    assert loaded.server.argv == ARGV and loaded.task.dataset_sha256 == {"d": "1" * 64}
+
+
+@pytest.mark.parametrize(("argv", "ctx"), [
+    (["llama-server", "-c", "2048"], 2048),
+    (["llama-server", "--ctx-size=1024"], 1024),
+    (["llama-server", "-c", "512", "--ctx-size", "8192"], 8192),  # the last one wins, as in llama.cpp
+    (["llama-server"], None),
+])
+def test_ctx_size_is_read_from_the_deployed_argv(argv, ctx):
+    assert Server(argv=argv).ctx_size == ctx
+
+
+def test_records_of_an_unknown_version_or_with_unknown_keys_are_refused():
+    good = RunRecord(id="bench-x", kind="bench", host="h", started="2026-12-01T00:00:00Z").to_dict()
+    with pytest.raises(ConfigError, match="record version 99 is not one this rigctl reads"):
+        RunRecord.from_dict({**good, "version": 99}, "r.json")
+    with pytest.raises(ConfigError, match="r.json: unknown keys: server"):
+        RunRecord.from_dict({**good, "server": {"name": "x"}}, "r.json")  # a v1 key in a v2 record
+    with pytest.raises(ConfigError, match=r"r.json: servers.0.argv"):
+        RunRecord.from_dict({**good, "servers": [{"argv": "not a list"}]}, "r.json")
+
+
+# ----------------------------------------------------------------------------------------------- version 1
+
+V1_BASE = {"ended": "2026-11-30T05:10:00Z", "status": "done", "commands": [], "rigctl_version": "0.1",
+           "files": [], "matrix": None, "seed": None, "concurrency": None}
+
+
+def test_an_old_eval_run_directory_loads_with_its_server_and_task(tmp_path):
+    """The version 1 eval shape: ``server`` a dict with the inventory's flags, gpu/llama_cpp/task dicts."""
+    _write(tmp_path, "desktop", "eval-20261130T050000Z-0a1b", {
+        **V1_BASE, "id": "eval-20261130T050000Z-0a1b", "kind": "eval", "host": "desktop",
+        "started": "2026-11-30T05:00:00Z", "seed": 1234, "concurrency": 2,
+        "gpu": {"name": "RTX 3050", "vram_mib": 8192, "compute_capability": "8.6"},
+        "llama_cpp": {"name": "b4000-cuda", "commit": "abc123", "version": "b4000", "build_key": "k", "cuda": True},
+        "server": {"endpoint": "http://10.0.0.2:8080", "label": "desktop/smollm2", "build_info": "b4000-abc123",
+                   "model_path": "/m.gguf", "total_slots": 1, "n_ctx": 4096, "name": "smollm2", "host": "desktop",
+                   "profile": "chat", "flags": {"ctx_size": 4096, "parallel": 1}, "port": 8080, "artifact": "smollm2"},
+        "artifacts": [{"name": "smollm2", "path": "/m.gguf", "sha256": "0" * 64, "manifest": {"sha256": "0" * 64}}],
+        "task": {"name": "gsm8k", "scorer": "gsm8k", "file": "/t.yaml", "file_sha256": "a" * 64,
+                 "dataset_sha256": {"/d.jsonl": "d" * 64}, "questions": 10},
+        "extra": {"thinking": False, "limit": 10, "summary": {"overall": {"n": 10}}}})
+    run = next(ResultsStore(tmp_path).runs())
+    record = run.record
+    assert record.version == RECORD_VERSION and record.gpu.vram_mib == 8192 and record.llama_cpp.label == "abc123"
+    server = record.server
+    assert server is not None and len(record.servers) == 1
+    assert (server.name, server.endpoint, server.build_info, server.n_ctx) == (
+        "smollm2", "http://10.0.0.2:8080", "b4000-abc123", 4096)
+    assert server.argv == [] and server.argv_from is None  # version 1 never read what was deployed
+    assert record.task == Task(name="gsm8k", scorer="gsm8k", file="/t.yaml", file_sha256="a" * 64,
+                               dataset_sha256={"/d.jsonl": "d" * 64}, questions=10)
+    assert record.extra["v1"] == {"server.0": {"flags": {"ctx_size": 4096, "parallel": 1}}}
+    assert record.extra["summary"] == {"overall": {"n": 10}}
+
+
+def test_old_spec_load_and_fanout_shapes_become_one_list_of_servers():
+    spec = upgrade({**V1_BASE, "id": "spec-1", "kind": "spec", "host": "desktop", "started": "x", "extra": {},
+                    "server": {"baseline": "smollm2", "contenders": [
+                        {"name": "smollm2", "artifact": "a", "profile": "chat", "spec": None, "port": 8080,
+                         "endpoint": "http://h:8080", "build_info": "b1", "model_path": "/m"},
+                        {"name": "smollm2-draft", "artifact": "a", "profile": "draft", "spec": {"n_max": 8},
+                         "port": 8081, "endpoint": "http://h:8081", "build_info": "b1", "model_path": "/m"}]},
+                    "artifacts": [{"name": "a", "instance": "smollm2"}]})
+    record = RunRecord.from_dict(spec)
+    assert [s.name for s in record.servers] == ["smollm2", "smollm2-draft"] and record.extra["baseline"] == "smollm2"
+    assert record.servers[1].draft == {"n_max": 8} and record.extra["v1"] == {"artifacts.0": {"instance": "smollm2"}}
+
+    load = RunRecord.from_dict({**V1_BASE, "id": "load-1", "kind": "load", "host": "desktop", "started": "x",
+                                "extra": {"levels": [1, 2]},
+                                "server": {"name": "smollm2", "profile": "chat", "probe_port": 8280, "slots": 2,
+                                           "slot_ctx": 256, "args": ["--parallel", "2", "-c", "512"],
+                                           "build_info": "b1", "model_path": "/m", "n_ctx": 256}})
+    assert load.server.argv == ["--parallel", "2", "-c", "512"] and load.server.ctx_size == 512
+    assert load.server.port == 8280 and (load.extra["slots"], load.extra["slot_ctx"]) == (2, 256)
+
+    fanout = RunRecord.from_dict({**V1_BASE, "id": "eval-1", "kind": "eval", "host": "desktop", "started": "x",
+                                  "extra": {}, "server": {"name": "smollm2", "host": "desktop", "fanout": [
+                                      {"name": "smollm2", "host": "desktop", "endpoint": "http://d:8080",
+                                       "gpu": {"name": "RTX 3050"}},
+                                      {"name": "smollm2", "host": "laptop", "endpoint": "http://l:8080",
+                                       "gpu": {"name": "RTX 4060 Laptop"}}]}})
+    assert [(s.host, s.gpu.name) for s in fanout.servers] == [("desktop", "RTX 3050"), ("laptop", "RTX 4060 Laptop")]
+
+    url = RunRecord.from_dict({**V1_BASE, "id": "eval-2", "kind": "eval", "host": "url", "started": "x",
+                               "extra": {}, "server": {"url": "http://127.0.0.1:9000"}})
+    assert url.server.endpoint == "http://127.0.0.1:9000" and url.server.name is None
+
+
+def test_an_old_bench_run_written_on_a_host_loads(tmp_path):
+    """What the version 1 job runtime wrote: ``server`` null, gpu and llama_cpp from the host."""
+    _write(tmp_path, "desktop", "bench-20261130T040000Z-0a1b", {
+        **V1_BASE, "id": "bench-20261130T040000Z-0a1b", "kind": "bench", "host": "desktop", "started": "x",
+        "server": None, "gpu": {"name": "g", "driver": "550", "vram_mib": 8192, "compute_capability": "8.6",
+                                "bandwidth_gbs": 224.0},
+        "llama_cpp": {"name": "n", "dir": "/opt/llama.cpp/n", "commit": "abc", "version": "b1", "build_key": "k",
+                      "build_number": 1, "cuda": True, "binaries": {"llama-bench": "0" * 64}},
+        "artifacts": [{"name": "m", "path": "/m.gguf", "sha256": "0" * 64, "sha256_from": "hashed now", "bytes": 1,
+                       "manifest": None, "gguf": {"architecture": "llama"}}],
+        "matrix": {"p": [512], "rounds": 1}, "extra": {"servers_stopped": [], "host_facts": {"cpus": 4}}})
+    record = RunRecord.load(tmp_path / "desktop" / "bench-20261130T040000Z-0a1b")
+    assert record.servers == [] and record.gpu.bandwidth_gbs == 224.0 and record.artifacts[0].gguf == {
+        "architecture": "llama"}
+    assert "v1" not in record.extra
+
+
+def test_the_job_runtimes_record_is_this_version(tmp_path):
+    """The host writes records as a dict (stdlib only): its fresh record has exactly this version's shape."""
+    (tmp_path / "spec.json").write_text(json.dumps({
+        "id": "bench-20261201T000000Z-0000", "kind": "bench", "host": "desktop", "unit": "rigctl-x", "task": "t",
+        "params": {}, "results_dir": str(tmp_path / "results"), "job_dir": str(tmp_path), "record": {}}))
+    data = jobrun.Job(tmp_path).record
+    assert data["version"] == RECORD_VERSION
+    assert set(data) == {f for f in RunRecord.__dataclass_fields__}
+    assert RunRecord.from_dict(data).servers == []
+
+
+# ----------------------------------------------------------------------------------------------- host side
+
+
+def test_the_host_reads_a_running_processs_argv_from_proc_with_secrets_masked():
+    argv = [sys.executable, "-c", "import time; time.sleep(30)", "--api-key", "sk-secret", "--hf-token=hf_x", "-c",
+            "4096"]
+    child = subprocess.Popen(argv)
+    try:
+        deadline = time.monotonic() + 10
+        while True:  # until the interpreter has its final argv
+            read = host_stamp.parse_cmdline(Path(f"/proc/{child.pid}/cmdline").read_bytes())
+            if read == argv or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    finally:
+        child.kill()
+        child.wait()
+    assert read == argv
+    assert host_stamp.mask_secrets(read)[3:7] == ["--api-key", "***", "--hf-token=***", "-c"]
+    assert host_stamp.mask_secrets(["--api-key-file", "/etc/k"]) == ["--api-key-file", "/etc/k"]
+
+
+def test_a_unit_that_is_not_running_has_no_argv():
+    found = host_stamp.deployed("rigctl-test-no-such-unit-7f3a.service")
+    assert found["argv"] == [] and found["pid"] == 0 and found["error"]
+
+
+# ----------------------------------------------------------------------------------------------- store
+
+
+@pytest.mark.parametrize(("host", "run_id"), [("..", "eval-1"), ("desktop", "../../etc"), ("a/b", "x"),
+                                              ("desktop", ""), ("desktop", "a\\b")])
+def test_the_store_places_no_run_outside_its_root(tmp_path, host, run_id):
+    with pytest.raises(TrustError, match="not a plain name"):
+        ResultsStore(tmp_path).run_dir(host, run_id)
+
+
+def test_the_loader_skips_what_it_cannot_read_and_keeps_the_rest(tmp_path, caplog):
+    good = RunRecord(id="eval-20261130T050000Z-0a1b", kind="eval", host="desktop", started="x")
+    good.save(tmp_path / "desktop" / good.id)
+    _write(tmp_path, "desktop", "eval-20261130T060000Z-0a1b", {"id": "x", "kind": "eval", "version": 7})
+    runs = list(ResultsStore(tmp_path).runs())
+    assert [r.id for r in runs] == [good.id]
+    assert "record version 7" in caplog.text
