@@ -412,15 +412,12 @@ def _check_pins(where: str, v: Mapping[str, Any], parsed: Mapping[str, Any]) -> 
             for name in sorted(pins) if name not in artifacts]
 
 
-_PLAIN_KEY = re.compile(r"[A-Za-z0-9_.-]+")
-
-
 def _without_union_tags(loc: tuple[Any, ...]) -> list[str]:
     """The error's key path without the discriminated unions' tags (a source's or an artifact's
     ``type``), which pydantic puts right after ``source`` and after an artifact's name."""
-    # A key the user wrote is shown as written unless it is not a plain word: then quoted, so a newline or
-    # a space in an instance name cannot break the one-line error.
-    parts = [str(p) if _PLAIN_KEY.fullmatch(str(p)) else repr(p) for p in loc]
+    # A key the user wrote is shown as written unless it holds a newline or another unprintable
+    # character: then quoted, so it cannot break the one-line error.
+    parts = [str(p) if str(p).isprintable() else repr(p) for p in loc]
     return [p for i, p in enumerate(parts)
             if not ((i >= 1 and parts[i - 1] == "source") or (i >= 2 and parts[i - 2] == "artifacts"))]
 
