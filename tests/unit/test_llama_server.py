@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import role_modules
 
 from rigctl.servers import operator_start, parse_unit_show
 
@@ -111,7 +112,7 @@ def _qwen_like_header(path: Path) -> Path:
 
 
 def test_vram_estimate_finds_the_studys_offload(tmp_path: Path) -> None:
-    vram = _load(ROLE / "library" / "llama_server_vram.py", "llama_server_vram")
+    vram = role_modules.load(ROLE / "library" / "llama_server_vram.py", "llama_server_vram")
     header = vram.read_header(str(_qwen_like_header(tmp_path / "qwen.gguf")))
     shape = vram.model_shape(header)
     assert shape["n_block"] == 24 and len(shape["kv_layers"]) == 6 and shape["n_vocab"] == 248320

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import role_modules
 import yaml
 
 from rigctl.models import parse_manifest, set_pins_text
@@ -25,10 +25,7 @@ BRIDGE = f"10.213.{os.environ.get('RIGCTL_LAB_SLOT') or 0}.1"
 
 
 def _artifact_module():
-    spec = importlib.util.spec_from_file_location("models_artifact", REPO / "roles/models/library/models_artifact.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return role_modules.load(REPO / "roles/models/library/models_artifact.py", "models_artifact")
 
 
 def gguf_reader_summary(path: Path) -> dict:
