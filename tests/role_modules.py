@@ -1,4 +1,4 @@
-"""Load a role's Ansible module from its file, as a host runs it: its ``ansible.module_utils`` imports of
+"""Load a role's Ansible module (or plugin) from its file, as a host runs it: its ``ansible.module_utils`` imports of
 rigctl's host-side code resolve the way ``ansible.cfg``'s ``module_utils = rigctl/hostside`` makes them."""
 
 from __future__ import annotations

@@ -4,10 +4,7 @@ flags, the VRAM estimate, systemd's output) are tested without the lab."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import role_modules
@@ -18,16 +15,7 @@ ROLE = Path(__file__).resolve().parents[2] / "roles" / "llama_server"
 QUESTION = [{"role": "user", "content": "What is 2+2?"}]
 
 
-def _load(path: Path, name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-filters = _load(ROLE / "filter_plugins" / "llama_server.py", "llama_server_filters")
+filters = role_modules.load(ROLE / "filter_plugins" / "llama_server.py", "llama_server_filters")
 
 
 # ----------------------------------------------------------------------------------------------- pure
