@@ -13,6 +13,7 @@ model_files``), so the controller's tests exercise the very code a host runs. Tw
 from __future__ import annotations
 
 import ast
+import functools
 import shlex
 from importlib import resources
 
@@ -39,6 +40,7 @@ def _install(modules):
 """
 
 
+@functools.cache  # the package's files do not change under a running controller (the exporter asks often)
 def source(name: str) -> str:
     """The source of ``rigctl/hostside/<name>.py``; ConfigError when there is no such module."""
     if not name.isidentifier():
@@ -49,7 +51,8 @@ def source(name: str) -> str:
         raise ConfigError(f"task {name!r}: no rigctl/hostside/{name}.py") from None
 
 
-def imported_siblings(text: str) -> list[str]:
+@functools.cache
+def imported_siblings(text: str) -> tuple[str, ...]:
     """The host-side modules a module's source imports (``from rigctl.hostside import x``,
     ``from rigctl.hostside.x import y``, ``import rigctl.hostside.x``), in source order."""
     found: list[str] = []
@@ -62,7 +65,7 @@ def imported_siblings(text: str) -> list[str]:
         elif isinstance(node, ast.Import):
             names = [a.name.split(".")[2] for a in node.names if a.name.startswith(PACKAGE + ".")]
         found.extend(n for n in names if n not in found)
-    return found
+    return tuple(found)
 
 
 def closure(names: list[str]) -> list[str]:
@@ -92,10 +95,14 @@ def package_files(names: list[str]) -> dict[str, str]:
     return files
 
 
-def python_command(entry: str, *args: str) -> str:
-    """``python3 -c ...`` running ``rigctl.hostside.<entry>``'s ``main(args)``, its imports carried along."""
+@functools.cache
+def _program(entry: str) -> str:
     modules = [("rigctl", _ROOT_INIT), (PACKAGE, source("__init__"))]
     modules += [(f"{PACKAGE}.{name}", source(name)) for name in closure([entry])]
-    program = (f"{_BOOTSTRAP}_install({modules!r})\n"
-               f"sys.exit(sys.modules[{f'{PACKAGE}.{entry}'!r}].main(sys.argv[1:]))\n")
-    return "python3 -c " + " ".join(shlex.quote(a) for a in (program, *args))
+    return (f"{_BOOTSTRAP}_install({modules!r})\n"
+            f"sys.exit(sys.modules[{f'{PACKAGE}.{entry}'!r}].main(sys.argv[1:]))\n")
+
+
+def python_command(entry: str, *args: str) -> str:
+    """``python3 -c ...`` running ``rigctl.hostside.<entry>``'s ``main(args)``, its imports carried along."""
+    return "python3 -c " + " ".join(shlex.quote(a) for a in (_program(entry), *args))
