@@ -15,10 +15,8 @@ from dataclasses import dataclass, field
 
 from rigctl.deploy import DeployResult, TaskEvent, run_playbook
 from rigctl.errors import BuildError
+from rigctl.hostside.llama_cpp_fact import FACT_PATH, parse_builds
 from rigctl.inventory import Host, Inventory
-
-#: Where the llama_cpp role leaves its local fact.
-FACT_PATH = "/etc/ansible/facts.d/llama_cpp.fact"
 
 
 @dataclass(frozen=True)
@@ -69,36 +67,17 @@ class RollbackResult:
 
 
 def parse_fact(text: str, host: str = "?") -> Builds:
-    """The role's INI fact as :class:`Builds` (read the way Ansible reads facts.d INI files)."""
-    parser = configparser.ConfigParser()
+    """The role's INI fact as :class:`Builds` (:func:`rigctl.hostside.llama_cpp_fact.parse_builds`)."""
     try:
-        parser.read_string(text)
-    except configparser.Error as exc:
+        builds = parse_builds(text)
+    except (configparser.Error, ValueError) as exc:
         raise BuildError(f"{host}: {FACT_PATH} is not the llama_cpp role's fact: {str(exc).splitlines()[0]}") from None
 
     def build(link: str) -> Build | None:
-        if not parser.has_section(link):
+        fields = builds[link]
+        if fields is None:
             return None
-        s = parser[link]
-        binaries = dict(parser[f"{link}_binaries"]) if parser.has_section(f"{link}_binaries") else {}
-        return Build(
-            name=s.get("name", ""),
-            dir=s.get("dir", ""),
-            key=s.get("key", ""),
-            version=s.get("version", ""),
-            commit=s.get("commit", ""),
-            build_number=s.getint("build_number", fallback=0),
-            source=s.get("source", ""),
-            cuda=s.getboolean("cuda", fallback=False),
-            cuda_architectures=s.get("cuda_architectures", ""),
-            cuda_version=s.get("cuda_version", ""),
-            built_on=s.get("built_on", ""),
-            built_at=s.get("built_at", ""),
-            cpu_target=s.get("cpu_target", ""),
-            cpu_isa_hash=s.get("cpu_isa_hash", ""),
-            cmake_flags=tuple(line.strip() for line in s.get("cmake_flags", "").splitlines() if line.strip()),
-            binaries=binaries,
-        )
+        return Build(**{**fields, "cmake_flags": tuple(fields["cmake_flags"])})
 
     return Builds(host=host, current=build("current"), previous=build("previous"))
 

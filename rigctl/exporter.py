@@ -13,10 +13,11 @@ A background loop collects from every host concurrently, each host bounded by it
 dead host costs one timeout and never stalls the others; a scrape only renders the last completed
 collection (with its age), so it never waits on SSH.
 
-Each host is read with one SSH command (:data:`PROBE_SCRIPT`) whose raw outputs are parsed by pure functions
-(:func:`parse_nvidia_smi` here, :func:`rigctl.servers.parse_unit_show`, :func:`rigctl.build.parse_fact`,
+Each host is read with one SSH command (:mod:`rigctl.hostside.fleet_probe`) whose raw outputs are parsed by
+pure functions (:func:`parse_nvidia_smi` here, :func:`rigctl.servers.parse_unit_show`, :func:`rigctl.build.parse_fact`,
 :func:`rigctl.models.parse_manifest`). Model files are re-hashed only when their size, mtime, ctime or
-inode change, on a slower lane of their own, so a 4 GB file never holds up a collection.
+inode change (:func:`rigctl.hostside.model_files.identity`), on a slower lane of their own
+(:func:`rigctl.hostside.model_files.hash_unchanged`), so a 4 GB file never holds up a collection.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import shlex
 import socket
 import threading
 import time
@@ -42,6 +42,8 @@ from prometheus_client.utils import floatToGoString
 
 from rigctl.build import Builds, parse_fact
 from rigctl.errors import ConfigError, RigctlError
+from rigctl.hostside import ship
+from rigctl.hostside.llama_cpp_fact import FACT_PATH
 from rigctl.inventory import Host, Inventory
 from rigctl.models import artifact_path, expected_sha256, host_artifacts, host_pins, parse_manifest
 from rigctl.results.record import ANSWERS_FILE
@@ -59,69 +61,6 @@ UNIT_STATES = ("active", "reloading", "inactive", "failed", "activating", "deact
 UNIT_PATTERN = "llama-server@*.service"
 NVIDIA_SMI_FIELDS = ("index", "uuid", "name", "temperature.gpu", "memory.used", "memory.total", "utilization.gpu")
 _MIB = 1024 * 1024
-
-# Runs on the host (python3 is there for Ansible): every raw output the exporter parses, as one JSON
-# object, in one round trip. It changes nothing on the host.
-PROBE_SCRIPT = r"""
-import json, os, subprocess, sys
-args = json.loads(sys.argv[1])
-def run(argv, timeout):
-    try:
-        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-        return {"rc": p.returncode, "out": p.stdout, "err": p.stderr[-2000:]}
-    except FileNotFoundError:
-        return {"rc": 127, "out": "", "err": argv[0] + ": not found"}
-    except subprocess.TimeoutExpired:
-        return {"rc": 124, "out": "", "err": argv[0] + ": timed out"}
-out = {}
-try:
-    out["fact"] = open(args["fact"]).read()
-except OSError:
-    out["fact"] = None
-out["nvidia_smi"] = run(["nvidia-smi", "--query-gpu=" + args["gpu_fields"], "--format=csv,noheader,nounits"],
-                        args["timeout"])
-listed = run(["systemctl", "list-units", "--all", "--plain", "--no-legend", "--no-pager", args["unit_pattern"]],
-             args["timeout"])
-units = list(args["units"])
-for line in listed["out"].splitlines():
-    name = line.split(None, 1)[0] if line.strip() else ""
-    if name.endswith(".service") and name not in units:
-        units.append(name)
-out["units"] = run(["systemctl", "show", "--no-pager", "--property=" + args["unit_properties"], "--"] + units,
-                   args["timeout"]) if units else {"rc": 0, "out": "", "err": ""}
-models = out["models"] = {}
-for name, path in args["models"].items():
-    entry = models[name] = {"path": path}
-    try:
-        st = os.stat(path)
-        entry["stat"] = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
-    except OSError:
-        entry["stat"] = None
-    try:
-        entry["manifest"] = open(path + ".manifest.json").read()
-    except OSError:
-        entry["manifest"] = None
-print(json.dumps(out))
-"""
-
-# Hashes the files named with their stat, and reports a hash only if the file did not change meanwhile.
-HASH_SCRIPT = r"""
-import hashlib, json, os, sys
-out = {}
-for path, stat in json.loads(sys.argv[1]).items():
-    h = hashlib.sha256()
-    try:
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                h.update(chunk)
-        st = os.stat(path)
-    except OSError:
-        continue
-    if [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino] == stat:
-        out[path] = h.hexdigest()
-print(json.dumps(out))
-"""
-
 
 # ----------------------------------------------------------------------------------------------- records
 
@@ -514,6 +453,9 @@ def exposition(families: Iterable[Metric]) -> bytes:
 # ----------------------------------------------------------------------------------------------- collection
 
 
+_STAT_BYTES = 2  # the size in rigctl.hostside.model_files.identity's list
+
+
 def _stat_key(stat: Sequence[int] | None) -> tuple[int, ...] | None:
     return tuple(int(v) for v in stat) if stat else None
 
@@ -669,7 +611,7 @@ class Exporter:
         plan = self.plans[host.name]
         models = {name: artifact_path(host, name) for name in host_artifacts(host)}
         args = {
-            "fact": "/etc/ansible/facts.d/llama_cpp.fact",
+            "fact": FACT_PATH,
             "gpu_fields": ",".join(NVIDIA_SMI_FIELDS),
             "unit_pattern": UNIT_PATTERN,
             "unit_properties": ",".join(UNIT_PROPERTIES),
@@ -677,7 +619,7 @@ class Exporter:
             "models": models,
             "timeout": max(1.0, self.host_timeout / 2),
         }
-        cmd = f"python3 -c {shlex.quote(PROBE_SCRIPT)} {shlex.quote(json.dumps(args))}"
+        cmd = ship.python_command("fleet_probe", json.dumps(args))
         try:
             # One connection per collection: reachability means a new SSH session can be opened now.
             with SshClient(SshTarget.from_host(host), connect_timeout=self.host_timeout, retries=0,
@@ -726,7 +668,7 @@ class Exporter:
                 else:
                     to_hash[path] = list(stat)
             facts.models.append(ModelFact(name, path, stat is not None, sha, pins.get(name), manifest_sha,
-                                          stat[0] if stat else None))
+                                          stat[_STAT_BYTES] if stat and len(stat) > _STAT_BYTES else None))
         if to_hash:
             self._schedule_hash(host, to_hash)
         return facts
@@ -747,7 +689,7 @@ class Exporter:
     def _hash_files(self, host: Host, files: Mapping[str, list[int]]) -> None:
         from rigctl.ssh import SshClient, SshTarget
 
-        cmd = f"python3 -c {shlex.quote(HASH_SCRIPT)} {shlex.quote(json.dumps(files))}"
+        cmd = ship.python_command("model_files", "hash", json.dumps(files))
         try:
             with SshClient(SshTarget.from_host(host), connect_timeout=self.host_timeout, retries=0) as ssh:
                 hashed = json.loads(ssh.run(cmd, timeout=self.hash_timeout).stdout)

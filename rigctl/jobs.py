@@ -3,12 +3,15 @@
 A job is one run (bench, eval, spec, server-speed) executed *on the host*. The hosts have Python
 3.11 and no rigctl, so the job's code travels with it: :func:`start` copies the stdlib-only job
 runtime :mod:`rigctl.hostside.jobrun` and one task module from :mod:`rigctl.hostside` (``bench_task``,
-``eval_task``, ...) into ``/var/lib/rigctl/jobs/<id>/`` with ``spec.json`` (the task's parameters
-and the run record's first fields) and any extra files (in one round trip), and starts::
+``eval_task``, ...) into ``/var/lib/rigctl/jobs/<id>/``, with the host-side modules they import under
+``rigctl/hostside/`` there (:func:`rigctl.hostside.ship.package_files`), ``spec.json`` (the task's
+parameters and the run record's first fields) and any extra files (in one round trip), and starts::
 
     systemd-run --unit rigctl-<id> --collect -p RuntimeMaxSec=... python3 jobrun.py /var/lib/rigctl/jobs/<id>
 
-The job id is the run id (:func:`rigctl.results.record.new_run_id`, ``bench-20261130T051200Z-3f9a``), so
+The host's half of starting, listing, following and pulling is :mod:`rigctl.hostside.jobhost`, sent
+as a one-shot command. The job id is the run id (:func:`rigctl.results.record.new_run_id`,
+``bench-20261130T051200Z-3f9a``), so
 the unit is ``rigctl-<kind>-<timestamp>-<hex>``. The runtime writes ``state.json`` in the job
 directory (state, done/total, message: what :func:`status` and ``rigctl jobs`` show) and the run
 directory ``/var/lib/rigctl/results/<host>/<id>/`` (``run.json`` + raw files), sealed with every
@@ -59,11 +62,11 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from rigctl.errors import ConfigError, ConnectError, JobBusyError, JobError, RigctlError, TransferError, TrustError
+from rigctl.hostside import ship
 from rigctl.inventory import Host
 from rigctl.results.record import RUN_FILE, RUN_ID, RunKind, RunRecord, new_run_id, rigctl_version
 from rigctl.results.store import ResultsStore, read_jsonl
@@ -81,116 +84,6 @@ COMMAND_TIMEOUT = 60.0
 FILE_MODE = 0o644
 DIR_MODE = 0o755
 TRANSFER_TIMEOUT = 600.0
-
-# Runs on the host: writes the job directory from stdin ({file name: text}, spec.json among them),
-# then, under a mutex, refuses while the lock's holder is active, else takes it and starts the unit.
-# One round trip. Prints one JSON object: {"started": unit} or {"refused": holder} or {"error": text}.
-_START_SCRIPT = r"""
-import fcntl, json, os, shutil, subprocess, sys
-files = json.load(sys.stdin)
-spec = json.loads(files["spec.json"])
-os.makedirs(spec["job_dir"], exist_ok=True)
-os.makedirs(spec["results_dir"], exist_ok=True)
-for name, text in files.items():
-    with open(os.path.join(spec["job_dir"], name), "w") as out:
-        out.write(text)
-locks = os.path.join(os.path.dirname(spec["job_dir"]), "locks")
-os.makedirs(locks, exist_ok=True)
-with open(os.path.join(locks, ".mutex"), "a") as mutex:
-    fcntl.flock(mutex, fcntl.LOCK_EX)
-    lock_file = spec.get("lock_file")
-    if lock_file:
-        try:
-            holder = json.load(open(lock_file))
-        except (OSError, ValueError):
-            holder = None
-        if holder and subprocess.run(["systemctl", "is-active", "--quiet", holder["unit"]]).returncode == 0:
-            shutil.rmtree(spec["job_dir"])
-            print(json.dumps({"refused": holder}))
-            sys.exit(0)
-        with open(lock_file + ".tmp", "w") as out:
-            json.dump({"job": spec["id"], "unit": spec["unit"], "kind": spec["kind"]}, out)
-        os.replace(lock_file + ".tmp", lock_file)
-    log = os.path.join(spec["job_dir"], "output.log")
-    argv = ["systemd-run", "--unit", spec["unit"], "--collect", "--quiet",
-            "--description", "rigctl " + spec["kind"] + " job " + spec["id"],
-            "--working-directory", spec["job_dir"],
-            "-p", "RuntimeMaxSec=%d" % spec["max_runtime_s"], "-p", "TimeoutStopSec=120",
-            "-p", "StandardOutput=append:" + log, "-p", "StandardError=append:" + log,
-            "/usr/bin/python3", os.path.join(spec["job_dir"], "jobrun.py"), spec["job_dir"]]
-    done = subprocess.run(argv, capture_output=True, text=True)
-    if done.returncode != 0:
-        if lock_file:
-            os.unlink(lock_file)
-        shutil.rmtree(spec["job_dir"])
-        print(json.dumps({"error": (done.stderr or done.stdout).strip() or "systemd-run exited %d" % done.returncode}))
-    else:
-        print(json.dumps({"started": spec["unit"]}))
-"""
-
-# Every job directory's state (spec.json when the runtime has not written state.json yet) and
-# whether its unit is active, as one JSON list.
-_LIST_SCRIPT = r"""
-import json, os, subprocess, sys
-root = sys.argv[1]
-only = sys.argv[2] if len(sys.argv) > 2 else ""
-out = []
-names = sorted(n for n in os.listdir(root) if n != "locks") if os.path.isdir(root) else []
-for name in names:
-    if only and name != only:
-        continue
-    d = os.path.join(root, name)
-    try:
-        spec = json.load(open(os.path.join(d, "spec.json")))
-    except (OSError, ValueError):
-        continue
-    try:
-        state = json.load(open(os.path.join(d, "state.json")))
-    except (OSError, ValueError):
-        state = {"state": "starting", "message": "starting"}
-    active = subprocess.run(["systemctl", "is-active", "--quiet", spec["unit"]]).returncode == 0
-    out.append({"spec": {k: spec.get(k) for k in ("id", "kind", "host", "unit", "lock")}, "state": state,
-                "active": active})
-print(json.dumps(out))
-"""
-
-# Put before _LIST_SCRIPT (same argv: jobs root, job id; then the progress key last seen, how long to
-# hold, how often to look): waits on the host until the job's state file shows other progress than
-# the key, or the hold ends, then lists that job. One round trip and one process per change of
-# progress, instead of a process (and a systemctl) per poll competing with the bench for the CPUs.
-_WAIT_PREFIX = r"""
-import json, os, sys, time
-_dir = os.path.join(sys.argv[1], sys.argv[2])
-_last, _hold, _every = sys.argv[3], float(sys.argv[4]), float(sys.argv[5])
-_end = time.monotonic() + _hold
-while time.monotonic() < _end and os.path.isdir(_dir):
-    try:
-        _state = json.load(open(os.path.join(_dir, "state.json")))
-    except (OSError, ValueError):
-        _state = None
-    if _state is not None and json.dumps([_state.get(k) for k in ("state", "done", "total", "message")]) != _last:
-        break
-    time.sleep(_every)
-"""
-
-# The run records under <results>/<host>/, for pull: {run id: {"record": run.json, "active": its job's
-# unit is active}} (the unit is only asked about for runs still "running").
-_RUNS_SCRIPT = r"""
-import json, os, subprocess, sys
-root, prefix = sys.argv[1], sys.argv[2]
-out = {}
-if os.path.isdir(root):
-    for name in sorted(os.listdir(root)):
-        try:
-            record = json.load(open(os.path.join(root, name, "run.json")))
-        except (OSError, ValueError):
-            continue
-        active = record.get("status") == "running" and subprocess.run(
-            ["systemctl", "is-active", "--quiet", prefix + name]).returncode == 0
-        out[name] = {"record": record, "active": active}
-print(json.dumps(out))
-"""
-
 
 @dataclass(frozen=True)
 class JobSpec:
@@ -250,14 +143,6 @@ def unit_name(job_id: str) -> str:
     return f"{UNIT_PREFIX}{job_id}"
 
 
-def task_source(task: str) -> str:
-    """The source of a task module (or of the runtime, ``jobrun``) as shipped to the host."""
-    if not task.isidentifier():
-        raise ConfigError(f"task {task!r}: not a module name")
-    try:
-        return resources.files("rigctl.hostside").joinpath(f"{task}.py").read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"task {task!r}: no rigctl/hostside/{task}.py") from None
 
 
 def parse_job(host: str, entry: Mapping[str, Any]) -> JobInfo:
@@ -272,10 +157,6 @@ def parse_job(host: str, entry: Mapping[str, Any]) -> JobInfo:
         started=state.get("started"), updated=state.get("updated"), ended=state.get("ended"),
         error=state.get("error"), run_dir=state.get("run_dir"), lock=spec.get("lock"),
     )
-
-
-def _python(script: str, *args: str) -> str:
-    return "python3 -c " + " ".join(shlex.quote(a) for a in (script, *args))
 
 
 def _client(host: Host) -> SshClient:
@@ -302,7 +183,7 @@ def start(host: Host, spec: JobSpec, *, job_id: str | None = None, client: SshCl
     job_dir = f"{JOBS_DIR}/{job_id}"
     lock_file = f"{JOBS_DIR}/locks/{spec.lock}.json" if spec.lock else None
     for name, path in spec.files.items():
-        if "/" in name or name in ("spec.json", "state.json", "jobrun.py", "stamp.py", f"{spec.task}.py"):
+        if "/" in name or name in ("spec.json", "state.json", "jobrun.py", f"{spec.task}.py", "rigctl"):
             raise ConfigError(f"job file name {name!r}: must be a plain name not used by the job itself")
         if not Path(path).is_file():
             raise ConfigError(f"job file {name}: {path} does not exist")
@@ -312,15 +193,16 @@ def start(host: Host, spec: JobSpec, *, job_id: str | None = None, client: SshCl
         "results_dir": RESULTS_DIR, "record": dict(spec.record), "rigctl_version": rigctl_version(),
         "max_runtime_s": int(spec.max_runtime_s),
     }
-    sources = {"jobrun.py": task_source("jobrun"), "stamp.py": task_source("stamp"),
-               f"{spec.task}.py": task_source(spec.task),
+    sources = {"jobrun.py": ship.source("jobrun"), f"{spec.task}.py": ship.source(spec.task),
+               **ship.package_files(["jobrun", spec.task, "stamp"]),
                "spec.json": json.dumps(remote_spec, indent=2, sort_keys=True) + "\n"}
     with _session(host, client) as ssh:
         if spec.files:  # data files (datasets) may be large or binary: SFTP, before the unit can start
             ssh.run(f"mkdir -p {shlex.quote(job_dir)}", timeout=COMMAND_TIMEOUT, check=True)
             for name, path in spec.files.items():
                 ssh.put(path, f"{job_dir}/{name}", timeout=TRANSFER_TIMEOUT)
-        result = ssh.run(_python(_START_SCRIPT), timeout=COMMAND_TIMEOUT, check=True, input=json.dumps(sources))
+        result = ssh.run(ship.python_command("jobhost", "start"), timeout=COMMAND_TIMEOUT, check=True,
+                         input=json.dumps(sources))
         answer = json.loads(result.stdout)
         if "started" not in answer:
             if "refused" in answer:
@@ -344,21 +226,21 @@ def status(host: Host, job_id: str, *, client: SshClient | None = None) -> JobIn
 
 
 def _list(host: Host, only: str | None, client: SshClient | None) -> list[JobInfo]:
-    cmd = _python(_LIST_SCRIPT, JOBS_DIR, *([only] if only else []))
+    cmd = ship.python_command("jobhost", "list", JOBS_DIR, *([only] if only else []))
     with _session(host, client) as ssh:
         result = ssh.run(cmd, timeout=COMMAND_TIMEOUT, check=True)
     return [parse_job(host.name, entry) for entry in json.loads(result.stdout)]
 
 
 def _progress_key(info: JobInfo | None) -> str:
-    """What the host's wait compares the state file against (its JSON spelling)."""
+    """What the host's wait compares the state file against (:func:`rigctl.hostside.jobhost.progress_key`)."""
     return "" if info is None else json.dumps([info.state, info.done, info.total, info.message])
 
 
 def _wait_change(host: Host, job_id: str, last: JobInfo | None, hold_s: float, poll_s: float,
                  ssh: SshClient) -> JobInfo:
     """The job once its progress differs from ``last`` (or after ``hold_s``), waited for on the host."""
-    cmd = _python(_WAIT_PREFIX + _LIST_SCRIPT, JOBS_DIR, job_id, _progress_key(last), f"{hold_s:g}", f"{poll_s:g}")
+    cmd = ship.python_command("jobhost", "wait", JOBS_DIR, job_id, _progress_key(last), f"{hold_s:g}", f"{poll_s:g}")
     found = [parse_job(host.name, e) for e in json.loads(ssh.run(cmd, timeout=hold_s + COMMAND_TIMEOUT,
                                                                   check=True).stdout)]
     if not found:
@@ -442,7 +324,8 @@ def pull(host: Host, store: ResultsStore | None = None, *, timeout: float = TRAN
     remote_root = f"{RESULTS_DIR}/{host.name}"
     host_dir = inside(store.root, host.name, f"host {host.name!r}")
     with _session(host, client) as ssh:
-        out = ssh.run(_python(_RUNS_SCRIPT, remote_root, UNIT_PREFIX), timeout=COMMAND_TIMEOUT, check=True).stdout
+        out = ssh.run(ship.python_command("jobhost", "runs", remote_root, UNIT_PREFIX), timeout=COMMAND_TIMEOUT,
+                      check=True).stdout
         try:
             listing = json.loads(out)
         except json.JSONDecodeError:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import shlex
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from typing import Any
 import yaml
 
 from rigctl.errors import ConfigError, PinError, RigctlError
+from rigctl.hostside import ship
 from rigctl.inventory import SHA256, Host, Inventory
 
 log = logging.getLogger(__name__)
@@ -168,24 +168,7 @@ def inspect_host(host: Host, *, rehash: bool, timeout: float = SSH_TIMEOUT) -> l
     paths = {name: artifact_path(host, name) for name in names}
     pins = host_pins(host)
     # One round trip: every manifest, and the file hashes when asked, as one JSON object.
-    script = (
-        "import hashlib, json, os, sys\n"
-        "out = {}\n"
-        "for name, path in json.loads(sys.argv[1]).items():\n"
-        "    entry = out[name] = {}\n"
-        "    try:\n"
-        "        entry['manifest'] = open(path + '.manifest.json').read()\n"
-        "    except OSError:\n"
-        "        pass\n"
-        "    if sys.argv[2] == '1' and os.path.isfile(path):\n"
-        "        h = hashlib.sha256()\n"
-        "        with open(path, 'rb') as f:\n"
-        "            for chunk in iter(lambda: f.read(1 << 22), b''):\n"
-        "                h.update(chunk)\n"
-        "        entry['sha256'] = h.hexdigest()\n"
-        "print(json.dumps(out))\n"
-    )
-    cmd = f"python3 -c {shlex.quote(script)} {shlex.quote(json.dumps(paths))} {'1' if rehash else '0'}"
+    cmd = ship.python_command("model_files", "inspect", json.dumps(paths), "1" if rehash else "0")
     with SshClient(SshTarget.from_host(host)) as ssh:
         result = ssh.run(cmd, timeout=timeout)
     found = json.loads(result.stdout)

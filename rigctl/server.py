@@ -37,7 +37,6 @@ import asyncio
 import json
 import logging
 import math
-import random
 import ssl
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -49,6 +48,14 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from rigctl.errors import ConfigError, ServerError
+from rigctl.hostside.llama_server_http import (
+    RETRY_ATTEMPTS,
+    RETRY_BACKOFF,
+    RETRY_MAX_WAIT,
+    props_fields,
+    retry_wait,
+    retryable_status,
+)
 from rigctl.trust import MASK, register_secret
 
 log = logging.getLogger(__name__)
@@ -77,12 +84,12 @@ class Timeouts:
 class Retry:
     """``attempts`` tries in all; the n-th wait is ``backoff * 2**n`` seconds (capped, with jitter)."""
 
-    attempts: int = 4
-    backoff: float = 0.5
-    max_wait: float = 8.0
+    attempts: int = RETRY_ATTEMPTS
+    backoff: float = RETRY_BACKOFF
+    max_wait: float = RETRY_MAX_WAIT
 
     def wait(self, attempt: int) -> float:
-        return min(self.max_wait, self.backoff * 2**attempt) * (0.75 + random.random() / 2)
+        return retry_wait(attempt, self.backoff, self.max_wait)
 
 
 NO_RETRY = Retry(attempts=1)
@@ -258,11 +265,7 @@ def parse_timings(data: Mapping[str, Any] | None) -> Timings | None:
 
 
 def parse_props(data: Mapping[str, Any]) -> Props:
-    settings = data.get("default_generation_settings") or {}
-    return Props(build_info=str(data.get("build_info", "")), model_path=str(data.get("model_path", "")),
-                 total_slots=int(data.get("total_slots", 1)),
-                 n_ctx=settings.get("n_ctx") if isinstance(settings, Mapping) else None,
-                 chat_template=str(data.get("chat_template", "")), raw=dict(data))
+    return Props(**props_fields(data), raw=dict(data))
 
 
 def _tool_calls(items: Sequence[Mapping[str, Any]] | None) -> list[ToolCall]:
@@ -476,10 +479,6 @@ class _Base:
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ServerError(str(self.endpoint), call.what, f"unexpected answer: {exc}") from None
 
-    @staticmethod
-    def _retryable_status(status: int) -> bool:
-        return status >= 500
-
 
 class ServerClient(_Base):
     """Synchronous client (httpx.Client); a context manager. See the module docstring."""
@@ -511,7 +510,7 @@ class ServerClient(_Base):
             except httpx.HTTPError as exc:
                 raise self._fail(call, exc, attempt + 1) from None
             else:
-                if not (self._retryable_status(response.status_code) and not last):
+                if not (retryable_status(response.status_code) and not last):
                     self._check(call, response)
                     return response
                 log.info("%s: %s: HTTP %s; retrying", self.endpoint, call.what, response.status_code)
@@ -653,7 +652,7 @@ class AsyncServerClient(_Base):
             except httpx.HTTPError as exc:
                 raise self._fail(call, exc, attempt + 1) from None
             else:
-                if not (self._retryable_status(response.status_code) and not last):
+                if not (retryable_status(response.status_code) and not last):
                     self._check(call, response)
                     return response
                 log.info("%s: %s: HTTP %s; retrying", self.endpoint, call.what, response.status_code)

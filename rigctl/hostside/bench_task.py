@@ -47,6 +47,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rigctl.hostside import gguf
+
 #: Matrix keys in llama-bench's flag order; list values become comma lists.
 MATRIX_FLAGS = (("p", "-p"), ("n", "-n"), ("r", "-r"), ("fa", "-fa"), ("ngl", "-ngl"), ("t", "-t"),
                 ("ctk", "-ctk"), ("ctv", "-ctv"), ("d", "-d"))
@@ -251,8 +253,6 @@ class ClockPoller:
             self._add(last)
 
 
-#: GGUF metadata value types: struct format by type id (8 string, 9 array are read apart).
-_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 #: What the bandwidth bound needs of a model: its layers and attention shape (KV bytes per token).
 GGUF_SHAPE_KEYS = ("block_count", "embedding_length", "attention.head_count", "attention.head_count_kv",
                    "attention.key_length", "attention.value_length", "context_length")
@@ -261,53 +261,18 @@ GGUF_SHAPE_KEYS = ("block_count", "embedding_length", "attention.head_count", "a
 def gguf_shape(path: str) -> dict[str, Any] | None:
     """The architecture and attention shape from a GGUF file's metadata (None when it is not GGUF v2/v3).
     Per-layer arrays (``head_count_kv`` on some models) are kept as lists."""
-    import struct
-
-    def read(fmt: str) -> Any:
-        size = struct.calcsize("<" + fmt)
-        data = handle.read(size)
-        if len(data) != size:
-            raise EOFError(path)
-        return struct.unpack("<" + fmt, data)[0]
-
-    def string() -> str:
-        return handle.read(read("Q")).decode("utf-8", errors="replace")
-
-    def value(kind: int) -> Any:
-        if kind in _GGUF_SCALARS:
-            return read(_GGUF_SCALARS[kind])
-        if kind == 8:
-            return string()
-        if kind == 9:
-            inner, count = read("I"), read("Q")
-            if inner in _GGUF_SCALARS and inner != 8:
-                size = struct.calcsize("<" + _GGUF_SCALARS[inner])
-                if count > 4096:  # vocabularies and merges: skipped, not read
-                    handle.seek(size * count, 1)
-                    return None
-                return [read(_GGUF_SCALARS[inner]) for _ in range(count)]
-            items = [value(inner) for _ in range(count)]
-            return items if count <= 4096 else None
-        raise ValueError(f"unknown GGUF value type {kind}")
-
     try:
-        with open(path, "rb") as handle:
-            if handle.read(4) != b"GGUF" or read("I") not in (2, 3):
-                return None
-            read("Q")  # tensor count
-            metadata = {}
-            for _ in range(read("Q")):
-                key = string()
-                metadata[key] = value(read("I"))
-    except (OSError, EOFError, ValueError, UnicodeDecodeError):
+        metadata = gguf.read_header(path, tensors=False)["meta"]
+    except (OSError, ValueError, gguf.GGUFError):
         return None
     arch = metadata.get("general.architecture")
     if not isinstance(arch, str):
         return None
     shape: dict[str, Any] = {"architecture": arch}
     for key in GGUF_SHAPE_KEYS:
-        if f"{arch}.{key}" in metadata:
-            shape[key] = metadata[f"{arch}.{key}"]
+        value = metadata.get(f"{arch}.{key}")
+        if value is not None and not isinstance(value, dict):  # a dict: an array too long to keep
+            shape[key] = value
     return shape
 
 

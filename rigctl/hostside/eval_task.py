@@ -23,11 +23,14 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from rigctl.hostside.llama_server_http import RETRY_ATTEMPTS, props_fields, retry_wait, retryable_status
+
 ANSWERS_FILE = "answers.jsonl"
 
 
 class Server:
-    """The local llama-server over urllib: JSON in, JSON out, retries on connection errors and 5xx."""
+    """The local llama-server over urllib: JSON in, JSON out, retried as :mod:`rigctl.hostside.llama_server_http`
+    says (connection errors and 5xx)."""
 
     def __init__(self, port: int, api_key: str | None, timeout: float, retries: int, error: type[Exception]):
         self.base = f"http://127.0.0.1:{port}"
@@ -46,7 +49,7 @@ class Server:
                 with urllib.request.urlopen(request, timeout=self.timeout) as response:
                     return json.loads(response.read())
             except urllib.error.HTTPError as exc:
-                if exc.code < 500 or attempt == self.retries - 1:
+                if not retryable_status(exc.code) or attempt == self.retries - 1:
                     text = exc.read().decode(errors="replace").strip().splitlines()
                     reason = text[0][:200] if text else exc.reason
                     raise self.error(f"{method} {path}: HTTP {exc.code}: {reason}") from None
@@ -55,7 +58,7 @@ class Server:
                 if attempt == self.retries - 1:
                     raise self.error(f"{method} {path}: {exc} (after {self.retries} attempts)") from None
                 from_error = str(exc)
-            time.sleep(min(8.0, 0.5 * 2**attempt))
+            time.sleep(retry_wait(attempt))
             print(f"{method} {path}: {from_error}; retrying", flush=True)
         raise self.error(f"{method} {path}: no attempts")
 
@@ -78,12 +81,11 @@ def run(job: Any) -> None:
     scorer = params["scorer"]
     questions = [json.loads(line) for line in (job.dir / "questions.jsonl").read_text().splitlines() if line]
     server = Server(int(params["port"]), _api_key(params.get("api_key_file"), job.TaskError),
-                    float(params["timeout_s"]), int(params.get("retries", 4)), job.TaskError)
-    props = server.call("GET", "/props")
+                    float(params["timeout_s"]), int(params.get("retries", RETRY_ATTEMPTS)), job.TaskError)
+    props = props_fields(server.call("GET", "/props"))
     # The runtime put the server (its argv as deployed among it) in the record; /props adds the rest.
-    job.record["servers"][0].update(endpoint=server.base, build_info=props.get("build_info", ""),
-                                    model_path=props.get("model_path", ""), total_slots=props.get("total_slots"),
-                                    n_ctx=(props.get("default_generation_settings") or {}).get("n_ctx"))
+    job.record["servers"][0].update(endpoint=server.base,
+                                    **{k: props[k] for k in ("build_info", "model_path", "total_slots", "n_ctx")})
     artifact = params.get("artifact")
     if artifact:
         job.record["artifacts"] = [job.artifact(artifact["name"], artifact["path"])]

@@ -6,6 +6,8 @@ Invoked as ``python3 jobrun.py JOB_DIR``. ``JOB_DIR`` holds what the controller 
     spec.json      id, kind, host, task (module name), params, lock, lock_file, results_dir, record
     jobrun.py      this file
     <task>.py      the task module: ``run(job: Job) -> None``
+    rigctl/        the host-side modules these two import (``rigctl.hostside.model_files``, ...): the
+                   script's directory comes first on ``sys.path``, so they import as on the controller
     <extra files>  whatever the JobSpec shipped (datasets, prompts)
 
 and what this runtime writes::
@@ -17,7 +19,7 @@ The run directory ``<results_dir>/<host>/<id>/`` gets ``run.json`` (the run reco
 :class:`rigctl.results.record.RunRecord`) as soon as the job starts (status ``running``) and again, sealed
 with every raw file's sha256, when it ends. Host facts, the GPU (from ``nvidia-smi``), the
 llama.cpp build (from the llama_cpp role's fact file) and each server's argv as deployed (its unit's
-main process, by :mod:`rigctl.hostside.stamp`, shipped beside this file) are filled in before the task runs.
+main process, by :mod:`rigctl.hostside.stamp`) are filled in before the task runs.
 
 On SIGTERM (``systemctl stop``, RuntimeMaxSec) the running child is terminated, the task's
 ``finally`` blocks run (a bench restores the llama-server units it stopped) and the run is sealed
@@ -34,7 +36,6 @@ from __future__ import annotations
 import configparser
 import contextlib
 import errno
-import hashlib
 import importlib.util
 import json
 import os
@@ -48,7 +49,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-LLAMA_CPP_FACT = "/etc/ansible/facts.d/llama_cpp.fact"
+from rigctl.hostside import llama_cpp_fact, model_files, stamp
+from rigctl.hostside.model_files import file_sha256
+
 #: Space set aside in the run directory when the job starts and freed to seal it: a disk that fills up
 #: mid-run still gets its sealed record saying why, instead of a run left "running" (then "lost").
 RESERVE_FILE = ".reserve"
@@ -62,7 +65,6 @@ RECORD_VERSION = 2
 HASH_CACHE_FILE = "sha256-cache.json"
 STATE_FILE = "state.json"
 SPEC_FILE = "spec.json"
-_CHUNK = 1 << 20
 
 
 class Stopped(Exception):
@@ -95,39 +97,10 @@ def utc_now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def file_sha256(path: str | os.PathLike[str]) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def write_json_atomically(path: Path, data: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)
-
-
-def parse_llama_cpp_fact(text: str) -> dict[str, Any]:
-    """The current build from the llama_cpp role's INI fact: commit, version, build_key, ..."""
-    parser = configparser.ConfigParser()
-    parser.read_string(text)
-    if not parser.has_section("current"):
-        return {}
-    current = parser["current"]
-    build = {
-        "name": current.get("name", ""),
-        "dir": current.get("dir", ""),
-        "commit": current.get("commit", ""),
-        "version": current.get("version", ""),
-        "build_key": current.get("key", ""),
-        "build_number": current.getint("build_number", fallback=0),
-        "cuda": current.getboolean("cuda", fallback=False),
-    }
-    if parser.has_section("current_binaries"):
-        build["binaries"] = dict(parser["current_binaries"])
-    return build
 
 
 def parse_gpu_query(stdout: str) -> dict[str, Any]:
@@ -278,15 +251,14 @@ class Job:
         entry: dict[str, Any] = {"name": name, "path": path, "sha256": digest, "sha256_from": source,
                                  "bytes": os.path.getsize(path), "manifest": None}
         try:
-            entry["manifest"] = json.loads(Path(path + ".manifest.json").read_text())
-        except (OSError, ValueError):
+            entry["manifest"] = json.loads(model_files.read_manifest(path) or "")
+        except ValueError:
             self.log(f"artifact {name}: no readable manifest beside {path}")
         return entry
 
     def _cached_sha256(self, path: str) -> tuple[str, str]:
         cache_path = Path(self.spec["job_dir"]).parent.parent / HASH_CACHE_FILE
-        st = os.stat(path)
-        identity = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+        identity = model_files.identity(path)
         try:
             cache = json.loads(cache_path.read_text())
         except (OSError, ValueError):
@@ -306,7 +278,6 @@ class Job:
         """Host, GPU, llama.cpp build and the servers' argv as deployed: the servers the spec's record
         names (an eval's), else every llama-server running now (what a bench found, and stops)."""
         self.record["extra"]["host_facts"] = host_facts()
-        stamp = _sibling("stamp")
         servers = self.record["servers"] or [{"name": name, "host": self.spec["host"]} for name in active_servers()]
         for server in servers:
             server.setdefault("unit", f"llama-server@{server['name']}.service")
@@ -320,9 +291,11 @@ class Job:
         if gpu:
             self.record["gpu"] = parse_gpu_query(gpu)
         try:
-            self.record["llama_cpp"] = parse_llama_cpp_fact(Path(LLAMA_CPP_FACT).read_text())
-        except (OSError, configparser.Error) as exc:
+            current = llama_cpp_fact.parse_builds(Path(llama_cpp_fact.FACT_PATH).read_text())["current"]
+        except (OSError, ValueError, configparser.Error) as exc:
             self.log(f"no llama.cpp fact: {exc}")
+        else:
+            self.record["llama_cpp"] = llama_cpp_fact.record_fields(current) if current else {}
 
     # ------------------------------------------------------------------ stopping
 
@@ -353,15 +326,6 @@ def active_servers() -> list[str]:
         return []
     units = [line.split()[0] for line in listing.splitlines() if line.strip()]
     return sorted(u.removeprefix("llama-server@").removesuffix(".service") for u in units)
-
-
-def _sibling(name: str) -> Any:
-    """A host-side module shipped beside this file (the job directory on a host, the package here)."""
-    spec = importlib.util.spec_from_file_location(f"rigctl_{name}", Path(__file__).with_name(f"{name}.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def load_task(job_dir: Path, name: str) -> Any:

@@ -110,7 +110,8 @@ def test_models_artifact_on_a_full_disk_says_the_disk_is_full(small_disk: Path, 
     source.write_bytes(b"GGUF" + os.urandom(4 << 20))
     args = {"name": "big", "path": str(small_disk / "big.gguf"), "kind": "copy", "input": str(source),
             "host": "controller"}
-    (tmp_path / "ansible.cfg").write_text("[defaults]\n")  # Ansible's own defaults, not the project's
+    # Ansible's own defaults, not the project's, but for where the roles' module_utils live.
+    (tmp_path / "ansible.cfg").write_text(f"[defaults]\nmodule_utils = {REPO / 'rigctl/hostside'}\n")
     ansible = str(Path(sys.executable).parent / "ansible")
     done = subprocess.run(
         [ansible, "localhost", "-c", "local", "-M", str(REPO / "roles/models/library"), "-m", "models_artifact",

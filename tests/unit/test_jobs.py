@@ -6,6 +6,7 @@ import pytest
 
 from rigctl import jobs
 from rigctl.errors import ConfigError
+from rigctl.hostside import ship
 
 # ----------------------------------------------------------------------------------------------- pure
 
@@ -21,10 +22,10 @@ def test_a_running_job_without_its_unit_is_lost() -> None:
 
 
 def test_task_sources_ship_only_remote_modules() -> None:
-    assert "def main(job_dir" in jobs.task_source("jobrun")
-    assert "def run(job" in jobs.task_source("bench_task")
+    assert "def main(job_dir" in ship.source("jobrun")
+    assert "def run(job" in ship.source("bench_task")
     for bad in ("../jobs", "no_such_task"):
         with pytest.raises(ConfigError, match="task"):
-            jobs.task_source(bad)
+            ship.source(bad)
 
 

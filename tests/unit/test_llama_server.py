@@ -2,28 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
+import role_modules
 
 from rigctl.servers import operator_start, parse_unit_show
 
 ROLE = Path(__file__).resolve().parents[2] / "roles" / "llama_server"
 
 
-def _load(path: Path, name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-filters = _load(ROLE / "filter_plugins" / "llama_server.py", "llama_server_filters")
+filters = role_modules.load(ROLE / "filter_plugins" / "llama_server.py", "llama_server_filters")
 
 
 # ----------------------------------------------------------------------------------------------- pure
@@ -108,7 +97,7 @@ def _qwen_like_header(path: Path) -> Path:
 
 
 def test_vram_estimate_finds_the_studys_offload(tmp_path: Path) -> None:
-    vram = _load(ROLE / "library" / "llama_server_vram.py", "llama_server_vram")
+    vram = role_modules.load(ROLE / "library" / "llama_server_vram.py", "llama_server_vram")
     header = vram.read_header(str(_qwen_like_header(tmp_path / "qwen.gguf")))
     shape = vram.model_shape(header)
     assert shape["n_block"] == 24 and len(shape["kv_layers"]) == 6 and shape["n_vocab"] == 248320

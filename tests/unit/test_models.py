@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
+import role_modules
 import yaml
 
 from rigctl.models import parse_manifest, set_pins_text
@@ -19,10 +19,7 @@ from models_support import gguf_reader_summary  # noqa: E402
 
 
 def _artifact_module():
-    spec = importlib.util.spec_from_file_location("models_artifact", REPO / "roles/models/library/models_artifact.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return role_modules.load(REPO / "roles/models/library/models_artifact.py", "models_artifact")
 
 
 # ------------------------------------------------------------------------------------------- no lab

@@ -32,91 +32,24 @@ options:
 """
 
 import json
-import os
 import re
-import struct
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.gguf import GGUFError, read_header
+from ansible.module_utils.model_files import manifest_path
 
 MIB = 1024 * 1024
-# ggml type id -> (name, elements per block, bytes per block) for the types GGUF files carry.
-_QK_K = 256
-GGML_TYPES = {
-    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
-    7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 36), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110),
-    12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
-    16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98), 19: ("IQ1_S", 256, 50),
-    20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110), 22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136),
-    24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8),
-    29: ("IQ1_M", 256, 56), 30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
-    39: ("MXFP4", 32, 17), 40: ("NVFP4", 64, 36), 41: ("Q1_0", 128, 18), 42: ("Q2_0", 64, 18),
-}
 # Bytes per element of the KV cache types llama-server accepts.
 CACHE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32,
                "iq4_nl": 18 / 32, "q5_0": 22 / 32, "q5_1": 24 / 32}
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 
 
-class GGUFError(Exception):
-    pass
-
-
-def read_header(path: str) -> dict:
-    """Metadata (scalars, strings, small arrays; big arrays as their length) and the tensor table."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        def take(n):
-            data = f.read(n)
-            if len(data) != n:
-                raise GGUFError(f"{path}: truncated header")
-            return data
-
-        def scalar(fmt):
-            return struct.unpack(fmt, take(struct.calcsize(fmt)))[0]
-
-        def string():
-            n = scalar("<Q")
-            if n > size:
-                raise GGUFError(f"{path}: string past the end of the file")
-            return take(n).decode("utf-8", errors="replace")
-
-        def value(vtype):
-            if vtype in _SCALARS:
-                return scalar(_SCALARS[vtype])
-            if vtype == 8:
-                return string()
-            if vtype == 9:
-                etype, count = scalar("<I"), scalar("<Q")
-                if etype in _SCALARS and count > 4096:  # vocabularies: only their length matters
-                    f.seek(struct.calcsize(_SCALARS[etype]) * count, os.SEEK_CUR)
-                    return {"length": count}
-                items = [value(etype) for _ in range(count)]
-                return items if count <= 4096 else {"length": count}
-            raise GGUFError(f"{path}: unknown metadata type {vtype}")
-
-        if take(4) != b"GGUF":
-            raise GGUFError(f"{path}: not a GGUF file")
-        scalar("<I")
-        n_tensors, n_kv = scalar("<Q"), scalar("<Q")
-        meta = {}
-        for _ in range(n_kv):
-            key = string()
-            meta[key] = value(scalar("<I"))
-        tensors = []
-        for _ in range(n_tensors):
-            name = string()
-            dims = [scalar("<Q") for _ in range(scalar("<I"))]
-            ttype = scalar("<I")
-            scalar("<Q")
-            if ttype not in GGML_TYPES:
-                raise GGUFError(f"{path}: tensor {name}: unknown ggml type {ttype}")
-            n = 1
-            for d in dims:
-                n *= d
-            _, block, block_bytes = GGML_TYPES[ttype]
-            tensors.append((name, n // block * block_bytes))
-    return {"meta": meta, "tensors": tensors}
+def _header(path: str) -> dict:
+    try:
+        return read_header(path)
+    except GGUFError as exc:
+        raise GGUFError(f"{path}: {exc}") from None
 
 
 def _per_layer(value, n_layer, default):
@@ -184,9 +117,9 @@ def gpu_weight_bytes(header: dict, shape: dict, n_gpu_layers: int, patterns: lis
     n_layer = shape["n_layer"]
     ngl = n_layer + 1 if n_gpu_layers < 0 else n_gpu_layers
     first_gpu_block = max(0, n_layer - ngl)
-    names = {name for name, _ in header["tensors"]}
+    names = {tensor.name for tensor in header["tensors"]}
     total = 0
-    for name, nbytes in header["tensors"]:
+    for name, _type, _offset, nbytes in header["tensors"]:
         match = _BLOCK.match(name)
         if match:
             on_gpu = int(match.group(1)) >= first_gpu_block
@@ -283,14 +216,14 @@ def main() -> None:
     )
     p = module.params
     try:
-        with open(p["model"] + ".manifest.json", encoding="utf-8") as f:
+        with open(manifest_path(p["model"]), encoding="utf-8") as f:
             manifest = json.load(f)
-        main_header = read_header(p["model"])
-        draft_header = read_header(p["draft_model"]) if p["draft_model"] else None
+        main_header = _header(p["model"])
+        draft_header = _header(p["draft_model"]) if p["draft_model"] else None
     except (OSError, ValueError, GGUFError) as exc:
         module.fail_json(msg=f"cannot read the artifact: {exc}")
     manifest_bytes = sum(int(t["bytes"]) for t in manifest.get("types", {}).values())
-    header_bytes = sum(n for _, n in main_header["tensors"])
+    header_bytes = sum(tensor.bytes for tensor in main_header["tensors"])
     if manifest_bytes and manifest_bytes != header_bytes:
         module.fail_json(msg=f"{p['model']}: the manifest says {manifest_bytes} bytes of weights, the file has "
                              f"{header_bytes}; the models role should remake it")

@@ -16,8 +16,8 @@ description:
     input identity, recipe, llama.cpp build); with the same key and a file of the recorded size,
     nothing runs and changed is false.
   - Supports check mode (reports whether it would make the artifact).
-  - The GGUF reader is standard library only, so the module runs with the host's system python3;
-    rigctl's tests check it against the gguf package's reader.
+  - The GGUF reader (module_utils gguf, rigctl/hostside/gguf.py) is standard library only, so the module
+    runs with the host's system python3; rigctl's tests check it against the gguf package's reader.
 options:
   name: {description: Artifact name., type: str, required: true}
   path: {description: Final GGUF path on the host., type: path, required: true}
@@ -57,147 +57,42 @@ import os
 import re
 import shlex
 import shutil
-import struct
 import subprocess
 import time
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.gguf import GGUFError, read_header, type_summary
+from ansible.module_utils.model_files import file_sha256, manifest_path
 
 MANIFEST_VERSION = 1
 
-# ggml type id -> (name, elements per block, bytes per block), as in gguf-py's GGML_QUANT_SIZES of the
-# pinned llama.cpp tree (b11434).
-_QK_K = 256
-GGML_TYPES = {
-    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
-    6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 36),
-    10: ("Q2_K", 256, 4 + _QK_K // 16 + _QK_K // 4), 11: ("Q3_K", 256, 2 + _QK_K // 4 + _QK_K // 8 + 12),
-    12: ("Q4_K", 256, 4 + _QK_K // 2 + 12), 13: ("Q5_K", 256, 4 + _QK_K // 2 + _QK_K // 8 + 12),
-    14: ("Q6_K", 256, 2 + _QK_K // 2 + _QK_K // 4 + _QK_K // 16), 15: ("Q8_K", 256, 4 + _QK_K + _QK_K // 8),
-    16: ("IQ2_XXS", 256, 2 + _QK_K // 4), 17: ("IQ2_XS", 256, 2 + _QK_K // 4 + _QK_K // 32),
-    18: ("IQ3_XXS", 256, 2 + _QK_K // 4 + _QK_K // 8), 19: ("IQ1_S", 256, 2 + _QK_K // 8 + _QK_K // 16),
-    20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 2 + _QK_K // 4 + _QK_K // 8 + _QK_K // 32 + 4),
-    22: ("IQ2_S", 256, 2 + _QK_K // 4 + _QK_K // 16), 23: ("IQ4_XS", 256, 4 + _QK_K // 2 + _QK_K // 64),
-    24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8),
-    29: ("IQ1_M", 256, _QK_K // 8 + _QK_K // 16 + _QK_K // 32), 30: ("BF16", 1, 2),
-    34: ("TQ1_0", 256, 2 + 4 * 13), 35: ("TQ2_0", 256, 2 + 64), 39: ("MXFP4", 32, 17),
-    40: ("NVFP4", 64, 36), 41: ("Q1_0", 128, 18), 42: ("Q2_0", 64, 18),
-}
-
-# GGUF metadata value types: struct format of the scalars; 8 string, 9 array.
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-
-
-class GGUFError(Exception):
-    pass
-
-
-class _Reader:
-    def __init__(self, f, size: int):
-        self.f = f
-        self.size = size
-
-    def take(self, n: int) -> bytes:
-        data = self.f.read(n)
-        if len(data) != n:
-            raise GGUFError(f"truncated at byte {self.f.tell()} (file has {self.size})")
-        return data
-
-    def scalar(self, fmt: str):
-        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
-
-    def string(self) -> str:
-        n = self.scalar("<Q")
-        if n > self.size:
-            raise GGUFError(f"string length {n} past the end of the file")
-        return self.take(n).decode("utf-8", errors="replace")
-
-    def value(self, vtype: int):
-        if vtype in _SCALARS:
-            return self.scalar(_SCALARS[vtype])
-        if vtype == 8:
-            return self.string()
-        if vtype == 9:
-            etype, count = self.scalar("<I"), self.scalar("<Q")
-            if etype in _SCALARS:  # large arrays (token scores) are skipped, not decoded
-                self.f.seek(struct.calcsize(_SCALARS[etype]) * count, os.SEEK_CUR)
-                return None
-            for _ in range(count):
-                self.value(etype)
-            return None
-        raise GGUFError(f"unknown metadata value type {vtype}")
-
-
 def gguf_summary(path: str) -> dict:
     """Tensor count, tensors and bytes per ggml type, and a few header fields of a GGUF file."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        r = _Reader(f, size)
-        if r.take(4) != b"GGUF":
-            raise GGUFError("not a GGUF file (bad magic)")
-        version = r.scalar("<I")
-        n_tensors, n_kv = r.scalar("<Q"), r.scalar("<Q")
-        meta = {}
-        for _ in range(n_kv):
-            key = r.string()
-            value = r.value(r.scalar("<I"))
-            if key in ("general.architecture", "general.alignment", "general.name", "general.file_type"):
-                meta[key] = value
-        tensors = []
-        for _ in range(n_tensors):
-            name = r.string()
-            dims = [r.scalar("<Q") for _ in range(r.scalar("<I"))]
-            ttype, offset = r.scalar("<I"), r.scalar("<Q")
-            if ttype not in GGML_TYPES:
-                raise GGUFError(f"tensor {name}: unknown ggml type {ttype}")
-            n = 1
-            for d in dims:
-                n *= d
-            tname, block, block_bytes = GGML_TYPES[ttype]
-            tensors.append((name, tname, offset, n // block * block_bytes))
-        alignment = int(meta.get("general.alignment", 32))
-        data_start = (f.tell() + alignment - 1) // alignment * alignment
-    types: dict = {}
-    end = data_start
-    for _name, tname, offset, nbytes in tensors:
-        entry = types.setdefault(tname, {"tensors": 0, "bytes": 0})
-        entry["tensors"] += 1
-        entry["bytes"] += nbytes
-        end = max(end, data_start + offset + nbytes)
-    if end > size:
-        raise GGUFError(f"tensor data ends at byte {end} but the file has {size} (truncated)")
+    header = read_header(path)
     return {
-        "gguf_version": version,
-        "tensor_count": n_tensors,
-        "kv_count": n_kv,
-        "architecture": meta.get("general.architecture", ""),
-        "types": dict(sorted(types.items())),
+        "gguf_version": header["version"],
+        "tensor_count": header["tensor_count"],
+        "kv_count": header["kv_count"],
+        "architecture": header["meta"].get("general.architecture", ""),
+        "types": type_summary(header),
     }
-
-
-def sha256_file(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def input_identity(path: str) -> str:
     """The sha256 an input's manifest records, else a digest of its content."""
     try:
-        with open(path + ".manifest.json", encoding="utf-8") as f:
+        with open(manifest_path(path), encoding="utf-8") as f:
             return "sha256:" + json.load(f)["sha256"]
     except (OSError, ValueError, KeyError):
         pass
     if os.path.isfile(path):
-        return "sha256:" + sha256_file(path)
+        return "sha256:" + file_sha256(path)
     digest = hashlib.sha256()
     for root, dirs, files in os.walk(path):
         dirs.sort()
         for name in sorted(files):
             full = os.path.join(root, name)
-            digest.update(f"{os.path.relpath(full, path)}\0{sha256_file(full)}\n".encode())
+            digest.update(f"{os.path.relpath(full, path)}\0{file_sha256(full)}\n".encode())
     return "tree:" + digest.hexdigest()
 
 
@@ -218,7 +113,7 @@ def artifact_key(p: dict, input_id: str, imatrix_key: str = "") -> str:
 def current_manifest(path: str, key: str) -> dict | None:
     """The manifest beside ``path`` if it was made from these inputs and the file is still its size."""
     try:
-        with open(path + ".manifest.json", encoding="utf-8") as f:
+        with open(manifest_path(path), encoding="utf-8") as f:
             manifest = json.load(f)
         size = os.path.getsize(path)
     except (OSError, ValueError):
@@ -296,7 +191,7 @@ def main() -> None:
     directory = os.path.dirname(path)
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".{os.path.basename(path)}.partial")
-    for stale in (tmp, tmp + ".manifest.json"):
+    for stale in (tmp, manifest_path(tmp)):
         if os.path.exists(stale):
             os.unlink(stale)
     argv = [a.replace("{input}", p["input"]).replace("{output}", tmp) for a in p["argv"]]
@@ -323,9 +218,9 @@ def main() -> None:
             module.fail_json(msg=f"{host}: {name}: `{shlex.join(argv)}` wrote no file at {tmp}{disk_note(directory)}")
         try:
             summary = gguf_summary(tmp)
-        except (GGUFError, struct.error) as exc:
+        except (GGUFError, ValueError) as exc:
             module.fail_json(msg=f"{host}: {name}: {tmp}: {exc}{disk_note(directory)}")
-        digest = sha256_file(tmp)
+        digest = file_sha256(tmp)
         if p["expect_sha256"] and digest != p["expect_sha256"]:
             module.fail_json(msg=f"{host}: {name}: copied file {tmp} has sha256 {digest}, "
                                  f"the builder's is {p['expect_sha256']}")
@@ -352,16 +247,16 @@ def main() -> None:
         }
         _check_pin(module, manifest, p, staged=True)
         try:
-            with open(tmp + ".manifest.json", "w", encoding="utf-8") as f:
+            with open(manifest_path(tmp), "w", encoding="utf-8") as f:
                 json.dump(manifest, f, indent=2, sort_keys=True)
                 f.write("\n")
             os.chmod(tmp, 0o644)
             os.rename(tmp, path)
-            os.rename(tmp + ".manifest.json", path + ".manifest.json")
+            os.rename(manifest_path(tmp), manifest_path(path))
         except OSError as exc:
             module.fail_json(msg=f"{host}: {name}: {exc.filename or path}: {exc.strerror or exc}{disk_note(directory)}")
     finally:
-        for stale in (tmp, tmp + ".manifest.json"):
+        for stale in (tmp, manifest_path(tmp)):
             if os.path.exists(stale):
                 os.unlink(stale)
     module.exit_json(changed=True, manifest=manifest, path=path)

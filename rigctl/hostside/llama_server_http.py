@@ -1,0 +1,37 @@
+"""What rigctl knows of llama-server's HTTP API that the host side needs too. Standard library only.
+
+:mod:`rigctl.server` (the controller's httpx clients) and :mod:`rigctl.hostside.eval_task` (urllib, on
+the host) share the retry policy and the reading of ``/props``:
+
+* a connection error or a 5xx answer (503 while the model loads) is retried with exponential backoff
+  and jitter; a 4xx answer or a read timeout is not, since retrying cannot change it;
+* ``/props`` gives the build, the model path, the slots and the context size.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from typing import Any
+
+RETRY_ATTEMPTS = 4
+RETRY_BACKOFF = 0.5
+RETRY_MAX_WAIT = 8.0
+
+
+def retryable_status(status: int) -> bool:
+    return status >= 500
+
+
+def retry_wait(attempt: int, backoff: float = RETRY_BACKOFF, max_wait: float = RETRY_MAX_WAIT) -> float:
+    """Seconds to wait after failed attempt ``attempt`` (0-based): ``backoff * 2**attempt``, capped, ±25 %."""
+    return min(max_wait, backoff * 2**attempt) * (0.75 + random.random() / 2)
+
+
+def props_fields(data: Mapping[str, Any]) -> dict[str, Any]:
+    """``/props`` as build_info, model_path, total_slots, n_ctx (None when not reported), chat_template."""
+    settings = data.get("default_generation_settings") or {}
+    return {"build_info": str(data.get("build_info", "")), "model_path": str(data.get("model_path", "")),
+            "total_slots": int(data.get("total_slots", 1)),
+            "n_ctx": settings.get("n_ctx") if isinstance(settings, Mapping) else None,
+            "chat_template": str(data.get("chat_template", ""))}

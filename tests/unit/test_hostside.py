@@ -1,0 +1,239 @@
+"""rigctl.hostside: the code that runs on the hosts, run here as a host runs it (the system python3,
+no site-packages, no rigctl installed), and the one copy of each parser both sides use."""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import role_modules
+
+from rigctl import build, jobs, server
+from rigctl.errors import BuildError, ConfigError
+from rigctl.hostside import gguf, jobhost, llama_cpp_fact, llama_server_http, model_files, ship
+
+HOSTSIDE = Path(ship.__file__).parent
+REPO = HOSTSIDE.parents[1]
+SYSTEM_PYTHON = "/usr/bin/python3"
+# Controller-only: it reads the package's files to ship them.
+CONTROLLER_ONLY = {"ship"}
+# rigctl.evals.scorers (stdlib only too), shipped into the eval job's directory by rigctl.evals.remote.
+JOB_FILES = {"eval_scorers"}
+
+
+def _hostside_modules() -> list[Path]:
+    return sorted(p for p in HOSTSIDE.glob("*.py") if p.stem not in CONTROLLER_ONLY)
+
+
+def _run_on_host(command: str, *, stdin: str | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """A ``python3 -c`` command line of :mod:`rigctl.hostside.ship`, run by the system python3 in isolated
+    mode without site-packages: what a host with no rigctl runs."""
+    argv = shlex.split(command)
+    assert argv[:2] == ["python3", "-c"]
+    return subprocess.run([SYSTEM_PYTHON, "-I", "-S", *argv[1:]], input=stdin, capture_output=True, text=True,
+                          timeout=60, check=False, cwd=cwd)
+
+
+pytestmark = pytest.mark.skipif(not os.path.exists(SYSTEM_PYTHON), reason="needs the system python3")
+
+
+# ----------------------------------------------------------------------------------------------- the rule
+
+
+@pytest.mark.parametrize("path", _hostside_modules(), ids=lambda p: p.stem)
+def test_host_side_modules_import_only_the_standard_library_and_each_other(path: Path) -> None:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names = [str(node.module)]
+        else:
+            continue
+        for name in names:
+            top = name.split(".")[0]
+            assert top in sys.stdlib_module_names | JOB_FILES | {"__future__"} or name.startswith("rigctl.hostside"), \
+                f"{path.name} imports {name}"
+
+
+def test_no_host_side_module_shadows_one_of_ansibles_module_utils() -> None:
+    # ansible.cfg puts rigctl/hostside first on the module_utils path: a gguf.py there is
+    # ansible.module_utils.gguf, and a basic.py would replace Ansible's own for every module.
+    import ansible.module_utils
+
+    builtin = {p.stem for p in Path(ansible.module_utils.__file__).parent.iterdir() if p.name != "__init__.py"}
+    assert not builtin & {p.stem for p in HOSTSIDE.glob("*.py")}
+
+
+def test_the_roles_modules_use_the_one_gguf_reader_and_model_file_helpers() -> None:
+    vram = role_modules.load(REPO / "roles/llama_server/library/llama_server_vram.py", "llama_server_vram")
+    artifact = role_modules.load(REPO / "roles/models/library/models_artifact.py", "models_artifact")
+    assert vram.read_header is artifact.read_header is gguf.read_header
+    assert artifact.file_sha256 is model_files.file_sha256
+    assert vram.manifest_path is artifact.manifest_path is model_files.manifest_path
+    for module in (vram, artifact):
+        assert not hasattr(module, "GGML_TYPES") and not hasattr(module, "_SCALARS")
+
+
+def test_the_import_closure_is_what_a_module_imports(tmp_path: Path) -> None:
+    assert ship.closure(["fleet_probe"]) == ["model_files", "fleet_probe"]
+    assert set(ship.closure(["jobrun", "eval_task"])) == {"jobrun", "eval_task", "model_files", "llama_cpp_fact",
+                                                         "llama_server_http"}
+    with pytest.raises(ConfigError, match="no rigctl/hostside/nope.py"):
+        ship.closure(["nope"])
+
+
+# ----------------------------------------------------------------------------------------------- one-shot commands
+
+
+def test_model_files_inspect_and_hash_run_as_shipped(tmp_path: Path) -> None:
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF" + os.urandom(5000))
+    Path(model_files.manifest_path(str(model))).write_text('{"sha256": "x"}')
+    paths = {"m": str(model), "gone": str(tmp_path / "gone.gguf")}
+    done = _run_on_host(ship.python_command("model_files", "inspect", json.dumps(paths), "1"))
+    assert done.returncode == 0, done.stderr
+    expected = hashlib.sha256(model.read_bytes()).hexdigest()
+    assert json.loads(done.stdout) == {"m": {"manifest": '{"sha256": "x"}', "sha256": expected}, "gone": {}}
+    assert json.loads(_run_on_host(ship.python_command("model_files", "inspect", json.dumps(paths), "0")).stdout) \
+        == {"m": {"manifest": '{"sha256": "x"}'}, "gone": {}}
+
+    # A file that changed after the probe saw it is not reported with a hash of what it is now.
+    seen = model_files.identity(model)
+    stale = [*seen[:4], seen[4] - 1]
+    answer = _run_on_host(ship.python_command("model_files", "hash", json.dumps({str(model): seen,
+                                                                               str(tmp_path / "x"): seen,
+                                                                               f"{model}.stale": stale})))
+    assert json.loads(answer.stdout) == {str(model): expected}
+
+
+def test_fleet_probe_runs_as_shipped(tmp_path: Path) -> None:
+    fact = tmp_path / "llama_cpp.fact"
+    fact.write_text("[current]\nname = b1-abc\n")
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    args = {"fact": str(fact), "gpu_fields": "index,name", "timeout": 5, "unit_pattern": "rigctl-none-*.service",
+            "unit_properties": "Id", "units": [], "models": {"m": str(model), "gone": str(tmp_path / "gone")}}
+    env_path = f"{tmp_path}:/usr/bin:/bin"  # no nvidia-smi on this PATH
+    argv = shlex.split(ship.python_command("fleet_probe", json.dumps(args)))
+    done = subprocess.run([SYSTEM_PYTHON, "-I", "-S", *argv[1:]], capture_output=True, text=True, timeout=60,
+                          env={"PATH": env_path}, check=False)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["fact"] == "[current]\nname = b1-abc\n"
+    assert out["nvidia_smi"]["rc"] == 127 and "not found" in out["nvidia_smi"]["err"]
+    assert out["models"]["m"] == {"path": str(model), "stat": model_files.identity(model), "manifest": None}
+    assert out["models"]["gone"]["stat"] is None
+
+
+def test_jobhost_lists_run_records_as_shipped(tmp_path: Path) -> None:
+    (tmp_path / "bench-1").mkdir()
+    (tmp_path / "bench-1" / "run.json").write_text('{"id": "bench-1", "status": "done"}')
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "run.json").write_text("not json")
+    done = _run_on_host(ship.python_command("jobhost", "runs", str(tmp_path), jobs.UNIT_PREFIX))
+    assert json.loads(done.stdout) == {"bench-1": {"record": {"id": "bench-1", "status": "done"}, "active": False}}
+    assert json.loads(_run_on_host(ship.python_command("jobhost", "runs", str(tmp_path / "none"), "x")).stdout) == {}
+    assert _run_on_host(ship.python_command("jobhost", "frobnicate")).returncode == 2
+
+
+def test_jobhost_progress_key_is_the_controllers() -> None:
+    info = jobs.JobInfo(host="h", id="bench-1", kind="bench", unit="u", state="running", done=2, total=4,
+                        message="cell 3/4")
+    state = {"state": "running", "done": 2, "total": 4, "message": "cell 3/4", "updated": "later"}
+    assert jobs._progress_key(info) == jobhost.progress_key(state)
+    assert jobs._progress_key(None) == jobhost.progress_key(None) == ""
+
+
+def test_a_job_file_cannot_land_outside_the_job_directory(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="not inside"):
+        jobhost.write_job_dir(str(tmp_path / "job"), {"../escape.py": "x"})
+    assert not (tmp_path / "escape.py").exists()
+
+
+# ----------------------------------------------------------------------------------------------- job directories
+
+
+def test_a_job_directory_imports_its_modules_without_rigctl_installed(tmp_path: Path) -> None:
+    files = {"jobrun.py": ship.source("jobrun"), "eval_task.py": ship.source("eval_task"),
+             **ship.package_files(["jobrun", "eval_task"])}
+    assert "rigctl/hostside/llama_server_http.py" in files and "rigctl/hostside/model_files.py" in files
+    jobhost.write_job_dir(str(tmp_path), files)
+    probe = ("import jobrun, eval_task, rigctl.hostside.model_files as m; "
+             "print(m.__file__, jobrun.file_sha256(jobrun.__file__) == m.file_sha256(jobrun.__file__))")
+    done = subprocess.run([SYSTEM_PYTHON, "-S", "-c", f"import sys; sys.path.insert(0, {str(tmp_path)!r}); {probe}"],
+                          capture_output=True, text=True, timeout=60, cwd="/", check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(tmp_path / "rigctl/hostside/model_files.py"), "True"]
+
+
+# ----------------------------------------------------------------------------------------------- shared parsers
+
+FACT = """[current]
+name = b11434-aaaaaaaaaaaa
+dir = /opt/llama.cpp/b11434-aaaaaaaaaaaa
+key = aaaaaaaaaaaa
+version = b11434
+commit = 0123abcd
+build_number = 11434
+cuda = true
+cmake_flags = -DGGML_CUDA=ON
+    -DGGML_NATIVE=ON
+
+[current_binaries]
+llama-server = 00ff
+
+[previous]
+name = b11000-bbbbbbbbbbbb
+"""
+
+
+def test_one_fact_reader_for_the_controller_and_the_job_record() -> None:
+    builds = build.parse_fact(FACT, "desktop")
+    assert builds.current is not None and builds.previous is not None
+    assert builds.current.cmake_flags == ("-DGGML_CUDA=ON", "-DGGML_NATIVE=ON")
+    assert builds.current.binaries == {"llama-server": "00ff"} and builds.current.cuda
+    assert builds.previous.build_number == 0 and builds.previous.binaries == {}
+    current = llama_cpp_fact.parse_builds(FACT)["current"]
+    assert current is not None
+    assert llama_cpp_fact.record_fields(current) == {
+        "name": "b11434-aaaaaaaaaaaa", "dir": "/opt/llama.cpp/b11434-aaaaaaaaaaaa", "commit": "0123abcd",
+        "version": "b11434", "build_key": "aaaaaaaaaaaa", "build_number": 11434, "cuda": True,
+        "binaries": {"llama-server": "00ff"}}
+    assert build.parse_fact("", "desktop").current is None
+    for bad in ("not ini", "[current]\nbuild_number = many\n"):
+        with pytest.raises(BuildError, match="desktop: .*llama_cpp.fact is not the llama_cpp role's fact"):
+            build.parse_fact(bad, "desktop")
+
+
+def test_props_and_retry_are_the_same_on_both_sides() -> None:
+    props = {"build_info": "b1-abc", "model_path": "/m.gguf", "total_slots": 2,
+             "default_generation_settings": {"n_ctx": 4096}, "chat_template": "t"}
+    parsed = server.parse_props(props)
+    assert llama_server_http.props_fields(props) == {
+        "build_info": parsed.build_info, "model_path": parsed.model_path, "total_slots": parsed.total_slots,
+        "n_ctx": parsed.n_ctx, "chat_template": parsed.chat_template}
+    assert server.parse_props({}).n_ctx is None and server.parse_props({}).total_slots == 1
+    retry = server.Retry()
+    assert (retry.attempts, retry.backoff, retry.max_wait) == (llama_server_http.RETRY_ATTEMPTS,
+                                                               llama_server_http.RETRY_BACKOFF,
+                                                               llama_server_http.RETRY_MAX_WAIT)
+    for attempt in range(6):
+        wait = retry.wait(attempt)
+        assert 0.75 * min(8.0, 0.5 * 2**attempt) <= wait <= 1.25 * min(8.0, 0.5 * 2**attempt)
+    assert llama_server_http.retryable_status(503) and not llama_server_http.retryable_status(404)
+
+
+def test_gguf_reader_refuses_what_it_cannot_read(tmp_path: Path) -> None:
+    for name, data, message in (("magic.gguf", b"GGML" + bytes(20), "bad magic"),
+                                ("v1.gguf", b"GGUF" + (1).to_bytes(4, "little") + bytes(16), "version 1"),
+                                ("cut.gguf", b"GGUF" + (3).to_bytes(4, "little") + bytes(4), "truncated")):
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(gguf.GGUFError, match=message):
+            gguf.read_header(str(tmp_path / name))
