@@ -7,7 +7,8 @@ binary, so a ``llama-server@`` unit's main process is llama-server itself, as it
 ``systemd-run`` started.
 
 Two callers: :mod:`rigctl.hostside.jobrun` (jobs on the host, before the task runs) and the controller,
-which runs this file over SSH as ``python3 - REQUEST_JSON`` and reads one JSON object back::
+which runs it over SSH (:func:`rigctl.hostside.ship.python_command`, REQUEST_JSON the one argument)
+and reads one JSON object back::
 
     request  {"units": [unit, ...], "manifests": [artifact path, ...]}
     answer   {"servers": [deployed(unit), ...], "llama_cpp_fact": text or null, "gpu_query": text or null,
@@ -102,5 +103,10 @@ def collect(request: dict[str, Any]) -> dict[str, Any]:
             "llama_cpp_fact": _read(LLAMA_CPP_FACT), "gpu_query": _gpu_query(), "manifests": manifests}
 
 
+def main(argv: list[str]) -> int:
+    print(json.dumps(collect(json.loads(argv[0]))))
+    return 0
+
+
 if __name__ == "__main__":
-    print(json.dumps(collect(json.loads(sys.argv[1]))))
+    sys.exit(main(sys.argv[1:]))

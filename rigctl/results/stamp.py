@@ -7,21 +7,21 @@ main process and its ``/proc/<pid>/cmdline`` (the argv as deployed), the llama_c
 fields there, with the same host-side code, before their task runs (:mod:`rigctl.hostside.jobrun`): the
 host is where the job's record lives while it runs, and a bench stops the servers right after.
 
-The host-side parsers (:func:`rigctl.hostside.jobrun.parse_llama_cpp_fact`, ``parse_gpu_query``) are the
+The host-side parsers (:func:`rigctl.hostside.llama_cpp_fact.parse_builds`, ``parse_gpu_query``) are the
 ones jobs use, so a record reads the same whichever side collected it.
 """
 
 from __future__ import annotations
 
+import configparser
 import json
 import logging
-import shlex
 from collections.abc import Sequence
-from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 from rigctl.errors import RigctlError
-from rigctl.hostside.jobrun import parse_gpu_query, parse_llama_cpp_fact
+from rigctl.hostside import llama_cpp_fact, ship
+from rigctl.hostside.jobrun import parse_gpu_query
 from rigctl.inventory import Host
 from rigctl.results.record import Artifact, Gpu, LlamaCppBuild, Provenance, Server, Task, rigctl_version
 from rigctl.trust import redact_argv
@@ -48,9 +48,8 @@ def inventory_server(host: Host, instance: str, *, unit: str | None = None, port
 
 def host_facts(ssh: SshClient, units: Sequence[str], manifest_paths: Sequence[str] = ()) -> dict[str, Any]:
     """The answer of :mod:`rigctl.hostside.stamp` on the host (one round trip)."""
-    source = resources.files("rigctl.hostside").joinpath("stamp.py").read_text()
     request = json.dumps({"units": list(units), "manifests": list(manifest_paths)})
-    result = ssh.run(f"python3 - {shlex.quote(request)}", timeout=STAMP_TIMEOUT, check=True, input=source)
+    result = ssh.run(ship.python_command("stamp", request), timeout=STAMP_TIMEOUT, check=True)
     answer = json.loads(result.stdout)
     if not isinstance(answer, dict):
         raise RigctlError(f"{ssh.host}: the provenance stamp came back as {type(answer).__name__}")
@@ -84,9 +83,11 @@ def collect_stamp(host: Host, ssh: SshClient, servers: Sequence[Server], *, arti
     build = LlamaCppBuild()
     if isinstance(answer.get("llama_cpp_fact"), str):
         try:
-            build = LlamaCppBuild(**parse_llama_cpp_fact(answer["llama_cpp_fact"]))
-        except Exception as exc:  # noqa: BLE001 (a fact the role did not write: recorded as absent)
+            current = llama_cpp_fact.parse_builds(answer["llama_cpp_fact"])["current"]
+        except (configparser.Error, ValueError) as exc:  # a fact the role did not write: recorded as absent
             log.warning("%s: llama.cpp fact not read: %s", host.name, exc)
+        else:
+            build = LlamaCppBuild(**llama_cpp_fact.record_fields(current)) if current else build
     gpu = Gpu(bandwidth_gbs=host.gpu.bandwidth_gbs if host.gpu else None)
     if isinstance(answer.get("gpu_query"), str) and answer["gpu_query"].strip():
         try:
