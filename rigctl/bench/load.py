@@ -200,20 +200,17 @@ def run_load(
         raise ConfigError(f"--slot-ctx: {slot_ctx} is too small (at least 64 tokens)")
     if level_timeout_s <= 0:
         raise ConfigError("--level-timeout: must be positive")
-    servers = {s.name: s for s in host.servers}
-    if instance not in servers:
-        raise ConfigError(f"host {host.name}: no llama_server instance {instance!r} "
-                          f"(instances: {', '.join(servers) or 'none'})")
+    served = host.server(instance)
     say = on_step or (lambda message: None)
     slots = max(levels)
     prompts = shipped_prompts()
     record = RunRecord(id=new_run_id("load"), kind="load", host=host.name, started=utc_now(),
                        rigctl_version=rigctl_version(), concurrency=slots)
     result = LoadResult(host=host.name, instance=instance)
-    port = probe_port or servers[instance].port + 200
-    flags = {("--parallel", "-np"): str(slots), ("-c", "--ctx-size"): str(slots * slot_ctx)}
-    with SshClient(SshTarget.from_host(host)) as ssh, instance_stopped(ssh, host, instance), \
-            probe_server(ssh, host, instance, flags, port, "load") as probe:
+    port = probe_port or served.port + 200
+    settings = {"parallel": slots, "ctx_size": slots * slot_ctx}
+    with SshClient(SshTarget.from_host(host)) as ssh, instance_stopped(ssh, served), \
+            probe_server(ssh, served, settings, port, "load") as probe:
         with ServerClient(probe.endpoint) as client:
             props = client.props()
         say(f"probe {probe.unit} on port {port}: {slots} slots of {slot_ctx} tokens")
@@ -233,11 +230,10 @@ def run_load(
     run_dir.mkdir(parents=True, exist_ok=True)
     _write_jsonl(run_dir / REQUESTS_FILE, [asdict(r) for r in result.requests])
     _write_jsonl(run_dir / LEVELS_FILE, [asdict(s) for s in result.levels])
-    spec = servers[instance]
-    record.server = {"name": instance, "profile": spec.profile, "probe_port": port, "slots": slots,
+    record.server = {"name": instance, "profile": served.profile.name, "probe_port": port, "slots": slots,
                      "slot_ctx": slot_ctx, "args": args, "build_info": props.build_info,
                      "model_path": props.model_path, "n_ctx": props.n_ctx}
-    record.artifacts = [{"name": spec.artifact}]
+    record.artifacts = [{"name": served.artifact}]
     record.extra = {"levels": levels, "requests": requests, "max_tokens": max_tokens,
                     "level_timeout_s": level_timeout_s, "prompts": [kind for kind, _ in prompts]}
     record.seal(run_dir)

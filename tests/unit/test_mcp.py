@@ -76,7 +76,7 @@ def test_tools_listed_actions_refused_and_bad_input_are_tool_errors_not_crashes(
     for result in (refused, refused_eval):
         assert result.is_error and "refused" in _text(result) and "--allow-actions" in _text(result)
     assert unknown_host.is_error and "unknown host 'nowhere'" in _text(unknown_host)
-    assert unknown_server.is_error and "no llama-server instance 'nope'" in _text(unknown_server)
+    assert unknown_server.is_error and "no llama_server instance 'nope'" in _text(unknown_server)
     assert bad_lines.is_error and "lines" in _text(bad_lines)
     assert bad_name.is_error and "host" in _text(bad_name)
     assert missing_run.is_error and "not found" in _text(missing_run)
