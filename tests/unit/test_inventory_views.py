@@ -211,3 +211,21 @@ def test_a_bad_extends_chain_is_one_error_naming_the_host(fleet: tuple[Inventory
                  lambda: contenders(broken, "plain")):
         with pytest.raises(ConfigError, match="^host desktop: llama_server_profiles: profile 'spec' extends 'gone'"):
             view()
+
+
+def test_the_role_loads_the_resolver_with_the_standard_library_only() -> None:
+    """What a system ansible-playbook (no rigctl, no site-packages) gets: the plugin still loads the
+    checkout's resolver and plans."""
+    plugin = ROLE / "filter_plugins" / "llama_server.py"
+    script = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('plugin', {str(plugin)!r})\n"
+        "plugin = importlib.util.module_from_spec(spec); spec.loader.exec_module(plugin)\n"
+        "plan = plugin.llama_server_plan({'a': {'artifact': 'm', 'profile': 'p', 'port': 1}},\n"
+        "                                {'p': {'ctx_size': 64}}, models_dir='/m', config_dir='/c')\n"
+        "assert 'rigctl' not in sys.modules and 'ansible' not in sys.modules, sorted(sys.modules)\n"
+        "print(plan[0]['flags'])\n"
+    )
+    done = subprocess.run([sys.executable, "-I", "-S", "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "['--model /m/m.gguf', '--alias m', '--port 1', '-c 64']"
