@@ -399,17 +399,18 @@ def _run_bench(inventory: Inventory, bench: CampaignBench, host_name: str, store
 
 def _ensure_server(inventory: Inventory, member: ServerRef, on_step: OnStep) -> bool:
     """Start a llama-server unit when it is not answering; True when this call started it."""
-    from rigctl.server import Endpoint, ServerClient
-    from rigctl.servers import operator_start, unit_name
+    from rigctl.server import ServerClient
+    from rigctl.servers import operator_start
     from rigctl.ssh import SshClient, SshTarget
 
     host = inventory.host(member.host)
-    with ServerClient(Endpoint.from_inventory(host, member.server)) as client:
+    served = host.server(member.server)
+    with ServerClient(served.endpoint) as client:
         if client.health().ok:
             return False
         on_step(f"{member.host}: starting llama-server@{member.server} for the eval")
         with SshClient(SshTarget.from_host(host)) as ssh:
-            ssh.run(operator_start([unit_name(member.server)]), timeout=60, check=True)
+            ssh.run(operator_start([served.unit]), timeout=60, check=True)
         client.wait_healthy(SERVER_START_TIMEOUT_S)
     return True
 
@@ -417,8 +418,9 @@ def _ensure_server(inventory: Inventory, member: ServerRef, on_step: OnStep) -> 
 def _stop_server(inventory: Inventory, member: ServerRef) -> None:
     from rigctl.ssh import SshClient, SshTarget
 
-    with SshClient(SshTarget.from_host(inventory.host(member.host))) as ssh:
-        ssh.run(f"systemctl stop llama-server@{member.server}.service", timeout=60, check=True)
+    host = inventory.host(member.host)
+    with SshClient(SshTarget.from_host(host)) as ssh:
+        ssh.run(f"systemctl stop {host.server(member.server).unit}", timeout=60, check=True)
 
 
 def _start_single(inventory: Inventory, loaded: LoadedCampaign, evaluation: CampaignEval, target: EvalTarget,
@@ -452,9 +454,8 @@ def _run_eval(inventory: Inventory, loaded: LoadedCampaign, evaluation: Campaign
               store: ResultsStore, unfinished: StoredRun | None, on_step: OnStep) -> str:
     from rigctl.evals import runner
     from rigctl.evals.tasks import load_task
-    from rigctl.server import Endpoint
 
-    endpoints = [Endpoint.from_inventory(inventory.host(m.host), m.server) for m in target.members]
+    endpoints = [inventory.host(m.host).server(m.server).endpoint for m in target.members]
     started_here: list[ServerRef] = []
     try:
         for member in target.members:

@@ -266,7 +266,7 @@ def _endpoints(host: str | None, servers: list[str] | None, urls: list[str] | No
     if not host or not servers:
         raise ConfigError("name the server: --host HOST --server NAME (repeatable), or --url URL")
     inv_host = _inventory().host(host)
-    return [Endpoint.from_inventory(inv_host, name) for name in servers]
+    return [inv_host.server(name).endpoint for name in servers]
 
 
 def _prompts(path: Path | None):

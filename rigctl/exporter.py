@@ -45,10 +45,11 @@ from rigctl.errors import ConfigError, RigctlError
 from rigctl.hostside import ship
 from rigctl.hostside.llama_cpp_fact import FACT_PATH
 from rigctl.inventory import Host, Inventory
-from rigctl.models import artifact_path, expected_sha256, host_artifacts, host_pins, parse_manifest
+from rigctl.inventory.profiles import unit_name
+from rigctl.models import expected_sha256, parse_manifest
 from rigctl.results.record import ANSWERS_FILE
 from rigctl.results.store import ResultsStore, StoredRun, read_jsonl
-from rigctl.servers import UNIT_PROPERTIES, UnitState, parse_unit_show, unit_name
+from rigctl.servers import UNIT_PROPERTIES, UnitState, parse_unit_show
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +166,7 @@ class HostPlan:
             host=host.name,
             pinned_version=pin.version if pin else "",
             pinned_source=pin.source if pin else "",
-            servers={s.name: {"artifact": s.artifact, "profile": s.profile, "port": s.port, "enabled": s.enabled}
+            servers={s.name: {"artifact": s.artifact, "profile": s.profile.name, "port": s.port, "enabled": s.enabled}
                      for s in host.servers},
         )
 
@@ -609,7 +610,7 @@ class Exporter:
 
         started = time.monotonic()
         plan = self.plans[host.name]
-        models = {name: artifact_path(host, name) for name in host_artifacts(host)}
+        models = {a.name: a.path for a in host.artifacts}
         args = {
             "fact": FACT_PATH,
             "gpu_fields": ",".join(NVIDIA_SMI_FIELDS),
@@ -650,7 +651,7 @@ class Exporter:
         if facts.gpu_error:
             log.info("%s: no GPU sample: %s", host.name, facts.gpu_error)
         facts.units = list(parse_unit_show((raw.get("units") or {}).get("out", "")).values())
-        pins = host_pins(host)
+        pins = host.pins
         to_hash: dict[str, list[int]] = {}
         for name, entry in sorted((raw.get("models") or {}).items()):
             path, stat = str(entry["path"]), _stat_key(entry.get("stat"))

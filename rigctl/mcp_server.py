@@ -67,11 +67,7 @@ class FleetTools:
 
     def server(self, host_name: str, server: str) -> tuple[Host, Any]:
         host = self.host(host_name)
-        for instance in host.servers:
-            if instance.name == server:
-                return host, instance
-        known = ", ".join(s.name for s in host.servers) or "none"
-        raise ConfigError(f"host {host.name}: no llama-server instance {server!r} (instances: {known})")
+        return host, host.server(server)
 
     def run(self, ref: str) -> StoredRun:
         """A run of the results store by ``id`` or ``host/id``; nothing outside the store (no path, no ``..``,
@@ -114,7 +110,7 @@ class FleetTools:
                 "gpu": {"name": gpu.name, "vram_mib": gpu.vram_mib, "compute_capability": gpu.compute_capability}
                 if gpu else None,
                 "llama_cpp_pin": str(host.llama_cpp) if "llama_cpp_source" in host.vars else None,
-                "servers": [{"name": s.name, "artifact": s.artifact, "profile": s.profile, "port": s.port,
+                "servers": [{"name": s.name, "artifact": s.artifact, "profile": s.profile.name, "port": s.port,
                              "enabled": s.enabled} for s in host.servers],
             })
         return {"inventory": str(self.inventory.source), "hosts": hosts}
@@ -177,14 +173,14 @@ class FleetTools:
     def _health(self, host: Host, instance: Any) -> dict[str, Any]:
         from rigctl.servers import probe
 
-        healthy, status, _model, _build = probe(host, instance, timeout=HEALTH_TIMEOUT)
+        healthy, status, _model, _build = probe(instance, timeout=HEALTH_TIMEOUT)
         return {"healthy": healthy, "status": status}
 
     def server_health(self, host_name: str, server: str) -> dict[str, Any]:
-        from rigctl.server import NO_RETRY, Endpoint, ServerClient, Timeouts
+        from rigctl.server import NO_RETRY, ServerClient, Timeouts
 
         host, instance = self.server(host_name, server)
-        endpoint = Endpoint.from_inventory(host, instance.name)
+        endpoint = instance.endpoint
         timeouts = Timeouts(connect=HEALTH_TIMEOUT, read=HEALTH_TIMEOUT, write=HEALTH_TIMEOUT, pool=HEALTH_TIMEOUT)
         with ServerClient(endpoint, timeouts=timeouts, retry=NO_RETRY) as client:
             health = client.health()
@@ -201,7 +197,7 @@ class FleetTools:
 
         host, instance = self.server(host_name, server)
         journal = servers.logs(self.inventory, host.name, instance.name, lines)
-        return {"host": host.name, "server": instance.name, "unit": servers.unit_name(instance.name),
+        return {"host": host.name, "server": instance.name, "unit": instance.unit,
                 "journal": journal}
 
     def job_status(self, host_name: str, job_id: str | None = None) -> dict[str, Any]:

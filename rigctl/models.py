@@ -26,7 +26,6 @@ from rigctl.inventory import SHA256, Host, Inventory
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODELS_DIR = "/var/lib/rigctl/models"
 SSH_TIMEOUT = 600.0  # sha256 of a 4 GB file on a slow disk
 
 
@@ -136,37 +135,14 @@ def expected_sha256(pin: str | None, manifest_sha256: str | None) -> tuple[str |
     return None, "none"
 
 
-def host_artifacts(host: Host) -> list[str]:
-    """The artifacts the models role keeps on ``host``: models_artifacts, or the whole catalog."""
-    chosen = list(host.vars.get("models_artifacts") or [])
-    catalog = host.vars.get("models_catalog") or {}
-    if chosen:
-        for model in catalog.values():
-            for name, art in (model.get("artifacts") or {}).items():
-                if name in chosen and art.get("type") == "quantize" and art["from"] not in chosen:
-                    chosen.append(str(art["from"]))
-        return chosen
-    return [name for model in catalog.values() for name in (model.get("artifacts") or {})]
-
-
-def artifact_path(host: Host, artifact: str) -> str:
-    return f"{host.vars.get('models_dir', DEFAULT_MODELS_DIR)}/{artifact}.gguf"
-
-
-def host_pins(host: Host) -> dict[str, str]:
-    pins = host.vars.get("models_pins") or {}
-    if not isinstance(pins, Mapping):
-        raise ConfigError(f"host {host.name}: models_pins is not a mapping of artifact to sha256")
-    return {str(k): str(v).lower() for k, v in pins.items()}
-
-
 def inspect_host(host: Host, *, rehash: bool, timeout: float = SSH_TIMEOUT) -> list[ArtifactStatus]:
     """Each artifact of ``host`` with its manifest and, with ``rehash``, the sha256 of the file now."""
     from rigctl.ssh import SshClient, SshTarget
 
-    names = host_artifacts(host)
-    paths = {name: artifact_path(host, name) for name in names}
-    pins = host_pins(host)
+    artifacts = host.artifacts
+    names = [a.name for a in artifacts]
+    paths = {a.name: a.path for a in artifacts}
+    pins = {a.name: a.pin for a in artifacts if a.pin}
     # One round trip: every manifest, and the file hashes when asked, as one JSON object.
     cmd = ship.python_command("model_files", "inspect", json.dumps(paths), "1" if rehash else "0")
     with SshClient(SshTarget.from_host(host)) as ssh:

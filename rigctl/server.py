@@ -7,7 +7,7 @@ the same methods, the async ones awaited::
 
     from rigctl.server import Endpoint, ServerClient
 
-    endpoint = Endpoint.from_inventory(inv.host("desktop"), "smollm2")   # or Endpoint("http://h:8080")
+    endpoint = inv.host("desktop").server("smollm2").endpoint   # or Endpoint("http://h:8080")
     with ServerClient(endpoint) as server:
         server.health()                        # Health(ok=True, status="ok")
         server.props().build_info              # "b11434-1d2f3a4", also .model_path, .total_slots, .n_ctx
@@ -117,21 +117,6 @@ class Endpoint:
     def __repr__(self) -> str:
         key = "None" if self.api_key is None else repr(MASK)
         return f"Endpoint(url={self.url!r}, api_key={key}, label={self.label!r})"
-
-    @classmethod
-    def from_inventory(cls, host: Any, server: str, *, address: str | None = None) -> Endpoint:
-        """The endpoint of llama_server instance ``server`` on inventory host ``host``.
-
-        The API key is the instance's ``api_key`` or the host's ``llama_server_api_key`` (none: no key).
-        """
-        instances = host.vars.get("llama_server_instances") or {}
-        if server not in instances:
-            known = ", ".join(sorted(instances)) or "none"
-            raise ConfigError(f"host {host.name}: no llama_server instance {server!r} (instances: {known})")
-        spec = instances[server]
-        key = spec.get("api_key") or host.vars.get("llama_server_api_key")
-        return cls(f"http://{address or host.address}:{int(spec['port'])}", str(key) if key else None,
-                   f"{host.name}/{server}")
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}

@@ -18,8 +18,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from rigctl.errors import ConfigError, RigctlError, ServerError
-from rigctl.inventory import Host, Inventory, ServerInstance
-from rigctl.server import NO_RETRY, Endpoint, ServerClient, Timeouts
+from rigctl.inventory import Host, Inventory, Server
+from rigctl.inventory.profiles import unit_name
+from rigctl.server import NO_RETRY, ServerClient, Timeouts
 from rigctl.ssh import SshClient, SshTarget
 
 log = logging.getLogger(__name__)
@@ -30,17 +31,6 @@ SSH_TIMEOUT = 30.0
 HTTP_TIMEOUT = 5.0
 #: The properties `systemctl show` is asked for.
 UNIT_PROPERTIES = ("Id", "ActiveState", "SubState", "MainPID", "NRestarts")
-
-
-def unit_name(server: str) -> str:
-    """The systemd unit of instance ``server``."""
-    return f"llama-server@{server}.service"
-
-
-def server_key_file(host: Host) -> str:
-    """Where the llama_server role keeps ``host``'s API key (root:llama 0640): what a job on the host reads,
-    so that the key itself never travels in a job spec."""
-    return f"{host.vars.get('llama_server_config_dir') or '/etc/llama-server'}/api-key"
 
 
 def operator_start(units: Sequence[str], action: str = "start") -> str:
@@ -118,19 +108,10 @@ def unit_states(host: Host, servers: Iterable[str]) -> dict[str, UnitState]:
     return {name: by_unit[unit_name(name)] for name in names if unit_name(name) in by_unit}
 
 
-def _instance(host: Host, server: str) -> ServerInstance:
-    for instance in host.servers:
-        if instance.name == server:
-            return instance
-    known = ", ".join(s.name for s in host.servers) or "none"
-    raise ConfigError(f"host {host.name}: no llama_server instance {server!r} (instances: {known})")
-
-
-def probe(host: Host, instance: ServerInstance, timeout: float = HTTP_TIMEOUT) -> tuple[bool, str, str | None,
-                                                                                       str | None]:
+def probe(server: Server, timeout: float = HTTP_TIMEOUT) -> tuple[bool, str, str | None, str | None]:
     """(healthy, health text, model_path, build_info) from the instance's /health and /props."""
     timeouts = Timeouts(connect=timeout, read=timeout, write=timeout, pool=timeout)
-    with ServerClient(Endpoint.from_inventory(host, instance.name), timeouts=timeouts, retry=NO_RETRY) as client:
+    with ServerClient(server.endpoint, timeouts=timeouts, retry=NO_RETRY) as client:
         health = client.health()
         if not health.ok:
             return False, health.status, None, None
@@ -153,16 +134,16 @@ def host_status(host: Host) -> list[ServerStatus]:
     for inst in instances:
         unit = states.get(inst.name)
         if error is not None:
-            rows.append(ServerStatus(host.name, inst.name, inst.port, inst.artifact, inst.profile, inst.enabled,
+            rows.append(ServerStatus(host.name, inst.name, inst.port, inst.artifact, inst.profile.name, inst.enabled,
                                      "unreachable", 0, False, "-", error=error))
             continue
         state = unit.active_state if unit else "unknown"
         if not inst.enabled and state != "active":
-            rows.append(ServerStatus(host.name, inst.name, inst.port, inst.artifact, inst.profile, inst.enabled,
+            rows.append(ServerStatus(host.name, inst.name, inst.port, inst.artifact, inst.profile.name, inst.enabled,
                                      state, 0, False, "disabled"))
             continue
-        healthy, health, model, build = probe(host, inst)
-        rows.append(ServerStatus(host.name, inst.name, inst.port, inst.artifact, inst.profile, inst.enabled,
+        healthy, health, model, build = probe(inst)
+        rows.append(ServerStatus(host.name, inst.name, inst.port, inst.artifact, inst.profile.name, inst.enabled,
                                  state, unit.main_pid if unit else 0,
                                  healthy, health, model, build))
     return rows
@@ -182,12 +163,12 @@ def restart(inventory: Inventory, host_name: str, server: str, timeout: float = 
     ServerError when it is not healthy within ``timeout`` seconds (the unit's state is in the message).
     """
     host = inventory.host(host_name)
-    instance = _instance(host, server)
+    instance = host.server(server)
     with SshClient(SshTarget.from_host(host)) as ssh:
-        ssh.run(operator_start([unit_name(server)], "restart"), timeout=SSH_TIMEOUT, check=True)
+        ssh.run(operator_start([instance.unit], "restart"), timeout=SSH_TIMEOUT, check=True)
     deadline = time.monotonic() + timeout
     while True:
-        healthy, health, model, build = probe(host, instance)
+        healthy, health, model, build = probe(instance)
         if healthy:
             break
         if time.monotonic() > deadline:
@@ -197,7 +178,7 @@ def restart(inventory: Inventory, host_name: str, server: str, timeout: float = 
                               f"{state.active_state if state else 'unknown'})")
         time.sleep(0.5)
     state = unit_states(host, [server])[server]
-    return ServerStatus(host.name, server, instance.port, instance.artifact, instance.profile, instance.enabled,
+    return ServerStatus(host.name, server, instance.port, instance.artifact, instance.profile.name, instance.enabled,
                         state.active_state, state.main_pid, healthy, health, model, build)
 
 
@@ -206,7 +187,7 @@ def logs(inventory: Inventory, host_name: str, server: str, lines: int = 50) -> 
     if lines < 1:
         raise ConfigError(f"-n {lines}: give at least 1 line")
     host = inventory.host(host_name)
-    _instance(host, server)
-    command = f"journalctl --no-pager -o short-iso -n {int(lines)} -u {shlex.quote(unit_name(server))}"
+    unit = host.server(server).unit
+    command = f"journalctl --no-pager -o short-iso -n {int(lines)} -u {shlex.quote(unit)}"
     with SshClient(SshTarget.from_host(host)) as ssh:
         return ssh.run(command, timeout=SSH_TIMEOUT, check=True).stdout

@@ -35,12 +35,13 @@ import yaml
 
 from rigctl.errors import ConfigError, RemoteCommandError
 from rigctl.inputs import read_text, yaml_problem
-from rigctl.inventory import Host
+from rigctl.inventory import Host, Server
+from rigctl.inventory.profiles import unit_name
 from rigctl.results.record import RunRecord
 from rigctl.results.stamp import collect_stamp, inventory_server, with_props
 from rigctl.results.store import ResultsStore
-from rigctl.server import Endpoint, ServerClient, Timeouts
-from rigctl.servers import operator_start, unit_name
+from rigctl.server import ServerClient, Timeouts
+from rigctl.servers import operator_start
 from rigctl.ssh import SshClient, SshTarget
 
 log = logging.getLogger(__name__)
@@ -59,8 +60,17 @@ class Contender:
     name: str  # llama_server instance
     artifact: str
     profile: str
-    spec: Mapping[str, Any] | None  # the profile's spec block (None: no drafting)
+    settings: Mapping[str, Any]  # the profile as this host serves it (extends chain and host overrides)
     port: int
+
+    @classmethod
+    def of(cls, server: Server) -> Contender:
+        return cls(server.name, server.artifact, server.profile.name, dict(server.profile.settings), server.port)
+
+    @property
+    def spec(self) -> Mapping[str, Any] | None:
+        """The profile's spec block (None: no drafting)."""
+        return self.settings.get("spec") or None
 
     @property
     def drafting(self) -> bool:
@@ -138,38 +148,13 @@ def load_prompts(path: Path | None = None, kinds: Sequence[str] | None = None) -
     return {str(k): list(v) for k, v in data.items()}
 
 
-def resolve_profile(host: Host, name: str) -> dict[str, Any]:
-    """Profile ``name`` of ``host`` with its ``extends`` chain merged (the child wins; ``spec`` merges)."""
-    profiles = host.vars.get("llama_server_profiles") or {}
-    chain: list[str] = []
-    current: str | None = name
-    while current is not None:
-        if current not in profiles or current in chain:
-            raise ConfigError(f"host {host.name}: llama_server_profiles: cannot resolve profile {name!r}")
-        chain.append(current)
-        current = (profiles[current] or {}).get("extends")
-    merged: dict[str, Any] = {}
-    for link in reversed(chain):
-        for key, value in (profiles[link] or {}).items():
-            if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
-                merged[key] = {**merged[key], **value}
-            else:
-                merged[key] = value
-    return merged
-
-
 def contenders(host: Host, baseline: str, drafters: Sequence[str] | None = None) -> list[Contender]:
     """The baseline instance first, then the drafting instances (all of the baseline's artifact
     whose profile drafts, unless named)."""
     instances = {s.name: s for s in host.servers}
 
     def contender(name: str) -> Contender:
-        if name not in instances:
-            raise ConfigError(f"host {host.name}: no llama_server instance {name!r} "
-                              f"(instances: {', '.join(instances) or 'none'})")
-        inst = instances[name]
-        spec = resolve_profile(host, inst.profile).get("spec") or None
-        return Contender(name, inst.artifact, inst.profile, spec, inst.port)
+        return Contender.of(instances.get(name) or host.server(name))  # host.server: the error naming them
 
     base = contender(baseline)
     if base.drafting:
@@ -319,7 +304,7 @@ def run_race(
     if started:
         log.info("%s: starting %s for the race", host.name, ", ".join(started))
         _systemctl(host, "start", started)
-    clients = {c.name: ServerClient(Endpoint.from_inventory(host, c.name), timeouts=timeouts) for c in field_}
+    clients = {c.name: ServerClient(host.server(c.name).endpoint, timeouts=timeouts) for c in field_}
     result = RaceResult(host=host.name, baseline=baseline, contenders=field_, requests=[])
     try:
         props = {}

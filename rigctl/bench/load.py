@@ -201,23 +201,20 @@ def run_load(
         raise ConfigError(f"--slot-ctx: {slot_ctx} is too small (at least 64 tokens)")
     if level_timeout_s <= 0:
         raise ConfigError("--level-timeout: must be positive")
-    servers = {s.name: s for s in host.servers}
-    if instance not in servers:
-        raise ConfigError(f"host {host.name}: no llama_server instance {instance!r} "
-                          f"(instances: {', '.join(servers) or 'none'})")
+    served = host.server(instance)
     say = on_step or (lambda message: None)
     slots = max(levels)
     prompts = shipped_prompts()
     result = LoadResult(host=host.name, instance=instance)
-    port = probe_port or servers[instance].port + 200
-    flags = {("--parallel", "-np"): str(slots), ("-c", "--ctx-size"): str(slots * slot_ctx)}
-    with SshClient(SshTarget.from_host(host)) as ssh, instance_stopped(ssh, host, instance), \
-            probe_server(ssh, host, instance, flags, port, "load") as probe:
+    port = probe_port or served.port + 200
+    settings = {"parallel": slots, "ctx_size": slots * slot_ctx}
+    with SshClient(SshTarget.from_host(host)) as ssh, instance_stopped(ssh, served), \
+            probe_server(ssh, served, settings, port, "load") as probe:
         with ServerClient(probe.endpoint) as client:
             props = client.props()
         # The probe served the requests: its argv as it runs is the record's, not the instance's file.
         stamp = collect_stamp(host, ssh, [inventory_server(host, instance, unit=probe.unit, port=port)],
-                              artifacts=[servers[instance].artifact], concurrency=slots)
+                              artifacts=[served.artifact], concurrency=slots)
         record = RunRecord.begin("load", stamp, host=host.name)
         with_props(record.servers[0], props, probe.endpoint)
         say(f"probe {probe.unit} on port {port}: {slots} slots of {slot_ctx} tokens")

@@ -52,7 +52,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from rigctl.errors import ConfigError, RigctlError
 from rigctl.hostside.bench_task import plan_cells
 from rigctl.inventory import Host, Inventory
-from rigctl.models import artifact_path, host_artifacts
 from rigctl.results.store import StoredRun, read_jsonl
 from rigctl.trust import inside
 
@@ -157,12 +156,12 @@ def bench_job_spec(host: Host, spec: BenchSpec) -> jobs.JobSpec:
     """The job that runs ``spec`` on ``host``; ConfigError when the host lacks one of the artifacts."""
     from rigctl import jobs
 
-    available = host_artifacts(host)
+    available = {a.name: a for a in host.artifacts}
     for name in spec.models:
         if name not in available:
             raise ConfigError(f"host {host.name}: bench model {name!r} is not an artifact of this host "
                               f"(it has: {', '.join(available) or 'none'})")
-    models = [{"name": name, "path": artifact_path(host, name)} for name in spec.models]
+    models = [{"name": name, "path": available[name].path} for name in spec.models]
     params = {
         "llama_bench": llama_bench_path(host),
         "models": models,

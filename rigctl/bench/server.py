@@ -8,8 +8,8 @@ Three measurements, each optional, written to the results store as a ``server-sp
 * **Model load time** (``load.jsonl``): ``systemctl restart llama-server@NAME`` until ``/health``
   answers 200, ``load_runs`` times.
 * **GPU memory per context size** (``memory.jsonl``): the instance is stopped; for each context
-  size a probe server with the instance's own arguments file but ``-c SIZE`` (and a spare port) runs
-  as a transient unit, and ``nvidia-smi``'s memory.used is read once it is healthy; the instance is
+  size a probe server with the instance's own arguments but ``-c SIZE`` (and a spare port) runs as a
+  transient unit, and ``nvidia-smi``'s memory.used is read once it is healthy; the instance is
   started again after. The KV-cache growth per token is the slope of a least-squares line through
   (context size, MiB), in bytes per token.
 """
@@ -24,21 +24,22 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from rigctl.errors import ConfigError, ServerError
-from rigctl.inventory import Host
+from rigctl.inventory import Host, Server
+from rigctl.inventory.profiles import args_lines_to_argv
 from rigctl.results.record import RunRecord
 from rigctl.results.stamp import collect_stamp, inventory_server, with_props
 from rigctl.results.store import ResultsStore
 from rigctl.server import Endpoint, ServerClient, Timeouts
-from rigctl.servers import operator_start, unit_name
+from rigctl.servers import operator_start
 from rigctl.ssh import SshClient, SshTarget
 
 log = logging.getLogger(__name__)
 
-CONFIG_DIR = "/etc/llama-server"
 SWEEP_FILE = "sweep.jsonl"
 LOAD_FILE = "load.jsonl"
 MEMORY_FILE = "memory.jsonl"
@@ -71,27 +72,6 @@ class ServerBenchResult:
     memory: list[MemoryPoint] = field(default_factory=list)
     kv_bytes_per_token: float | None = None
     run_dir: Path | None = None
-
-
-def parse_args_file(text: str) -> list[str]:
-    """The llama_server role's arguments file as argv: one flag per line, its value after the first space."""
-    argv: list[str] = []
-    for line in text.splitlines():
-        if not line.strip() or line.startswith("#"):
-            continue
-        flag, sep, value = line.partition(" ")
-        argv += [flag, value] if sep else [flag]
-    return argv
-
-
-def with_flag(argv: Sequence[str], names: Sequence[str], value: str) -> list[str]:
-    """``argv`` with the flag ``names[0]`` (any spelling in ``names``) set to ``value``."""
-    out = list(argv)
-    for i, arg in enumerate(out[:-1]):
-        if arg in names:
-            out[i + 1] = value
-            return out
-    return [*out, names[0], value]
 
 
 def kv_bytes_per_token(points: Sequence[MemoryPoint]) -> float | None:
@@ -132,18 +112,15 @@ def run_server_bench(
     on_step: Callable[[str], None] | None = None,
 ) -> ServerBenchResult:
     """Measure ``instance`` on ``host``; the run is saved to ``store``."""
-    servers = {s.name: s for s in host.servers}
-    if instance not in servers:
-        raise ConfigError(f"host {host.name}: no llama_server instance {instance!r} "
-                          f"(instances: {', '.join(servers) or 'none'})")
+    served = host.server(instance)
     say = on_step or (lambda message: None)
-    endpoint = Endpoint.from_inventory(host, instance)
-    unit = unit_name(instance)
+    endpoint = served.endpoint
+    unit = served.unit
     result = ServerBenchResult(host=host.name, instance=instance)
     with SshClient(SshTarget.from_host(host)) as ssh, ServerClient(endpoint, timeouts=Timeouts(read=900)) as server:
         server.wait_healthy(HEALTH_TIMEOUT_S)
         props = server.props()
-        stamp = collect_stamp(host, ssh, [inventory_server(host, instance)], artifacts=[servers[instance].artifact],
+        stamp = collect_stamp(host, ssh, [inventory_server(host, instance)], artifacts=[served.artifact],
                               concurrency=1)
         record = RunRecord.begin("server-speed", stamp, host=host.name)
         with_props(record.servers[0], props, endpoint)
@@ -164,8 +141,8 @@ def run_server_bench(
             result.load_s.append(time.monotonic() - began)
             say(f"load (restart to /health 200): {result.load_s[-1]:.2f} s")
         if ctx_sizes:
-            port = probe_port or servers[instance].port + 100
-            result.memory = _memory_sweep(ssh, host, instance, ctx_sizes, port, say)
+            port = probe_port or served.port + 100
+            result.memory = _memory_sweep(ssh, served, ctx_sizes, port, say)
             server.wait_healthy(HEALTH_TIMEOUT_S)
             result.kv_bytes_per_token = kv_bytes_per_token(result.memory)
     store = store or ResultsStore()
@@ -191,54 +168,65 @@ class Probe:
 
 
 @contextmanager
-def instance_stopped(ssh: SshClient, host: Host, instance: str) -> Iterator[None]:
-    """``instance``'s unit stopped (its card and port free for probes); on exit, when it was running
+def instance_stopped(ssh: SshClient, server: Server) -> Iterator[None]:
+    """``server``'s unit stopped (its card and port free for probes); on exit, when it was running
     before, started again and waited for until it answers /health (what follows finds it as it was)."""
-    unit = unit_name(instance)
-    running = ssh.run(f"systemctl is-active --quiet {shlex.quote(unit)}", timeout=30, check=False).ok
-    ssh.run(f"systemctl stop {shlex.quote(unit)}", timeout=300, check=True)
+    running = ssh.run(f"systemctl is-active --quiet {shlex.quote(server.unit)}", timeout=30, check=False).ok
+    ssh.run(f"systemctl stop {shlex.quote(server.unit)}", timeout=300, check=True)
     try:
         yield
     finally:
         if running:
-            ssh.run(operator_start([unit]), timeout=300, check=True)
-            with ServerClient(Endpoint.from_inventory(host, instance)) as client:
+            ssh.run(operator_start([server.unit]), timeout=300, check=True)
+            with ServerClient(server.endpoint) as client:
                 client.wait_healthy(HEALTH_TIMEOUT_S)
 
 
+def deployed_argv(ssh: SshClient, server: Server) -> list[str]:
+    """The arguments ``server``'s unit starts llama-server with: its arguments file on the host, split as
+    the role's launcher splits it."""
+    text = ssh.run(f"cat {shlex.quote(server.args_file)}", timeout=30, check=True).stdout
+    return args_lines_to_argv(text.splitlines())
+
+
 @contextmanager
-def probe_server(ssh: SshClient, host: Host, instance: str, flags: Mapping[tuple[str, ...], str], port: int,
+def probe_server(ssh: SshClient, server: Server, settings: Mapping[str, Any], port: int,
                  purpose: str) -> Iterator[Probe]:
-    """A probe with ``instance``'s arguments file but ``flags`` (spellings -> value) on ``port``, as the
-    transient unit ``rigctl-<purpose>probe-<instance>``, once it is healthy; stopped on exit."""
-    argv = parse_args_file(ssh.run(f"cat {CONFIG_DIR}/{shlex.quote(instance)}.args", timeout=30, check=True).stdout)
-    for names, value in {**flags, ("--port",): str(port)}.items():
-        argv = with_flag(argv, names, value)
-    binary = f"{CONFIG_DIR}/{instance}.bin"
-    probe = f"rigctl-{purpose.split()[0]}probe-{instance}"
-    key = Endpoint.from_inventory(host, instance).api_key
-    endpoint = Endpoint(f"http://{host.address}:{port}", api_key=key, label=f"{host.name}/{probe}")
-    ssh.run(f"systemd-run --unit {probe} --collect --quiet -p User=llama {shlex.join([binary, *argv])}",
-            timeout=60, check=True)
+    """A probe of ``server`` with ``settings`` over its profile (``{"ctx_size": 4096}``) on ``port``, as the
+    transient unit ``rigctl-<purpose>probe-<instance>`` as the unit's user and GPU pin, once it is healthy;
+    stopped on exit. Refused when the host's arguments file is not what the inventory plans (the probe
+    would measure flags the instance does not run): deploy first."""
+    deployed = deployed_argv(ssh, server)
+    if deployed != server.argv:
+        extra = sorted(set(deployed) - set(server.argv)) or sorted(set(server.argv) - set(deployed))
+        raise ConfigError(f"{server.host}/{server.name}: {server.args_file} on the host differs from the inventory "
+                          f"({' '.join(extra[:4]) or 'order'}); deploy before probing it")
+    argv = server.argv_with(port=port, **settings)
+    probe = f"rigctl-{purpose.split()[0]}probe-{server.name}"
+    endpoint = Endpoint(f"http://{server.address}:{port}", api_key=server.api_key, label=f"{server.host}/{probe}")
+    # The unit's account and GPU pin: the probe sees the card the instance sees.
+    command = ["systemd-run", "--unit", probe, "--collect", "--quiet", "-p", f"User={server.user}",
+               "-p", f"Group={server.group}", "-p", f"EnvironmentFile={server.env_file}", server.binary, *argv]
+    ssh.run(shlex.join(command), timeout=60, check=True)
     try:
         try:
             with ServerClient(endpoint) as client:
                 client.wait_healthy(HEALTH_TIMEOUT_S)
         except ServerError:
             tail = ssh.run(f"journalctl -u {probe} -n 5 --no-pager", timeout=30, check=False).stdout
-            raise ServerError(f"{host.name}/{probe}", purpose, tail.strip().splitlines()[-1] if tail else
+            raise ServerError(f"{server.host}/{probe}", purpose, tail.strip().splitlines()[-1] if tail else
                               "not healthy") from None
         yield Probe(probe, endpoint, argv)
     finally:
         ssh.run(f"systemctl stop {probe}", timeout=120, check=False)
 
 
-def _memory_sweep(ssh: SshClient, host: Host, instance: str, ctx_sizes: Sequence[int], port: int,
+def _memory_sweep(ssh: SshClient, server: Server, ctx_sizes: Sequence[int], port: int,
                   say: Callable[[str], None]) -> list[MemoryPoint]:
     points = []
-    with instance_stopped(ssh, host, instance):
+    with instance_stopped(ssh, server):
         for size in ctx_sizes:
-            with probe_server(ssh, host, instance, {("-c", "--ctx-size"): str(size)}, port, f"ctx {size}"):
+            with probe_server(ssh, server, {"ctx_size": int(size)}, port, f"ctx {size}"):
                 points.append(MemoryPoint(size, _memory_used(ssh)))
                 say(f"ctx {size}: {points[-1].memory_used_mib} MiB")
     return points

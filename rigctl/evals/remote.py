@@ -25,17 +25,16 @@ from rigctl.evals.target import Target
 from rigctl.evals.tasks import LoadedTask
 from rigctl.results.record import ANSWERS_FILE
 from rigctl.results.store import ResultsStore, StoredRun, read_jsonl
-from rigctl.servers import server_key_file
 
 
 def job_spec(task: LoadedTask, target: Target, options: Options, questions_file: Path,
              limit: int | None = None) -> jobs.JobSpec:
-    if target.inventory_host is None or not target.server.get("port"):
+    if target.inventory_server is None:
         raise ConfigError("--remote needs an inventory server (--host and --server), not a bare --url")
     params: dict[str, Any] = {
         # The key never travels in the job: the job reads the one the llama_server role installed.
-        "scorer": task.scorer, "port": target.server["port"],
-        "api_key_file": server_key_file(target.inventory_host) if target.endpoint.api_key else None,
+        "scorer": task.scorer, "port": target.inventory_server.port,
+        "api_key_file": target.inventory_server.key_file if target.endpoint.api_key else None,
         "concurrency": options.concurrency, "seed": options.seed, "thinking": options.thinking,
         "timeout_s": options.timeout, "retries": options.retry.attempts,
         "max_tokens": getattr(task.spec, "max_tokens", None), "n_probs": getattr(task.spec, "n_probs", None),

@@ -7,8 +7,8 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
-from rigctl.errors import ConfigError, RigctlError
-from rigctl.inventory import Host
+from rigctl.errors import RigctlError
+from rigctl.inventory import Artifact, Host, Server
 from rigctl.server import Endpoint
 
 log = logging.getLogger(__name__)
@@ -25,69 +25,42 @@ class Target:
     gpu: dict[str, Any] = field(default_factory=dict)
     llama_cpp: dict[str, Any] = field(default_factory=dict)
     inventory_host: Host | None = None
-
-
-def instance_spec(host: Host, server: str) -> dict[str, Any]:
-    instances = host.vars.get("llama_server_instances") or {}
-    if server not in instances:
-        known = ", ".join(sorted(instances)) or "none"
-        raise ConfigError(f"host {host.name}: no llama_server instance {server!r} (instances: {known})")
-    return dict(instances[server])
+    inventory_server: Server | None = None
 
 
 def inventory_target(host: Host, server: str, *, url: str | None = None, api_key: str | None = None,
                      facts: bool = True) -> Target:
     """An inventory server: endpoint and key from the inventory (``url``/``api_key`` override them), the
-    profile's settings as the server's flags, and with ``facts`` the model's manifest and the llama.cpp
-    build read from the host over SSH (a host that cannot be read is logged and left out)."""
-    spec = instance_spec(host, server)
-    endpoint = Endpoint.from_inventory(host, server)
+    profile as the host serves it (extends chain and host overrides) as the server's flags, and with
+    ``facts`` the model's manifest and the llama.cpp build read from the host over SSH (a host that cannot
+    be read is logged and left out)."""
+    served = host.server(server)
+    endpoint = served.endpoint
     if url or api_key:
         endpoint = Endpoint(url or endpoint.url, api_key or endpoint.api_key, f"{host.name}/{server}")
-    profile = str(spec.get("profile", ""))
-    flags = profile_settings(host, profile)
-    flags.update({k: v for k, v in spec.items() if k not in {"artifact", "profile", "port", "enabled", "api_key"}})
-    artifact = str(spec.get("artifact", ""))
-    target = Target(host=host.name, endpoint=endpoint, inventory_host=host,
-                    server={"name": server, "host": host.name, "profile": profile, "flags": flags,
-                            "port": int(spec["port"]), "artifact": artifact})
+    flags = dict(served.profile.settings)
+    if served.gpu is not None:
+        flags["gpu"] = served.gpu
+    target = Target(host=host.name, endpoint=endpoint, inventory_host=host, inventory_server=served,
+                    server={"name": server, "host": host.name, "profile": served.profile.name, "flags": flags,
+                            "port": served.port, "artifact": served.artifact})
     gpu = host.gpu
     if gpu:
         target.gpu = {"name": gpu.name, "vram_mib": gpu.vram_mib, "compute_capability": gpu.compute_capability}
     if facts:
-        _read_facts(target, host, artifact)
+        _read_facts(target, host, served.model)
     return target
 
 
-def profile_settings(host: Host, name: str) -> dict[str, Any]:
-    """Profile ``name`` as the llama_server role resolves it: its ``extends`` chain (the child wins) and the
-    host's ``llama_server_profile_overrides`` on top."""
-    profiles = host.vars.get("llama_server_profiles") or {}
-    chain: list[str] = []
-    current: str | None = name
-    while current is not None and current in profiles and current not in chain:
-        chain.append(current)
-        current = (profiles[current] or {}).get("extends")
-    merged: dict[str, Any] = {}
-    for link in [*reversed(chain), None]:
-        layer = profiles[link] or {} if link else ((host.vars.get("llama_server_profile_overrides") or {}).get(name)
-                                                   or {})
-        for key, value in layer.items():
-            merged[key] = {**merged[key], **value} if isinstance(value, dict) and isinstance(merged.get(key), dict) \
-                else value
-    merged.pop("extends", None)
-    return merged
-
-
-def _read_facts(target: Target, host: Host, artifact: str) -> None:
+def _read_facts(target: Target, host: Host, artifact: Artifact) -> None:
     from rigctl.build import read_builds
-    from rigctl.models import artifact_path, inspect_host
+    from rigctl.models import inspect_host
 
     try:
         statuses = {s.artifact: s for s in inspect_host(host, rehash=False)}
-        status = statuses.get(artifact)
+        status = statuses.get(artifact.name)
         manifest = status.manifest if status else None
-        target.artifacts = [{"name": artifact, "path": artifact_path(host, artifact),
+        target.artifacts = [{"name": artifact.name, "path": artifact.path,
                              "sha256": manifest.sha256 if manifest else None,
                              "manifest": manifest.raw if manifest else None}]
     except RigctlError as exc:

@@ -28,6 +28,7 @@ from pydantic import (
 
 from rigctl.errors import ConfigError
 from rigctl.inventory.model import FULL_COMMIT, HEX_COMMIT, SHA256, Host, Inventory
+from rigctl.inventory.profiles import ProfileError, resolve_profile
 from rigctl.trust import MASK, is_secret_name
 
 #: Variable prefixes owned by the roles and rigctl: an unknown key with one of these is a typo.
@@ -228,6 +229,27 @@ class ProfileSpec(_Strict):
         return value
 
 
+class SpecOverride(_Strict):
+    """A host's change to a profile's spec block: any of its keys, merged over the profile's."""
+
+    type: Literal["draft-mtp", "draft-simple"] | None = None
+    draft_n_max: int | None = Field(default=None, ge=1, le=16)
+    draft_model: str | None = None
+    n_gpu_layers_draft: int | None = Field(default=None, ge=0)
+
+
+class ProfileOverride(ProfileSpec):
+    """llama_server_profile_overrides.NAME: keys merged over profile NAME for one host (spec key by key)."""
+
+    spec: SpecOverride | None = None  # type: ignore[assignment]
+
+    @model_validator(mode="after")
+    def _no_extends(self) -> ProfileOverride:
+        if self.extends is not None:
+            raise ValueError("extends has no effect in an override (the profile's own chain is used)")
+        return self
+
+
 class InstanceSpec(_Strict):
     artifact: str = Field(min_length=1)
     profile: str = Field(min_length=1)
@@ -266,7 +288,7 @@ SCHEMA: dict[str, Any] = {
     "models_catalog": dict[Name, ModelSpec],
     "llama_server_profiles": dict[Name, ProfileSpec],
     "llama_server_instances": dict[Name, InstanceSpec],
-    "llama_server_profile_overrides": dict[str, ProfileSpec],
+    "llama_server_profile_overrides": dict[str, ProfileOverride],
     "llama_server_bind_address": str,
     "llama_server_api_key": str,
     "models_pins": dict[str, Annotated[str, Field(pattern=SHA256.pattern)]],
@@ -380,20 +402,16 @@ def _check_gpus(where: str, parsed: Mapping[str, Any]) -> list[Problem]:
 def _check_exposure(host: Host, parsed: Mapping[str, Any]) -> list[Problem]:
     """A warning for each instance served beyond loopback without an API key: anyone who reaches the
     host may use it."""
-    from rigctl.evals.target import profile_settings
-
-    instances: dict[str, InstanceSpec] = parsed.get("llama_server_instances") or {}
-    if host.vars.get("llama_server_api_key") or "llama_server_profiles" not in parsed:
+    if "llama_server_profiles" not in parsed or "llama_server_instances" not in parsed:
         return []
-    out = []
-    for name, inst in sorted(instances.items()):
-        bind = str(host.vars.get("llama_server_bind_address") or profile_settings(host, inst.profile).get("host")
-                   or "127.0.0.1")
-        if not _is_loopback(bind):
-            out.append(Problem(f"host {host.name}", f"llama_server_instances.{name}",
-                               f"serves on {bind} without llama_server_api_key: anyone who reaches the host "
-                               "can use it (bind 127.0.0.1, or set a key from ansible-vault)", "warning"))
-    return out
+    try:
+        servers = host.servers
+    except ConfigError:
+        return []  # a profile that does not resolve is reported by _check_servers
+    return [Problem(f"host {host.name}", f"llama_server_instances.{server.name}",
+                    f"serves on {server.bind} without llama_server_api_key: anyone who reaches the host "
+                    "can use it (bind 127.0.0.1, or set a key from ansible-vault)", "warning")
+            for server in servers if not server.api_key and not _is_loopback(server.bind)]
 
 
 def _is_loopback(address: str) -> bool:
@@ -415,9 +433,8 @@ def _check_pins(where: str, v: Mapping[str, Any], parsed: Mapping[str, Any]) -> 
 def _without_union_tags(loc: tuple[Any, ...]) -> list[str]:
     """The error's key path without the discriminated unions' tags (a source's or an artifact's
     ``type``), which pydantic puts right after ``source`` and after an artifact's name."""
-    # A key the user wrote is shown as written unless it holds a newline or another unprintable
-    # character: then quoted, so it cannot break the one-line error.
-    parts = [str(p) if str(p).isprintable() else repr(p) for p in loc]
+    # A key with a line break or a blank in it is shown quoted: the problem stays one readable line.
+    parts = [str(p) if str(p).isprintable() and str(p).strip() == str(p) else repr(str(p)) for p in loc]
     return [p for i, p in enumerate(parts)
             if not ((i >= 1 and parts[i - 1] == "source") or (i >= 2 and parts[i - 2] == "artifacts"))]
 
@@ -534,20 +551,12 @@ def _check_servers(where: str, parsed: Mapping[str, Any]) -> list[Problem]:
     profiles: dict[str, ProfileSpec] = parsed.get("llama_server_profiles") or {}
     instances: dict[str, InstanceSpec] = parsed.get("llama_server_instances") or {}
     artifacts = artifact_names(parsed.get("models_catalog"))
+    chains = {name: {"extends": profile.extends} for name, profile in profiles.items()}
     for name, profile in profiles.items():
-        seen = [name]
-        parent = profile.extends
-        while parent is not None:
-            if parent not in profiles:
-                out.append(Problem(where, f"llama_server_profiles.{seen[-1]}.extends",
-                                   f"no profile named {parent!r}"))
-                break
-            if parent in seen:
-                out.append(Problem(where, f"llama_server_profiles.{name}.extends",
-                                   f"cycle: {' -> '.join([*seen, parent])}"))
-                break
-            seen.append(parent)
-            parent = profiles[parent].extends
+        try:
+            resolve_profile(chains, name)
+        except ProfileError as exc:
+            out.append(Problem(where, f"llama_server_profiles.{exc.profile}.extends", exc.reason))
         if profile.spec and profile.spec.draft_model and artifacts and profile.spec.draft_model not in artifacts:
             out.append(Problem(where, f"llama_server_profiles.{name}.spec.draft_model",
                                f"{profile.spec.draft_model!r} is not an artifact in models_catalog"))

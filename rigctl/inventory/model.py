@@ -15,11 +15,15 @@ import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from rigctl.errors import ConfigError
+from rigctl.inventory import profiles
+
+if TYPE_CHECKING:
+    from rigctl.server import Endpoint
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +55,117 @@ class LlamaCppPin:
         return f"{self.version} ({self.source})"
 
 
+#: The llama_server and models roles' defaults that rigctl's views fall back to where the inventory sets
+#: nothing (roles/llama_server/defaults/main.yml, roles/models/defaults/main.yml; a unit test holds these
+#: to those files).
+LLAMA_SERVER_CONFIG_DIR = "/etc/llama-server"
+MODELS_DIR = "/var/lib/rigctl/models"
+SERVICE_USER = "llama"
+
+
 @dataclass(frozen=True)
-class ServerInstance:
+class Profile:
+    """A llama_server profile as one host serves it: the ``extends`` chain merged and the host's
+    ``llama_server_profile_overrides`` on top (:func:`rigctl.inventory.profiles.resolve_profile`)."""
+
     name: str
-    artifact: str
-    profile: str
+    settings: Mapping[str, Any]
+
+    @property
+    def ctx_size(self) -> int | None:
+        value = self.settings.get("ctx_size")
+        return None if value is None else int(value)
+
+    @property
+    def spec(self) -> Mapping[str, Any] | None:
+        """The speculative-decoding block; None when the profile does not draft."""
+        return self.settings.get("spec") or None
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """A model artifact as the models role names it: ``<models_dir>/<name>.gguf`` on the host, its
+    manifest beside it, and the inventory's pin (models_pins) when there is one."""
+
+    name: str
+    path: str
+    pin: str | None = None
+
+    @property
+    def manifest_path(self) -> str:
+        return f"{self.path}.manifest.json"
+
+
+@dataclass(frozen=True)
+class Server:
+    """One llama_server instance of one host, with everything the role derives for it (the plan of
+    :func:`rigctl.inventory.profiles.instance_plan`): the one view every consumer takes."""
+
+    host: str  # inventory host name
+    name: str
+    artifact: str  # the artifact's name, as llama_server_instances gives it
+    profile: Profile
     port: int
     enabled: bool
+    gpu: int | None  # gpu_host_gpus index, pinned with CUDA_VISIBLE_DEVICES
+    model: Artifact  # what it loads
+    draft_model: Artifact | None  # the drafter it loads with -md
+    address: str  # where the controller reaches the host
+    bind: str  # the address the server listens on
+    flags: tuple[str, ...]  # the arguments file's lines, as the role writes them
+    config_dir: str
+    models_dir: str
+    user: str  # the account the unit runs as
+    group: str
+    bind_address: str = ""  # the host's llama_server_bind_address ("" keeps the profile's host)
+    api_key: str | None = field(default=None, repr=False)
+
+    @property
+    def unit(self) -> str:
+        return profiles.unit_name(self.name)
+
+    @property
+    def args_file(self) -> str:
+        return profiles.instance_file(self.config_dir, self.name, "args")
+
+    @property
+    def binary(self) -> str:
+        """The link to the build's llama-server that the unit execs."""
+        return profiles.instance_file(self.config_dir, self.name, "bin")
+
+    @property
+    def env_file(self) -> str:
+        """The unit's EnvironmentFile: the GPU pin (CUDA_VISIBLE_DEVICES)."""
+        return profiles.instance_file(self.config_dir, self.name, "env")
+
+    @property
+    def key_file(self) -> str | None:
+        """The API key file the server reads (--api-key-file); None when the host has no key."""
+        return profiles.key_file(self.config_dir) if self.api_key else None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}:{self.port}"
+
+    @property
+    def endpoint(self) -> Endpoint:
+        from rigctl.server import Endpoint  # the HTTP client is not needed to read an inventory
+
+        return Endpoint(self.url, self.api_key, f"{self.host}/{self.name}")
+
+    @property
+    def argv(self) -> list[str]:
+        """The arguments llama-server gets from the arguments file (the launcher's split)."""
+        return profiles.args_lines_to_argv(list(self.flags))
+
+    def argv_with(self, *, port: int | None = None, **settings: Any) -> list[str]:
+        """:attr:`argv` with ``settings`` over the profile (``ctx_size=4096``) and another ``port``: what a
+        probe of this instance runs, rendered by the role's own flag function."""
+        lines = profiles.instance_flags(profiles.merge(self.profile.settings, settings), artifact=self.artifact,
+                                        port=self.port if port is None else port, models_dir=self.models_dir,
+                                        config_dir=self.config_dir, bind_address=self.bind_address,
+                                        api_key=bool(self.api_key))
+        return profiles.args_lines_to_argv(lines)
 
 
 @dataclass(frozen=True)
@@ -101,11 +209,76 @@ class Host:
         return LlamaCppPin("archive", version, str(archive.url or archive.path), archive.sha256)
 
     @property
-    def servers(self) -> list[ServerInstance]:
+    def servers(self) -> list[Server]:
+        """Every llama_server instance of this host, in name order, as the role plans it."""
         instances = self._validated("llama_server_instances", None) or {}
-        return [ServerInstance(name=name, artifact=spec.artifact, profile=spec.profile, port=spec.port,
-                               enabled=spec.enabled)
-                for name, spec in sorted(instances.items())]
+        if not instances:
+            return []
+        self._validated("llama_server_profiles", None)
+        self._validated("llama_server_profile_overrides", None)
+        models_dir = str(self.vars.get("llama_server_models_dir") or self.vars.get("models_dir") or MODELS_DIR)
+        config_dir = str(self.vars.get("llama_server_config_dir") or LLAMA_SERVER_CONFIG_DIR)
+        bind_address = str(self.vars.get("llama_server_bind_address") or "")
+        api_key = str(self.vars.get("llama_server_api_key") or "") or None
+        try:
+            # The raw values, as the role sees them: the plan is the role's, byte for byte.
+            plans = profiles.host_plan(self.vars.get("llama_server_instances"),
+                                       self.vars.get("llama_server_profiles") or {},
+                                       self.vars.get("llama_server_profile_overrides") or {},
+                                       models_dir=models_dir, config_dir=config_dir, bind_address=bind_address,
+                                       api_key=bool(api_key))
+        except profiles.ProfileError as exc:
+            raise ConfigError(f"host {self.name}: {exc}") from None
+        pins = self.pins
+        user = str(self.vars.get("llama_server_user") or self.vars.get("gpu_host_user") or SERVICE_USER)
+        group = str(self.vars.get("llama_server_group") or self.vars.get("gpu_host_group") or SERVICE_USER)
+        out = []
+        for plan in plans:
+            spec = plan["profile"].get("spec") or {}
+            draft = str(spec["draft_model"]) if spec.get("draft_model") else None
+            out.append(Server(
+                host=self.name, name=plan["name"], artifact=plan["artifact"],
+                profile=Profile(plan["profile_name"], plan["profile"]), port=plan["port"],
+                enabled=plan["enabled"], gpu=None if plan["gpu"] is None else int(plan["gpu"]),
+                model=Artifact(plan["artifact"], plan["model"], pins.get(plan["artifact"])),
+                draft_model=Artifact(draft, plan["draft_model"], pins.get(draft)) if draft else None,
+                address=self.address, bind=plan["bind"], flags=tuple(plan["flags"]), config_dir=config_dir,
+                models_dir=models_dir, user=user, group=group, bind_address=bind_address, api_key=api_key))
+        return out
+
+    def server(self, name: str) -> Server:
+        """Instance ``name``; ConfigError naming the host and its instances when there is none."""
+        servers = {s.name: s for s in self.servers}
+        if name not in servers:
+            known = ", ".join(sorted(servers)) or "none"
+            raise ConfigError(f"host {self.name}: no llama_server instance {name!r} (instances: {known})")
+        return servers[name]
+
+    @property
+    def pins(self) -> dict[str, str]:
+        """models_pins: the sha256 the inventory pins each artifact to."""
+        pins = self._validated("models_pins", None) or {}
+        return {str(k): str(v).lower() for k, v in pins.items()}
+
+    def artifact(self, name: str) -> Artifact:
+        """Artifact ``name`` as the models role keeps it on this host."""
+        models_dir = str(self.vars.get("models_dir") or MODELS_DIR)
+        return Artifact(name, profiles.artifact_file(models_dir, name), self.pins.get(name))
+
+    @property
+    def artifacts(self) -> list[Artifact]:
+        """The artifacts the models role keeps on this host: models_artifacts (with the inputs of those
+        quantized here), or every artifact of models_catalog."""
+        chosen = [str(name) for name in self.vars.get("models_artifacts") or []]
+        catalog = self.vars.get("models_catalog") or {}
+        if chosen:
+            for model in catalog.values():
+                for name, art in (model.get("artifacts") or {}).items():
+                    if name in chosen and art.get("type") == "quantize" and art["from"] not in chosen:
+                        chosen.append(str(art["from"]))
+        else:
+            chosen = [str(name) for model in catalog.values() for name in (model.get("artifacts") or {})]
+        return [self.artifact(name) for name in chosen]
 
     def _validated(self, key: str, default: Any) -> Any:
         """``vars[key]`` parsed by its schema (``default`` when unset or null); ConfigError naming the key."""

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from rigctl.errors import RigctlError
 from rigctl.hostside import llama_cpp_fact, ship
 from rigctl.hostside.jobrun import parse_gpu_query
-from rigctl.inventory import Host
+from rigctl.inventory import Host, profiles
 from rigctl.results.record import Artifact, Gpu, LlamaCppBuild, Provenance, Server, Task, rigctl_version
 from rigctl.trust import redact_argv
 
@@ -34,15 +34,12 @@ log = logging.getLogger(__name__)
 STAMP_TIMEOUT = 60.0
 
 
-def unit_of(instance: str) -> str:
-    return f"llama-server@{instance}.service"
-
-
 def inventory_server(host: Host, instance: str, *, unit: str | None = None, port: int | None = None) -> Server:
-    """What the inventory names of ``instance`` (profile, artifact, port); its argv comes from the host."""
+    """The record's server for ``instance``: what the inventory's view names of it (profile, artifact, port,
+    unit); its argv comes from the host. ``unit``/``port``: a probe that serves in the instance's place."""
     known = next((s for s in host.servers if s.name == instance), None)
-    return Server(name=instance, host=host.name, unit=unit or unit_of(instance),
-                  profile=known.profile if known else None, artifact=known.artifact if known else None,
+    return Server(name=instance, host=host.name, unit=unit or (known.unit if known else profiles.unit_name(instance)),
+                  profile=known.profile.name if known else None, artifact=known.artifact if known else None,
                   port=port if port is not None else (known.port if known else None))
 
 
@@ -74,10 +71,10 @@ def collect_stamp(host: Host, ssh: SshClient, servers: Sequence[Server], *, arti
                   concurrency: int | None = None) -> Provenance:
     """The stamp of a run on ``host`` with ``servers`` (their argv read from the host as they run now),
     ``artifacts`` (names; sha256 from their manifests), and the run's task or matrix, seed, concurrency."""
-    from rigctl.models import artifact_path, parse_manifest
+    from rigctl.models import parse_manifest
 
-    paths = {name: artifact_path(host, name) for name in artifacts}
-    answer = host_facts(ssh, [s.unit or unit_of(str(s.name)) for s in servers], list(paths.values()))
+    paths = {name: host.artifact(name).path for name in artifacts}
+    answer = host_facts(ssh, [s.unit or profiles.unit_name(str(s.name)) for s in servers], list(paths.values()))
     entries = answer.get("servers") if isinstance(answer.get("servers"), list) else []
     stamped = [_deployed(s, entries[i] if i < len(entries) else None, host.name) for i, s in enumerate(servers)]
     build = LlamaCppBuild()

@@ -31,9 +31,9 @@ def reference():
 
 @pytest.fixture
 def client(lab_served: Inventory):
-    from rigctl.server import Endpoint, ServerClient
+    from rigctl.server import ServerClient
 
-    with ServerClient(Endpoint.from_inventory(lab_served.host("desktop"), "smollm2")) as server:
+    with ServerClient(lab_served.host("desktop").server("smollm2").endpoint) as server:
         yield server
 
 

@@ -22,7 +22,6 @@ import pytest
 from rigctl.evals import scorers
 from rigctl.results.record import RunRecord
 from rigctl.results.store import ResultsStore, read_jsonl
-from rigctl.server import Endpoint
 from rigctl.ssh import SshClient, SshTarget
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -77,7 +76,7 @@ def base_url(lab) -> str:
 
 def auth(lab) -> dict[str, str]:
     """The lab servers' bearer header (the lab inventory carries a key)."""
-    return Endpoint.from_inventory(lab.host(HOST), SERVER).headers()
+    return lab.host(HOST).server(SERVER).endpoint.headers()
 
 
 def check_record(path: Path, task_file: Path, lab) -> RunRecord:

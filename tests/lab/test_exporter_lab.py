@@ -150,13 +150,12 @@ def test_stopped_sshd_shows_down_within_one_timeout_while_the_other_rig_stays_fr
 
 @pytest.mark.lab
 def test_replaced_model_file_shows_as_drift(lab: Inventory, exporter):
-    from rigctl.models import artifact_path
     from rigctl.ssh import SshClient, SshTarget
 
     exp, url = exporter
     host = lab.host("desktop")
     artifact = host.servers[0].artifact
-    path = artifact_path(host, artifact)
+    path = host.artifact(artifact).path
     keep = f"{path}.rigctl-test-original"
 
     def drift() -> float | None:

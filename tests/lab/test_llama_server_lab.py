@@ -38,7 +38,7 @@ def _pids(inv: Inventory, host: str, names: list[str]) -> dict[str, int]:
 def _ask(inv: Inventory, host: str, server: str, api_key: str | None = None, port: int | None = None) -> str:
     """A greedy answer of instance ``server`` (or whatever listens on ``port``) on ``host``."""
     endpoint = Endpoint(f"http://{inv.host(host).address}:{port}", api_key) if port else \
-        Endpoint.from_inventory(inv.host(host), server)
+        inv.host(host).server(server).endpoint
     with ServerClient(endpoint) as client:
         return client.chat(QUESTION, max_tokens=16).content
 

@@ -15,7 +15,7 @@ import yaml
 
 from rigctl.deploy import run_playbook
 from rigctl.inventory import Inventory
-from rigctl.server import Endpoint, ServerClient
+from rigctl.server import ServerClient
 
 SCRAPE = {"monitoring_install": False, "monitoring_manage_service": False, "monitoring_scrape_interval": "2s",
           "monitoring_scrape_timeout": "2s"}
@@ -59,7 +59,7 @@ def test_prometheus_scrapes_every_server_with_inventory_labels(lab_served: Inven
         for host in lab_served.hosts.values():
             for server in host.servers:
                 if server.enabled:
-                    with ServerClient(Endpoint.from_inventory(host, server.name)) as client:
+                    with ServerClient(server.endpoint) as client:
                         assert client.chat([{"role": "user", "content": "Say hi."}], max_tokens=4).content
         expected = _expected_labels(lab_served)
         found: list[dict[str, str]] = []

@@ -32,7 +32,6 @@ import pytest
 from rigctl.deploy import ansible_env, run_playbook
 from rigctl.errors import DeployError
 from rigctl.inventory import Host, Inventory
-from rigctl.server import Endpoint
 from rigctl.ssh import SshClient, SshTarget
 
 REPO = Path(__file__).resolve().parents[2]
@@ -123,7 +122,7 @@ def build_status(inv: Inventory) -> str:
 
 def serves(host: Host) -> str:
     """The instance smollm2's completion of a fixed prompt (it must answer, and with text)."""
-    endpoint = Endpoint.from_inventory(host, "smollm2")  # its URL and the inventory's key
+    endpoint = host.server("smollm2").endpoint  # its URL and the inventory's key
     reply = httpx.post(f"{endpoint.url}/completion", timeout=60,
                        headers={"Authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else {},
                        json={"prompt": "The capital of France is", "n_predict": 4, "temperature": 0})

@@ -313,14 +313,8 @@ def test_race_contenders_from_the_lab_inventory() -> None:
 
 
 def test_server_bench_helpers() -> None:
-    from rigctl.bench.server import MemoryPoint, filler_prompt, kv_bytes_per_token, parse_args_file, with_flag
+    from rigctl.bench.server import MemoryPoint, filler_prompt, kv_bytes_per_token
 
-    argv = parse_args_file("#\n# Ansible managed\n--model /m/a.gguf\n--port 8080\n-c 2048\n--metrics\n"
-                           "-ot blk\\.(1|2)\\.=CPU\n")
-    assert argv == ["--model", "/m/a.gguf", "--port", "8080", "-c", "2048", "--metrics", "-ot", "blk\\.(1|2)\\.=CPU"]
-    probe = with_flag(with_flag(argv, ("-c", "--ctx-size"), "4096"), ("--port",), "8180")
-    assert probe[probe.index("-c") + 1] == "4096" and probe[probe.index("--port") + 1] == "8180"
-    assert with_flag(["--metrics"], ("-c",), "512") == ["--metrics", "-c", "512"]
     # 2 MiB more for 1024 more tokens: 2048 bytes per token.
     points = [MemoryPoint(1024, 300), MemoryPoint(2048, 302), MemoryPoint(4096, 306)]
     assert kv_bytes_per_token(points) == pytest.approx(2048.0)

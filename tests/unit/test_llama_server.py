@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import role_modules
 
+from rigctl.inventory.profiles import ProfileError, host_plan, resolve_profile, server_flags
 from rigctl.servers import operator_start, parse_unit_show
 
 ROLE = Path(__file__).resolve().parents[2] / "roles" / "llama_server"
@@ -21,12 +22,31 @@ filters = role_modules.load(ROLE / "filter_plugins" / "llama_server.py", "llama_
 def test_profiles_extend_and_hosts_override() -> None:
     profiles = {"base": {"ctx_size": 4096, "threads": 6, "spec": {"type": "draft-mtp", "draft_n_max": 1}},
                 "child": {"extends": "base", "ctx_size": 8192, "spec": {"draft_n_max": 2}}}
-    merged = filters.resolve_profile(profiles, "child", {"child": {"threads": 4}})
+    merged = resolve_profile(profiles, "child", {"child": {"threads": 4}})
     assert merged == {"ctx_size": 8192, "threads": 4, "spec": {"type": "draft-mtp", "draft_n_max": 2}}
-    with pytest.raises(filters.AnsibleFilterError, match="'child' extends 'nope'"):
-        filters.resolve_profile({"child": {"extends": "nope"}}, "child")
-    with pytest.raises(filters.AnsibleFilterError, match="cycle a -> b -> a"):
-        filters.resolve_profile({"a": {"extends": "b"}, "b": {"extends": "a"}}, "a")
+    with pytest.raises(ProfileError, match="'child' extends 'nope'"):
+        resolve_profile({"child": {"extends": "nope"}}, "child")
+    with pytest.raises(ProfileError, match="cycle a -> b -> a"):
+        resolve_profile({"a": {"extends": "b"}, "b": {"extends": "a"}}, "a")
+
+
+def test_the_filter_plugin_plans_with_rigctls_resolver() -> None:
+    """The role's plan is rigctl's plan: the plugin loads rigctl/inventory/profiles.py by its path, and a bad
+    extends chain fails the play with the resolver's message."""
+    profiles = {"base": {"ctx_size": 4096, "host": "0.0.0.0"}, "child": {"extends": "base", "threads": 2}}
+    instances = {"b": {"artifact": "m", "profile": "child", "port": 8081, "enabled": "no"},
+                 "a": {"artifact": "m", "profile": "base", "port": 8080}}
+    paths = {"models_dir": "/models", "config_dir": "/etc/ls", "bind_address": "", "api_key": True}
+    plan = filters.FilterModule().filters()["llama_server_plan"](instances, profiles, {"child": {"ctx_size": 512}},
+                                                                 **paths)
+    assert plan == host_plan(instances, profiles, {"child": {"ctx_size": 512}}, **paths)
+    assert [(p["name"], p["unit"], p["enabled"], p["check_host"]) for p in plan] == [
+        ("a", "llama-server@a.service", True, "127.0.0.1"), ("b", "llama-server@b.service", False, "127.0.0.1")]
+    assert plan[1]["flags"] == ["--model /models/m.gguf", "--alias m", "--host 0.0.0.0", "--port 8081", "-c 512",
+                                "-t 2", "--api-key-file /etc/ls/api-key"]
+    assert filters.FilterModule().filters()["llama_server_key_file"]("/etc/ls") == "/etc/ls/api-key"
+    with pytest.raises(filters.AnsibleFilterError, match="profile 'child' extends 'gone', which is not defined"):
+        filters.llama_server_plan({"b": instances["b"]}, {"child": {"extends": "gone"}}, **paths)
 
 
 def test_flags_one_per_line_as_the_study_serves() -> None:
@@ -34,16 +54,16 @@ def test_flags_one_per_line_as_the_study_serves() -> None:
                "flash_attn": "1", "threads": 6, "threads_batch": 12, "parallel": 1, "reasoning": False,
                "metrics": True, "override_tensor": r"blk\.(18|19|20|21|22|23)\.=CPU",
                "spec": {"type": "draft-mtp", "draft_n_max": 1}, "extra_args": ["--no-webui"]}
-    lines = filters.server_flags(profile, model_path="/m/q.gguf", port=8084, alias="qwen",
-                                 api_key_file="/etc/llama-server/api-key")
+    lines = server_flags(profile, model_path="/m/q.gguf", port=8084, alias="qwen",
+                         api_key_file="/etc/llama-server/api-key")
     assert lines == ["--model /m/q.gguf", "--alias qwen", "--host 0.0.0.0", "--port 8084", "-ngl 99", "-c 8192",
                      "-ctk f16", "-ctv f16", "-fa 1", "-t 6", "-tb 12", "--parallel 1", "--reasoning off",
                      "--metrics", r"-ot blk\.(18|19|20|21|22|23)\.=CPU", "--spec-type draft-mtp",
                      "--spec-draft-n-max 1", "--api-key-file /etc/llama-server/api-key", "--no-webui"]
-    drafter = filters.server_flags({"spec": {"type": "draft-simple", "draft_n_max": 2, "draft_model": "d",
-                                             "n_gpu_layers_draft": 99}},
-                                   model_path="/m/g.gguf", port=1, alias="g", bind_host="10.0.0.2",
-                                   draft_model_path="/m/d.gguf")
+    drafter = server_flags({"spec": {"type": "draft-simple", "draft_n_max": 2, "draft_model": "d",
+                                     "n_gpu_layers_draft": 99}},
+                           model_path="/m/g.gguf", port=1, alias="g", bind_host="10.0.0.2",
+                           draft_model_path="/m/d.gguf")
     assert drafter[2:] == ["--host 10.0.0.2", "--port 1", "--spec-type draft-simple", "--spec-draft-n-max 2",
                            "-md /m/d.gguf", "-ngld 99"]
 

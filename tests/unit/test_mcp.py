@@ -43,7 +43,7 @@ def test_tools_listed_actions_refused_and_bad_input_are_tool_errors_not_crashes(
     for result in (refused, refused_eval):
         assert result.is_error and "refused" in tool_text(result) and "--allow-actions" in tool_text(result)
     assert unknown_host.is_error and "unknown host 'nowhere'" in tool_text(unknown_host)
-    assert unknown_server.is_error and "no llama-server instance 'nope'" in tool_text(unknown_server)
+    assert unknown_server.is_error and "no llama_server instance 'nope'" in tool_text(unknown_server)
     assert bad_lines.is_error and "lines" in tool_text(bad_lines)
     assert bad_name.is_error and "host" in tool_text(bad_name)
     assert missing_run.is_error and "not found" in tool_text(missing_run)

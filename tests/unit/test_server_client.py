@@ -7,11 +7,11 @@ import asyncio
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from types import SimpleNamespace
 
 import pytest
 
 from rigctl.errors import ConfigError, ServerError
+from rigctl.inventory import Host
 from rigctl.server import (
     AsyncServerClient,
     ChatStreamAssembler,
@@ -91,12 +91,13 @@ def test_endpoint_validation_and_inventory():
     assert Endpoint("http://h:8080/v1/").url == "http://h:8080"
     with pytest.raises(ConfigError, match="must start with http"):
         Endpoint("h:8080")
-    host = SimpleNamespace(name="desktop", address="10.0.0.1", vars={
-        "llama_server_api_key": "k", "llama_server_instances": {"qwen": {"port": 8081}}})
-    endpoint = Endpoint.from_inventory(host, "qwen")
+    host = Host("desktop", "10.0.0.1", "root", ("all",), {
+        "llama_server_api_key": "k", "llama_server_profiles": {"p": {}},
+        "llama_server_instances": {"qwen": {"artifact": "q", "profile": "p", "port": 8081}}})
+    endpoint = host.server("qwen").endpoint
     assert (endpoint.url, endpoint.api_key, endpoint.label) == ("http://10.0.0.1:8081", "k", "desktop/qwen")
     with pytest.raises(ConfigError, match="no llama_server instance 'gemma' .*instances: qwen"):
-        Endpoint.from_inventory(host, "gemma")
+        host.server("gemma")
 
 
 class Script:
