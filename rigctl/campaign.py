@@ -404,23 +404,23 @@ def _ensure_server(inventory: Inventory, member: ServerRef, on_step: OnStep) -> 
     """Start a llama-server unit when it is not answering; True when this call started it."""
     from rigctl.server import Endpoint, ServerClient
     from rigctl.servers import operator_start, unit_name
-    from rigctl.ssh import SshClient, SshTarget
+    from rigctl.ssh import session
 
     host = inventory.host(member.host)
     with ServerClient(Endpoint.from_inventory(host, member.server)) as client:
         if client.health().ok:
             return False
         on_step(f"{member.host}: starting llama-server@{member.server} for the eval")
-        with SshClient(SshTarget.from_host(host)) as ssh:
+        with session(host) as ssh:
             ssh.run(operator_start([unit_name(member.server)]), timeout=60, check=True)
         client.wait_healthy(SERVER_START_TIMEOUT_S)
     return True
 
 
 def _stop_server(inventory: Inventory, member: ServerRef) -> None:
-    from rigctl.ssh import SshClient, SshTarget
+    from rigctl.ssh import session
 
-    with SshClient(SshTarget.from_host(inventory.host(member.host))) as ssh:
+    with session(inventory.host(member.host)) as ssh:
         ssh.run(f"systemctl stop llama-server@{member.server}.service", timeout=60, check=True)
 
 
@@ -496,7 +496,16 @@ def run_campaign(loaded: LoadedCampaign, inventory: Inventory, store: ResultsSto
     """Pull every host, then run each bench and eval the campaign still lacks; per step the outcome.
 
     A failed step is reported and the others go on (their results are kept); running again picks up
-    only what is still missing, and resumes eval runs that stopped part-way."""
+    only what is still missing, and resumes eval runs that stopped part-way. Each host is talked to over
+    one SSH connection for the whole run."""
+    from rigctl.ssh import connections
+
+    with connections():
+        return _run_steps(loaded, inventory, store, on_step)
+
+
+def _run_steps(loaded: LoadedCampaign, inventory: Inventory, store: ResultsStore, on_step: OnStep
+               ) -> list[StepOutcome]:
     from rigctl import jobs
 
     campaign = loaded.campaign

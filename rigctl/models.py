@@ -162,7 +162,7 @@ def host_pins(host: Host) -> dict[str, str]:
 
 def inspect_host(host: Host, *, rehash: bool, timeout: float = SSH_TIMEOUT) -> list[ArtifactStatus]:
     """Each artifact of ``host`` with its manifest and, with ``rehash``, the sha256 of the file now."""
-    from rigctl.ssh import SshClient, SshTarget
+    from rigctl.ssh import session
 
     names = host_artifacts(host)
     paths = {name: artifact_path(host, name) for name in names}
@@ -186,7 +186,7 @@ def inspect_host(host: Host, *, rehash: bool, timeout: float = SSH_TIMEOUT) -> l
         "print(json.dumps(out))\n"
     )
     cmd = f"python3 -c {shlex.quote(script)} {shlex.quote(json.dumps(paths))} {'1' if rehash else '0'}"
-    with SshClient(SshTarget.from_host(host)) as ssh:
+    with session(host) as ssh:
         result = ssh.run(cmd, timeout=timeout)
     found = json.loads(result.stdout)
     statuses = []

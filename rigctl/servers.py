@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from rigctl.errors import ConfigError, RigctlError, ServerError
 from rigctl.inventory import Host, Inventory, ServerInstance
 from rigctl.server import NO_RETRY, Endpoint, ServerClient, Timeouts
-from rigctl.ssh import SshClient, SshTarget
+from rigctl.ssh import session
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def unit_states(host: Host, servers: Iterable[str]) -> dict[str, UnitState]:
     names = list(servers)
     if not names:
         return {}
-    with SshClient(SshTarget.from_host(host)) as ssh:
+    with session(host) as ssh:
         out = ssh.run(show_command(names), timeout=SSH_TIMEOUT, check=True).stdout
     by_unit = parse_unit_show(out)
     return {name: by_unit[unit_name(name)] for name in names if unit_name(name) in by_unit}
@@ -183,7 +183,7 @@ def restart(inventory: Inventory, host_name: str, server: str, timeout: float = 
     """
     host = inventory.host(host_name)
     instance = _instance(host, server)
-    with SshClient(SshTarget.from_host(host)) as ssh:
+    with session(host) as ssh:
         ssh.run(operator_start([unit_name(server)], "restart"), timeout=SSH_TIMEOUT, check=True)
     deadline = time.monotonic() + timeout
     while True:
@@ -208,5 +208,5 @@ def logs(inventory: Inventory, host_name: str, server: str, lines: int = 50) -> 
     host = inventory.host(host_name)
     _instance(host, server)
     command = f"journalctl --no-pager -o short-iso -n {int(lines)} -u {shlex.quote(unit_name(server))}"
-    with SshClient(SshTarget.from_host(host)) as ssh:
+    with session(host) as ssh:
         return ssh.run(command, timeout=SSH_TIMEOUT, check=True).stdout

@@ -40,7 +40,7 @@ from rigctl.jobs import rigctl_version
 from rigctl.results import ResultsStore, RunRecord, new_run_id, utc_now
 from rigctl.server import Endpoint, ServerClient, Timeouts
 from rigctl.servers import operator_start, unit_name
-from rigctl.ssh import SshClient, SshTarget
+from rigctl.ssh import session
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +279,7 @@ def to_markdown(rows: Sequence[RaceRow]) -> str:
 def _systemctl(host: Host, action: str, names: Sequence[str]) -> list[str]:
     """``systemctl ACTION`` on the named instances' units; for ``is-active``, the active ones."""
     units = [unit_name(n) for n in names]
-    with SshClient(SshTarget.from_host(host)) as ssh:
+    with session(host) as ssh:
         if action == "is-active":
             result = ssh.run(f"systemctl is-active {shlex.join(units)}", timeout=60, check=False)
             states = result.stdout.split()

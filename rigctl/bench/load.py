@@ -189,7 +189,7 @@ def run_load(
     from rigctl.bench.server import instance_stopped, probe_server
     from rigctl.jobs import rigctl_version
     from rigctl.server import ServerClient
-    from rigctl.ssh import SshClient, SshTarget
+    from rigctl.ssh import session
 
     levels = parse_levels(list(concurrency))
     if requests is not None and not 1 <= requests <= MAX_REQUESTS:
@@ -212,7 +212,7 @@ def run_load(
     result = LoadResult(host=host.name, instance=instance)
     port = probe_port or servers[instance].port + 200
     flags = {("--parallel", "-np"): str(slots), ("-c", "--ctx-size"): str(slots * slot_ctx)}
-    with SshClient(SshTarget.from_host(host)) as ssh, instance_stopped(ssh, host, instance), \
+    with session(host) as ssh, instance_stopped(ssh, host, instance), \
             probe_server(ssh, host, instance, flags, port, "load") as probe:
         with ServerClient(probe.endpoint) as client:
             props = client.props()

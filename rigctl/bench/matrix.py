@@ -58,7 +58,6 @@ from rigctl.trust import inside
 
 if TYPE_CHECKING:  # rigctl.jobs brings paramiko; summaries (and rigctl.compare) do not need it
     from rigctl import jobs
-    from rigctl.ssh import SshClient
 
 log = logging.getLogger(__name__)
 
@@ -180,18 +179,16 @@ def bench_job_spec(host: Host, spec: BenchSpec) -> jobs.JobSpec:
     return jobs.JobSpec(kind="bench", task="bench_task", params=params, lock="gpu", max_runtime_s=int(budget))
 
 
-def start_bench(
-    inventory: Inventory, spec: BenchSpec, clients: Mapping[str, SshClient] | None = None
-) -> dict[str, jobs.JobInfo | RigctlError]:
+def start_bench(inventory: Inventory, spec: BenchSpec) -> dict[str, jobs.JobInfo | RigctlError]:
     """One bench job per host of the spec; per host its job or the error (a busy lock, a bad artifact).
-    ``clients``: open connections by host name to reuse."""
+    Inside a :func:`rigctl.ssh.connections` scope, following and pulling reuse the connection."""
     from rigctl import jobs
 
     hosts = inventory.select(spec.hosts)
     out: dict[str, jobs.JobInfo | RigctlError] = {}
     for host in hosts:
         try:
-            out[host.name] = jobs.start(host, bench_job_spec(host, spec), client=(clients or {}).get(host.name))
+            out[host.name] = jobs.start(host, bench_job_spec(host, spec))
         except RigctlError as exc:
             out[host.name] = exc
     return out

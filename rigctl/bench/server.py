@@ -33,7 +33,7 @@ from rigctl.jobs import rigctl_version
 from rigctl.results import ResultsStore, RunRecord, new_run_id, utc_now
 from rigctl.server import Endpoint, ServerClient, Timeouts
 from rigctl.servers import operator_start, unit_name
-from rigctl.ssh import SshClient, SshTarget
+from rigctl.ssh import SshClient, session
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ def run_server_bench(
     record = RunRecord(id=new_run_id("server-speed"), kind="server-speed", host=host.name, started=utc_now(),
                        rigctl_version=rigctl_version(), concurrency=1)
     result = ServerBenchResult(host=host.name, instance=instance)
-    with SshClient(SshTarget.from_host(host)) as ssh, ServerClient(endpoint, timeouts=Timeouts(read=900)) as server:
+    with session(host) as ssh, ServerClient(endpoint, timeouts=Timeouts(read=900)) as server:
         server.wait_healthy(HEALTH_TIMEOUT_S)
         props = server.props()
         for length in prompt_lengths:

@@ -1,33 +1,21 @@
-"""``rigctl compare``, ``rigctl check template|logits``, ``rigctl report`` and ``rigctl campaign run``:
-rendering only; the work is in rigctl.compare, rigctl.check and rigctl.report."""
+"""``rigctl compare``: paired eval gaps with intervals and tests, bench and load ratios; rendering only,
+the work is in :mod:`rigctl.compare`."""
 
 from __future__ import annotations
 
 import math
-import os
-import sys
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
 
-from rigctl.cli import _inventory, app, console, err_console
+from rigctl.cli.common import ResultsOption, console, err_console, results_store
 from rigctl.errors import ConfigError
-from rigctl.results import ResultsStore
 from rigctl.stats import DEFAULT_RESAMPLES, DEFAULT_SEED
 
 if TYPE_CHECKING:  # rigctl.compare pulls in the bench and pydantic: imported where used
     from rigctl.compare import Comparison, RunHabits
 
-check_app = typer.Typer(no_args_is_help=True,
-                        help="Runtime checks against a transformers reference: chat template and next-token logits.")
-app.add_typer(check_app, name="check")
-campaign_app = typer.Typer(no_args_is_help=True, help="Campaign files: run what a report needs.")
-app.add_typer(campaign_app, name="campaign")
-
-ResultsOption = Annotated[Path | None, typer.Option("--results", envvar="RIGCTL_RESULTS",
-                                                     help="Results root (default ./results).")]
 SeedOption = Annotated[int, typer.Option(help="Bootstrap seed.")]
 ResamplesOption = Annotated[int, typer.Option(help="Bootstrap resamples.")]
 
@@ -187,7 +175,6 @@ def print_load_comparison(stored, *, resamples: int, seed: int) -> None:
     console.print(table)
 
 
-@app.command("compare")
 def compare(
     runs: Annotated[list[str], typer.Argument(help="Runs by id, host/id or directory (two or more; one bench run "
                                                     "with two models also works).")],
@@ -219,7 +206,7 @@ def compare(
     test with intervals from the per-repetition samples."""
     from rigctl.compare import answer_habits, compare_bench_runs, compare_runs, ratio_text
 
-    store = ResultsStore(results)
+    store = results_store(results)
     stored = [store.find(ref) for ref in runs]
     if all(run.record.kind == "load" for run in stored):
         print_load_comparison(stored, resamples=resamples, seed=seed)
@@ -246,153 +233,3 @@ def compare(
     if plan:
         print_plan(result)
     print_habits([answer_habits(run) for run in stored])
-
-
-# ----------------------------------------------------------------------------------------------- check
-
-
-def _reference(hf: Path, python: Path | None):
-    from rigctl.check import HfReference
-
-    return HfReference(hf.expanduser(), python=(python or Path(os.environ.get("RIGCTL_VERIFY_PYTHON")
-                                                                  or sys.executable)).expanduser())
-
-
-def _endpoints(host: str | None, servers: list[str] | None, urls: list[str] | None):
-    from rigctl.server import Endpoint
-
-    if urls:
-        return [Endpoint(u) for u in urls]
-    if not host or not servers:
-        raise ConfigError("name the server: --host HOST --server NAME (repeatable), or --url URL")
-    inv_host = _inventory().host(host)
-    return [Endpoint.from_inventory(inv_host, name) for name in servers]
-
-
-def _prompts(path: Path | None):
-    from rigctl.check import BUILTIN_PROMPTS, load_prompts
-
-    return load_prompts(path) if path else list(BUILTIN_PROMPTS)
-
-
-HostOption = Annotated[str | None, typer.Option("--host", help="Inventory host of the server.")]
-ServerOption = Annotated[list[str] | None, typer.Option("--server", help="llama_server instance on --host "
-                                                                         "(repeatable: one per served artifact).")]
-UrlOption = Annotated[list[str] | None, typer.Option("--url", help="Server URL instead of --host/--server.")]
-HfOption = Annotated[Path, typer.Option("--hf", help="The model's Hugging Face checkout (tokenizer, weights).")]
-PythonOption = Annotated[Path | None, typer.Option(
-    "--python", help="A Python with transformers and torch (default $RIGCTL_VERIFY_PYTHON, else rigctl's own).")]
-PromptsOption = Annotated[Path | None, typer.Option(
-    "--prompts", help="JSONL of {name, messages, tools} (default: built-in math and tool-calling prompts).")]
-
-
-@check_app.command("template")
-def check_template_cmd(
-    hf: HfOption,
-    host: HostOption = None,
-    server: ServerOption = None,
-    url: UrlOption = None,
-    python: PythonOption = None,
-    prompts: PromptsOption = None,
-    chat_template: Annotated[Path | None, typer.Option(
-        "--chat-template", help="Render the reference with this Jinja template instead of the tokenizer's.")] = None,
-) -> None:
-    """Render prompts through the server's /apply-template and transformers' apply_chat_template: how many
-    are byte-identical, and the first differing position with context for the rest. Exits 1 on a difference."""
-    from rigctl.check import check_template, context
-    from rigctl.server import ServerClient
-
-    reference = _reference(hf, python)
-    template = chat_template.read_text() if chat_template else None
-    conversations = _prompts(prompts)
-    failed = False
-    for endpoint in _endpoints(host, server, url):
-        with ServerClient(endpoint) as client, console.status(f"{endpoint}: rendering {len(conversations)} prompts"):
-            result = check_template(client, reference, conversations, chat_template=template)
-        for diff in result.differing:
-            console.print(f"{diff.name}: differs at character {diff.position}\n"
-                          f"  server:    {context(diff.server, diff.position)}\n"
-                          f"  reference: {context(diff.reference, diff.position)}", markup=False, highlight=False)
-        console.print(f"{result.endpoint}: {result.identical} of {len(result.results)} prompts byte-identical "
-                      f"to transformers ({result.checkout})", markup=False, highlight=False)
-        failed |= bool(result.differing)
-    if failed:
-        raise typer.Exit(1)
-
-
-@check_app.command("logits")
-def check_logits_cmd(
-    hf: HfOption,
-    host: HostOption = None,
-    server: ServerOption = None,
-    url: UrlOption = None,
-    python: PythonOption = None,
-    prompts: PromptsOption = None,
-    top_k: Annotated[int, typer.Option("--top-k", help="Server n_probs; the KL is taken over these tokens.")] = 20,
-) -> None:
-    """Next-token probabilities of each served artifact against a float32 transformers reference on the
-    CPU: top-1 agreement and the KL divergence over the server's top-k."""
-    from rigctl.check import check_logits
-    from rigctl.server import ServerClient
-
-    reference = _reference(hf, python)
-    conversations = _prompts(prompts)
-    table = Table(title=f"next-token distributions vs float32 transformers ({reference.checkout})")
-    for column in ("server", "model", "build", "prompts", "top-1 agree", "KL mean", "KL max", "top-k mass"):
-        table.add_column(column)
-    for endpoint in _endpoints(host, server, url):
-        with ServerClient(endpoint) as client, console.status(f"{endpoint}: {len(conversations)} prompts"):
-            result = check_logits(client, reference, conversations, top_k=top_k)
-        masses = [r.server_mass for r in result.results]
-        table.add_row(result.endpoint, Path(result.model_path).name, result.build, str(len(result.results)),
-                      f"{result.agreement}/{len(result.results)}", _num(result.mean_kl), _num(result.max_kl),
-                      f"{min(masses):.2f}-{max(masses):.2f}" if masses else "-")
-    console.print(table)
-
-
-def _num(x: float) -> str:
-    return "-" if math.isnan(x) else f"{x:.4f}"
-
-
-# ----------------------------------------------------------------------------------------------- report
-
-
-CampaignArg = Annotated[Path, typer.Argument(help="Campaign file (YAML).")]
-
-
-@app.command("report")
-def report(
-    campaign: CampaignArg,
-    results: ResultsOption = None,
-    out: Annotated[Path | None, typer.Option("--out", help="Report directory (default reports/<campaign name>).")
-                   ] = None,
-) -> None:
-    """Build the campaign's Markdown report with PNG charts from pulled results: speed with ratios,
-    quality with intervals, comparisons, sensitivity, answer habits and a scope line; every number
-    links to its raw files."""
-    from rigctl.campaign import load_campaign
-    from rigctl.report import build_report, default_out_dir
-
-    loaded = load_campaign(campaign)
-    built = build_report(loaded, ResultsStore(results), out or default_out_dir(loaded))
-    console.print(built.headline, markup=False, highlight=False, soft_wrap=True)
-    console.print(f"\nreport: {built.path} ({len(built.charts)} charts)", markup=False, highlight=False)
-    if built.missing:
-        err_console.print(f"not pulled yet: {'; '.join(built.missing)} (rigctl campaign run {campaign})",
-                          markup=False, highlight=False, soft_wrap=True)
-
-
-@campaign_app.command("run")
-def campaign_run(campaign: CampaignArg, results: ResultsOption = None) -> None:
-    """Pull every host, then run the benches and evals the campaign's report still lacks (stopped eval
-    runs resume). Safe to interrupt and run again."""
-    from rigctl.campaign import describe, load_campaign, run_campaign
-
-    loaded = load_campaign(campaign)
-    outcomes = run_campaign(loaded, _inventory(), ResultsStore(results),
-                            on_step=lambda line: err_console.print(line, markup=False, highlight=False))
-    for line, outcome in zip(describe(outcomes), outcomes, strict=True):
-        (err_console if outcome.status == "failed" else console).print(line, markup=False, highlight=False,
-                                                                        soft_wrap=True)
-    if any(o.status == "failed" for o in outcomes):
-        raise typer.Exit(1)
