@@ -459,10 +459,11 @@ def run_scores(run: StoredRun, *, resamples: int = DEFAULT_RESAMPLES, seed: int 
 
 
 def points(interval: Interval) -> str:
-    """A score gap in points with its interval: ``+6.5 [+3.1, +9.8]``; ``-`` when empty."""
+    """A score gap in points with its interval: ``+6.5 (+3.1 to +9.8)``; ``-`` when empty. The one interval
+    format, with :func:`ratio_text`, of the CLI and the report (parentheses, so that it can be link text)."""
     if interval.empty:
         return "-"
-    return f"{interval.estimate * 100:+.1f} [{interval.low * 100:+.1f}, {interval.high * 100:+.1f}]"
+    return f"{interval.estimate * 100:+.1f} ({interval.low * 100:+.1f} to {interval.high * 100:+.1f})"
 
 
 def p_text(p: float) -> str:
@@ -480,10 +481,10 @@ def gap_points(gap: float) -> str:
 
 
 def ratio_text(interval: Interval) -> str:
-    """A speed ratio with its interval: ``1.235 [1.228, 1.241]``; ``-`` when empty."""
+    """A ratio or a score with its interval: ``1.235 (1.228 to 1.241)``; ``-`` when empty."""
     if interval.empty:
         return "-"
-    return f"{interval.estimate:.3f} [{interval.low:.3f}, {interval.high:.3f}]"
+    return f"{interval.estimate:.3f} ({interval.low:.3f} to {interval.high:.3f})"
 
 
 # ----------------------------------------------------------------------------------------------- habits
