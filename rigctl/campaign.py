@@ -498,7 +498,7 @@ def run_campaign(loaded: LoadedCampaign, inventory: Inventory, store: ResultsSto
     A failed step is reported and the others go on (their results are kept); running again picks up
     only what is still missing, and resumes eval runs that stopped part-way. Each host is talked to over
     one SSH connection for the whole run."""
-    from rigctl.ssh import connections
+    from rigctl.connections import connections
 
     with connections():
         return _run_steps(loaded, inventory, store, on_step)

@@ -38,6 +38,7 @@ from typing import Self, TypeVar
 
 import paramiko
 
+from rigctl.connections import current as current_connections
 from rigctl.errors import ConnectError, HostKeyError, RemoteCommandError, RigctlError, TransferError
 from rigctl.inventory import SHA256, Host
 
@@ -482,59 +483,16 @@ class SshClient:
             raise TransferError(self.host, path, _describe(exc)) from None
 
 
-class Connections:
-    """The connections of one command: one :class:`SshClient` per host, made on first use (connected on
-    first use too) and closed together by :meth:`close`. A dropped connection reconnects on its next use."""
-
-    def __init__(self) -> None:
-        self._clients: dict[str, SshClient] = {}
-        self._lock = threading.Lock()
-
-    def client(self, host: Host) -> SshClient:
-        with self._lock:
-            client = self._clients.get(host.name)
-            if client is None:
-                client = self._clients[host.name] = SshClient.for_host(host)
-            return client
-
-    def close(self) -> None:
-        with self._lock:
-            clients, self._clients = list(self._clients.values()), {}
-        for client in clients:
-            client.close()
-
-
-_connections: contextvars.ContextVar[Connections | None] = contextvars.ContextVar("rigctl_connections", default=None)
-
-
-@contextmanager
-def connections() -> Iterator[Connections]:
-    """A scope (one command, one campaign run) in which :func:`session` hands out one shared connection
-    per host instead of a new one per call; every connection made in it is closed when it ends. Inside
-    a scope already open, that scope (closed by whoever opened it)."""
-    current = _connections.get()
-    if current is not None:
-        yield current
-        return
-    pool = Connections()
-    token = _connections.set(pool)
-    try:
-        yield pool
-    finally:
-        _connections.reset(token)
-        pool.close()
-
-
 @contextmanager
 def session(host: Host, client: SshClient | None = None) -> Iterator[SshClient]:
-    """A connection to ``host``: ``client`` when given, else the scope's shared one (see :func:`connections`),
-    both left open; outside a scope a new one, closed on exit."""
+    """A connection to ``host``: ``client`` when given, else the command's shared one (see
+    :func:`rigctl.connections.connections`), both left open; outside a scope a new one, closed on exit."""
     if client is not None:
         yield client
         return
-    pool = _connections.get()
+    pool = current_connections()
     if pool is not None:
-        yield pool.client(host)
+        yield pool.client(host, SshClient.for_host)
         return
     with SshClient.for_host(host) as ssh:
         yield ssh
@@ -547,7 +505,7 @@ def on_each_host(hosts: Iterable[Host], work: Callable[[Host], _T], *, max_worke
                  thread_name_prefix: str = "rigctl-hosts") -> dict[str, _T | RigctlError]:
     """``work(host)`` on every host at once; per host name (in the order of ``hosts``) its result or the
     RigctlError it raised, so one host failing never costs the others' results. The threads share the
-    caller's :func:`connections` scope."""
+    caller's :func:`rigctl.connections.connections` scope."""
     hosts = list(hosts)
     if not hosts:
         return {}

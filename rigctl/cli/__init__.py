@@ -36,6 +36,7 @@ from rigctl.cli import (
     servers,
 )
 from rigctl.cli.common import err_console, state
+from rigctl.connections import connections
 from rigctl.errors import RigctlError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -92,8 +93,6 @@ def main_options(
     if level > logging.DEBUG:
         logging.getLogger("paramiko").setLevel(logging.WARNING)
     if ctx.invoked_subcommand not in _SERVICES:
-        from rigctl.ssh import connections
-
         # One SSH connection per host for the whole command, however often it talks to the host.
         ctx.with_resource(connections())
 

@@ -11,13 +11,13 @@ from rich.table import Table
 
 from rigctl.cli.common import ResultsOption, console, err_console, results_store
 from rigctl.errors import ConfigError
-from rigctl.stats import DEFAULT_RESAMPLES, DEFAULT_SEED
 
 if TYPE_CHECKING:  # rigctl.compare pulls in the bench and pydantic: imported where used
     from rigctl.compare import Comparison, RunHabits
 
-SeedOption = Annotated[int, typer.Option(help="Bootstrap seed.")]
-ResamplesOption = Annotated[int, typer.Option(help="Bootstrap resamples.")]
+# No default here: rigctl.stats' (the report's too) applies, and importing it to show one costs numpy.
+SeedOption = Annotated[int | None, typer.Option(help="Bootstrap seed (default: the one the report uses).")]
+ResamplesOption = Annotated[int | None, typer.Option(help="Bootstrap resamples (default: as the report draws).")]
 
 
 def _share(count: int, total: int) -> str:
@@ -58,7 +58,7 @@ def print_eval_comparison(result: Comparison) -> None:
             err_console.print(f"note: {pair.only_a} questions only in {pair.a.name}, {pair.only_b} only in "
                               f"{pair.b.name}; left out", markup=False, highlight=False)
         table = Table(title=title)
-        columns = ["set", "n", "A", "B", "B - A, points [95%]", "b / c", "p (exact)"]
+        columns = ["set", "n", "A", "B", "B - A, points (95%)", "b / c", "p (exact)"]
         columns += [f"±{pair.margin:g} points"] if pair.margin is not None else []
         for column in columns:
             table.add_column(column, justify="left" if column == "set" else "right")
@@ -74,7 +74,7 @@ def print_eval_comparison(result: Comparison) -> None:
                           f"{p_text(result.holm[index])}", markup=False, highlight=False)
         if len(pair.variants) > 1:
             sens = Table(title="sensitivity: the overall gap under each switch")
-            for column in ("scoring", "n", "A", "B", "B - A, points [95%]", "moved"):
+            for column in ("scoring", "n", "A", "B", "B - A, points (95%)", "moved"):
                 sens.add_column(column, justify="left" if column == "scoring" else "right")
             base = recorded.overall.gap.estimate
             for variant in pair.variants:
@@ -84,7 +84,7 @@ def print_eval_comparison(result: Comparison) -> None:
                              points(overall.gap), "" if variant is recorded else f"{moved:+.1f}")
             console.print(sens)
     if len(result.runs) > 2:
-        matrix = Table(title="overall gap, column - row, points [95%]")
+        matrix = Table(title="overall gap, column - row, points (95%)")
         matrix.add_column("run")
         for run in result.runs:
             matrix.add_column(run.label, justify="right")
@@ -157,7 +157,7 @@ def print_habits(habits: list[RunHabits]) -> None:
     console.print(table)
 
 
-def print_load_comparison(stored, *, resamples: int, seed: int) -> None:
+def print_load_comparison(stored, **bootstrap: int) -> None:
     from rigctl.bench.load import compare_load
     from rigctl.compare import ratio_text
 
@@ -165,10 +165,10 @@ def print_load_comparison(stored, *, resamples: int, seed: int) -> None:
         raise ConfigError(f"a load comparison needs two load runs, got {len(stored)}")
     a, b = stored
     table = Table(title=f"load: B {b.host}/{b.id} / A {a.host}/{a.id}, level by level")
-    for column in ("concurrency", "A output t/s", "B output t/s", "output t/s B / A [95%]", "TTFT B / A [95%]",
-                   "TPOT B / A [95%]", "errors A, B"):
+    for column in ("concurrency", "A output t/s", "B output t/s", "output t/s B / A (95%)", "TTFT B / A (95%)",
+                   "TPOT B / A (95%)", "errors A, B"):
         table.add_column(column, justify="right")
-    for level in compare_load(a, b, resamples=resamples, seed=seed):
+    for level in compare_load(a, b, **bootstrap):
         table.add_row(str(level.concurrency), f"{level.a.output_tps:.2f}", f"{level.b.output_tps:.2f}",
                       ratio_text(level.output_tps), ratio_text(level.ttft), ratio_text(level.tpot),
                       f"{level.a.errors}, {level.b.errors}")
@@ -197,8 +197,8 @@ def compare(
                                                       "with these runs' discordance, at n and more questions.")
                     ] = False,
     results: ResultsOption = None,
-    seed: SeedOption = DEFAULT_SEED,
-    resamples: ResamplesOption = DEFAULT_RESAMPLES,
+    seed: SeedOption = None,
+    resamples: ResamplesOption = None,
 ) -> None:
     """Paired per-question gaps with 95% bootstrap intervals per set and overall (a matrix for more than
     two runs), McNemar's exact test (right/wrong) or a sign-flip test (graded) with the discordant counts,
@@ -206,15 +206,16 @@ def compare(
     test with intervals from the per-repetition samples."""
     from rigctl.compare import answer_habits, compare_bench_runs, compare_runs, ratio_text
 
+    bootstrap = {k: v for k, v in {"seed": seed, "resamples": resamples}.items() if v is not None}
     store = results_store(results)
     stored = [store.find(ref) for ref in runs]
     if all(run.record.kind == "load" for run in stored):
-        print_load_comparison(stored, resamples=resamples, seed=seed)
+        print_load_comparison(stored, **bootstrap)
         return
     if all(run.record.kind == "bench" for run in stored):
-        bench = compare_bench_runs(stored, by=by, resamples=resamples, seed=seed)
+        bench = compare_bench_runs(stored, by=by, **bootstrap)
         table = Table(title=f"tokens/s: {bench.b} / {bench.a}")
-        for column in ("test", "settings", f"A: {bench.a}", f"B: {bench.b}", "B / A [95%]"):
+        for column in ("test", "settings", f"A: {bench.a}", f"B: {bench.b}", "B / A (95%)"):
             table.add_column(column, justify="left" if column in ("test", "settings") else "right")
         for r in bench.ratios:
             table.add_row(r.test, f"{r.config} fa{r.flash_attn}", f"{r.mean_a:.2f}", f"{r.mean_b:.2f}",
@@ -225,7 +226,7 @@ def compare(
         return
     sets = tuple(s for item in exclude or [] for s in item.split(",") if s)
     result = compare_runs(stored, cutoff_as_right=cutoff_as_right, toolless_as_right=toolless_as_right,
-                          exclude=sets, force=force, resamples=resamples, seed=seed, exclude_origin="--exclude",
+                          exclude=sets, force=force, exclude_origin="--exclude", **bootstrap,
                           margin=margin)
     print_eval_comparison(result)
     if flips:

@@ -1,12 +1,13 @@
-"""One SSH connection per host per command: rigctl.ssh.connections() scopes, session() and on_each_host()."""
+"""One SSH connection per host per command: rigctl.connections scopes, rigctl.ssh.session() and on_each_host()."""
 
 from __future__ import annotations
 
 import threading
 
+from rigctl.connections import connections
 from rigctl.errors import ConnectError
 from rigctl.inventory import Inventory
-from rigctl.ssh import SshClient, connections, on_each_host, session
+from rigctl.ssh import SshClient, on_each_host, session
 
 
 def test_a_scope_hands_out_one_client_per_host(lab_inventory: Inventory) -> None:
@@ -19,7 +20,7 @@ def test_a_scope_hands_out_one_client_per_host(lab_inventory: Inventory) -> None
             assert inner is pool
             with session(desktop) as inside:
                 assert inside is first
-        assert pool.client(desktop) is first
+        assert pool.client(desktop, SshClient.for_host) is first
 
 
 def test_outside_a_scope_each_session_is_its_own(lab_inventory: Inventory, monkeypatch) -> None:
@@ -58,8 +59,8 @@ def test_threads_of_a_command_share_its_scope(lab_inventory: Inventory) -> None:
         second = on_each_host(hosts, work)
         assert list(first) == ["desktop", "laptop"]
         assert all(name.startswith("rigctl-hosts") for name in [*first.values(), *second.values()])
-        assert seen["desktop"] == [id(pool.client(hosts[0]))] * 2
-        assert seen["laptop"] == [id(pool.client(hosts[1]))] * 2
+        assert seen["desktop"] == [id(pool.client(hosts[0], SshClient.for_host))] * 2
+        assert seen["laptop"] == [id(pool.client(hosts[1], SshClient.for_host))] * 2
 
 
 def test_one_host_failing_keeps_the_others_results(lab_inventory: Inventory) -> None:
@@ -78,8 +79,8 @@ def test_one_host_failing_keeps_the_others_results(lab_inventory: Inventory) -> 
 def test_a_scope_closes_what_it_opened(lab_inventory: Inventory) -> None:
     desktop = lab_inventory.host("desktop")
     with connections() as pool:
-        client = pool.client(desktop)
+        client = pool.client(desktop, SshClient.for_host)
         closed: list[bool] = []
         client.close = lambda: closed.append(True)  # type: ignore[method-assign]
     assert closed == [True]
-    assert pool.client(desktop) is not client  # a closed scope's pool starts over if used again
+    assert pool.client(desktop, SshClient.for_host) is not client  # a closed scope's pool starts over if used again
