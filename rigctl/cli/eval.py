@@ -128,7 +128,7 @@ def eval_run(
     elif url:
         targets = [url_target(url, api_key=api_key)]
     elif resume:
-        targets = _recorded_targets(store.find(resume), api_key)
+        targets = runner.recorded_targets(store.find(resume), load_inventory, api_key)
     else:
         raise ConfigError("give --host and --server, or --url")
     fanout = FanOut.of(targets) if len(targets) > 1 and not resume else FanOut(tuple(targets))
@@ -190,30 +190,6 @@ def read_api_key(path: Path | None) -> str | None:
     if not key:
         raise ConfigError(f"--api-key-file {path}: empty")
     return key
-
-
-def _recorded_targets(run: Any, api_key: str | None) -> list[Any]:
-    """The servers a stopped run started with, for ``--resume`` without --host/--server: its recorded
-    endpoint; for a fan-out, each server from the inventory where it still has it (keys and addresses
-    from there), else its recorded endpoint."""
-    from rigctl.evals.runner import recorded_servers
-    from rigctl.evals.target import inventory_target, url_target
-
-    targets = []
-    inventory = None
-    entries = recorded_servers(run.record)
-    for entry in entries:
-        endpoint = entry.get("endpoint")
-        if not endpoint:
-            raise ConfigError(f"run {run.host}/{run.id}: no server endpoint recorded; give --url or --host/--server")
-        host_name, name = entry.get("host"), entry.get("name")
-        if len(entries) > 1 and host_name and name:
-            inventory = inventory or load_inventory()
-            if host_name in inventory.hosts:
-                targets.append(inventory_target(inventory.host(host_name), str(name), api_key=api_key, facts=False))
-                continue
-        targets.append(url_target(str(endpoint), api_key=api_key, host=run.host))
-    return targets
 
 
 @app.command("tasks")

@@ -23,15 +23,20 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rigctl.errors import EvalError, RigctlError, ServerError
+from rigctl.errors import ConfigError, EvalError, RigctlError, ServerError
 from rigctl.evals import scorers
 from rigctl.evals.scorers import summarise
 from rigctl.evals.tasks import LoadedTask, Question, load_task
 from rigctl.results import ANSWERS_FILE, ResultsStore, RunRecord, new_run_id, read_jsonl, utc_now
 from rigctl.server import DEFAULT_SEED, AsyncServerClient, Endpoint, Props, Retry, ServerClient, Timeouts
 from rigctl.trust import redact_argv
+
+if TYPE_CHECKING:
+    from rigctl.evals.target import Target
+    from rigctl.inventory import Inventory
+    from rigctl.results import StoredRun
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +207,29 @@ def recorded_servers(record: RunRecord) -> list[dict[str, Any]]:
     """The servers a run was started with: the fan-out's entries, or its one server."""
     server = record.server or {}
     return [dict(s) for s in server.get(FANOUT) or [server]]
+
+
+def recorded_targets(run: StoredRun, inventory: Callable[[], Inventory], api_key: str | None = None) -> list[Target]:
+    """The servers a stopped run started with, to resume it against: its recorded endpoint; for a fan-out,
+    each server from the inventory (loaded only then) where it still has it (keys and addresses from
+    there), else its recorded endpoint."""
+    from rigctl.evals.target import inventory_target, url_target
+
+    targets = []
+    loaded = None
+    entries = recorded_servers(run.record)
+    for entry in entries:
+        endpoint = entry.get("endpoint")
+        if not endpoint:
+            raise ConfigError(f"run {run.host}/{run.id}: no server endpoint recorded; give --url or --host/--server")
+        host_name, name = entry.get("host"), entry.get("name")
+        if len(entries) > 1 and host_name and name:
+            loaded = loaded or inventory()
+            if host_name in loaded.hosts:
+                targets.append(inventory_target(loaded.host(host_name), str(name), api_key=api_key, facts=False))
+                continue
+        targets.append(url_target(str(endpoint), api_key=api_key, host=run.host))
+    return targets
 
 
 def resume_run(store: ResultsStore, ref: str, endpoint: Endpoints) -> tuple[Path, RunRecord, LoadedTask, Options]:
