@@ -48,6 +48,7 @@ from rigctl.stats import (
     Verdict,
     bootstrap_mean,
     bootstrap_ratio,
+    detectable_gap,
     holm,
     paired_bootstrap,
     paired_test,
@@ -456,6 +457,35 @@ def run_scores(run: StoredRun, *, resamples: int = DEFAULT_RESAMPLES, seed: int 
         out.append(SetGap(set=name, n=len(values), score_a=interval.estimate, score_b=interval.estimate,
                           gap=interval))
     return out
+
+
+#: Multiples of the questions in hand that a plan looks at.
+PLAN_SCALES = (1, 2, 4, 10)
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """The smallest gap one set of a pair can detect (two-sided 5 %, 80 % power) at n x each scale, from its
+    observed discordance (right/wrong scores) or spread (graded: ``discordant`` None)."""
+
+    pair: PairComparison
+    gap: SetGap
+    discordant: int | None
+    discordance: float | None
+    detectable: tuple[float, ...]  # per scale, as a fraction
+
+
+def plan(result: Comparison, scales: Sequence[int] = PLAN_SCALES) -> list[PlanRow]:
+    rows = []
+    for pair in result.pairs:
+        for gap in [*pair.recorded.sets, pair.recorded.overall]:
+            test = gap.test
+            if test is not None and test.b is not None:
+                rows.append(PlanRow(pair, gap, test.b + test.c, test.discordance, tuple(
+                    detectable_gap(gap.n * k, discordance=test.discordance) for k in scales)))
+            else:  # graded scores: the normal-approximation gap shrinks with the square root of n
+                rows.append(PlanRow(pair, gap, None, None, tuple(gap.detectable / math.sqrt(k) for k in scales)))
+    return rows
 
 
 def points(interval: Interval) -> str:

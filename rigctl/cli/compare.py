@@ -3,7 +3,6 @@ the work is in :mod:`rigctl.compare`."""
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -125,23 +124,15 @@ def print_flips(result: Comparison) -> None:
 def print_plan(result: Comparison) -> None:
     """The smallest gap each pair can detect (two-sided 5 %, 80 % power) with its observed discordance,
     at the questions in hand and at multiples of them."""
-    from rigctl.compare import gap_points
-    from rigctl.stats import detectable_gap
+    from rigctl.compare import PLAN_SCALES, gap_points, plan
 
-    scales = (1, 2, 4, 10)
     table = Table(title="smallest gap detectable at 80 % power (two-sided 5 %), from the observed discordance")
-    for column in ("pair", "set", "n", "discordant", *(f"{k}x n" if k > 1 else "at n" for k in scales)):
+    for column in ("pair", "set", "n", "discordant", *(f"{k}x n" if k > 1 else "at n" for k in PLAN_SCALES)):
         table.add_column(column, justify="left" if column in ("pair", "set") else "right")
-    for pair in result.pairs:
-        for gap in [*pair.recorded.sets, pair.recorded.overall]:
-            test = gap.test
-            binary = test is not None and test.b is not None
-            # Graded scores: the normal-approximation gap shrinks with the square root of n.
-            cells = [gap_points(detectable_gap(gap.n * k, discordance=test.discordance) if binary
-                                else gap.detectable / math.sqrt(k)) for k in scales]
-            discordant = f"{test.b + test.c} ({test.discordance:.0%})" if binary else "graded"
-            table.add_row(f"{pair.b.name} - {pair.a.name}", gap.set, str(gap.n), discordant, *cells,
-                          style="bold" if gap.set == "overall" else None)
+    for row in plan(result):
+        discordant = f"{row.discordant} ({row.discordance:.0%})" if row.discordant is not None else "graded"
+        table.add_row(f"{row.pair.b.name} - {row.pair.a.name}", row.gap.set, str(row.gap.n), discordant,
+                      *(gap_points(g) for g in row.detectable), style="bold" if row.gap.set == "overall" else None)
     console.print(table)
 
 
