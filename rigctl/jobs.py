@@ -43,9 +43,11 @@ and ``job.now()``. Then::
     result = jobs.pull(host)                   # PullResult: copied / skipped run ids
 
 ``start``, ``wait`` and ``pull`` take ``client=`` (an open :class:`rigctl.ssh.SshClient`) to share one
-connection. Other entry points: :func:`status` (one job), :func:`list_jobs` (a host's jobs by id:
-kind, then start time), :func:`stop`, :func:`jobs_on_hosts` and :func:`pull_hosts` (per-host
-results, failures kept). Job directories stay on the host (a few KiB each).
+connection; inside a :func:`rigctl.connections.connections` scope (every CLI command) they share the
+command's anyway. Other entry points: :func:`status` (one job), :func:`list_jobs` (a host's jobs by id:
+kind, then start time), :func:`stop`, :func:`jobs_on_hosts`, :func:`pull_hosts` and
+:func:`follow_and_pull` (several hosts at once; per-host results, failures kept). Job directories stay
+on the host (a few KiB each).
 """
 
 from __future__ import annotations
