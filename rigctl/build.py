@@ -84,9 +84,9 @@ def parse_fact(text: str, host: str = "?") -> Builds:
 
 def read_builds(host: Host, *, timeout: float = 30.0) -> Builds:
     """The builds ``current`` and ``previous`` point to on ``host``, from the role's fact over SSH."""
-    from rigctl.ssh import SshClient, SshTarget
+    from rigctl.ssh import session
 
-    with SshClient(SshTarget.from_host(host)) as ssh:
+    with session(host) as ssh:
         result = ssh.run(f"cat {FACT_PATH}", timeout=timeout, check=False)
     if result.rc != 0:
         return Builds(host=host.name, current=None, previous=None)

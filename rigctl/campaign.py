@@ -401,7 +401,7 @@ def _ensure_server(inventory: Inventory, member: ServerRef, on_step: OnStep) -> 
     """Start a llama-server unit when it is not answering; True when this call started it."""
     from rigctl.server import ServerClient
     from rigctl.servers import operator_start
-    from rigctl.ssh import SshClient, SshTarget
+    from rigctl.ssh import session
 
     host = inventory.host(member.host)
     served = host.server(member.server)
@@ -409,17 +409,17 @@ def _ensure_server(inventory: Inventory, member: ServerRef, on_step: OnStep) -> 
         if client.health().ok:
             return False
         on_step(f"{member.host}: starting llama-server@{member.server} for the eval")
-        with SshClient(SshTarget.from_host(host)) as ssh:
+        with session(host) as ssh:
             ssh.run(operator_start([served.unit]), timeout=60, check=True)
         client.wait_healthy(SERVER_START_TIMEOUT_S)
     return True
 
 
 def _stop_server(inventory: Inventory, member: ServerRef) -> None:
-    from rigctl.ssh import SshClient, SshTarget
+    from rigctl.ssh import session
 
     host = inventory.host(member.host)
-    with SshClient(SshTarget.from_host(host)) as ssh:
+    with session(host) as ssh:
         ssh.run(f"systemctl stop {host.server(member.server).unit}", timeout=60, check=True)
 
 
@@ -481,7 +481,16 @@ def run_campaign(loaded: LoadedCampaign, inventory: Inventory, store: ResultsSto
     """Pull every host, then run each bench and eval the campaign still lacks; per step the outcome.
 
     A failed step is reported and the others go on (their results are kept); running again picks up
-    only what is still missing, and resumes eval runs that stopped part-way."""
+    only what is still missing, and resumes eval runs that stopped part-way. Each host is talked to over
+    one SSH connection for the whole run."""
+    from rigctl.connections import connections
+
+    with connections():
+        return _run_steps(loaded, inventory, store, on_step)
+
+
+def _run_steps(loaded: LoadedCampaign, inventory: Inventory, store: ResultsStore, on_step: OnStep
+               ) -> list[StepOutcome]:
     from rigctl import jobs
 
     campaign = loaded.campaign

@@ -49,6 +49,7 @@ from rigctl.stats import (
     Verdict,
     bootstrap_mean,
     bootstrap_ratio,
+    detectable_gap,
     holm,
     paired_bootstrap,
     paired_test,
@@ -462,11 +463,41 @@ def run_scores(run: StoredRun, *, resamples: int = DEFAULT_RESAMPLES, seed: int 
     return out
 
 
+#: Multiples of the questions in hand that a plan looks at.
+PLAN_SCALES = (1, 2, 4, 10)
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """The smallest gap one set of a pair can detect (two-sided 5 %, 80 % power) at n x each scale, from its
+    observed discordance (right/wrong scores) or spread (graded: ``discordant`` None)."""
+
+    pair: PairComparison
+    gap: SetGap
+    discordant: int | None
+    discordance: float | None
+    detectable: tuple[float, ...]  # per scale, as a fraction
+
+
+def plan(result: Comparison, scales: Sequence[int] = PLAN_SCALES) -> list[PlanRow]:
+    rows = []
+    for pair in result.pairs:
+        for gap in [*pair.recorded.sets, pair.recorded.overall]:
+            test = gap.test
+            if test is not None and test.b is not None:
+                rows.append(PlanRow(pair, gap, test.b + test.c, test.discordance, tuple(
+                    detectable_gap(gap.n * k, discordance=test.discordance) for k in scales)))
+            else:  # graded scores: the normal-approximation gap shrinks with the square root of n
+                rows.append(PlanRow(pair, gap, None, None, tuple(gap.detectable / math.sqrt(k) for k in scales)))
+    return rows
+
+
 def points(interval: Interval) -> str:
-    """A score gap in points with its interval: ``+6.5 [+3.1, +9.8]``; ``-`` when empty."""
+    """A score gap in points with its interval: ``+6.5 (+3.1 to +9.8)``; ``-`` when empty. The one interval
+    format, with :func:`ratio_text`, of the CLI and the report (parentheses, so that it can be link text)."""
     if interval.empty:
         return "-"
-    return f"{interval.estimate * 100:+.1f} [{interval.low * 100:+.1f}, {interval.high * 100:+.1f}]"
+    return f"{interval.estimate * 100:+.1f} ({interval.low * 100:+.1f} to {interval.high * 100:+.1f})"
 
 
 def p_text(p: float) -> str:
@@ -484,10 +515,10 @@ def gap_points(gap: float) -> str:
 
 
 def ratio_text(interval: Interval) -> str:
-    """A speed ratio with its interval: ``1.235 [1.228, 1.241]``; ``-`` when empty."""
+    """A ratio or a score with its interval: ``1.235 (1.228 to 1.241)``; ``-`` when empty."""
     if interval.empty:
         return "-"
-    return f"{interval.estimate:.3f} [{interval.low:.3f}, {interval.high:.3f}]"
+    return f"{interval.estimate:.3f} ({interval.low:.3f} to {interval.high:.3f})"
 
 
 # ----------------------------------------------------------------------------------------------- habits

@@ -20,13 +20,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rigctl.deploy_lock import inventory_lock
-from rigctl.errors import ConfigError, DeployError, HostKeyError, RigctlError
+from rigctl.errors import ConfigError, DeployError, HostKeyError
 from rigctl.inventory import Host, Inventory
 
 log = logging.getLogger(__name__)
@@ -212,24 +211,15 @@ def check_host_keys(hosts: Iterable[Host]) -> None:
 
     Other connect failures are left to the play, which reports each unreachable host on its own.
     """
-    from rigctl.ssh import SshClient, SshTarget
+    from rigctl.ssh import SshClient, on_each_host
 
-    targets = [SshTarget.from_host(h) for h in hosts if str(h.vars.get("ansible_connection", "ssh")) != "local"]
-    if not targets:
-        return
-
-    def one(target: SshTarget) -> HostKeyError | None:
-        try:
-            with SshClient(target, retries=0):
-                return None
-        except HostKeyError as exc:
-            return exc
-        except RigctlError as exc:
-            log.debug("host key preflight: %s", exc)
+    def one(host: Host) -> None:
+        with SshClient.for_host(host, retries=0):  # a fresh connection: the key check is the point
             return None
 
-    with ThreadPoolExecutor(max_workers=8, thread_name_prefix="rigctl-hostkeys") as pool:
-        refused = [exc for exc in pool.map(one, targets) if exc is not None]
+    outcomes = on_each_host([h for h in hosts if str(h.vars.get("ansible_connection", "ssh")) != "local"], one,
+                            thread_name_prefix="rigctl-hostkeys")
+    refused = [exc for exc in outcomes.values() if isinstance(exc, HostKeyError)]
     if len(refused) == 1:
         raise refused[0]
     if refused:

@@ -606,7 +606,7 @@ class Exporter:
         return snapshot
 
     def _probe_host(self, host: Host) -> HostFacts:
-        from rigctl.ssh import SshClient, SshTarget
+        from rigctl.ssh import SshClient
 
         started = time.monotonic()
         plan = self.plans[host.name]
@@ -623,8 +623,8 @@ class Exporter:
         cmd = ship.python_command("fleet_probe", json.dumps(args))
         try:
             # One connection per collection: reachability means a new SSH session can be opened now.
-            with SshClient(SshTarget.from_host(host), connect_timeout=self.host_timeout, retries=0,
-                           channel_timeout=self.host_timeout) as ssh:
+            with SshClient.for_host(host, connect_timeout=self.host_timeout, retries=0,
+                                    channel_timeout=self.host_timeout) as ssh:
                 result = ssh.run(cmd, timeout=self.host_timeout)
             raw = json.loads(result.stdout)
         except (RigctlError, ValueError, OSError) as exc:
@@ -688,11 +688,11 @@ class Exporter:
         self._hashing[host.name] = self._hash_pool.submit(self._hash_files, host, dict(files))
 
     def _hash_files(self, host: Host, files: Mapping[str, list[int]]) -> None:
-        from rigctl.ssh import SshClient, SshTarget
+        from rigctl.ssh import SshClient
 
         cmd = ship.python_command("model_files", "hash", json.dumps(files))
         try:
-            with SshClient(SshTarget.from_host(host), connect_timeout=self.host_timeout, retries=0) as ssh:
+            with SshClient.for_host(host, connect_timeout=self.host_timeout, retries=0) as ssh:
                 hashed = json.loads(ssh.run(cmd, timeout=self.hash_timeout).stdout)
         except (RigctlError, ValueError, OSError) as exc:
             log.info("%s: model hashes not read: %s", host.name, exc)

@@ -46,9 +46,11 @@ and ``job.now()``. Then::
     result = jobs.pull(host)                   # PullResult: copied / skipped run ids
 
 ``start``, ``wait`` and ``pull`` take ``client=`` (an open :class:`rigctl.ssh.SshClient`) to share one
-connection. Other entry points: :func:`status` (one job), :func:`list_jobs` (a host's jobs by id:
-kind, then start time), :func:`stop`, :func:`jobs_on_hosts` and :func:`pull_hosts` (per-host
-results, failures kept). Job directories stay on the host (a few KiB each).
+connection; inside a :func:`rigctl.connections.connections` scope (every CLI command) they share the
+command's anyway. Other entry points: :func:`status` (one job), :func:`list_jobs` (a host's jobs by id:
+kind, then start time), :func:`stop`, :func:`jobs_on_hosts`, :func:`pull_hosts` and
+:func:`follow_and_pull` (several hosts at once; per-host results, failures kept). Job directories stay
+on the host (a few KiB each).
 """
 
 from __future__ import annotations
@@ -58,19 +60,17 @@ import logging
 import shlex
 import shutil
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rigctl.errors import ConfigError, ConnectError, JobBusyError, JobError, RigctlError, TransferError, TrustError
 from rigctl.hostside import ship
-from rigctl.inventory import Host
+from rigctl.inventory import Host, Inventory
 from rigctl.results.record import RUN_FILE, RUN_ID, RunKind, RunRecord, new_run_id, rigctl_version
 from rigctl.results.store import ResultsStore, read_jsonl
-from rigctl.ssh import SshClient, SshTarget
+from rigctl.ssh import SshClient, on_each_host, session
 from rigctl.trust import inside, relative_path
 
 log = logging.getLogger(__name__)
@@ -159,18 +159,6 @@ def parse_job(host: str, entry: Mapping[str, Any]) -> JobInfo:
     )
 
 
-def _client(host: Host) -> SshClient:
-    return SshClient(SshTarget.from_host(host))
-
-
-@contextmanager
-def _session(host: Host, client: SshClient | None) -> Iterator[SshClient]:
-    """``client`` as given (left open), or a new connection closed afterwards."""
-    if client is not None:
-        yield client
-        return
-    with _client(host) as ssh:
-        yield ssh
 
 
 def start(host: Host, spec: JobSpec, *, job_id: str | None = None, client: SshClient | None = None) -> JobInfo:
@@ -196,7 +184,7 @@ def start(host: Host, spec: JobSpec, *, job_id: str | None = None, client: SshCl
     sources = {"jobrun.py": ship.source("jobrun"), f"{spec.task}.py": ship.source(spec.task),
                **ship.package_files(["jobrun", spec.task, "stamp"]),
                "spec.json": json.dumps(remote_spec, indent=2, sort_keys=True) + "\n"}
-    with _session(host, client) as ssh:
+    with session(host, client) as ssh:
         if spec.files:  # data files (datasets) may be large or binary: SFTP, before the unit can start
             ssh.run(f"mkdir -p {shlex.quote(job_dir)}", timeout=COMMAND_TIMEOUT, check=True)
             for name, path in spec.files.items():
@@ -227,7 +215,7 @@ def status(host: Host, job_id: str, *, client: SshClient | None = None) -> JobIn
 
 def _list(host: Host, only: str | None, client: SshClient | None) -> list[JobInfo]:
     cmd = ship.python_command("jobhost", "list", JOBS_DIR, *([only] if only else []))
-    with _session(host, client) as ssh:
+    with session(host, client) as ssh:
         result = ssh.run(cmd, timeout=COMMAND_TIMEOUT, check=True)
     return [parse_job(host.name, entry) for entry in json.loads(result.stdout)]
 
@@ -262,26 +250,18 @@ def wait(
     """Follow ``job_id`` until it ends; ``on_progress`` gets each changed state. The host watches the job's
     state file every ``poll_s`` and answers on a change (or after ``hold_s``, when a unit that died
     unsealed shows as lost). A lost connection is retried until ``timeout_s`` (the job does not depend on
-    it). ``client``: a connection to use first (never closed here)."""
+    it). ``client``: the connection to use (else the scope's or a new one, see :func:`rigctl.ssh.session`)."""
     deadline = time.monotonic() + timeout_s
     last: tuple[Any, ...] | None = None
     seen: JobInfo | None = None
-    ssh: SshClient | None = client
-    owned = client is None
-    try:
+    with session(host, client) as ssh:
         while True:
             try:
-                if ssh is None:
-                    ssh = _client(host)
-                    owned = True
-                    ssh.connect()
                 info = _wait_change(host, job_id, seen, max(0.0, min(hold_s, deadline - time.monotonic())), poll_s,
                                     ssh)
             except (ConnectError, TransferError) as exc:
                 log.warning("%s: lost the connection while following %s (%s); retrying", host.name, job_id, exc)
-                if ssh is not None and owned:
-                    ssh.close()
-                ssh = None
+                ssh.close()  # its next command connects again
                 if time.monotonic() + reconnect_s > deadline:
                     raise JobError(f"{host.name}: cannot follow job {job_id}: {exc}") from None
                 time.sleep(reconnect_s)
@@ -294,14 +274,11 @@ def wait(
                 return info
             if time.monotonic() >= deadline:
                 raise JobError(f"{host.name}: job {job_id} still {info.state} after {timeout_s:g} s")
-    finally:
-        if ssh is not None and owned:
-            ssh.close()
 
 
 def stop(host: Host, job_id: str, *, timeout: float = 180.0) -> JobInfo:
     """Stop a running job's unit (the runtime seals its run as ``stopped``)."""
-    with _client(host) as ssh:
+    with session(host) as ssh:
         info = status(host, job_id, client=ssh)
         if not info.finished:
             ssh.run(f"systemctl stop {shlex.quote(info.unit)}", timeout=timeout, check=True)
@@ -323,7 +300,7 @@ def pull(host: Host, store: ResultsStore | None = None, *, timeout: float = TRAN
     result = PullResult(host=host.name)
     remote_root = f"{RESULTS_DIR}/{host.name}"
     host_dir = inside(store.root, host.name, f"host {host.name!r}")
-    with _session(host, client) as ssh:
+    with session(host, client) as ssh:
         out = ssh.run(ship.python_command("jobhost", "runs", remote_root, UNIT_PREFIX), timeout=COMMAND_TIMEOUT,
                       check=True).stdout
         try:
@@ -452,28 +429,38 @@ def _make_dir(path: Path) -> None:
     path.chmod(DIR_MODE)
 
 
-def _per_host(hosts: Iterable[Host], work: Callable[[Host], Any]) -> dict[str, Any]:
-    hosts = list(hosts)
-    if not hosts:
-        return {}
-
-    def one(host: Host) -> Any:
-        try:
-            return work(host)
-        except RigctlError as exc:
-            return exc
-
-    with ThreadPoolExecutor(max_workers=8, thread_name_prefix="rigctl-jobs") as pool:
-        outcomes = list(pool.map(one, hosts))
-    return {h.name: o for h, o in zip(hosts, outcomes, strict=True)}
-
-
 def jobs_on_hosts(hosts: Iterable[Host]) -> dict[str, list[JobInfo] | RigctlError]:
     """Each host's jobs, or the error that kept us from reading them."""
-    return _per_host(hosts, list_jobs)
+    return on_each_host(hosts, list_jobs, thread_name_prefix="rigctl-jobs")
 
 
 def pull_hosts(hosts: Iterable[Host], store: ResultsStore | None = None) -> dict[str, PullResult | RigctlError]:
     """:func:`pull` on every host; one host failing keeps the others' results."""
     store = store or ResultsStore()
-    return _per_host(hosts, lambda host: pull(host, store))
+    return on_each_host(hosts, lambda host: pull(host, store), thread_name_prefix="rigctl-jobs")
+
+
+@dataclass(frozen=True)
+class Followed:
+    """A job followed to its end and its host pulled: the job's last state and what the pull brought."""
+
+    job: JobInfo
+    pulled: PullResult
+
+    @property
+    def done(self) -> bool:
+        return self.job.state == "done"
+
+
+def follow_and_pull(
+    inventory: Inventory, started: Mapping[str, str], store: ResultsStore, *,
+    on_progress: Callable[[JobInfo], None] | None = None,
+) -> dict[str, Followed | RigctlError]:
+    """Follow each host's job (``started``: host name -> job id) to its end, every host at once, and pull
+    each host as soon as its own job ends; per host name, what came of it or the error that stopped it."""
+    def follow(host: Host) -> Followed:
+        with session(host) as ssh:  # one connection for following and pulling
+            info = wait(host, started[host.name], on_progress=on_progress, client=ssh)
+            return Followed(info, pull(host, store, client=ssh))
+
+    return on_each_host([inventory.host(name) for name in started], follow, thread_name_prefix="rigctl-follow")

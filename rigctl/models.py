@@ -137,7 +137,7 @@ def expected_sha256(pin: str | None, manifest_sha256: str | None) -> tuple[str |
 
 def inspect_host(host: Host, *, rehash: bool, timeout: float = SSH_TIMEOUT) -> list[ArtifactStatus]:
     """Each artifact of ``host`` with its manifest and, with ``rehash``, the sha256 of the file now."""
-    from rigctl.ssh import SshClient, SshTarget
+    from rigctl.ssh import session
 
     artifacts = host.artifacts
     names = [a.name for a in artifacts]
@@ -145,7 +145,7 @@ def inspect_host(host: Host, *, rehash: bool, timeout: float = SSH_TIMEOUT) -> l
     pins = {a.name: a.pin for a in artifacts if a.pin}
     # One round trip: every manifest, and the file hashes when asked, as one JSON object.
     cmd = ship.python_command("model_files", "inspect", json.dumps(paths), "1" if rehash else "0")
-    with SshClient(SshTarget.from_host(host)) as ssh:
+    with session(host) as ssh:
         result = ssh.run(cmd, timeout=timeout)
     found = json.loads(result.stdout)
     statuses = []

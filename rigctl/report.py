@@ -46,6 +46,8 @@ from rigctl.compare import (
     flip_counts,
     gap_points,
     p_text,
+    points,
+    ratio_text,
     run_scores,
     sample_file,
 )
@@ -102,24 +104,6 @@ def _row(cells: Sequence[str]) -> str:
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str = "") -> list[str]:
     aligns = [("---:" if (align[i:i + 1] or "r") == "r" else ":---") for i in range(len(header))]
     return [_row(header), _row(aligns), *(_row(r) for r in rows)]
-
-
-def score_text(interval: Interval) -> str:
-    if interval.empty:
-        return "-"
-    return f"{interval.estimate:.3f} ({interval.low:.3f}-{interval.high:.3f})"
-
-
-def gap_text(interval: Interval) -> str:
-    if interval.empty:
-        return "-"
-    return f"{interval.estimate * 100:+.1f} ({interval.low * 100:+.1f} to {interval.high * 100:+.1f})"
-
-
-def ratio_md(interval: Interval) -> str:
-    if interval.empty:
-        return "-"
-    return f"{interval.estimate:.3f} ({interval.low:.3f}-{interval.high:.3f})"
 
 
 def _mean_sd(values: Sequence[float]) -> str:
@@ -217,7 +201,7 @@ def _bench_section(bench: CampaignBench, host: str, run: StoredRun, links: _Link
                                   resamples=campaign.resamples, seed=campaign.seed)
             if ratio.ratios:
                 r = ratio.ratios[0]
-                row.append(links.number(ratio_md(r.ratio), [links.result(f) for f in r.files]))
+                row.append(links.number(ratio_text(r.ratio), [links.result(f) for f in r.files]))
             else:
                 row.append("-")
         row.append(", ".join(steady))
@@ -311,7 +295,7 @@ def _depth_table(bench: CampaignBench, host: str, by_key, models, campaign, link
                 ratio = compare_bench(m, at.get(d, {}).get(m, []), models[0], at.get(d, {}).get(models[0], []),
                                       resamples=campaign.resamples, seed=campaign.seed)
                 found = ratio.ratios[0] if ratio.ratios else None
-                cells.append(links.number(ratio_md(found.ratio), [links.result(f) for f in found.files])
+                cells.append(links.number(ratio_text(found.ratio), [links.result(f) for f in found.files])
                              if found else "-")
             rows.append([base, f"{config} fa{fa}", f"{campaign.label(models[0])} / {campaign.label(m)}", *cells])
     chart = out_dir / f"depth-{bench.name}-{host}.png"
@@ -329,8 +313,8 @@ def _depth_chart(path: Path, curves: dict[str, dict[str, list[tuple[int, float]]
 
     fig, axes = plt.subplots(1, len(curves), figsize=(max(4, 3.6 * len(curves)), 3.4), squeeze=False)
     for ax, (test, per_model) in zip(axes[0], curves.items(), strict=True):
-        for m, points in per_model.items():
-            ax.plot([d for d, _ in points], [v for _, v in points], marker="o", label=label(m))
+        for m, curve in per_model.items():
+            ax.plot([d for d, _ in curve], [v for _, v in curve], marker="o", label=label(m))
         ax.set_title(test, fontsize=9)
         ax.set_xlabel("depth (tokens)")
         ax.set_ylabel("t/s")
@@ -381,11 +365,11 @@ def _quality_section(loaded: LoadedCampaign, found: Located, links: _Links, out_
         for target, run in pulled:
             by_set = {g.set: g for g in scores[target.id]}
             file = [answers_path(run)]
-            cells = [links.number(score_text(by_set[s].gap), file) if s in by_set else "-"
+            cells = [links.number(ratio_text(by_set[s].gap), file) if s in by_set else "-"
                      for s in (sets if len(sets) > 1 else [])]
             total = by_set[OVERALL]
             rows.append([campaign.label(target.artifact), target.host, *cells,
-                         links.number(score_text(total.gap), file), links.number(str(total.n), file)])
+                         links.number(ratio_text(total.gap), file), links.number(str(total.n), file)])
             overall.append((campaign.target_label(target.id), total.gap))
         lines += _table(header, rows, align="ll")
         chart = out_dir / f"quality-{evaluation.name}.png"
@@ -480,7 +464,7 @@ def _comparison_sections(loaded: LoadedCampaign, compared: list[_Compared], prob
             counts = f"{test.b} / {test.c}" if test and test.b is not None else "graded"
             rows.append([c.name, c.evaluation, links.number(str(gap.n), files),
                          links.number(f"{gap.score_a:.3f}", files[:1]), links.number(f"{gap.score_b:.3f}", files[1:]),
-                         links.number(gap_text(gap.gap), files), links.number(counts, files),
+                         links.number(points(gap.gap), files), links.number(counts, files),
                          links.number(p_text(test.p) if test else "-", files), p_text(c.holm), c.verdict])
         holm_column = f"p (Holm, {len(compared)} comparison{'s' if len(compared) != 1 else ''})"
         lines += _table(["comparison", "eval", "n", "A", "B", "B - A, points", "b / c", "p (exact)", holm_column,
@@ -709,7 +693,7 @@ def _sensitivity_section(compared: list[_Compared], links: _Links) -> list[str]:
             gap: SetGap = variant.overall
             moved = "" if variant is c.pair.recorded or gap.gap.empty else f"{(gap.gap.estimate - base) * 100:+.1f}"
             rows.append([c.name, c.evaluation, variant.label, links.number(str(gap.n), files),
-                         links.number(gap_text(gap.gap), files), moved])
+                         links.number(points(gap.gap), files), moved])
     if not rows:
         return []
     return ["## Sensitivity", "", "The overall gap when the sceptic's switches are applied (B - A, points).", "",

@@ -436,6 +436,69 @@ def _ssl_context() -> ssl.SSLContext:
 _RETRYABLE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.ConnectTimeout)
 
 
+class _Attempts:
+    """The retry loop's decisions for one call, whichever client does the I/O: which failures and answers
+    are tried again, how long to wait, and the error once it gives up. Iterate for the attempts; after each
+    one, :meth:`failed` (an httpx error) or :meth:`answered` (a response), then sleep :meth:`wait` seconds."""
+
+    def __init__(self, client: _Base, call: _Call, retry: Retry):
+        self.client, self.call, self.retry = client, call, retry
+        self.attempt = -1
+
+    def __iter__(self) -> Iterator[int]:
+        for attempt in range(self.retry.attempts):
+            self.attempt = attempt
+            yield attempt
+
+    @property
+    def last(self) -> bool:
+        return self.attempt == self.retry.attempts - 1
+
+    def failed(self, exc: httpx.HTTPError) -> None:
+        """Raise ServerError unless ``exc`` is transient and attempts are left."""
+        if not isinstance(exc, _RETRYABLE):
+            raise self.client._fail(self.call, exc, self.attempt + 1) from None
+        if self.last:
+            raise self.client._fail(self.call, exc, self.retry.attempts) from None
+        log.info("%s: %s: %s; retrying", self.client.endpoint, self.call.what, type(exc).__name__)
+
+    def answered(self, response: httpx.Response) -> bool:
+        """True when ``response`` is the answer (a 2xx/3xx), False to try again (a retryable status, 5xx, with
+        attempts left);
+        ServerError for any other 4xx/5xx. An error's reason is read from its body: read it first."""
+        if retryable_status(response.status_code) and not self.last:
+            log.info("%s: %s: HTTP %s; retrying", self.client.endpoint, self.call.what, response.status_code)
+            return False
+        self.client._check(self.call, response)
+        return True
+
+    def wait(self) -> float:
+        return self.retry.wait(self.attempt)
+
+
+class _Stream:
+    """A streamed chat reply as its lines arrive: the assembled reply and the time to its first token."""
+
+    def __init__(self, client: _Base, call: _Call, on_text: Callable[[str], None] | None):
+        self.client, self.call, self.on_text = client, call, on_text
+        self.start = time.perf_counter()
+        self.assembler = ChatStreamAssembler()
+        self.ttft: float | None = None
+
+    def line(self, line: str) -> None:
+        chunk = self.client._parse(self.call, parse_sse_line, line)
+        if chunk is None:
+            return
+        added = self.assembler.add(chunk)
+        if added:
+            self.ttft = self.ttft if self.ttft is not None else time.perf_counter() - self.start
+            if self.on_text:
+                self.on_text(added)
+
+    def result(self) -> ChatResult:
+        return self.assembler.result(self.ttft, time.perf_counter() - self.start)
+
+
 class _Base:
     def __init__(self, endpoint: Endpoint | str, *, timeouts: Timeouts = Timeouts(), retry: Retry = Retry()):
         self.endpoint = endpoint if isinstance(endpoint, Endpoint) else Endpoint(endpoint)
@@ -464,6 +527,13 @@ class _Base:
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ServerError(str(self.endpoint), call.what, f"unexpected answer: {exc}") from None
 
+    @staticmethod
+    def _unhealthy(exc: ServerError) -> Health:
+        return Health(False, str(exc).split(": ", 2)[-1])
+
+    def _healthy(self, call: _Call, response: httpx.Response) -> Health:
+        return Health(True, str(self._json(call, response).get("status", "ok")))
+
 
 class ServerClient(_Base):
     """Synchronous client (httpx.Client); a context manager. See the module docstring."""
@@ -483,23 +553,16 @@ class ServerClient(_Base):
         self.http.close()
 
     def _send(self, call: _Call, *, retry: Retry | None = None) -> httpx.Response:
-        retry = retry or self.retry
-        for attempt in range(retry.attempts):
-            last = attempt == retry.attempts - 1
+        attempts = _Attempts(self, call, retry or self.retry)
+        for _ in attempts:
             try:
                 response = self.http.request(call.method, call.path, json=call.body)
-            except _RETRYABLE as exc:
-                if last:
-                    raise self._fail(call, exc, retry.attempts) from None
-                log.info("%s: %s: %s; retrying", self.endpoint, call.what, type(exc).__name__)
             except httpx.HTTPError as exc:
-                raise self._fail(call, exc, attempt + 1) from None
+                attempts.failed(exc)
             else:
-                if not (retryable_status(response.status_code) and not last):
-                    self._check(call, response)
+                if attempts.answered(response):
                     return response
-                log.info("%s: %s: HTTP %s; retrying", self.endpoint, call.what, response.status_code)
-            time.sleep(retry.wait(attempt))
+            time.sleep(attempts.wait())
         raise AssertionError("unreachable")
 
     def _get(self, call: _Call, parser: Callable[[Any], Any]) -> Any:
@@ -512,8 +575,8 @@ class ServerClient(_Base):
         try:
             response = self._send(call, retry=NO_RETRY)
         except ServerError as exc:
-            return Health(False, str(exc).split(": ", 2)[-1])
-        return Health(True, str(self._json(call, response).get("status", "ok")))
+            return self._unhealthy(exc)
+        return self._healthy(call, response)
 
     def wait_healthy(self, timeout: float) -> Health:
         """Poll ``/health`` until it is ok or ``timeout`` seconds pass (then ServerError)."""
@@ -552,39 +615,21 @@ class ServerClient(_Base):
         """A streamed chat completion: the assembled reply, the server's timings and the client's time to the
         first token. Not retried once the first byte arrived (a half-streamed reply cannot be resumed)."""
         call = _Call("POST", "/v1/chat/completions", chat_body(messages, stream=True, **kwargs))
-        for attempt in range(self.retry.attempts):
-            start = time.perf_counter()
+        attempts = _Attempts(self, call, self.retry)
+        for _ in attempts:
+            stream = _Stream(self, call, on_text)
             try:
                 with self.http.stream(call.method, call.path, json=call.body) as response:
-                    if response.status_code >= 500 and attempt < self.retry.attempts - 1:
+                    if response.status_code >= 400:
                         response.read()
-                    else:
-                        if response.status_code >= 400:
-                            response.read()
-                            self._check(call, response)
-                        return self._consume(call, response.iter_lines(), start, on_text)
-            except _RETRYABLE as exc:
-                if attempt == self.retry.attempts - 1:
-                    raise self._fail(call, exc, self.retry.attempts) from None
+                    if attempts.answered(response):
+                        for line in response.iter_lines():
+                            stream.line(line)
+                        return stream.result()
             except httpx.HTTPError as exc:
-                raise self._fail(call, exc, attempt + 1) from None
-            time.sleep(self.retry.wait(attempt))
+                attempts.failed(exc)
+            time.sleep(attempts.wait())
         raise AssertionError("unreachable")
-
-    def _consume(self, call: _Call, lines: Iterator[str], start: float,
-                 on_text: Callable[[str], None] | None) -> ChatResult:
-        assembler = ChatStreamAssembler()
-        ttft = None
-        for line in lines:
-            chunk = self._parse(call, parse_sse_line, line)
-            if chunk is None:
-                continue
-            added = assembler.add(chunk)
-            if added:
-                ttft = ttft if ttft is not None else time.perf_counter() - start
-                if on_text:
-                    on_text(added)
-        return assembler.result(ttft, time.perf_counter() - start)
 
     def complete(self, prompt: str | Sequence[int], **kwargs: Any) -> CompletionResult:
         """``POST /completion`` (keyword arguments as :func:`completion_body`)."""
@@ -625,23 +670,16 @@ class AsyncServerClient(_Base):
         await self.http.aclose()
 
     async def _send(self, call: _Call, *, retry: Retry | None = None) -> httpx.Response:
-        retry = retry or self.retry
-        for attempt in range(retry.attempts):
-            last = attempt == retry.attempts - 1
+        attempts = _Attempts(self, call, retry or self.retry)
+        for _ in attempts:
             try:
                 response = await self.http.request(call.method, call.path, json=call.body)
-            except _RETRYABLE as exc:
-                if last:
-                    raise self._fail(call, exc, retry.attempts) from None
-                log.info("%s: %s: %s; retrying", self.endpoint, call.what, type(exc).__name__)
             except httpx.HTTPError as exc:
-                raise self._fail(call, exc, attempt + 1) from None
+                attempts.failed(exc)
             else:
-                if not (retryable_status(response.status_code) and not last):
-                    self._check(call, response)
+                if attempts.answered(response):
                     return response
-                log.info("%s: %s: HTTP %s; retrying", self.endpoint, call.what, response.status_code)
-            await asyncio.sleep(retry.wait(attempt))
+            await asyncio.sleep(attempts.wait())
         raise AssertionError("unreachable")
 
     async def _get(self, call: _Call, parser: Callable[[Any], Any]) -> Any:
@@ -653,8 +691,8 @@ class AsyncServerClient(_Base):
         try:
             response = await self._send(call, retry=NO_RETRY)
         except ServerError as exc:
-            return Health(False, str(exc).split(": ", 2)[-1])
-        return Health(True, str(self._json(call, response).get("status", "ok")))
+            return self._unhealthy(exc)
+        return self._healthy(call, response)
 
     async def props(self) -> Props:
         return await self._get(_Call("GET", "/props"), parse_props)
@@ -678,34 +716,20 @@ class AsyncServerClient(_Base):
     async def chat_stream(self, messages: Sequence[Message], *, on_text: Callable[[str], None] | None = None,
                           **kwargs: Any) -> ChatResult:
         call = _Call("POST", "/v1/chat/completions", chat_body(messages, stream=True, **kwargs))
-        for attempt in range(self.retry.attempts):
-            start = time.perf_counter()
+        attempts = _Attempts(self, call, self.retry)
+        for _ in attempts:
+            stream = _Stream(self, call, on_text)
             try:
                 async with self.http.stream(call.method, call.path, json=call.body) as response:
-                    if response.status_code >= 500 and attempt < self.retry.attempts - 1:
+                    if response.status_code >= 400:
                         await response.aread()
-                    else:
-                        if response.status_code >= 400:
-                            await response.aread()
-                            self._check(call, response)
-                        assembler = ChatStreamAssembler()
-                        ttft = None
+                    if attempts.answered(response):
                         async for line in response.aiter_lines():
-                            chunk = self._parse(call, parse_sse_line, line)
-                            if chunk is None:
-                                continue
-                            added = assembler.add(chunk)
-                            if added:
-                                ttft = ttft if ttft is not None else time.perf_counter() - start
-                                if on_text:
-                                    on_text(added)
-                        return assembler.result(ttft, time.perf_counter() - start)
-            except _RETRYABLE as exc:
-                if attempt == self.retry.attempts - 1:
-                    raise self._fail(call, exc, self.retry.attempts) from None
+                            stream.line(line)
+                        return stream.result()
             except httpx.HTTPError as exc:
-                raise self._fail(call, exc, attempt + 1) from None
-            await asyncio.sleep(self.retry.wait(attempt))
+                attempts.failed(exc)
+            await asyncio.sleep(attempts.wait())
         raise AssertionError("unreachable")
 
     async def complete(self, prompt: str | Sequence[int], **kwargs: Any) -> CompletionResult:

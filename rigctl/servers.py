@@ -21,7 +21,7 @@ from rigctl.errors import ConfigError, RigctlError, ServerError
 from rigctl.inventory import Host, Inventory, Server
 from rigctl.inventory.profiles import unit_name
 from rigctl.server import NO_RETRY, ServerClient, Timeouts
-from rigctl.ssh import SshClient, SshTarget
+from rigctl.ssh import session
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def unit_states(host: Host, servers: Iterable[str]) -> dict[str, UnitState]:
     names = list(servers)
     if not names:
         return {}
-    with SshClient(SshTarget.from_host(host)) as ssh:
+    with session(host) as ssh:
         out = ssh.run(show_command(names), timeout=SSH_TIMEOUT, check=True).stdout
     by_unit = parse_unit_show(out)
     return {name: by_unit[unit_name(name)] for name in names if unit_name(name) in by_unit}
@@ -164,7 +164,7 @@ def restart(inventory: Inventory, host_name: str, server: str, timeout: float = 
     """
     host = inventory.host(host_name)
     instance = host.server(server)
-    with SshClient(SshTarget.from_host(host)) as ssh:
+    with session(host) as ssh:
         ssh.run(operator_start([instance.unit], "restart"), timeout=SSH_TIMEOUT, check=True)
     deadline = time.monotonic() + timeout
     while True:
@@ -189,5 +189,5 @@ def logs(inventory: Inventory, host_name: str, server: str, lines: int = 50) -> 
     host = inventory.host(host_name)
     unit = host.server(server).unit
     command = f"journalctl --no-pager -o short-iso -n {int(lines)} -u {shlex.quote(unit)}"
-    with SshClient(SshTarget.from_host(host)) as ssh:
+    with session(host) as ssh:
         return ssh.run(command, timeout=SSH_TIMEOUT, check=True).stdout

@@ -13,6 +13,7 @@ exponential backoff and jitter; host key and authentication failures fail at onc
 
 from __future__ import annotations
 
+import contextvars
 import errno
 import hashlib
 import logging
@@ -33,10 +34,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from types import TracebackType
-from typing import Self
+from typing import Self, TypeVar
 
 import paramiko
 
+from rigctl.connections import current as current_connections
 from rigctl.errors import ConnectError, HostKeyError, RemoteCommandError, RigctlError, TransferError
 from rigctl.inventory import SHA256, Host
 
@@ -175,6 +177,15 @@ class SshClient:
         self.backoff_cap = backoff_cap
         self._rng = random.Random()
         self._client: paramiko.SSHClient | None = None
+        # Threads of one command may share a client (one host's connection): one of them connects.
+        self._connect_lock = threading.Lock()
+
+    @classmethod
+    def for_host(cls, host: Host, *, connect_timeout: float | None = None,
+                 channel_timeout: float = DEFAULT_CHANNEL_TIMEOUT, retries: int = DEFAULT_RETRIES) -> SshClient:
+        """A client for an inventory host, as Ansible reaches it (not connected yet)."""
+        return cls(SshTarget.from_host(host), connect_timeout=connect_timeout, channel_timeout=channel_timeout,
+                   retries=retries)
 
     def __enter__(self) -> Self:
         self.connect()
@@ -196,6 +207,10 @@ class SshClient:
 
     def connect(self) -> None:
         """Connect and authenticate, retrying transient failures; no-op while connected."""
+        with self._connect_lock:
+            self._connect()
+
+    def _connect(self) -> None:
         if self.connected:
             return
         self.close()
@@ -468,6 +483,47 @@ class SshClient:
             raise TransferError(self.host, path, _describe(exc)) from None
 
 
+@contextmanager
+def session(host: Host, client: SshClient | None = None) -> Iterator[SshClient]:
+    """A connection to ``host``: ``client`` when given, else the command's shared one (see
+    :func:`rigctl.connections.connections`), both left open; outside a scope a new one, closed on exit."""
+    if client is not None:
+        yield client
+        return
+    pool = current_connections()
+    if pool is not None:
+        yield pool.client(host, SshClient.for_host)
+        return
+    with SshClient.for_host(host) as ssh:
+        yield ssh
+
+
+_T = TypeVar("_T")
+
+
+def on_each_host(hosts: Iterable[Host], work: Callable[[Host], _T], *, max_workers: int = 8,
+                 thread_name_prefix: str = "rigctl-hosts") -> dict[str, _T | RigctlError]:
+    """``work(host)`` on every host at once; per host name (in the order of ``hosts``) its result or the
+    RigctlError it raised, so one host failing never costs the others' results. The threads share the
+    caller's :func:`rigctl.connections.connections` scope."""
+    hosts = list(hosts)
+    if not hosts:
+        return {}
+
+    def one(host: Host) -> _T | RigctlError:
+        try:
+            return work(host)
+        except RigctlError as exc:
+            log.debug("%s", exc)
+            return exc
+
+    with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(hosts))),
+                            thread_name_prefix=thread_name_prefix) as pool:
+        # A context per thread: the scope's Connections is shared, a context cannot be entered twice at once.
+        futures = [pool.submit(contextvars.copy_context().run, one, host) for host in hosts]
+        return {host.name: future.result() for host, future in zip(hosts, futures, strict=True)}
+
+
 def run_on_hosts(
     hosts: Iterable[Host],
     cmd: str,
@@ -483,21 +539,12 @@ def run_on_hosts(
     One host failing (unreachable, wrong key, command failed or timed out) never costs the others'
     results. The dict keeps the order of ``hosts``.
     """
-    targets = [SshTarget.from_host(h) for h in hosts]
 
-    def one(target: SshTarget) -> CommandResult | RigctlError:
-        try:
-            with SshClient(target, connect_timeout=connect_timeout, retries=retries) as client:
-                return client.run(cmd, timeout=timeout, check=check)
-        except RigctlError as exc:
-            log.debug("%s", exc)
-            return exc
+    def one(host: Host) -> CommandResult:
+        with SshClient.for_host(host, connect_timeout=connect_timeout, retries=retries) as client:
+            return client.run(cmd, timeout=timeout, check=check)
 
-    if not targets:
-        return {}
-    with ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rigctl-ssh") as pool:
-        outcomes = list(pool.map(one, targets))
-    return {t.name: outcome for t, outcome in zip(targets, outcomes, strict=True)}
+    return on_each_host(hosts, one, max_workers=max_workers, thread_name_prefix="rigctl-ssh")
 
 
 def _is_transient(exc: BaseException) -> bool:

@@ -37,8 +37,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
-from scipy import optimize
-from scipy import stats as sps
+
+# scipy is imported by the functions that use it: it takes a second, and every `rigctl` command imports this
+# module for its defaults.
 
 DEFAULT_RESAMPLES = 10_000
 DEFAULT_SEED = 0
@@ -282,6 +283,8 @@ def _pair(a: Sequence[float] | np.ndarray, b: Sequence[float] | np.ndarray) -> t
 
 def mcnemar_exact(b: int, c: int) -> float:
     """Two-sided exact McNemar p-value from the discordant counts (1.0 when there are none)."""
+    from scipy import stats as sps
+
     if b < 0 or c < 0:
         raise ValueError(f"discordant counts must not be negative, got b={b}, c={c}")
     if b + c == 0:
@@ -293,6 +296,8 @@ def sign_flip_p(diffs: Sequence[float] | np.ndarray, *, resamples: int = DEFAULT
                 seed: int = DEFAULT_SEED) -> tuple[float, int | None]:
     """Two-sided sign-flip permutation p-value of the mean paired difference, and the permutations drawn
     (None when all ``2**n`` sign patterns were enumerated)."""
+    from scipy import stats as sps
+
     d = np.asarray(diffs, dtype=np.float64)
     if d.size == 0:
         return math.nan, None
@@ -387,6 +392,9 @@ def tost(a: Sequence[float] | np.ndarray, b: Sequence[float] | np.ndarray, margi
     Right/wrong scores: each side is Tango's score test for paired proportions (normal, variance under
     the hypothesis; it also decides when no question is discordant), and the interval is the score
     test inverted. Graded scores: paired t-tests, the interval the t interval."""
+    from scipy import optimize
+    from scipy import stats as sps
+
     if not margin > 0:
         raise ValueError(f"the equivalence margin must be positive, got {margin}")
     if not 0.0 < alpha < 0.5:
@@ -456,6 +464,9 @@ def detectable_gap(n: int, *, discordance: float | None = None, sd: float | None
     normal approximation to McNemar's test, ``n d^2 = (z_a sqrt(psi) + z_b sqrt(psi - d^2))^2``, solved
     for d; infinity when no gap up to psi itself is detectable. Graded scores (``sd`` of the paired
     differences): ``(z_a + z_b) sd / sqrt(n)``. NaN without a spread to work from."""
+    from scipy import optimize
+    from scipy import stats as sps
+
     if n < 1:
         return math.nan
     z_a = float(sps.norm.ppf(1.0 - alpha / 2.0))

@@ -42,7 +42,7 @@ from rigctl.results.stamp import collect_stamp, inventory_server, with_props
 from rigctl.results.store import ResultsStore
 from rigctl.server import ServerClient, Timeouts
 from rigctl.servers import operator_start
-from rigctl.ssh import SshClient, SshTarget
+from rigctl.ssh import session
 
 log = logging.getLogger(__name__)
 
@@ -265,7 +265,7 @@ def to_markdown(rows: Sequence[RaceRow]) -> str:
 def _systemctl(host: Host, action: str, names: Sequence[str]) -> list[str]:
     """``systemctl ACTION`` on the named instances' units; for ``is-active``, the active ones."""
     units = [unit_name(n) for n in names]
-    with SshClient(SshTarget.from_host(host)) as ssh:
+    with session(host) as ssh:
         if action == "is-active":
             result = ssh.run(f"systemctl is-active {shlex.join(units)}", timeout=60, check=False)
             states = result.stdout.split()
@@ -311,7 +311,7 @@ def run_race(
         for name, client in clients.items():
             client.wait_healthy(HEALTH_TIMEOUT_S)
             props[name] = client.props()
-        with SshClient(SshTarget.from_host(host)) as ssh:  # while every contender runs: their argv as deployed
+        with session(host) as ssh:  # while every contender runs: their argv as deployed
             stamp = collect_stamp(host, ssh, [inventory_server(host, c.name) for c in field_],
                                   artifacts=[field_[0].artifact], seed=seed, concurrency=1)
         record = RunRecord.begin("spec", stamp, host=host.name)

@@ -190,7 +190,7 @@ def run_load(
     from rigctl.bench.server import instance_stopped, probe_server
     from rigctl.results.stamp import collect_stamp, inventory_server, with_props
     from rigctl.server import ServerClient
-    from rigctl.ssh import SshClient, SshTarget
+    from rigctl.ssh import session
 
     levels = parse_levels(list(concurrency))
     if requests is not None and not 1 <= requests <= MAX_REQUESTS:
@@ -208,7 +208,7 @@ def run_load(
     result = LoadResult(host=host.name, instance=instance)
     port = probe_port or served.port + 200
     settings = {"parallel": slots, "ctx_size": slots * slot_ctx}
-    with SshClient(SshTarget.from_host(host)) as ssh, instance_stopped(ssh, served), \
+    with session(host) as ssh, instance_stopped(ssh, served), \
             probe_server(ssh, served, settings, port, "load") as probe:
         with ServerClient(probe.endpoint) as client:
             props = client.props()

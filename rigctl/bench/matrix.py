@@ -40,12 +40,12 @@ import io
 import json
 import logging
 import math
+import statistics  # not numpy: starting a bench imports this module, and numpy costs a tenth of a second
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import numpy as np
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -57,7 +57,6 @@ from rigctl.trust import inside
 
 if TYPE_CHECKING:  # rigctl.jobs brings paramiko; summaries (and rigctl.compare) do not need it
     from rigctl import jobs
-    from rigctl.ssh import SshClient
 
 log = logging.getLogger(__name__)
 
@@ -179,18 +178,16 @@ def bench_job_spec(host: Host, spec: BenchSpec) -> jobs.JobSpec:
     return jobs.JobSpec(kind="bench", task="bench_task", params=params, lock="gpu", max_runtime_s=int(budget))
 
 
-def start_bench(
-    inventory: Inventory, spec: BenchSpec, clients: Mapping[str, SshClient] | None = None
-) -> dict[str, jobs.JobInfo | RigctlError]:
+def start_bench(inventory: Inventory, spec: BenchSpec) -> dict[str, jobs.JobInfo | RigctlError]:
     """One bench job per host of the spec; per host its job or the error (a busy lock, a bad artifact).
-    ``clients``: open connections by host name to reuse."""
+    Inside a :func:`rigctl.connections.connections` scope, following and pulling reuse the connection."""
     from rigctl import jobs
 
     hosts = inventory.select(spec.hosts)
     out: dict[str, jobs.JobInfo | RigctlError] = {}
     for host in hosts:
         try:
-            out[host.name] = jobs.start(host, bench_job_spec(host, spec), client=(clients or {}).get(host.name))
+            out[host.name] = jobs.start(host, bench_job_spec(host, spec))
         except RigctlError as exc:
             out[host.name] = exc
     return out
@@ -363,7 +360,7 @@ def cold_and_steady(cells: Sequence[Sequence[float]]) -> tuple[float, float]:
     repetition): their means, nan where there is none."""
     cold = [c[0] for c in cells if c]
     steady = [v for c in cells for v in c[1:]]
-    return (float(np.mean(cold)) if cold else math.nan, float(np.mean(steady)) if steady else math.nan)
+    return (statistics.fmean(cold) if cold else math.nan, statistics.fmean(steady) if steady else math.nan)
 
 
 def rep_over_first(cells: Sequence[Sequence[float]]) -> float:
@@ -389,12 +386,12 @@ def summarize(samples: Iterable[BenchSample], *, merge: bool = False) -> list[Su
         clean = [s for s in ordered if not s.throttled]
         used = counted(ordered)
         values = [v for s in used for v in s.samples_ts]
-        mean = float(np.mean(values)) if values else math.nan
+        mean = statistics.fmean(values) if values else math.nan
         means[key] = mean
         cold, steady = cold_and_steady([s.samples_ts for s in used])
         rows.append(SummaryRow(
             partition=key[0], test=key[1], config=key[2], flash_attn=key[3], model=key[4], n=len(values),
-            cells=len(used), mean=mean, stddev=float(np.std(values, ddof=1)) if len(values) > 1 else 0.0,
+            cells=len(used), mean=mean, stddev=statistics.stdev(values) if len(values) > 1 else 0.0,
             rep_first=rep_over_first([s.samples_ts for s in used]), cold=cold, steady=steady,
             throttled_cells=len(ordered) - len(clean), all_throttled=not clean,
         ))

@@ -36,7 +36,7 @@ from rigctl.results.stamp import collect_stamp, inventory_server, with_props
 from rigctl.results.store import ResultsStore
 from rigctl.server import Endpoint, ServerClient, Timeouts
 from rigctl.servers import operator_start
-from rigctl.ssh import SshClient, SshTarget
+from rigctl.ssh import SshClient, session
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def run_server_bench(
     endpoint = served.endpoint
     unit = served.unit
     result = ServerBenchResult(host=host.name, instance=instance)
-    with SshClient(SshTarget.from_host(host)) as ssh, ServerClient(endpoint, timeouts=Timeouts(read=900)) as server:
+    with session(host) as ssh, ServerClient(endpoint, timeouts=Timeouts(read=900)) as server:
         server.wait_healthy(HEALTH_TIMEOUT_S)
         props = server.props()
         stamp = collect_stamp(host, ssh, [inventory_server(host, instance)], artifacts=[served.artifact],

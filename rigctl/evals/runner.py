@@ -22,9 +22,9 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rigctl.errors import EvalError, RigctlError, ServerError
+from rigctl.errors import ConfigError, EvalError, RigctlError, ServerError
 from rigctl.evals import scorers
 from rigctl.evals.scorers import summarise
 from rigctl.evals.target import Target
@@ -34,6 +34,11 @@ from rigctl.results.stamp import with_props
 from rigctl.results.store import ResultsStore, read_jsonl
 from rigctl.server import DEFAULT_SEED, AsyncServerClient, Endpoint, Props, Retry, ServerClient, Timeouts
 from rigctl.trust import redact_argv
+
+if TYPE_CHECKING:
+    from rigctl.evals.target import Target
+    from rigctl.inventory import Inventory
+    from rigctl.results.store import StoredRun
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +166,7 @@ def target_stamp(targets: Sequence[Target]) -> Provenance:
     bare URL only its endpoint. A fan-out's first target gives the host, GPU, build and artifacts; each
     server keeps its own GPU."""
     from rigctl.results.stamp import collect_stamp, inventory_server
-    from rigctl.ssh import SshClient, SshTarget
+    from rigctl.ssh import session
 
     stamps = []
     for target in targets:
@@ -171,7 +176,7 @@ def target_stamp(targets: Sequence[Target]) -> Provenance:
             continue
         name, artifact = str(target.server["name"]), target.server.get("artifact")
         try:
-            with SshClient(SshTarget.from_host(host)) as ssh:
+            with session(host) as ssh:
                 stamps.append(collect_stamp(host, ssh, [inventory_server(host, name)],
                                             artifacts=[str(artifact)] if artifact else []))
         except RigctlError as exc:  # the server may answer over HTTP while SSH does not: the record says so
@@ -210,6 +215,30 @@ def start_run(task: LoadedTask, endpoint: Endpoints, store: ResultsStore, host: 
     run_dir.mkdir(parents=True, exist_ok=False)
     record.save(run_dir)
     return run_dir, record
+
+
+def recorded_targets(run: StoredRun, inventory: Callable[[], Inventory], api_key: str | None = None) -> list[Target]:
+    """The servers a stopped run started with, to resume it against: its recorded endpoint; for a fan-out,
+    each server from the inventory (loaded only then) where it still has it (keys and addresses from
+    there), else its recorded endpoint."""
+    from rigctl.evals.target import inventory_target, url_target
+
+    targets = []
+    loaded = None
+    entries = run.record.servers
+    if not entries:
+        raise ConfigError(f"run {run.host}/{run.id}: no server endpoint recorded; give --url or --host/--server")
+    for entry in entries:
+        if not entry.endpoint:
+            raise ConfigError(f"run {run.host}/{run.id}: no server endpoint recorded; give --url or --host/--server")
+        if len(entries) > 1 and entry.host and entry.name:
+            loaded = loaded or inventory()
+            if entry.host in loaded.hosts:
+                targets.append(inventory_target(loaded.host(entry.host), str(entry.name), api_key=api_key,
+                                                facts=False))
+                continue
+        targets.append(url_target(str(entry.endpoint), api_key=api_key, host=run.host))
+    return targets
 
 
 def resume_run(store: ResultsStore, ref: str, endpoint: Endpoints) -> tuple[Path, RunRecord, LoadedTask, Options]:

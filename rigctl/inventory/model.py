@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+import rigctl.inventory.profiles as profiles
 from rigctl.errors import ConfigError
-from rigctl.inventory import profiles
 
 if TYPE_CHECKING:
     from rigctl.server import Endpoint

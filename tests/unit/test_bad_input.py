@@ -57,7 +57,7 @@ from rigctl.results.record import RUN_FILE, RunRecord
 from rigctl.results.store import ResultsStore
 
 REPO = Path(__file__).resolve().parents[2]
-#: The installed command (``python -m rigctl.cli`` would miss the command groups registered on import).
+#: The installed command, as users run it.
 RIGCTL = str(Path(sys.executable).parent / "rigctl")
 #: Every CLI run of this module: (argv, stdout + stderr), grepped for tracebacks by the last test.
 OUTPUTS: list[tuple[list[str], str]] = []

@@ -56,7 +56,7 @@ def test_paired_gap_per_set_and_overall(store):
     overall = pair.recorded.overall
     assert overall.n == 120 and overall.gap.estimate == pytest.approx(0.9 / 3)
     assert overall.gap.low > 0.2 and overall.gap.high < 0.4 and overall.gap.method == "counts"
-    assert points(overall.gap).startswith("+30.0 [")
+    assert points(overall.gap).startswith("+30.0 (")
     assert pair.only_a == pair.only_b == 0 and pair.forced is None
     assert len(pair.variants) == 1  # no switches: as recorded only
     data = json.loads(json.dumps(result.to_dict(), allow_nan=False))

@@ -1,26 +1,49 @@
-"""`rigctl hosts add|remove|probe`: a GPU host joins (or leaves) the fleet's inventory."""
+"""``rigctl hosts``: the fleet (list it); ``hosts add|remove|probe``: a GPU host joins (or leaves) the
+fleet's inventory."""
 
 from __future__ import annotations
 
 import shlex
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
 
-from rigctl.cli import (
-    _inventory,
-    _print_deploy_summary,
-    _print_event,
-    _print_task,
-    console,
-    err_console,
-    hosts_app,
-    state,
-)
+from rigctl.cli.common import console, err_console, load_inventory, state
+from rigctl.cli.render import print_deploy_summary, print_event, print_task
 from rigctl.errors import ConfigError
-from rigctl.probe import HostFacts
+
+if TYPE_CHECKING:
+    from rigctl.probe import HostFacts
+
+app = typer.Typer(invoke_without_command=True, help="The fleet: list it (no subcommand); add, probe or remove a host.")
+
+
+@app.callback()
+def hosts(ctx: typer.Context) -> None:
+    """The fleet: each host's address, GPU, llama.cpp pin and servers."""
+    if ctx.invoked_subcommand is not None:
+        return
+    inv = load_inventory()
+    table = Table(title=f"fleet ({inv.source})")
+    for column in ("host", "address", "GPU", "CC", "VRAM", "llama.cpp", "servers"):
+        table.add_column(column)
+    for host in inv.hosts.values():
+        gpu = host.gpu
+        servers = "\n".join(
+            f"{s.name}: {s.artifact} :{s.port}" + ("" if s.enabled else " (disabled)") for s in host.servers
+        )
+        table.add_row(
+            host.name,
+            f"{host.address}:{host.port}" if host.port != 22 else host.address,
+            gpu.name if gpu else "-",
+            gpu.compute_capability if gpu else "-",
+            f"{gpu.vram_mib / 1024:g} GiB" if gpu else "-",
+            str(host.llama_cpp) if "llama_cpp_source" in host.vars else "-",
+            servers or "-",
+        )
+    console.print(table)
 
 
 def _print_facts(name: str, facts: HostFacts) -> None:
@@ -41,7 +64,7 @@ def _provision_command(name: str) -> str:
     return shlex.join(["rigctl", *inventory, "provision", "--limit", name])
 
 
-@hosts_app.command("add")
+@app.command("add")
 def hosts_add(
     name: Annotated[str, typer.Argument(help="The host's name in the inventory.")],
     address: Annotated[str, typer.Argument(help="Where to reach it (address or DNS name).")],
@@ -70,7 +93,7 @@ def hosts_add(
         raise ConfigError("give exactly one of --ask-pass or --key FILE")
     if fingerprint is not None:
         check_fingerprint_option(fingerprint)
-    inv = _inventory()
+    inv = load_inventory()
 
     def ask_password() -> str:
         return typer.prompt(f"SSH password for {user}@{address}", hide_input=True, err=True)
@@ -82,11 +105,11 @@ def hosts_add(
 
     options = AddOptions(name=name, address=address, port=port, login_user=user, ask_pass=ask_pass,
                          login_key=key, fingerprint=fingerprint, group=group)
-    result = add_host(inv, options, confirm=confirm, ask_password=ask_password, on_event=_print_event,
-                      on_task=_print_task)
+    result = add_host(inv, options, confirm=confirm, ask_password=ask_password, on_event=print_event,
+                      on_task=print_task)
     console.print(f"{name}: host key {result.contact.key_type} {result.contact.fingerprint}"
                   + (" written to known_hosts" if result.contact.written else " (known already)"), highlight=False)
-    _print_deploy_summary(result.bootstrap, "bootstrap.yml")
+    print_deploy_summary(result.bootstrap, "bootstrap.yml")
     _print_facts(name, result.facts)
     if result.changed_files:
         for path in result.changed_files:
@@ -98,23 +121,23 @@ def hosts_add(
         console.print(f"next: {_provision_command(name)}", highlight=False)
         return
     reloaded = Inventory.load(inv.source)
-    deployed = run_playbook(reloaded, "site.yml", limit=name, on_event=_print_event, on_task=_print_task)
-    _print_deploy_summary(deployed, "site.yml")
+    deployed = run_playbook(reloaded, "site.yml", limit=name, on_event=print_event, on_task=print_task)
+    print_deploy_summary(deployed, "site.yml")
     deployed.raise_for_failures()
 
 
-@hosts_app.command("remove")
+@app.command("remove")
 def hosts_remove(name: Annotated[str, typer.Argument(help="Host in the inventory.")]) -> None:
     """Take NAME out of hosts.yml, its host_vars file and known_hosts; nothing on the host changes."""
     from rigctl.enroll import remove_host
 
-    result = remove_host(_inventory(), name)
+    result = remove_host(load_inventory(), name)
     parts = [what for what, done in (("hosts.yml", result.hosts_file), ("host_vars", result.host_vars),
                                      ("known_hosts", result.known_hosts)) if done]
     console.print(f"{name}: removed from {', '.join(parts) or 'nothing (it held no entries)'}", highlight=False)
 
 
-@hosts_app.command("probe")
+@app.command("probe")
 def hosts_probe(
     name: Annotated[str, typer.Argument(help="Host in the inventory.")],
     write: Annotated[bool, typer.Option("--write", help="Update host_vars/NAME.yml with what was found.")] = False,
@@ -125,7 +148,7 @@ def hosts_probe(
     """
     from rigctl.enroll import probe_host
 
-    result = probe_host(_inventory(), name, write=write)
+    result = probe_host(load_inventory(), name, write=write)
     _print_facts(name, result.facts)
     if not result.drift:
         console.print(f"{name}: host_vars agree with the host", highlight=False)

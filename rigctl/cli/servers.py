@@ -1,4 +1,4 @@
-"""`rigctl servers`: the fleet's llama-server instances (state, restart, logs)."""
+"""``rigctl servers``: the fleet's llama-server instances (state, restart, logs)."""
 
 from __future__ import annotations
 
@@ -7,26 +7,25 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from rigctl.cli import _inventory, app, console
+from rigctl.cli.common import LimitOption, console, load_inventory
 
-servers_app = typer.Typer(no_args_is_help=False, invoke_without_command=True,
-                          help="llama-server instances: state, port, model, build, health; restart; logs.")
-app.add_typer(servers_app, name="servers")
+app = typer.Typer(no_args_is_help=False, invoke_without_command=True,
+                  help="llama-server instances: state, port, model, build, health; restart; logs.")
 
 _STATE_STYLE = {"active": "green", "failed": "red", "unreachable": "red", "activating": "yellow"}
 
 
-@servers_app.callback()
+@app.callback()
 def servers_list(
     ctx: typer.Context,
-    limit: Annotated[str | None, typer.Option("--limit", "-l", help="Hosts or groups, comma-separated.")] = None,
+    limit: LimitOption = None,
 ) -> None:
     """Every instance: systemd state and main PID, port, model and build (/props), health."""
     if ctx.invoked_subcommand is not None:
         return
     from rigctl.servers import list_servers
 
-    rows = list_servers(_inventory(), limit)
+    rows = list_servers(load_inventory(), limit)
     table = Table(title="llama-server instances")
     for column in ("host", "server", "state", "pid", "port", "artifact", "profile", "model", "build", "health"):
         table.add_column(column)
@@ -46,7 +45,7 @@ def servers_list(
         raise typer.Exit(1)
 
 
-@servers_app.command("restart")
+@app.command("restart")
 def servers_restart(
     host: Annotated[str, typer.Argument(help="Host from the inventory.")],
     server: Annotated[str, typer.Argument(help="Instance name (llama_server_instances).")],
@@ -55,12 +54,12 @@ def servers_restart(
     """Restart one instance and wait until it answers /health 200."""
     from rigctl.servers import restart
 
-    status = restart(_inventory(), host, server, timeout)
+    status = restart(load_inventory(), host, server, timeout)
     console.print(f"{status.host}/{status.name}: {status.state}, pid {status.main_pid}, {status.model} "
                   f"({status.build})", highlight=False)
 
 
-@servers_app.command("logs")
+@app.command("logs")
 def servers_logs(
     host: Annotated[str, typer.Argument(help="Host from the inventory.")],
     server: Annotated[str, typer.Argument(help="Instance name (llama_server_instances).")],
@@ -69,4 +68,4 @@ def servers_logs(
     """The last journal lines of one instance."""
     from rigctl.servers import logs
 
-    console.print(logs(_inventory(), host, server, lines), markup=False, highlight=False, end="")
+    console.print(logs(load_inventory(), host, server, lines), markup=False, highlight=False, end="")

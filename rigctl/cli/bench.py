@@ -1,74 +1,29 @@
-"""`rigctl bench run|summary|server|spec`, `rigctl jobs`, `rigctl pull`: rendering only; the work is
-in :mod:`rigctl.bench.matrix`, :mod:`rigctl.bench.server`, :mod:`rigctl.bench.drafting` and :mod:`rigctl.jobs`."""
+"""``rigctl bench run|summary|spec|server|load``: rendering only; the work is in :mod:`rigctl.bench` and
+:mod:`rigctl.jobs`."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 
-from rigctl.cli import _inventory, app, console, err_console
+from rigctl.cli.common import (
+    ResultsOption,
+    console,
+    err_console,
+    load_inventory,
+    parse_ints,
+    parse_words,
+    results_store,
+)
+from rigctl.cli.render import print_progress, print_pull
 from rigctl.errors import ConfigError, RigctlError
 
-bench_app = typer.Typer(no_args_is_help=True, help="Speed benches: llama-bench matrices, server speed, drafter race.")
-app.add_typer(bench_app, name="bench")
-
-ResultsOption = Annotated[Path | None, typer.Option("--results", envvar="RIGCTL_RESULTS",
-                                                    help="Results store (default ./results).")]
+app = typer.Typer(no_args_is_help=True, help="Speed benches: llama-bench matrices, server speed, drafter race.")
 
 
-def _ints(value: str | None, flag: str) -> list[int] | None:
-    if value is None:
-        return None
-    try:
-        return [int(v) for v in value.split(",") if v.strip()]
-    except ValueError:
-        raise ConfigError(f"{flag} {value!r}: expected whole numbers separated by commas") from None
-
-
-def _words(value: str | None) -> list[str] | None:
-    return None if value is None else [v.strip() for v in value.split(",") if v.strip()]
-
-
-def _store(results: Path | None):
-    from rigctl.results.store import ResultsStore
-
-    return ResultsStore(results)
-
-
-def _print_progress(info) -> None:
-    progress = f"{info.done}/{info.total}" if info.total else "-"
-    console.print(f"{info.host}: {info.id} {info.state} [{progress}] {info.message}", markup=False, highlight=False)
-
-
-def _print_pull(results: dict[str, Any]) -> bool:
-    ok = True
-    for host, outcome in results.items():
-        if isinstance(outcome, RigctlError):
-            err_console.print(f"{host}: pull failed: {outcome}", markup=False, highlight=False, soft_wrap=True)
-            ok = False
-            continue
-        line = (f"{host}: copied {len(outcome.copied)} run(s) ({outcome.files} files, {outcome.bytes} bytes), "
-                f"{len(outcome.skipped)} already here, {len(outcome.running)} still running"
-                + (f", {len(outcome.refused)} refused" if outcome.refused else ""))
-        console.print(line, markup=False, highlight=False)
-        for run_id in outcome.copied:
-            lost = " (lost: its job died without sealing it; partial)" if run_id in outcome.lost else ""
-            console.print(f"  + {host}/{run_id}{lost}", markup=False, highlight=False)
-        for line in outcome.refused:
-            err_console.print(line, markup=False, highlight=False, soft_wrap=True)
-            ok = False
-    return ok
-
-
-# ----------------------------------------------------------------------------------------------- bench run
-
-
-@bench_app.command("run")
+@app.command("run")
 def bench_run(
     spec_file: Annotated[Path | None, typer.Argument(help="YAML bench spec; flags override its keys.")] = None,
     hosts: Annotated[str | None, typer.Option("--hosts", "-H", help="Hosts or groups, comma-separated.")] = None,
@@ -101,18 +56,18 @@ def bench_run(
     readings say heat or power held it back."""
     from rigctl import jobs
     from rigctl.bench.matrix import load_spec, parse_spec, start_bench
-    from rigctl.ssh import SshClient, SshTarget
 
-    matrix = {k: v for k, v in {"p": _ints(p, "-p"), "n": _ints(n, "-n"), "r": r, "fa": _ints(fa, "--fa"),
-                                "ngl": _ints(ngl, "--ngl"), "t": _ints(t, "-t"), "ctk": _words(ctk),
-                                "ctv": _words(ctv), "d": _ints(d, "-d")}.items() if v is not None}
+    matrix = {k: v for k, v in {"p": parse_ints(p, "-p"), "n": parse_ints(n, "-n"), "r": r,
+                                "fa": parse_ints(fa, "--fa"), "ngl": parse_ints(ngl, "--ngl"), "t": parse_ints(t, "-t"),
+                                "ctk": parse_words(ctk), "ctv": parse_words(ctv), "d": parse_ints(d, "-d")}.items()
+              if v is not None}
     cool = {k: v for k, v in {"threshold_c": cooldown, "timeout_s": cooldown_timeout,
                               "poll_s": cooldown_poll}.items() if v is not None}
     if no_cooldown:
         cool["threshold_c"] = None
     clocks = {k: v for k, v in {"sample_s": clock_sample, "min_sm_fraction": min_sm_fraction}.items()
               if v is not None}
-    overrides: dict[str, Any] = {k: v for k, v in {"hosts": _words(hosts), "models": _words(models),
+    overrides: dict[str, Any] = {k: v for k, v in {"hosts": parse_words(hosts), "models": parse_words(models),
                                                    "rounds": rounds, "order": order}.items() if v is not None}
     if matrix:
         overrides["matrix"] = matrix
@@ -123,38 +78,23 @@ def bench_run(
     if keep_servers:
         overrides["stop_servers"] = False
     spec = load_spec(spec_file, overrides) if spec_file else parse_spec(overrides, "command line")
-    inv = _inventory()
-    with ExitStack() as stack:
-        # One connection per host for start, following and pulling (connected on first use).
-        clients = {h.name: SshClient(SshTarget.from_host(h)) for h in inv.select(spec.hosts)}
-        for client in clients.values():
-            stack.callback(client.close)
-        started = start_bench(inv, spec, clients)
-        failed = False
-        for host, outcome in started.items():
-            if isinstance(outcome, RigctlError):
-                err_console.print(f"error: {outcome}", markup=False, highlight=False, soft_wrap=True)
-                failed = True
-            else:
-                console.print(f"{host}: started {outcome.id} (unit {outcome.unit})", markup=False, highlight=False)
-        if wait:
-            store = _store(results)
-
-            def follow(host: str, job_id: str) -> tuple[bool, Any]:
-                """(the job ended done, its pull or the error) for one host, on that host's connection."""
-                try:
-                    info = jobs.wait(inv.host(host), job_id, on_progress=_print_progress, client=clients[host])
-                    return info.state == "done", jobs.pull(inv.host(host), store, client=clients[host])
-                except RigctlError as exc:
-                    return False, exc
-
-            followed = {host: outcome.id for host, outcome in started.items() if not isinstance(outcome, RigctlError)}
-            # Every host followed at once: each pulls as soon as its own job ends.
-            with ThreadPoolExecutor(max_workers=max(1, len(followed)), thread_name_prefix="rigctl-follow") as pool:
-                futures = {host: pool.submit(follow, host, job_id) for host, job_id in followed.items()}
-                ended = {host: future.result() for host, future in futures.items()}
-            failed |= not all(done for done, _ in ended.values())
-            failed |= not _print_pull({host: pulled for host, (_, pulled) in ended.items()})
+    inv = load_inventory()
+    # The command's connection scope (see rigctl.cli.main): starting, following and pulling share one per host.
+    started = start_bench(inv, spec)
+    failed = False
+    for host, outcome in started.items():
+        if isinstance(outcome, RigctlError):
+            err_console.print(f"error: {outcome}", markup=False, highlight=False, soft_wrap=True)
+            failed = True
+        else:
+            console.print(f"{host}: started {outcome.id} (unit {outcome.unit})", markup=False, highlight=False)
+    if wait:
+        followed = jobs.follow_and_pull(
+            inv, {host: info.id for host, info in started.items() if not isinstance(info, RigctlError)},
+            results_store(results), on_progress=print_progress)
+        failed |= not all(isinstance(f, jobs.Followed) and f.done for f in followed.values())
+        failed |= not print_pull({host: f.pulled if isinstance(f, jobs.Followed) else f
+                                  for host, f in followed.items()})
     if failed:
         raise typer.Exit(1)
 
@@ -162,7 +102,7 @@ def bench_run(
 # ----------------------------------------------------------------------------------------------- summary
 
 
-@bench_app.command("summary")
+@app.command("summary")
 def bench_summary(
     runs: Annotated[list[str], typer.Argument(help="Run ids, host/id or run directories.")],
     merge: Annotated[bool, typer.Option("--merge", help="Summarise different hosts and builds together.")] = False,
@@ -175,7 +115,7 @@ def bench_summary(
     the throttled cells, left out of the means (from the raw files)."""
     from rigctl.bench.matrix import load_run_samples, summarize, to_csv, to_markdown, to_png
 
-    store = _store(results)
+    store = results_store(results)
     samples = [s for ref in runs for s in load_run_samples(store.find(ref))]
     rows = summarize(samples, merge=merge)
     markdown = to_markdown(rows, samples)
@@ -190,47 +130,10 @@ def bench_summary(
         console.print(f"wrote {png_file}", highlight=False)
 
 
-# ----------------------------------------------------------------------------------------------- jobs, pull
-
-
-@app.command("jobs")
-def jobs_list(host: Annotated[str | None, typer.Argument(help="Host or group (default: all).")] = None) -> None:
-    """Jobs on the hosts: state and progress, newest last."""
-    from rigctl import jobs
-
-    table = Table(title="jobs")
-    for column in ("host", "job", "state", "progress", "message", "started", "ended"):
-        table.add_column(column)
-    failed = False
-    for name, outcome in jobs.jobs_on_hosts(_inventory().select(host)).items():
-        if isinstance(outcome, RigctlError):
-            err_console.print(f"{name}: {outcome}", markup=False, highlight=False, soft_wrap=True)
-            failed = True
-            continue
-        for info in outcome:
-            table.add_row(info.host, info.id, info.state, f"{info.done}/{info.total}" if info.total else "-",
-                          info.error or info.message, info.started or "-", info.ended or "-")
-    console.print(table)
-    if failed:
-        raise typer.Exit(1)
-
-
-@app.command("pull")
-def pull(
-    host: Annotated[str | None, typer.Argument(help="Host or group (default: all).")] = None,
-    results: ResultsOption = None,
-) -> None:
-    """Copy finished runs home over SFTP (sha256-checked); runs already here are not copied again."""
-    from rigctl import jobs
-
-    if not _print_pull(jobs.pull_hosts(_inventory().select(host), _store(results))):
-        raise typer.Exit(1)
-
-
 # ----------------------------------------------------------------------------------------------- spec
 
 
-@bench_app.command("spec")
+@app.command("spec")
 def bench_spec(
     host: Annotated[str, typer.Argument(help="Host from the inventory.")],
     baseline: Annotated[str, typer.Option("--baseline", "-b", help="Instance without drafting.")],
@@ -257,9 +160,9 @@ def bench_spec(
         console.print(f"  {r.contender} {r.prompt} t={r.temperature:g} #{r.repeat}: {r.tokens} tokens, "
                       f"{r.tokens_per_s:.2f} tok/s{accepted}", markup=False, highlight=False)
 
-    result = run_race(_inventory().host(host), baseline, _words(drafters), kinds=_words(prompts),
+    result = run_race(load_inventory().host(host), baseline, parse_words(drafters), kinds=parse_words(prompts),
                       prompts_file=prompts_file, repeats=repeats, temperatures=temps, max_tokens=max_tokens,
-                      start=not no_start, store=_store(results), on_request=show)
+                      start=not no_start, store=results_store(results), on_request=show)
     console.print(to_markdown(result.rows), markup=False, highlight=False, soft_wrap=True)
     for name, deltas in result.metrics.items():
         if deltas:
@@ -271,7 +174,7 @@ def bench_spec(
 # ----------------------------------------------------------------------------------------------- server
 
 
-@bench_app.command("server")
+@app.command("server")
 def bench_server(
     host: Annotated[str, typer.Argument(help="Host from the inventory.")],
     instance: Annotated[str, typer.Argument(help="llama_server instance on that host.")],
@@ -286,9 +189,9 @@ def bench_server(
     from rigctl.bench.server import run_server_bench, to_markdown
 
     result = run_server_bench(
-        _inventory().host(host), instance, prompt_lengths=_ints(prompt_lengths, "--prompt-lengths") or [],
-        max_tokens=max_tokens, load_runs=load_runs, ctx_sizes=_ints(ctx_sizes, "--ctx-sizes") or [],
-        store=_store(results), on_step=lambda m: console.print(f"  {m}", markup=False, highlight=False))
+        load_inventory().host(host), instance, prompt_lengths=parse_ints(prompt_lengths, "--prompt-lengths") or [],
+        max_tokens=max_tokens, load_runs=load_runs, ctx_sizes=parse_ints(ctx_sizes, "--ctx-sizes") or [],
+        store=results_store(results), on_step=lambda m: console.print(f"  {m}", markup=False, highlight=False))
     console.print(to_markdown(result), markup=False, highlight=False, soft_wrap=True)
     console.print(f"run: {result.host}/{result.run_dir.name if result.run_dir else '?'}", highlight=False)
 
@@ -296,7 +199,7 @@ def bench_server(
 # ----------------------------------------------------------------------------------------------- load
 
 
-@bench_app.command("load")
+@app.command("load")
 def bench_load(
     host: Annotated[str, typer.Argument(help="Host from the inventory.")],
     instance: Annotated[str, typer.Argument(help="llama_server instance on that host (its arguments, a probe's).")],
@@ -315,9 +218,11 @@ def bench_load(
     and errors, through a probe of the instance with a slot per client (the instance is stopped meanwhile)."""
     from rigctl.bench.load import run_load, to_markdown, to_png
 
-    result = run_load(_inventory().host(host), instance, concurrency=_ints(concurrency, "--concurrency") or [],
-                      requests=requests, max_tokens=max_tokens, slot_ctx=slot_ctx, level_timeout_s=level_timeout,
-                      store=_store(results), on_step=lambda m: console.print(f"  {m}", markup=False, highlight=False))
+    result = run_load(load_inventory().host(host), instance,
+                      concurrency=parse_ints(concurrency, "--concurrency") or [], requests=requests,
+                      max_tokens=max_tokens, slot_ctx=slot_ctx, level_timeout_s=level_timeout,
+                      store=results_store(results),
+                      on_step=lambda m: console.print(f"  {m}", markup=False, highlight=False))
     console.print(to_markdown(result.levels, f"{result.host}/{result.instance}"), markup=False, highlight=False,
                   soft_wrap=True)
     run = f"{result.host}/{result.run_dir.name if result.run_dir else '?'}"

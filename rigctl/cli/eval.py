@@ -1,4 +1,4 @@
-"""`rigctl eval run|tasks|fetch`: rendering only; the work is in :mod:`rigctl.evals`."""
+"""``rigctl eval run|tasks|fetch``: rendering only; the work is in :mod:`rigctl.evals`."""
 
 from __future__ import annotations
 
@@ -9,14 +9,12 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from rigctl.cli import _inventory, app, console
+from rigctl.cli.common import console, load_inventory
 from rigctl.errors import ConfigError
 
-eval_app = typer.Typer(no_args_is_help=True, help="Quality evals (GSM8K, BFCL simple, choice suites) against a server.")
-app.add_typer(eval_app, name="eval")
+app = typer.Typer(no_args_is_help=True, help="Quality evals (GSM8K, BFCL simple, choice suites) against a server.")
 
 
 def _fmt(value: Any) -> str:
@@ -53,6 +51,15 @@ class _Bar:
     """A progress bar with ETA and the running score."""
 
     def __init__(self, total: int, done: int):
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
                                  TextColumn("{task.fields[score]}"), console=console, transient=False)
@@ -68,7 +75,7 @@ class _Bar:
         self.progress.update(self.bar, completed=info.done, total=info.total or None, score=info.message)
 
 
-@eval_app.command("run")
+@app.command("run")
 def eval_run(
     task: Annotated[str | None, typer.Option("--task", "-t", help="Shipped task name (see `rigctl eval tasks`) "
                                              "or a task file.")] = None,
@@ -115,13 +122,13 @@ def eval_run(
     if len(hosts) > 1 and (url or remote):
         raise ConfigError(f"a fan-out over {len(hosts)} servers takes neither --url nor --remote")
     if hosts:
-        inventory = _inventory()
+        inventory = load_inventory()
         targets = [inventory_target(inventory.host(h), s, url=url, api_key=api_key, facts=not resume)
                    for h, s in zip(hosts, servers, strict=True)]
     elif url:
         targets = [url_target(url, api_key=api_key)]
     elif resume:
-        targets = _recorded_targets(store.find(resume), api_key)
+        targets = runner.recorded_targets(store.find(resume), load_inventory, api_key)
     else:
         raise ConfigError("give --host and --server, or --url")
     fanout = FanOut.of(targets) if len(targets) > 1 and not resume else FanOut(tuple(targets))
@@ -184,32 +191,7 @@ def read_api_key(path: Path | None) -> str | None:
     return key
 
 
-def _recorded_targets(run: Any, api_key: str | None) -> list[Any]:
-    """The servers a stopped run started with, for ``--resume`` without --host/--server: its recorded
-    endpoint; for a fan-out, each server from the inventory where it still has it (keys and addresses
-    from there), else its recorded endpoint."""
-    from rigctl.evals.target import inventory_target, url_target
-
-    targets = []
-    inventory = None
-    entries = run.record.servers
-    if not entries:
-        raise ConfigError(f"run {run.host}/{run.id}: no server endpoint recorded; give --url or --host/--server")
-    for entry in entries:
-        endpoint = entry.endpoint
-        if not endpoint:
-            raise ConfigError(f"run {run.host}/{run.id}: no server endpoint recorded; give --url or --host/--server")
-        host_name, name = entry.host, entry.name
-        if len(entries) > 1 and host_name and name:
-            inventory = inventory or _inventory()
-            if host_name in inventory.hosts:
-                targets.append(inventory_target(inventory.host(host_name), str(name), api_key=api_key, facts=False))
-                continue
-        targets.append(url_target(str(endpoint), api_key=api_key, host=run.host))
-    return targets
-
-
-@eval_app.command("tasks")
+@app.command("tasks")
 def eval_tasks() -> None:
     """The shipped task files: name, scorer, sets and where their data comes from."""
     from rigctl.evals.tasks import load_task, shipped_tasks
@@ -226,7 +208,7 @@ def eval_tasks() -> None:
     console.print(table)
 
 
-@eval_app.command("fetch")
+@app.command("fetch")
 def eval_fetch(task: Annotated[str, typer.Argument(help="Shipped task name or task file.")]) -> None:
     """Download and verify a task's datasets into the cache (for offline runs); records first hashes."""
     from rigctl.evals.tasks import load_task

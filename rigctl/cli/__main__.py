@@ -1,0 +1,5 @@
+"""``python -m rigctl.cli``: the ``rigctl`` command."""
+
+from rigctl.cli import main
+
+main()

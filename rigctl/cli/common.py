@@ -1,0 +1,66 @@
+"""What every command module shares: the consoles, the global options' state, the inventory and the
+options several command groups take. Imports nothing heavy: every command module imports this."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.console import Console
+
+from rigctl.errors import ConfigError
+
+if TYPE_CHECKING:
+    from rigctl.inventory import Inventory
+    from rigctl.results.store import ResultsStore
+
+# Piped output (CI logs, `| less`) gets wide tables instead of rich's 80-column default.
+console = Console(width=None if sys.stdout.isatty() else 160)
+err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+
+
+class State:
+    """The global options (``-i``, ``--debug``), set by the app's callback before any command runs."""
+
+    inventory_source: str | None = None
+    debug: bool = False
+
+
+state = State()
+
+
+def load_inventory() -> Inventory:
+    """The inventory ``-i`` (or ``$RIGCTL_INVENTORY``, or ansible.cfg's) names."""
+    from rigctl.inventory import Inventory
+
+    return Inventory.load(state.inventory_source)
+
+
+def results_store(results: Path | None) -> ResultsStore:
+    from rigctl.results.store import ResultsStore
+
+    return ResultsStore(results)
+
+
+LimitOption = Annotated[str | None, typer.Option("--limit", "-l", help="Hosts or groups, comma-separated.")]
+CampaignArg = Annotated[Path, typer.Argument(help="Campaign file (YAML).")]
+ResultsOption = Annotated[Path | None, typer.Option("--results", envvar="RIGCTL_RESULTS",
+                                                    help="Results store (default ./results).")]
+
+
+def parse_ints(value: str | None, flag: str) -> list[int] | None:
+    """``1,2,4`` as [1, 2, 4]; ConfigError naming ``flag`` otherwise."""
+    if value is None:
+        return None
+    try:
+        return [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag} {value!r}: expected whole numbers separated by commas") from None
+
+
+def parse_words(value: str | None) -> list[str] | None:
+    """``a, b`` as ["a", "b"]."""
+    return None if value is None else [v.strip() for v in value.split(",") if v.strip()]
+

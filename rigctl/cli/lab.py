@@ -1,0 +1,75 @@
+"""``rigctl lab up|down|status|image|ssh``: the local lab rigs."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Annotated, NoReturn
+
+import typer
+from rich.table import Table
+
+from rigctl.cli.common import console, load_inventory
+
+app = typer.Typer(no_args_is_help=True, help="Local lab rigs (systemd-nspawn containers) for tests and demos.")
+
+
+def _lab():
+    from rigctl.lab import Lab
+
+    return Lab.from_inventory(load_inventory())
+
+
+def _print_lab_status(rigs) -> None:
+    table = Table(title="lab rigs")
+    for column in ("rig", "address", "running", "sshd", "systemd"):
+        table.add_column(column)
+    for rig in rigs:
+        table.add_row(rig.name, rig.address, _yes(rig.running), _yes(rig.sshd), rig.systemd or "-")
+    console.print(table)
+
+
+def _yes(flag: bool) -> str:
+    return "[green]yes[/green]" if flag else "[red]no[/red]"
+
+
+@app.command("up")
+def lab_up() -> None:
+    """Bring the lab rigs up (idempotent): boot each container, wait for sshd, write known_hosts."""
+    lab = _lab()
+    with console.status("bringing the lab rigs up"):
+        rigs = lab.up()
+    _print_lab_status(rigs)
+
+
+@app.command("down")
+def lab_down() -> None:
+    """Stop the lab rigs and remove everything they used (processes, namespaces, links, files)."""
+    _lab().down()
+    console.print("lab: down")
+
+
+@app.command("status")
+def lab_status() -> None:
+    """Each rig: running, sshd answering, systemd state."""
+    _print_lab_status(_lab().status())
+
+
+@app.command("image")
+def lab_image() -> None:
+    """Build the lab's Debian base image into the cache now (done by `up` when missing)."""
+    image = _lab().ensure_base_image()
+    origin = "built" if image.built else "cached"
+    console.print(f"lab image: {image.path} ({image.size_bytes / 1e6:.0f} MB, {origin})", highlight=False)
+
+
+# Options after the host (`--query-gpu=...`) belong to the remote command, not to rigctl.
+@app.command("ssh", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def lab_ssh(
+    host: Annotated[str, typer.Argument(help="Rig name from the lab inventory.")],
+    command: Annotated[list[str] | None, typer.Argument(help="Command to run instead of a shell.")] = None,
+) -> NoReturn:
+    """Open a shell (or run a command) on a rig over SSH with strict host-key checking."""
+    argv = _lab().ssh_argv(host, " ".join(command) if command else None)
+    sys.stdout.flush()
+    os.execvp(argv[0], argv)

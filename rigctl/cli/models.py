@@ -1,0 +1,57 @@
+"""``rigctl models list|verify|pin``: model artifacts on the hosts."""
+
+from __future__ import annotations
+
+import typer
+from rich.table import Table
+
+from rigctl.cli.common import LimitOption, console, err_console, load_inventory
+from rigctl.errors import RigctlError
+
+app = typer.Typer(no_args_is_help=True, help="Model artifacts on the hosts: list, verify and pin hashes.")
+
+
+@app.command("list")
+def models_list(limit: LimitOption = None) -> None:
+    """Per host: artifact, size, quantisation mix, sha256 and pin status (from the manifests)."""
+    from rigctl.models import list_artifacts, rows
+
+    table = Table(title="model artifacts")
+    for column in ("host", "artifact", "size", "quant mix", "sha256", "pin"):
+        table.add_column(column)
+    results = list_artifacts(load_inventory(), limit)
+    for row in rows(results):
+        table.add_row(*row)
+    console.print(table)
+    failed = {host: outcome for host, outcome in results.items() if isinstance(outcome, RigctlError)}
+    for host, outcome in failed.items():
+        text = str(outcome)
+        err_console.print(f"error: {text if text.startswith(host) else f'{host}: {text}'}", markup=False,
+                          highlight=False, soft_wrap=True)
+    if failed:  # a listing that could not see a host is not a clean listing
+        raise typer.Exit(1)
+
+
+@app.command("verify")
+def models_verify(limit: LimitOption = None) -> None:
+    """Re-hash every host's model files against their pins; rebuild nothing."""
+    from rigctl.models import problems, verify
+
+    results = verify(load_inventory(), limit)
+    found = problems(results)
+    for line in found:
+        err_console.print(line, markup=False, highlight=False, soft_wrap=True)
+    checked = sum(len(r) for r in results.values() if isinstance(r, list))
+    summary = f"{checked} artifacts on {len(results)} hosts, {len(found)} problems"
+    (err_console if found else console).print(summary, highlight=False)
+    if found:
+        raise typer.Exit(1)
+
+
+@app.command("pin")
+def models_pin(limit: LimitOption = None) -> None:
+    """Write the hashes observed on each host into its host_vars (models_pins), for review with git diff."""
+    from rigctl.models import pin
+
+    for host, pins in pin(load_inventory(), limit).items():
+        console.print(f"{host}: pinned {len(pins)} artifacts", highlight=False)

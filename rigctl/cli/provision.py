@@ -1,0 +1,25 @@
+"""``rigctl provision``: the site playbook through ansible-runner."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from rigctl.cli.common import LimitOption, load_inventory
+from rigctl.cli.render import print_deploy_summary, print_event, print_task
+
+
+def provision(
+    limit: LimitOption = None,
+    tags: Annotated[list[str] | None, typer.Option("--tags", "-t", help="Only tasks with these tags.")] = None,
+    check: Annotated[bool, typer.Option("--check", help="Report what would change; change nothing.")] = False,
+    playbook: Annotated[str, typer.Option(help="Playbook under playbooks/.")] = "site.yml",
+) -> None:
+    """Run playbooks/site.yml through ansible-runner; per-task progress, then a per-host summary."""
+    from rigctl.deploy import run_playbook
+
+    result = run_playbook(load_inventory(), playbook, limit=limit, tags=tags or (), check=check,
+                          on_event=print_event, on_task=print_task)
+    print_deploy_summary(result, f"{playbook}{' (check mode)' if check else ''}")
+    result.raise_for_failures()

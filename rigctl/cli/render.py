@@ -1,0 +1,65 @@
+"""Rendering shared by several command groups: playbook progress and summaries, pull outcomes."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from rich.table import Table
+
+from rigctl.cli.common import console, err_console
+from rigctl.errors import RigctlError
+
+if TYPE_CHECKING:
+    from rigctl.deploy import DeployResult, TaskEvent
+
+_MARKS = {"ok": "[green]ok[/green]", "changed": "[yellow]changed[/yellow]", "failed": "[red]failed[/red]",
+          "unreachable": "[red]unreachable[/red]", "skipped": "[dim]skipped[/dim]"}
+
+
+def print_event(event: TaskEvent) -> None:
+    line = f"  {_MARKS[event.status]} {event.host}"
+    if event.message:
+        line += f": {event.message}"
+    console.print(line, highlight=False)
+
+
+def print_task(task: str) -> None:
+    console.print(f"[bold]TASK[/bold] {task}", highlight=False)
+
+
+def print_deploy_summary(result: DeployResult, title: str) -> None:
+    table = Table(title=f"{title}: {result.duration:.1f} s")
+    for column in ("host", "ok", "changed", "failed", "unreachable", "skipped", "failed task"):
+        table.add_column(column)
+    for outcome in result.hosts.values():
+        table.add_row(outcome.host, str(outcome.ok), str(outcome.changed), str(outcome.failed),
+                      str(outcome.unreachable), str(outcome.skipped),
+                      f"{outcome.failed_task}: {outcome.failure}" if outcome.failed_task else "")
+    console.print(table)
+
+
+def print_progress(info: Any) -> None:
+    """One line per change of a job's state (a :class:`rigctl.jobs.JobInfo`)."""
+    progress = f"{info.done}/{info.total}" if info.total else "-"
+    console.print(f"{info.host}: {info.id} {info.state} [{progress}] {info.message}", markup=False, highlight=False)
+
+
+def print_pull(results: dict[str, Any]) -> bool:
+    """Per host what a pull copied, skipped and refused (or why it failed); False when anything failed."""
+    ok = True
+    for host, outcome in results.items():
+        if isinstance(outcome, RigctlError):
+            err_console.print(f"{host}: pull failed: {outcome}", markup=False, highlight=False, soft_wrap=True)
+            ok = False
+            continue
+        line = (f"{host}: copied {len(outcome.copied)} run(s) ({outcome.files} files, {outcome.bytes} bytes), "
+                f"{len(outcome.skipped)} already here, {len(outcome.running)} still running"
+                + (f", {len(outcome.refused)} refused" if outcome.refused else ""))
+        console.print(line, markup=False, highlight=False)
+        for run_id in outcome.copied:
+            lost = " (lost: its job died without sealing it; partial)" if run_id in outcome.lost else ""
+            console.print(f"  + {host}/{run_id}{lost}", markup=False, highlight=False)
+        for line in outcome.refused:
+            err_console.print(line, markup=False, highlight=False, soft_wrap=True)
+            ok = False
+    return ok
