@@ -182,7 +182,7 @@ def start(host: Host, spec: JobSpec, *, job_id: str | None = None, client: SshCl
         "max_runtime_s": int(spec.max_runtime_s),
     }
     sources = {"jobrun.py": ship.source("jobrun"), f"{spec.task}.py": ship.source(spec.task),
-               **ship.package_files(["jobrun", spec.task, "stamp"]),
+               **ship.package_files(["jobrun", spec.task]),
                "spec.json": json.dumps(remote_spec, indent=2, sort_keys=True) + "\n"}
     with session(host, client) as ssh:
         if spec.files:  # data files (datasets) may be large or binary: SFTP, before the unit can start

@@ -103,13 +103,6 @@ def write_json_atomically(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def parse_gpu_query(stdout: str) -> dict[str, Any]:
-    """``nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv,noheader,nounits``."""
-    first = stdout.strip().splitlines()[0]
-    name, driver, vram, compute = (cell.strip() for cell in first.split(","))
-    return {"name": name, "driver": driver, "vram_mib": int(float(vram)), "compute_capability": compute}
-
-
 def host_facts() -> dict[str, Any]:
     facts: dict[str, Any] = {"hostname": socket.gethostname(), "kernel": os.uname().release,
                              "cpus": os.cpu_count()}
@@ -233,12 +226,7 @@ class Job:
 
     def gpu_query(self, fields: str) -> str | None:
         """``nvidia-smi --query-gpu=FIELDS`` (csv, no header, no units); None without nvidia-smi."""
-        try:
-            done = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
-                                  capture_output=True, text=True, timeout=30, check=False)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return done.stdout if done.returncode == 0 else None
+        return stamp.gpu_query(fields)
 
     def artifact(self, name: str, path: str) -> dict[str, Any]:
         """A model file as the run record lists it: name, path, sha256, bytes, manifest. The sha256 is
@@ -287,9 +275,9 @@ class Job:
             else:
                 self.log(f"no deployed argv for {server['unit']}: {found.get('error')}")
         self.record["servers"] = servers
-        gpu = self.gpu_query("name,driver_version,memory.total,compute_cap")
+        gpu = self.gpu_query(stamp.GPU_FIELDS)
         if gpu:
-            self.record["gpu"] = parse_gpu_query(gpu)
+            self.record["gpu"] = stamp.parse_gpu_query(gpu)
         try:
             current = llama_cpp_fact.parse_builds(Path(llama_cpp_fact.FACT_PATH).read_text())["current"]
         except (OSError, ValueError, configparser.Error) as exc:

@@ -22,7 +22,8 @@ import subprocess
 import sys
 from typing import Any
 
-LLAMA_CPP_FACT = "/etc/ansible/facts.d/llama_cpp.fact"
+from rigctl.hostside.llama_cpp_fact import FACT_PATH
+
 GPU_FIELDS = "name,driver_version,memory.total,compute_cap"
 MASK = "***"
 #: Option names whose value is a secret (the key itself; a key *file* path is not).
@@ -84,13 +85,22 @@ def _read(path: str) -> str | None:
         return None
 
 
-def _gpu_query() -> str | None:
+def gpu_query(fields: str = GPU_FIELDS) -> str | None:
+    """``nvidia-smi --query-gpu=FIELDS`` (csv, no header, no units); None without nvidia-smi."""
     try:
-        done = subprocess.run(["nvidia-smi", f"--query-gpu={GPU_FIELDS}", "--format=csv,noheader,nounits"],
+        done = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
                               capture_output=True, text=True, timeout=30, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return done.stdout if done.returncode == 0 else None
+
+
+def parse_gpu_query(stdout: str) -> dict[str, Any]:
+    """The answer of :func:`gpu_query` for ``GPU_FIELDS``: the first GPU's name, driver, VRAM and compute
+    capability."""
+    first = stdout.strip().splitlines()[0]
+    name, driver, vram, compute = (cell.strip() for cell in first.split(","))
+    return {"name": name, "driver": driver, "vram_mib": int(float(vram)), "compute_capability": compute}
 
 
 def collect(request: dict[str, Any]) -> dict[str, Any]:
@@ -100,7 +110,7 @@ def collect(request: dict[str, Any]) -> dict[str, Any]:
         if text is not None:
             manifests[str(path)] = text
     return {"servers": [deployed(str(unit)) for unit in request.get("units") or []],
-            "llama_cpp_fact": _read(LLAMA_CPP_FACT), "gpu_query": _gpu_query(), "manifests": manifests}
+            "llama_cpp_fact": _read(FACT_PATH), "gpu_query": gpu_query(), "manifests": manifests}
 
 
 def main(argv: list[str]) -> int:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from rigctl.errors import RigctlError
 from rigctl.hostside import llama_cpp_fact, ship
-from rigctl.hostside.jobrun import parse_gpu_query
+from rigctl.hostside.stamp import parse_gpu_query
 from rigctl.inventory import Host, profiles
 from rigctl.results.record import Artifact, Gpu, LlamaCppBuild, Provenance, Server, Task, rigctl_version
 from rigctl.trust import redact_argv
