@@ -42,12 +42,13 @@ def rigctl(*args: str, results: Path, timeout: float = 600) -> subprocess.Comple
 def assert_deployed(server, inventory: Inventory, host: str, instance: str) -> None:
     """``server`` (a record's :class:`rigctl.results.record.Server`) carries the argv the unit runs: the
     instance's binary link and its arguments file as the role rendered it, read from the rig here."""
-    from rigctl.bench.server import parse_args_file
+    from rigctl.bench.server import deployed_argv
     from rigctl.ssh import SshClient, SshTarget
 
+    served = inventory.host(host).server(instance)
     with SshClient(SshTarget.from_host(inventory.host(host))) as ssh:
-        args = ssh.run(f"cat /etc/llama-server/{instance}.args", timeout=30, check=True).stdout
-    assert server.name == instance and server.unit == f"llama-server@{instance}.service"
+        args = deployed_argv(ssh, served)
+    assert server.name == instance and server.unit == served.unit
     assert server.argv_from and server.argv_from.startswith("/proc/") and server.argv_from.endswith("/cmdline")
-    assert server.argv == [f"/etc/llama-server/{instance}.bin", *parse_args_file(args)], server.argv
+    assert server.argv == [served.binary, *args], server.argv
     assert server.ctx_size is not None and server.ctx_size > 0
