@@ -35,7 +35,7 @@ def _expected_labels(inv: Inventory) -> list[dict[str, str]]:
                 catalog = host.vars["models_catalog"]
                 model = next(name for name, m in catalog.items() if server.artifact in m["artifacts"])
                 out.append({"host": host.name, "gpu": host.gpu.name if host.gpu else "none", "server": server.name,
-                            "model": model, "artifact": server.artifact, "profile": server.profile})
+                            "model": model, "artifact": server.artifact, "profile": server.profile.name})
     return sorted(out, key=lambda d: (d["host"], d["server"]))
 
 
