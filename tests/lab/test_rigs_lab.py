@@ -13,6 +13,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,21 @@ GPU_QUERY = "--query-gpu=name,temperature.gpu,memory.total,memory.used,compute_c
 class LabRun:
     lab: Lab
     first_up: list[RigStatus]
+
+
+# A fixture, though its name reads like a test's: the split of tests/test_lab.py by test name lost it once.
+@pytest.fixture(scope="module")
+def test_lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabRun]:
+    reason = lab_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    base = tmp_path_factory.mktemp("lab")
+    lab = Lab.from_inventory(Inventory.load(make_test_inventory(base / "inventory", base / "lab")))
+    try:
+        statuses = lab.up()
+        yield LabRun(lab, statuses)
+    finally:
+        lab.down()
 
 
 def on_rig(lab: Lab, name: str, command: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

@@ -41,7 +41,8 @@ def test_bench_run_wait_logs_in_once(served: Inventory, tmp_path: Path) -> None:
     done = rigctl("bench", "run", "-H", "desktop", "-m", "smollm2-135m-q4_1", "-p", "16", "-n", "4", "-r", "1",
                   "-t", "1", "--no-cooldown", "--keep-servers", "--wait", results=tmp_path, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    [run] = list(ResultsStore(tmp_path).runs("desktop", kind="bench"))
+    job_id = next(line.split()[2] for line in done.stdout.splitlines() if " started " in line)
+    run = ResultsStore(tmp_path).find(f"desktop/{job_id}")  # the pull also brings the rig's earlier runs
     assert run.record.status == "done"
     # Starting the job (files, unit), following it to the end and pulling it: one login.
     assert _logins_since(served, "desktop", since) == 1

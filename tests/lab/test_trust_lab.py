@@ -215,7 +215,7 @@ def test_no_key_in_records_job_dirs_or_logs_after_evals(served: Inventory, tmp_p
     # The remote eval's pull brings home every finished run on the rig, other tests' too (test_mcp's "arith"
     # among them): the task's name is this test's own, so these two are its runs.
     records = [r for r in (RunRecord.load(run) for run in sorted((results / "desktop").iterdir()))
-               if (r.task or {}).get("name") == "trust-arith"]
+               if r.task and r.task.name == "trust-arith"]
     assert len(records) == 2
     assert all(r.status == "done" and r.extra["summary"]["overall"]["n"] == 2 for r in records)
     local_record = next(r for r in records if not r.extra.get("remote"))
