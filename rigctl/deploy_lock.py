@@ -21,10 +21,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from rigctl.errors import DeployBusyError, DeployError
+from rigctl.files import cache_dir
 
 
 def lock_dir() -> Path:
-    return Path(os.environ.get("RIGCTL_CACHE_DIR") or "~/.cache/rigctl").expanduser() / "locks"
+    return cache_dir() / "locks"
 
 
 def lock_path(inventory_source: Path) -> Path:

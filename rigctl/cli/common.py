@@ -14,6 +14,7 @@ from rigctl.errors import ConfigError
 
 if TYPE_CHECKING:
     from rigctl.inventory import Inventory
+    from rigctl.inventory.preload import InventoryPreload
     from rigctl.results.store import ResultsStore
 
 # Piped output (CI logs, `| less`) gets wide tables instead of rich's 80-column default.
@@ -26,15 +27,39 @@ class State:
 
     inventory_source: str | None = None
     debug: bool = False
+    preload: InventoryPreload | None = None  # an inventory loading in a child (preload_inventory)
 
 
 state = State()
+
+
+def preload_inventory(*, early: bool = False) -> None:
+    """Start loading the inventory in a child process (:mod:`rigctl.inventory.preload`), for a command
+    that will :func:`load_inventory`: its group's callback calls this before the command's own arguments
+    are parsed and its imports run. ``early``: :func:`rigctl.cli.main` starts it before any parsing, for a
+    command line without ``-i`` (the default inventory: $RIGCTL_INVENTORY, else ansible.cfg's, as
+    ``-i`` would resolve); the callback then keeps it."""
+    from rigctl.inventory.preload import InventoryPreload
+
+    if state.preload is None:
+        state.preload = InventoryPreload(None if early else state.inventory_source)
+
+
+def close_preload() -> None:
+    """Stop and reap a preload the command did not take (it failed first); the app's callback has every
+    command end with this."""
+    if state.preload is not None:
+        preload, state.preload = state.preload, None
+        preload.close()
 
 
 def load_inventory() -> Inventory:
     """The inventory ``-i`` (or ``$RIGCTL_INVENTORY``, or ansible.cfg's) names."""
     from rigctl.inventory import Inventory
 
+    if state.preload is not None:
+        preload, state.preload = state.preload, None
+        return preload.result()
     return Inventory.load(state.inventory_source)
 
 

@@ -20,7 +20,7 @@ def jobs_list(host: Annotated[str | None, typer.Argument(help="Host or group (de
     for column in ("host", "job", "state", "progress", "message", "started", "ended"):
         table.add_column(column)
     failed = False
-    for name, outcome in jobs.jobs_on_hosts(load_inventory().select(host)).items():
+    for name, outcome in jobs.jobs_on_hosts(load_inventory().select(host, where="HOST")).items():
         if isinstance(outcome, RigctlError):
             err_console.print(f"{name}: {outcome}", markup=False, highlight=False, soft_wrap=True)
             failed = True
@@ -40,5 +40,5 @@ def pull(
     """Copy finished runs home over SFTP (sha256-checked); runs already here are not copied again."""
     from rigctl import jobs
 
-    if not print_pull(jobs.pull_hosts(load_inventory().select(host), results_store(results))):
+    if not print_pull(jobs.pull_hosts(load_inventory().select(host, where="HOST"), results_store(results))):
         raise typer.Exit(1)

@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 
 from rigctl.errors import EvalError
+from rigctl.files import cache_dir
 from rigctl.inputs import read_text
 from rigctl.results.record import file_sha256
 from rigctl.trust import register_secret, same_origin
@@ -41,7 +42,7 @@ _CHUNK = 1 << 20
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("RIGCTL_CACHE_DIR") or "~/.cache/rigctl").expanduser() / "datasets"
+    return cache_dir() / "datasets"
 
 
 def lock_path() -> Path:

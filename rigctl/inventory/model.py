@@ -394,12 +394,12 @@ class Inventory:
                     if key in _MAGIC_VARS:
                         continue
                     try:
-                        merged[key] = _plain(templar.template(value))
+                        merged[str(key)] = _plain(templar.template(value))
                     except AnsibleError as exc:
                         raise ConfigError(f"host {ahost.name}: {key}: {_first_line(exc)}") from None
-                groups = tuple(g.name for g in ahost.get_groups())
-                hosts[ahost.name] = Host(
-                    name=ahost.name,
+                groups = tuple(str(g.name) for g in ahost.get_groups())
+                hosts[str(ahost.name)] = Host(
+                    name=str(ahost.name),
                     address=str(merged.get("ansible_host", ahost.name)),
                     user=str(merged.get("ansible_user", "root")),
                     groups=groups,
@@ -410,19 +410,20 @@ class Inventory:
             for group in manager.groups.values():
                 own = dict(group.get_vars())
                 own.update(get_vars_from_inventory_sources(loader, [str(path)], [group], "task"))
-                own_vars[f"group {group.name}"] = own
-                parents[group.name] = [p.name for p in group.parent_groups]
+                own_vars[f"group {group.name}"] = _plain(own)
+                parents[str(group.name)] = [str(p.name) for p in group.parent_groups]
             for ahost in manager.get_hosts():
                 own = dict(ahost.get_vars())
                 own.update(get_vars_from_inventory_sources(loader, [str(path)], [ahost], "task"))
-                own_vars[f"host {ahost.name}"] = own
+                own_vars[f"host {ahost.name}"] = _plain(own)
         except AnsibleError as exc:
             raise ConfigError(f"inventory {path}: {_first_line(exc)}") from None
         log.debug("loaded %d hosts from %s", len(hosts), path)
         return cls(source=path, hosts=hosts, own_vars=own_vars, group_parents=parents)
 
-    def select(self, limit: str | Iterable[str] | None = None) -> list[Host]:
-        """Hosts named by ``limit`` (names or group names, comma-separated); all when None."""
+    def select(self, limit: str | Iterable[str] | None = None, *, where: str = "--limit") -> list[Host]:
+        """Hosts named by ``limit`` (names or group names, comma-separated); all when None. ``where``: what
+        named them, for the error about a name that is neither."""
         if limit is None:
             return list(self.hosts.values())
         names = [n.strip() for n in (limit.split(",") if isinstance(limit, str) else limit) if n.strip()]
@@ -434,7 +435,7 @@ class Inventory:
             members = [h for h in self.hosts.values() if name in h.groups]
             if not members:
                 known = ", ".join(sorted(self.hosts))
-                raise ConfigError(f"unknown host or group {name!r} in --limit (hosts: {known})")
+                raise ConfigError(f"unknown host or group {name!r} in {where} (hosts: {known})")
             chosen.update((h.name, h) for h in members)
         return list(chosen.values())
 
@@ -529,8 +530,51 @@ def _init_ansible_plugins(init_plugin_loader: Any) -> None:
     # own CLIs set up once per process.
     global _plugins_ready
     if not _plugins_ready:
+        _cache_collection_routing()
         init_plugin_loader()
         _plugins_ready = True
+
+
+#: Parsed collection routing tables (runtime.yml) under the cache directory, by the YAML's sha256.
+ROUTING_CACHE = "ansible-routing"
+
+
+def _cache_collection_routing() -> None:
+    """Keep Ansible's parsed collection routing tables as JSON in the cache directory.
+
+    Every process that loads an inventory parses ansible.builtin's runtime.yml (370 KB of YAML), about
+    0.17 s: a fifth of loading the lab's inventory, and a fixed cost of every fleet command. Ansible
+    names its parser as replaceable, handing it a content id "to allow other implementations to cache
+    the output"; this one reads the table back from JSON when the YAML's sha256 matches, and parses
+    (then stores) it otherwise. The table is scalars, lists and maps of strings, so JSON keeps it exact.
+    """
+    import hashlib
+    import json
+
+    from ansible.utils.collection_loader import _collection_finder
+
+    from rigctl.files import cache_dir, write_atomically
+
+    parse = getattr(_collection_finder, "_meta_yml_to_dict", None)
+    if parse is None:  # another Ansible: parse as it does
+        return
+
+    def parse_cached(data: bytes | str, content_id: Any) -> Any:
+        raw = data.encode() if isinstance(data, str) else bytes(data)
+        path = cache_dir() / ROUTING_CACHE / f"{hashlib.sha256(raw).hexdigest()}.json"
+        with contextlib.suppress(OSError, ValueError):
+            cached = json.loads(path.read_text())
+            if isinstance(cached, dict):
+                return cached
+        parsed = parse(data, content_id)
+        with contextlib.suppress(OSError, TypeError, ValueError):
+            text = json.dumps(parsed)
+            if json.loads(text) == parsed:  # only what JSON keeps exactly
+                path.parent.mkdir(parents=True, exist_ok=True)
+                write_atomically(path, text)
+        return parsed
+
+    _collection_finder._meta_yml_to_dict = parse_cached
 
 
 def _set_vault_secrets(loader: Any) -> None:
@@ -538,14 +582,16 @@ def _set_vault_secrets(loader: Any) -> None:
     would use: $ANSIBLE_VAULT_PASSWORD_FILE, else ansible.cfg's vault_password_file / vault_identity_list.
     Never prompts; without a password, an encrypted value fails to load naming its key."""
     from ansible import constants
-    from ansible.cli import CLI
-    from ansible.errors import AnsibleError
-    from ansible.parsing.vault import VaultSecretsContext
 
     password_file = os.environ.get("ANSIBLE_VAULT_PASSWORD_FILE") or constants.DEFAULT_VAULT_PASSWORD_FILE
     identities = list(constants.DEFAULT_VAULT_IDENTITY_LIST or [])
     if not password_file and not identities:
         return
+    # Ansible's CLI module costs a tenth of a second to import: only with a vault to open.
+    from ansible.cli import CLI
+    from ansible.errors import AnsibleError
+    from ansible.parsing.vault import VaultSecretsContext
+
     try:
         secrets = CLI.setup_vault_secrets(loader, vault_ids=identities,
                                           vault_password_files=[password_file] if password_file else [],
