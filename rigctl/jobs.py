@@ -55,14 +55,20 @@ on the host (a few KiB each).
 
 from __future__ import annotations
 
+import base64
+import binascii
+import functools
+import hashlib
 import json
 import logging
+import os
 import shlex
 import shutil
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from rigctl.errors import ConfigError, ConnectError, JobBusyError, JobError, RigctlError, TransferError, TrustError
@@ -84,6 +90,8 @@ COMMAND_TIMEOUT = 60.0
 FILE_MODE = 0o644
 DIR_MODE = 0o755
 TRANSFER_TIMEOUT = 600.0
+#: Bytes of run files a pull takes inline with the run listing (base64 in its JSON); the rest by SFTP.
+INLINE_LIMIT = 8 << 20
 
 @dataclass(frozen=True)
 class JobSpec:
@@ -161,6 +169,15 @@ def parse_job(host: str, entry: Mapping[str, Any]) -> JobInfo:
 
 
 
+@functools.cache
+def task_sources(task: str) -> Mapping[str, str]:
+    """What a job of ``task`` ships besides its spec: the runtime, the task and the host-side modules they
+    import, by path in the job directory. Read and parsed once per process; a command may call this ahead
+    of :func:`start`, while its inventory loads."""
+    return MappingProxyType({"jobrun.py": ship.source("jobrun"), f"{task}.py": ship.source(task),
+                             **ship.package_files(["jobrun", task])})
+
+
 def start(host: Host, spec: JobSpec, *, job_id: str | None = None, client: SshClient | None = None) -> JobInfo:
     """Ship the runtime, the task and its files to ``host`` and start the job's unit.
 
@@ -181,9 +198,7 @@ def start(host: Host, spec: JobSpec, *, job_id: str | None = None, client: SshCl
         "results_dir": RESULTS_DIR, "record": dict(spec.record), "rigctl_version": rigctl_version(),
         "max_runtime_s": int(spec.max_runtime_s),
     }
-    sources = {"jobrun.py": ship.source("jobrun"), f"{spec.task}.py": ship.source(spec.task),
-               **ship.package_files(["jobrun", spec.task]),
-               "spec.json": json.dumps(remote_spec, indent=2, sort_keys=True) + "\n"}
+    sources = {**task_sources(spec.task), "spec.json": json.dumps(remote_spec, indent=2, sort_keys=True) + "\n"}
     with session(host, client) as ssh:
         if spec.files:  # data files (datasets) may be large or binary: SFTP, before the unit can start
             ssh.run(f"mkdir -p {shlex.quote(job_dir)}", timeout=COMMAND_TIMEOUT, check=True)
@@ -285,10 +300,12 @@ def stop(host: Host, job_id: str, *, timeout: float = 180.0) -> JobInfo:
         return status(host, job_id, client=ssh)
 
 
-def pull(host: Host, store: ResultsStore | None = None, *, timeout: float = TRANSFER_TIMEOUT,
-         client: SshClient | None = None) -> PullResult:
-    """Copy ``host``'s finished run directories that ``store`` lacks, every file checked against the
-    sha256 in its ``run.json``. A run appears in the store only once all of it has arrived.
+def pull(host: Host, store: ResultsStore | None = None, *, runs: Iterable[str] | None = None,
+         timeout: float = TRANSFER_TIMEOUT, client: SshClient | None = None) -> PullResult:
+    """Copy ``host``'s finished run directories that ``store`` lacks (of ``runs``, when given: a followed
+    job's), every file checked against the sha256 in its ``run.json``. A run appears in the store only
+    once all of it has arrived. Small files come inline with the run listing (one round trip for the
+    listing, one for what the store lacks; one in all for named runs), larger ones by SFTP.
 
     What the host sends is data: a run whose id is not one rigctl makes or differs from its record's,
     whose record names another host, or whose record or ``cells.jsonl`` points outside the run is
@@ -300,15 +317,17 @@ def pull(host: Host, store: ResultsStore | None = None, *, timeout: float = TRAN
     result = PullResult(host=host.name)
     remote_root = f"{RESULTS_DIR}/{host.name}"
     host_dir = inside(store.root, host.name, f"host {host.name!r}")
+    named = sorted(set(runs)) if runs is not None else None
     with session(host, client) as ssh:
-        out = ssh.run(ship.python_command("jobhost", "runs", remote_root, UNIT_PREFIX), timeout=COMMAND_TIMEOUT,
-                      check=True).stdout
-        try:
-            listing = json.loads(out)
-        except json.JSONDecodeError:
-            listing = None
-        if not isinstance(listing, dict):
-            raise JobError(f"{host.name}: the run listing of {remote_root} is not a JSON object")
+        if named == []:
+            return result
+        # Named runs (a followed job's) come with their files at once; a full listing sends records only,
+        # then the files of the runs the store lacks.
+        listing = _list_runs(ssh, remote_root, INLINE_LIMIT if named else 0, named or [])
+        wanted = [r for r in listing if RUN_ID.match(r) and not (host_dir / r / RUN_FILE).is_file()
+                  and isinstance(listing[r], dict) and "inline" not in listing[r]]
+        if named is None and wanted:
+            listing.update(_list_runs(ssh, remote_root, INLINE_LIMIT, wanted))
         for run_id, entry in sorted(listing.items()):
             try:
                 _check_run_id(run_id)
@@ -325,7 +344,8 @@ def pull(host: Host, store: ResultsStore | None = None, *, timeout: float = TRAN
                     data = _seal_lost(ssh, run_id)
                     result.lost.append(run_id)
                 record = _vetted_record(host.name, run_id, data)
-                _copy_run(ssh, f"{remote_root}/{run_id}", host_dir, record, result, timeout)
+                inline = entry.get("inline") if isinstance(entry.get("inline"), dict) else {}
+                _copy_run(ssh, f"{remote_root}/{run_id}", host_dir, record, result, timeout, inline)
             except (TrustError, ConfigError) as exc:
                 line = f"{host.name}: run {run_id!r} refused: {exc}"
                 log.info("%s", line)
@@ -335,6 +355,19 @@ def pull(host: Host, store: ResultsStore | None = None, *, timeout: float = TRAN
                 continue
             result.copied.append(run_id)
     return result
+
+
+def _list_runs(ssh: SshClient, remote_root: str, inline_limit: int, only: list[str]) -> dict[str, Any]:
+    """The host's run listing (:func:`rigctl.hostside.jobhost.list_runs`): run id -> entry, as sent."""
+    out = ssh.run(ship.python_command("jobhost", "runs", remote_root, UNIT_PREFIX, str(inline_limit), *only),
+                  timeout=COMMAND_TIMEOUT, check=True).stdout
+    try:
+        listing = json.loads(out)
+    except json.JSONDecodeError:
+        listing = None
+    if not isinstance(listing, dict):
+        raise JobError(f"{ssh.host}: the run listing of {remote_root} is not a JSON object")
+    return listing
 
 
 def _check_run_id(run_id: str) -> None:
@@ -393,8 +426,11 @@ def _seal_lost(ssh: SshClient, job_id: str) -> dict[str, Any]:
 
 
 def _copy_run(
-    ssh: SshClient, remote: str, host_dir: Path, record: RunRecord, result: PullResult, timeout: float
+    ssh: SshClient, remote: str, host_dir: Path, record: RunRecord, result: PullResult, timeout: float,
+    inline: Mapping[str, Any],
 ) -> None:
+    """Copy one run into the store through a staging directory: each file from ``inline`` (its base64
+    as the listing sent it) or else by SFTP, checked against the record's sha256 either way."""
     local = inside(host_dir, record.id, f"run {record.id!r}")
     staging = inside(host_dir, f".{record.id}.partial", f"run {record.id!r}")
     shutil.rmtree(staging, ignore_errors=True)
@@ -407,10 +443,10 @@ def _copy_run(
             target = inside(staging, raw.path, "raw file")
             for parent in reversed(target.relative_to(staging).parents[:-1]):
                 _make_dir(staging / parent)
-            ssh.get(f"{remote}/{raw.path}", target, timeout=timeout, sha256=raw.sha256, mode=FILE_MODE)
+            _fetch(ssh, f"{remote}/{raw.path}", target, inline.get(raw.path), raw.sha256, timeout)
             files += 1
             bytes_ += raw.bytes
-        ssh.get(f"{remote}/{RUN_FILE}", staging / RUN_FILE, timeout=timeout, mode=FILE_MODE)
+        _fetch(ssh, f"{remote}/{RUN_FILE}", staging / RUN_FILE, inline.get(RUN_FILE), None, timeout)
         # run.json may only have changed if the host rewrote the run since the listing: check again.
         copied = _vetted_record(result.host, record.id, json.loads((staging / RUN_FILE).read_text()))
         if copied.files != record.files:
@@ -422,6 +458,28 @@ def _copy_run(
         raise
     result.files += files
     result.bytes += bytes_
+
+
+def _fetch(ssh: SshClient, remote: str, target: Path, inline: Any, sha256: str | None, timeout: float) -> None:
+    """One file of a run into ``target`` (mode :data:`FILE_MODE`): the listing's inline bytes when it sent
+    them, else by SFTP; TransferError when they are not the bytes ``sha256`` names."""
+    if isinstance(inline, str):
+        _write_inline(ssh.host, remote, target, inline, sha256)
+    else:
+        ssh.get(remote, target, timeout=timeout, sha256=sha256, mode=FILE_MODE)
+
+
+def _write_inline(host: str, remote: str, target: Path, inline: str, sha256: str | None) -> None:
+    try:
+        data = base64.b64decode(inline, validate=True)
+    except binascii.Error:
+        raise TransferError(host, remote, "its inline content is not base64") from None
+    digest = hashlib.sha256(data).hexdigest()
+    if sha256 is not None and digest != sha256.lower():
+        raise TransferError(host, remote, f"sha256 is {digest}, expected {sha256.lower()}")
+    with open(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "wb") as out:
+        os.fchmod(out.fileno(), FILE_MODE)  # whatever the umask
+        out.write(data)
 
 
 def _make_dir(path: Path) -> None:
@@ -461,6 +519,6 @@ def follow_and_pull(
     def follow(host: Host) -> Followed:
         with session(host) as ssh:  # one connection for following and pulling
             info = wait(host, started[host.name], on_progress=on_progress, client=ssh)
-            return Followed(info, pull(host, store, client=ssh))
+            return Followed(info, pull(host, store, runs=[info.id], client=ssh))
 
     return on_each_host([inventory.host(name) for name in started], follow, thread_name_prefix="rigctl-follow")

@@ -61,6 +61,8 @@ if TYPE_CHECKING:  # rigctl.jobs brings paramiko; summaries (and rigctl.compare)
 log = logging.getLogger(__name__)
 
 CELLS_FILE = "cells.jsonl"
+#: The host-side module a bench job runs (rigctl/hostside/bench_task.py).
+BENCH_TASK = "bench_task"
 RAW_DIR = "llama-bench"
 DEFAULT_THRESHOLD_C = 40.0
 _CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
@@ -175,7 +177,7 @@ def bench_job_spec(host: Host, spec: BenchSpec) -> jobs.JobSpec:
     }
     cells = len(plan_cells(models, spec.rounds, spec.order))
     budget = cells * (spec.cell_timeout_s + spec.cooldown.timeout_s) + 600
-    return jobs.JobSpec(kind="bench", task="bench_task", params=params, lock="gpu", max_runtime_s=int(budget))
+    return jobs.JobSpec(kind="bench", task=BENCH_TASK, params=params, lock="gpu", max_runtime_s=int(budget))
 
 
 def start_bench(inventory: Inventory, spec: BenchSpec) -> dict[str, jobs.JobInfo | RigctlError]:
@@ -183,7 +185,7 @@ def start_bench(inventory: Inventory, spec: BenchSpec) -> dict[str, jobs.JobInfo
     Inside a :func:`rigctl.connections.connections` scope, following and pulling reuse the connection."""
     from rigctl import jobs
 
-    hosts = inventory.select(spec.hosts)
+    hosts = inventory.select(spec.hosts, where="the bench's hosts (-H, or hosts: in its spec)")
     out: dict[str, jobs.JobInfo | RigctlError] = {}
     for host in hosts:
         try:

@@ -15,12 +15,23 @@ from rigctl.cli.common import (
     load_inventory,
     parse_ints,
     parse_words,
+    preload_inventory,
     results_store,
 )
 from rigctl.cli.render import print_progress, print_pull
 from rigctl.errors import ConfigError, RigctlError
 
 app = typer.Typer(no_args_is_help=True, help="Speed benches: llama-bench matrices, server speed, drafter race.")
+
+#: This group's commands that load the inventory: Ansible starts loading it before their arguments are
+#: even parsed, in a child, while this process parses and imports the rest.
+INVENTORY_COMMANDS = frozenset({"run", "spec", "server", "load"})
+
+
+@app.callback()
+def bench_options(ctx: typer.Context) -> None:
+    if ctx.invoked_subcommand in INVENTORY_COMMANDS:
+        preload_inventory()
 
 
 @app.command("run")
@@ -55,7 +66,7 @@ def bench_run(
     threshold with no thermal or power clock-event reason active, and is marked throttled when its clock
     readings say heat or power held it back."""
     from rigctl import jobs
-    from rigctl.bench.matrix import load_spec, parse_spec, start_bench
+    from rigctl.bench.matrix import BENCH_TASK, load_spec, parse_spec, start_bench
 
     matrix = {k: v for k, v in {"p": parse_ints(p, "-p"), "n": parse_ints(n, "-n"), "r": r,
                                 "fa": parse_ints(fa, "--fa"), "ngl": parse_ints(ngl, "--ngl"), "t": parse_ints(t, "-t"),
@@ -78,6 +89,7 @@ def bench_run(
     if keep_servers:
         overrides["stop_servers"] = False
     spec = load_spec(spec_file, overrides) if spec_file else parse_spec(overrides, "command line")
+    jobs.task_sources(BENCH_TASK)  # read and parsed while the inventory loads
     inv = load_inventory()
     # The command's connection scope (see rigctl.cli.main): starting, following and pulling share one per host.
     started = start_bench(inv, spec)

@@ -12,12 +12,15 @@ command one round trip that prints one JSON document:
   than ``LAST`` (:func:`progress_key`), or ``HOLD`` seconds pass, then lists that job: one round trip
   and one process per change of progress, instead of a process (and a systemctl) per poll competing
   with the bench for the CPUs.
-* ``runs ROOT UNIT_PREFIX``: the run records under ``ROOT`` as ``{run id: {"record", "active"}}``
-  (the unit is only asked about for runs still ``running``).
+* ``runs ROOT UNIT_PREFIX INLINE_LIMIT [ID ...]``: the run records under ``ROOT`` (those named, if any)
+  as ``{run id: {"record", "active"}}`` (the unit is only asked about for runs still ``running``); with
+  an ``INLINE_LIMIT`` above 0 a finished run's entry also carries its files' bytes, base64, up to that
+  many bytes in all (``"inline"``, :func:`inline_files`), so a pull of small runs is one round trip.
 """
 
 from __future__ import annotations
 
+import base64
 import fcntl
 import json
 import os
@@ -118,15 +121,42 @@ def wait_for_change(job_dir: str, last: str, hold_s: float, every_s: float) -> N
         time.sleep(every_s)
 
 
-def list_runs(root: str, unit_prefix: str) -> dict[str, Any]:
+def list_runs(root: str, unit_prefix: str, inline_limit: int = 0, only: list[str] | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    budget = inline_limit
     for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        if only and name not in only:
+            continue
         record = _load(os.path.join(root, name, "run.json"))
         if not isinstance(record, dict):
             continue
         active = record.get("status") == "running" and unit_active(unit_prefix + name)
         out[name] = {"record": record, "active": active}
+        if budget > 0 and record.get("status") != "running":
+            out[name]["inline"], budget = inline_files(os.path.join(root, name), record, budget)
     return out
+
+
+def inline_files(run_dir: str, record: dict[str, Any], budget: int) -> tuple[dict[str, str], int]:
+    """``{relative path: base64}`` of the run's ``run.json`` and the files its record lists, while they fit
+    in ``budget`` bytes (the rest travel by SFTP), and what is left of it. Only files inside the run."""
+    found: dict[str, str] = {}
+    paths = ["run.json"] + [f.get("path") for f in record.get("files") or [] if isinstance(f, dict)]
+    for rel in paths:
+        if not isinstance(rel, str):
+            continue
+        path = os.path.normpath(os.path.join(run_dir, rel))
+        if not path.startswith(run_dir.rstrip("/") + "/") or os.path.islink(path) or not os.path.isfile(path):
+            continue
+        if os.path.getsize(path) > budget:
+            break
+        with open(path, "rb") as handle:
+            data = handle.read(budget + 1)
+        if len(data) > budget:
+            break
+        found[rel] = base64.b64encode(data).decode("ascii")
+        budget -= len(data)
+    return found, budget
 
 
 def main(argv: list[str]) -> int:
@@ -140,7 +170,8 @@ def main(argv: list[str]) -> int:
         wait_for_change(os.path.join(root, job_id), last, float(hold_s), float(every_s))
         answer = list_jobs(root, job_id)
     elif command == "runs":
-        answer = list_runs(args[0], args[1])
+        root, unit_prefix, inline_limit, *only = args
+        answer = list_runs(root, unit_prefix, int(inline_limit), only)
     else:
         print(f"jobhost: unknown command {command!r}", file=sys.stderr)
         return 2

@@ -4,10 +4,12 @@ no site-packages, no rigctl installed), and the one copy of each parser both sid
 from __future__ import annotations
 
 import ast
+import base64
 import hashlib
 import json
 import os
 import shlex
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +18,7 @@ import pytest
 import role_modules
 
 from rigctl import build, jobs, server
-from rigctl.errors import BuildError, ConfigError
+from rigctl.errors import BuildError, ConfigError, TransferError
 from rigctl.hostside import gguf, jobhost, llama_cpp_fact, llama_server_http, model_files, ship
 
 HOSTSIDE = Path(ship.__file__).parent
@@ -137,10 +139,64 @@ def test_jobhost_lists_run_records_as_shipped(tmp_path: Path) -> None:
     (tmp_path / "bench-1" / "run.json").write_text('{"id": "bench-1", "status": "done"}')
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / "run.json").write_text("not json")
-    done = _run_on_host(ship.python_command("jobhost", "runs", str(tmp_path), jobs.UNIT_PREFIX))
+    done = _run_on_host(ship.python_command("jobhost", "runs", str(tmp_path), jobs.UNIT_PREFIX, "0"))
     assert json.loads(done.stdout) == {"bench-1": {"record": {"id": "bench-1", "status": "done"}, "active": False}}
-    assert json.loads(_run_on_host(ship.python_command("jobhost", "runs", str(tmp_path / "none"), "x")).stdout) == {}
+    assert json.loads(_run_on_host(ship.python_command("jobhost", "runs", str(tmp_path / "none"), "x", "0")).stdout) \
+        == {}
     assert _run_on_host(ship.python_command("jobhost", "frobnicate")).returncode == 2
+
+
+def _sealed_run(root: Path, run_id: str, files: dict[str, bytes], *, listed: tuple[str, ...] = (),
+                status: str = "done") -> dict:
+    run = root / run_id
+    run.mkdir(parents=True)
+    for rel, data in files.items():
+        (run / rel).parent.mkdir(parents=True, exist_ok=True)
+        (run / rel).write_bytes(data)
+    record = {"id": run_id, "status": status, "files": [{"path": rel, "sha256": hashlib.sha256(data).hexdigest(),
+                                                         "bytes": len(data)} for rel, data in files.items()]
+              + [{"path": rel, "sha256": "0" * 64, "bytes": 1} for rel in listed]}
+    (run / "run.json").write_text(json.dumps(record))
+    return record
+
+
+def test_jobhost_sends_small_run_files_inline_and_only_from_inside_the_run(tmp_path: Path) -> None:
+    root = tmp_path / "results"
+    (tmp_path / "secret").write_bytes(b"not the run's")
+    _sealed_run(root, "bench-1", {"cells.jsonl": b"{}\n", "llama-bench/cell-001.json": b"[]\n"},
+                listed=("../../secret", "/etc/hostname", "missing.log"))
+    _sealed_run(root, "bench-2", {"big.json": b"x" * 5000})
+    _sealed_run(root, "bench-3", {"cells.jsonl": b"{}\n"}, status="running")
+    answer = json.loads(_run_on_host(ship.python_command("jobhost", "runs", str(root), jobs.UNIT_PREFIX,
+                                                         "4000")).stdout)
+    inline = {run: {rel: base64.b64decode(text) for rel, text in entry.get("inline", {}).items()}
+              for run, entry in answer.items()}
+    run_json = (root / "bench-1" / "run.json").read_bytes()
+    # bench-1 whole, but nothing outside it; bench-2's file over what is left of the budget (SFTP takes it);
+    # a running run none.
+    assert inline["bench-1"] == {"run.json": run_json, "cells.jsonl": b"{}\n", "llama-bench/cell-001.json": b"[]\n"}
+    assert inline["bench-2"] == {"run.json": (root / "bench-2" / "run.json").read_bytes()}
+    assert inline["bench-3"] == {}
+    # Named runs only.
+    only = json.loads(_run_on_host(ship.python_command("jobhost", "runs", str(root), jobs.UNIT_PREFIX, "0",
+                                                       "bench-2")).stdout)
+    assert list(only) == ["bench-2"] and "inline" not in only["bench-2"]
+
+
+def test_an_inline_run_file_lands_only_when_it_is_the_recorded_bytes(tmp_path: Path) -> None:
+    data = b'{"index": 1}\n'
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    os.umask(0o077)
+    try:
+        jobs._write_inline("h", "/r/cells.jsonl", good, base64.b64encode(data).decode(),
+                           hashlib.sha256(data).hexdigest())
+    finally:
+        os.umask(0o022)
+    assert good.read_bytes() == data and stat.S_IMODE(good.stat().st_mode) == jobs.FILE_MODE
+    for text, message in ((base64.b64encode(b"other").decode(), "sha256 is"), ("not base64!", "not base64")):
+        with pytest.raises(TransferError, match=message):
+            jobs._write_inline("h", "/r/cells.jsonl", bad, text, hashlib.sha256(data).hexdigest())
+        assert not bad.exists()
 
 
 def test_jobhost_progress_key_is_the_controllers() -> None:
@@ -237,3 +293,27 @@ def test_gguf_reader_refuses_what_it_cannot_read(tmp_path: Path) -> None:
         (tmp_path / name).write_bytes(data)
         with pytest.raises(gguf.GGUFError, match=message):
             gguf.read_header(str(tmp_path / name))
+
+
+def _gguf_with_vocabulary(tokens: list[str]) -> bytes:
+    """A GGUF v3 header: a string-array key (a vocabulary), then a scalar key; no tensors."""
+    def string(text: str) -> bytes:
+        data = text.encode()
+        return len(data).to_bytes(8, "little") + data
+
+    body = string("tokenizer.ggml.tokens") + (9).to_bytes(4, "little") + (8).to_bytes(4, "little") \
+        + len(tokens).to_bytes(8, "little") + b"".join(string(t) for t in tokens)
+    body += string("llama.block_count") + (4).to_bytes(4, "little") + (30).to_bytes(4, "little")
+    return b"GGUF" + (3).to_bytes(4, "little") + (0).to_bytes(8, "little") + (2).to_bytes(8, "little") + body
+
+
+def test_gguf_reader_skips_a_long_string_array_and_reads_on(tmp_path: Path) -> None:
+    data = _gguf_with_vocabulary([f"tok{i}" * (i % 7) for i in range(gguf.MAX_ARRAY + 1000)])
+    (tmp_path / "m.gguf").write_bytes(data)
+    meta = gguf.read_header(str(tmp_path / "m.gguf"), tensors=False)["meta"]
+    assert meta == {"tokenizer.ggml.tokens": {"length": gguf.MAX_ARRAY + 1000}, "llama.block_count": 30}
+    # Cut inside the array, or with the last string running past the end: refused, not read past.
+    for cut in (len(data) // 2, len(data) - len("llama.block_count") - 30):
+        (tmp_path / "cut.gguf").write_bytes(data[:cut])
+        with pytest.raises(gguf.GGUFError, match="truncated|past the end"):
+            gguf.read_header(str(tmp_path / "cut.gguf"), tensors=False)
