@@ -10,8 +10,11 @@ llama-server instances are left running in both (`--keep-servers`), so both see 
 Needs the lab provisioned (`rigctl lab up && rigctl provision`).
 
 The default matrix is llama-bench's own default test sizes (`--matrix` takes others): rigctl's fixed
-cost (CLI start-up, inventory, SSH, pull: about 2 s here) is what the ratio shows, and it only reads
-against a matrix of the size people run.
+cost (CLI start-up, inventory, SSH, pull: about 1.2 s here) is what the ratio shows, and it only reads
+against a matrix of the size people run. On a shared machine llama-bench's own time drifts by a few
+per cent between runs, more than the aim; so each repeat also times llama-bench itself in both (the
+job's cells.jsonl; `date` around each direct command) and prints what each adds around it, as a
+ratio on the same llama-bench time.
 
     RIGCTL_LAB_SLOT=N .venv/bin/python perf/bench_overhead.py [--repeats 3] [--host desktop] [--matrix "-p 64 -n 16"]
 """
@@ -46,10 +49,11 @@ def _seconds(stamp: str) -> float:
 
 
 def rigctl_run(host: str, inventory: str, results: Path, matrix: list[str]
-               ) -> tuple[float, float, list[str], float, dict[str, float]]:
+               ) -> tuple[float, float, list[str], float, float, dict[str, float]]:
     """Wall time, cool-down wait, the recorded commands, the job's own time on the host (its run
-    record's start to end) of one `rigctl bench run --wait`, and where the wall time went: until the
-    CLI said the job started, until it saw the job done, and after (the pull and exit)."""
+    record's start to end), llama-bench's own time in it (cells.jsonl's llama_bench_s) of one
+    `rigctl bench run --wait`, and where the wall time went: until the CLI said the job started, until
+    it saw the job done, and after (the pull and exit)."""
     env = {**os.environ, "RIGCTL_INVENTORY": inventory, "RIGCTL_RESULTS": str(results)}
     started = time.monotonic()
     seen: list[tuple[float, str]] = []
@@ -73,23 +77,27 @@ def rigctl_run(host: str, inventory: str, results: Path, matrix: list[str]
     cells = [json.loads(line) for line in (run.path / "cells.jsonl").read_text().splitlines()]
     waited = sum(c["cooldown"]["waited_s"] for c in cells)
     on_host = _seconds(run.record.ended or run.record.started) - _seconds(run.record.started) - waited
-    return wall, waited, run.record.commands, on_host, phases
+    return wall, waited, run.record.commands, on_host, sum(c["llama_bench_s"] for c in cells), phases
 
 
-def ssh_run(inventory: Inventory, host_name: str, commands: list[str]) -> float:
-    """Wall time of the same commands in one plain `ssh` session (strict host keys, the inventory's key)."""
+def ssh_run(inventory: Inventory, host_name: str, commands: list[str]) -> tuple[float, float]:
+    """Wall time of the same commands in one plain `ssh` session (strict host keys, the inventory's key),
+    and their own time, each timed on the host (a `date` before and after: the session's cost aside)."""
     host = inventory.host(host_name)
     argv = ["ssh", "-o", f"UserKnownHostsFile={host.known_hosts}", "-o", "StrictHostKeyChecking=yes", "-o",
             "BatchMode=yes", "-p", str(host.port)]
     if host.key_file:
         argv += ["-i", str(host.key_file), "-o", "IdentitiesOnly=yes"]
-    argv += [f"{host.user}@{host.address}", " && ".join(commands)]
+    mark = "echo bench-overhead-mark $(date +%s.%N) >&2"
+    timed = [f"{mark} && {command} && {mark}" for command in commands]
+    argv += [f"{host.user}@{host.address}", " && ".join(timed)]
     started = time.monotonic()
     done = subprocess.run(argv, capture_output=True, text=True, timeout=1800, check=False)
     wall = time.monotonic() - started
     if done.returncode != 0:
         raise SystemExit(f"direct ssh failed: {done.stderr.strip()[-500:]}")
-    return wall
+    stamps = [float(line.split()[1]) for line in done.stderr.splitlines() if line.startswith("bench-overhead-mark ")]
+    return wall, sum(end - begin for begin, end in zip(stamps[::2], stamps[1::2], strict=True))
 
 
 def main() -> int:
@@ -101,11 +109,11 @@ def main() -> int:
     args = parser.parse_args()
     inventory = Inventory.load(args.inventory)
     matrix = shlex.split(args.matrix)
-    ratios, host_ratios = [], []
+    ratios, host_ratios, fixed_ratios = [], [], []
     with tempfile.TemporaryDirectory(prefix="rigctl-bench-overhead-") as tmp:
         results = Path(tmp)
         # The first rigctl run tells which commands to time directly (and warms the page cache).
-        _, _, commands, _, _ = rigctl_run(args.host, args.inventory, results, matrix)
+        _, _, commands, _, _, _ = rigctl_run(args.host, args.inventory, results, matrix)
         print(f"matrix: {args.matrix} on {MODELS}, {len(commands)} cells; commands:")
         for command in commands:
             print(f"  {command}")
@@ -114,20 +122,29 @@ def main() -> int:
             times: dict[str, float] = {}
             for which in order:
                 if which == "rigctl":
-                    wall, waited, _, on_host, phases = rigctl_run(args.host, args.inventory, results, matrix)
-                    times["rigctl"] = wall - waited
-                    times["job"] = on_host
+                    wall, waited, _, on_host, tool, phases = rigctl_run(args.host, args.inventory, results, matrix)
+                    times["rigctl"], times["job"], times["rigctl tool"] = wall - waited, on_host, tool
                 else:
-                    times["ssh"] = ssh_run(inventory, args.host, commands)
+                    times["ssh"], times["ssh tool"] = ssh_run(inventory, args.host, commands)
             ratios.append(times["rigctl"] / times["ssh"])
             host_ratios.append(times["job"] / times["ssh"])
+            # What each adds around llama-bench's own time, and the ratio those costs make on the mean
+            # llama-bench time of the two runs: the machine's drift between the runs left out.
+            added = times["rigctl"] - times["rigctl tool"]
+            direct = times["ssh"] - times["ssh tool"]
+            tool = (times["rigctl tool"] + times["ssh tool"]) / 2
+            fixed_ratios.append((tool + added) / (tool + direct))
             print(f"repeat {repeat + 1}: rigctl {times['rigctl']:.2f} s (cool-down excluded; the job itself "
                   f"{times['job']:.2f} s on the host; " + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items())
-                  + f"), direct ssh {times['ssh']:.2f} s, ratio {ratios[-1]:.3f}x")
+                  + f"), direct ssh {times['ssh']:.2f} s, ratio {ratios[-1]:.3f}x; llama-bench itself "
+                  f"{times['rigctl tool']:.2f} s in rigctl's run, {times['ssh tool']:.2f} s in the direct one; "
+                  f"around it rigctl adds {added:.2f} s, ssh {direct:.2f} s: {fixed_ratios[-1]:.4f}x")
     print(f"rigctl bench run --wait / direct ssh: median {statistics.median(ratios):.3f}x over {len(ratios)} "
           f"repeats (aim <= 1.02x)")
     print(f"the job on the host (facts, model hashes, cool-down checks, records) / direct ssh: median "
           f"{statistics.median(host_ratios):.3f}x; the rest is the controller (CLI start-up, inventory, SSH, pull)")
+    print(f"what each adds around llama-bench's own time, as a ratio on the same llama-bench time: median "
+          f"{statistics.median(fixed_ratios):.4f}x (llama-bench's run-to-run spread left out)")
     return 0
 
 

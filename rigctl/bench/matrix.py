@@ -17,7 +17,8 @@ Raw files of a bench run (``<results>/<host>/<run id>/``, see :mod:`rigctl.hosts
                                             + GGUF shape, GPU with the inventory's bandwidth, llama.cpp
                                             build, every command line, host facts)
     cells.jsonl                             one line per cell: artifact, command, cool-down readings,
-                                            temp_start_c / temp_end_c, throttle verdict, timestamps
+                                            temp_start_c / temp_end_c, throttle verdict, timestamps,
+                                            llama_bench_s (the tool's own wall time, clock poller aside)
     llama-bench/cell-NNN-<artifact>.json    llama-bench -o json; per-repetition tokens/s in each
                                             test object's ``samples_ts`` (``samples_ns``: times)
     llama-bench/cell-NNN-<artifact>.clocks.jsonl  the GPU readings through the cell

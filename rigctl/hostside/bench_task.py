@@ -346,13 +346,16 @@ def run(job: Any) -> None:
             job.progress(index - 1, len(cells), f"cell {index}/{len(cells)} {name}: running llama-bench")
             started = job.now()
             with ClockPoller(gpu, raw_dir / f"{stem}.clocks.jsonl", float(clocks.get("sample_s", 1.0))) as poller:
+                began = time.monotonic()
                 done = job.run(argv, timeout=float(p.get("cell_timeout_s", 3600)),
                                stdout=raw_dir / f"{stem}.json", stderr=raw_dir / f"{stem}.log")
+                llama_bench_s = round(time.monotonic() - began, 3)
             ended = job.now()
             verdict = throttle_verdict(poller.readings, min_fraction)
             temps = [r["temp_c"] for r in poller.readings if r.get("temp_c") is not None]
             line = {"index": index, "round": round_no, "artifact": name, "path": model["path"],
                     "command": job.record["commands"][-1], "started": started, "ended": ended, "cooldown": wait,
+                    "llama_bench_s": llama_bench_s,
                     "temp_start_c": wait["readings"][-1] if wait["readings"] else None,
                     "temp_end_c": temps[-1] if temps else None,
                     "clocks": f"llama-bench/{stem}.clocks.jsonl" if poller.readings else None, "throttle": verdict,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -77,6 +78,11 @@ def test_two_artifact_bench_alternates_waits_while_hot_and_summarises(served, tm
         assert start <= 40 and all(t > 40 for t in hot) and c["temp_start_c"] == start
     assert [c["temp_end_c"] for c in cells] == [66, 58, 61, 35]  # the poller's reading as each cell ended
     assert cells[0]["cooldown"]["readings"][:2] == [72, 55] and cells[0]["cooldown"]["waited_s"] > 0
+    # llama-bench's own time, inside the cell's span (which also holds the clock poller's start and end).
+    for c in cells:
+        span = (datetime.fromisoformat(c["ended"].replace("Z", "+00:00"))
+                - datetime.fromisoformat(c["started"].replace("Z", "+00:00"))).total_seconds()
+        assert 0 < c["llama_bench_s"] <= span + 0.01, (c["llama_bench_s"], span)
 
     summary = rigctl("bench", "summary", run.id, "--csv", str(tmp_path / "s.csv"), "--png", str(tmp_path / "s.png"),
                      results=tmp_path, timeout=120)
