@@ -8,6 +8,7 @@ import hashlib
 import os
 import re
 import shlex
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -106,6 +107,13 @@ def test_env_and_input_reach_the_command(rig: SshClient) -> None:
     assert (partial.rc, partial.stdout) == (5, "x" * 10)
     with pytest.raises(ValueError, match="invalid environment variable name"):
         rig.run("true", timeout=10, env={"A;B": "x"})
+
+
+@lab
+def test_small_packets_go_out_at_once(rig: SshClient) -> None:
+    """Nagle's algorithm off: a command's last small packet would otherwise wait for the rig's delayed ACK."""
+    rig.run("true", timeout=10)
+    assert rig._transport().sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
 
 
 @lab
