@@ -1,163 +1,27 @@
 """The ``rigctl`` command: argument parsing, rendering and exit codes only; the work is in the library.
 
 One module per command group; each imports :mod:`rigctl.cli.common` (consoles, global options,
-inventory) and never this package, which puts the groups together. Command modules import the
-libraries a command needs inside that command, so that ``rigctl --help`` and each command pay only
-for what they use.
+inventory) and never this package. :mod:`rigctl.cli.app` puts the groups together. Command modules
+import the libraries a command needs inside that command, so that ``rigctl --help`` and each command
+pay only for what they use. This module itself imports nothing heavy: :func:`main` may start loading
+the inventory before the app (typer, rich and every command module) is imported.
 """
 
 from __future__ import annotations
 
-import gc
-import logging
 import sys
-from typing import Annotated
-
-import typer
-
-# typer ships its own copy of click: its usage errors derive from these, not from the click package's.
-from typer._click.exceptions import ClickException, UsageError
-
-from rigctl.cli import (
-    bench,
-    build,
-    campaign,
-    check,
-    compare,
-    eval,
-    exporter,
-    hosts,
-    inventory,
-    jobs,
-    lab,
-    mcp,
-    models,
-    provision,
-    report,
-    servers,
-)
-from rigctl.cli.common import close_preload, err_console, preload_inventory, state
-from rigctl.connections import connections
-from rigctl.errors import RigctlError
-
-app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
-                  help="Provision, serve, bench and evaluate a llama.cpp fleet from one inventory.")
-app.add_typer(inventory.app, name="inventory")
-app.add_typer(lab.app, name="lab")
-app.add_typer(build.app, name="build")
-app.add_typer(models.app, name="models")
-app.add_typer(hosts.app, name="hosts")
-app.add_typer(servers.app, name="servers")
-app.add_typer(bench.app, name="bench")
-app.add_typer(eval.app, name="eval")
-app.add_typer(check.app, name="check")
-app.add_typer(campaign.app, name="campaign")
-app.command("provision")(provision.provision)
-app.command("jobs")(jobs.jobs_list)
-app.command("pull")(jobs.pull)
-app.command("compare")(compare.compare)
-app.command("report")(report.report)
-app.command("exporter")(exporter.exporter)
-app.command("mcp")(mcp.mcp)
-
-#: Services that run until stopped: they connect per use, never through the command's connection scope.
-_SERVICES = frozenset({"exporter", "mcp"})
-
-
-class _PlainFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        return f"{record.levelname.lower()}: {record.getMessage()}"
-
-
-@app.callback()
-def main_options(
-    ctx: typer.Context,
-    inventory: Annotated[str | None, typer.Option("-i", "--inventory", envvar="RIGCTL_INVENTORY",
-                                                  help="Inventory directory or file (default: ansible.cfg's).")] = None,
-    verbose: Annotated[int, typer.Option("-v", "--verbose", count=True, help="More log output (-vv: debug).")] = 0,
-    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False,
-) -> None:
-    from rich.logging import RichHandler
-
-    from rigctl.trust import RedactingFilter
-
-    state.inventory_source = inventory
-    state.debug = debug
-    ctx.call_on_close(close_preload)
-    level = logging.WARNING - 10 * min(verbose, 2)
-    if sys.stderr.isatty():
-        handler: logging.Handler = RichHandler(console=err_console, show_path=False, show_time=False)
-    else:  # logs, pipes and tests: one line per record, never wrapped
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(_PlainFormatter())
-    handler.addFilter(RedactingFilter())  # an API key or token never reaches a log line
-    logging.basicConfig(level=level, format="%(message)s", handlers=[handler])
-    if level > logging.DEBUG:
-        logging.getLogger("paramiko").setLevel(logging.WARNING)
-    if ctx.invoked_subcommand not in _SERVICES:
-        # One SSH connection per host for the whole command, however often it talks to the host.
-        ctx.with_resource(connections())
-
-
-def usage_message(exc: ClickException) -> str:
-    """One line for a usage error: what is wrong, naming the option, and where to find the usage."""
-    message = " ".join(exc.format_message().split())
-    ctx = getattr(exc, "ctx", None)
-    if isinstance(exc, UsageError) and ctx is not None:
-        message += f" (see '{ctx.command_path} --help')"
-    return message
-
-
-#: Command groups whose callback preloads the inventory for these of their commands.
-_PRELOADING = {"bench": bench.INVENTORY_COMMANDS}
-#: Global options that take no value: what may come before the group for :func:`_preloads_inventory`.
-_FLAGS = frozenset({"-v", "-vv", "--verbose", "--debug"})
-
-
-def _preloads_inventory(argv: list[str]) -> bool:
-    """Whether ``argv`` plainly runs a command that loads the default inventory: only flags, then such a
-    group and command. Anything else (``-i``, an option not known here) says no, and the group's callback
-    starts the preload once the arguments are parsed."""
-    words = list(argv)
-    while words and words[0] in _FLAGS:
-        words.pop(0)
-    return len(words) >= 2 and words[1] in _PRELOADING.get(words[0], ())
 
 
 def main() -> None:
-    if _preloads_inventory(sys.argv[1:]):
-        # A head start of a fifth of a second: parsing the arguments imports pydantic (typer's coercion).
-        preload_inventory(early=True)
-    try:
-        _run_app()
-    finally:
-        close_preload()  # a preload the command never reached (a usage error before its group's callback)
-        # The objects of a finished command are left to the exit: without this, a last collection over
-        # all of them takes a sixth of a second of every run (the modules of pydantic, paramiko, rich).
-        gc.freeze()
+    from rigctl.cli.preloading import preloads_inventory
 
+    preload = None
+    if preloads_inventory(sys.argv[1:]):
+        # A head start of a third of a second: importing the app, then parsing the arguments (typer's
+        # coercion imports pydantic), run beside Ansible in the child.
+        from rigctl.inventory.preload import InventoryPreload
 
-def _run_app() -> None:
-    from rigctl.trust import mask_registered
+        preload = InventoryPreload(None)
+    from rigctl.cli.app import run
 
-    try:
-        # Without standalone mode click hands back typer.Exit's code instead of exiting.
-        rc = app(standalone_mode=False)
-    except RigctlError as exc:
-        if state.debug:
-            raise
-        err_console.print(f"error: {mask_registered(str(exc))}", markup=False, highlight=False, soft_wrap=True)
-        sys.exit(exc.exit_code)
-    except typer.Abort:
-        err_console.print("aborted", markup=False)
-        sys.exit(130)
-    except ClickException as exc:  # a usage error names the option or argument: exit 2, like click's own
-        err_console.print(f"error: {usage_message(exc)}", markup=False, highlight=False, soft_wrap=True)
-        sys.exit(exc.exit_code)
-    except Exception as exc:  # anything unexpected, still one line
-        if state.debug:
-            raise
-        err_console.print(f"error: {type(exc).__name__}: {mask_registered(str(exc))} "
-                          "(run with --debug for the traceback)", markup=False, highlight=False, soft_wrap=True)
-        sys.exit(1)
-    sys.exit(rc if isinstance(rc, int) else 0)
+    run(preload)

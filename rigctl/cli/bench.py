@@ -18,19 +18,16 @@ from rigctl.cli.common import (
     preload_inventory,
     results_store,
 )
+from rigctl.cli.preloading import INVENTORY_COMMANDS
 from rigctl.cli.render import print_progress, print_pull
 from rigctl.errors import ConfigError, RigctlError
 
 app = typer.Typer(no_args_is_help=True, help="Speed benches: llama-bench matrices, server speed, drafter race.")
 
-#: This group's commands that load the inventory: Ansible starts loading it before their arguments are
-#: even parsed, in a child, while this process parses and imports the rest.
-INVENTORY_COMMANDS = frozenset({"run", "spec", "server", "load"})
-
 
 @app.callback()
 def bench_options(ctx: typer.Context) -> None:
-    if ctx.invoked_subcommand in INVENTORY_COMMANDS:
+    if ctx.invoked_subcommand in INVENTORY_COMMANDS["bench"]:
         preload_inventory()
 
 

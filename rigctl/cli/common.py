@@ -33,16 +33,15 @@ class State:
 state = State()
 
 
-def preload_inventory(*, early: bool = False) -> None:
+def preload_inventory() -> None:
     """Start loading the inventory in a child process (:mod:`rigctl.inventory.preload`), for a command
     that will :func:`load_inventory`: its group's callback calls this before the command's own arguments
-    are parsed and its imports run. ``early``: :func:`rigctl.cli.main` starts it before any parsing, for a
-    command line without ``-i`` (the default inventory: $RIGCTL_INVENTORY, else ansible.cfg's, as
-    ``-i`` would resolve); the callback then keeps it."""
+    are parsed and its imports run. One already started by :func:`rigctl.cli.main` (a command line
+    without ``-i``: the default inventory, as ``-i`` resolves it) is kept."""
     from rigctl.inventory.preload import InventoryPreload
 
     if state.preload is None:
-        state.preload = InventoryPreload(None if early else state.inventory_source)
+        state.preload = InventoryPreload(state.inventory_source)
 
 
 def close_preload() -> None:

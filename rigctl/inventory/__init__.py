@@ -1,21 +1,37 @@
 """The inventory: typed views over what Ansible's own loader reads (:mod:`.model`), the one resolver of
 llama_server profiles and instance plans that the role shares (:mod:`.profiles`) and the checks that
-refuse a bad inventory before any play runs (:mod:`.check`)."""
+refuse a bad inventory before any play runs (:mod:`.check`).
 
-from rigctl.inventory.model import (
-    FULL_COMMIT,
-    HEX_COMMIT,
-    INVENTORY_ENV,
-    SHA256,
-    Artifact,
-    Gpu,
-    Host,
-    Inventory,
-    LlamaCppPin,
-    Profile,
-    Server,
-    default_source,
-)
+The views are imported from :mod:`.model` when first asked for, so that :mod:`.preload` can fork its
+child before this process has imported YAML and the model (``rigctl``'s entry point does)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rigctl.inventory.model import (
+        FULL_COMMIT,
+        HEX_COMMIT,
+        INVENTORY_ENV,
+        SHA256,
+        Artifact,
+        Gpu,
+        Host,
+        Inventory,
+        LlamaCppPin,
+        Profile,
+        Server,
+        default_source,
+    )
 
 __all__ = ["FULL_COMMIT", "HEX_COMMIT", "INVENTORY_ENV", "SHA256", "Artifact", "Gpu", "Host", "Inventory",
            "LlamaCppPin", "Profile", "Server", "default_source"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from rigctl.inventory import model
+
+        return getattr(model, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

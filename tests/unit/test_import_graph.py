@@ -5,6 +5,8 @@ imports deferred into functions too. Read from the source with ast."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -111,7 +113,7 @@ def test_the_walk_tells_import_time_from_deferred_imports(tmp_path: Path) -> Non
 
 def test_rigctl_has_no_import_cycle() -> None:
     edges = graph()
-    assert "rigctl.cli.bench" in edges["rigctl.cli"]  # the walk sees the package's own imports
+    assert "rigctl.cli.bench" in edges["rigctl.cli.app"]  # the walk sees the app's imports of its groups
     found = cycle(edges)
     assert found is None, "import cycle: " + " -> ".join(found or [])
 
@@ -124,12 +126,21 @@ def test_nothing_outside_the_cli_imports_it() -> None:
 
 
 def test_no_command_module_imports_the_cli_package_back() -> None:
-    """The package puts the command modules together; they share rigctl.cli.common, never the package
+    """rigctl.cli.app puts the command modules together; they share rigctl.cli.common, never the package
     (``python -m rigctl.cli``'s __main__ runs the package's main, and is no command module)."""
     edges = graph(deferred=True)
-    back = sorted(name for name, deps in edges.items()
-                  if name.startswith("rigctl.cli.") and name != "rigctl.cli.__main__" and "rigctl.cli" in deps)
+    back = sorted(name for name, deps in edges.items() if name.startswith("rigctl.cli.")
+                  and name not in ("rigctl.cli.__main__", "rigctl.cli.app") and "rigctl.cli" in deps)
     assert not back
+
+
+def test_the_cli_package_itself_imports_nothing_heavy() -> None:
+    """``rigctl``'s entry point may start the inventory's preload before the app is imported."""
+    code = ("import sys, rigctl.cli, rigctl.cli.preloading, rigctl.inventory.preload; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'typer', 'rich', 'click', 'ansible', 'paramiko', "
+            "'pydantic', 'yaml', 'numpy'}))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.strip() == "[]"
 
 
 @pytest.mark.parametrize("folder", ["tests", "perf"])
