@@ -159,7 +159,11 @@ class _EventCollector:
             status = "ok"
         host, task = str(data.get("host", "?")), str(data.get("task", ""))
         message = ""
-        if status in {"failed", "unreachable"}:
+        if status == "ok" and str(data.get("task_action", "")).rsplit(".", 1)[-1] == "debug" and res.get("msg"):
+            # What a role says to the operator (the build plan, what an interrupted build left, a unit's
+            # exposure): one line, without the host name the role's message starts with.
+            message = " ".join(str(res["msg"]).split()).removeprefix(f"{host}: ")
+        elif status in {"failed", "unreachable"}:
             message = _message(res)
             outcome = self.outcome(host)
             # The last failure is the one that stopped the host; an earlier one was rescued by a block.
