@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib import resources
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from rigctl.errors import ConfigError, LabError
@@ -251,6 +251,8 @@ class LabConfig:
     known_hosts: Path
     key_file: Path
     rigs: tuple[RigSpec, ...]
+    #: The rigs' ccache directory (``llama_cpp_ccache_dir``), bound to :attr:`compiler_cache`; None: no bind.
+    guest_ccache_dir: PurePosixPath | None = None
 
     @property
     def hosts_dir(self) -> Path:
@@ -267,6 +269,12 @@ class LabConfig:
     @property
     def image_dir(self) -> Path:
         return self.cache_dir / "lab"
+
+    @property
+    def compiler_cache(self) -> Path:
+        """The controller's directory behind every rig's ccache, one per lab (rigs of one lab share it;
+        another slot's compiles never move this lab's ccache counters)."""
+        return self.cache_dir / "ccache" / self.dir.name
 
 
 @dataclass(frozen=True)
@@ -896,6 +904,9 @@ class Lab:
             "--resolv-conf=off",
             f"--network-namespace-path={netns}",
         ]
+        if self.config.guest_ccache_dir is not None:
+            self.config.compiler_cache.mkdir(parents=True, exist_ok=True, mode=0o755)
+            nspawn.append(f"--bind={self.config.compiler_cache}:{self.config.guest_ccache_dir}")
         argv = [sys.executable, str(paths.supervisor_script), "--pid-file", str(paths.nspawn_pid)]
         argv += ["--stop-file", str(paths.stop_flag)]
         for cgroup in cgroups:
@@ -1187,7 +1198,25 @@ def _config_from_hosts(hosts: Sequence[Host]) -> LabConfig:
         known_hosts=first.known_hosts,
         key_file=expected_key,
         rigs=tuple(rigs),
+        guest_ccache_dir=_guest_ccache_dir(hosts),
     )
+
+
+def _guest_ccache_dir(hosts: Sequence[Host]) -> PurePosixPath | None:
+    """The rigs' ``llama_cpp_ccache_dir``, which the lab binds to its compiler cache; None when unset."""
+    first = hosts[0]
+    setting = first.vars.get("llama_cpp_ccache_dir")
+    if setting is None:
+        return None
+    for host in hosts[1:]:
+        if host.vars.get("llama_cpp_ccache_dir") != setting:
+            raise ConfigError(f"{host.name}: llama_cpp_ccache_dir differs from {first.name}'s; "
+                              "the lab binds one compiler cache into every rig")
+    path = PurePosixPath(str(setting))
+    # nspawn's --bind=SOURCE:DEST splits on ':'.
+    if not path.is_absolute() or ":" in str(path):
+        raise ConfigError(f"{first.name}: llama_cpp_ccache_dir {path} must be an absolute path without ':'")
+    return path
 
 
 def _stranger(name: str, spec: Any) -> RigSpec:
