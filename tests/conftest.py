@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from rigctl.inventory import Inventory
 
 REPO = Path(__file__).resolve().parent.parent
 LAB_INVENTORY = REPO / "inventory" / "lab"
+LAB_TESTS = REPO / "tests" / "lab"
 
 
 def lab_unavailable_reason() -> str | None:
@@ -23,6 +25,28 @@ def lab_unavailable_reason() -> str | None:
         if shutil.which(tool) is None:
             return f"the lab rigs need {tool}"
     return None
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Before the first test, the slow one-time work outside every test's time limit: the lab's (`rigctl lab
+    prepare`: base image, the lab's llama.cpp build) when lab tests are selected, and SmolLM2's HF checkout
+    with its tools venv when a test is marked ``hf_checkout``. Seconds when `make test` has just prepared,
+    and a lab test file run alone on a cold machine gets the same bounded tests."""
+    if session.config.option.collectonly:
+        return
+    if lab_unavailable_reason() is None and any(Path(item.path).parent == LAB_TESTS for item in session.items):
+        from rigctl.errors import RigctlError
+        from rigctl.lab_prepare import prepare
+
+        try:
+            prepare(Inventory.load(LAB_INVENTORY))
+        except RigctlError as exc:
+            pytest.exit(f"lab prepare failed: {exc}", returncode=1)
+    if any(item.get_closest_marker("hf_checkout") for item in session.items):
+        sys.path.insert(0, str(REPO / "tests" / "fixtures"))
+        from make_hf_checkout import make_checkout
+
+        make_checkout()
 
 
 @pytest.fixture

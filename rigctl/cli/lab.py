@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Annotated, NoReturn
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from rigctl.cli.common import console, load_inventory
 
@@ -53,6 +55,38 @@ def lab_down() -> None:
 def lab_status() -> None:
     """Each rig: running, sshd answering, systemd state."""
     _print_lab_status(_lab().status())
+
+
+@app.command("prepare")
+def lab_prepare() -> None:
+    """Make the lab's slow one-time things into the cache now: the base image and the lab's llama.cpp build
+    (compiled on a rig brought up for it and left as found). Seconds when the cache has them; `make test`
+    and `make demo` run this first, so no test's time limit pays for a cold compile."""
+    from rigctl.cli.render import print_event, print_task
+    from rigctl.lab_prepare import prepare
+
+    started = time.monotonic()
+    with console.status("lab prepare: base image") as status:
+        def on_task(task: str) -> None:
+            # A terminal sees the task in the spinner; a log (CI) gets one line per task.
+            if console.is_terminal:
+                status.update(f"lab prepare: llama.cpp build: {task} ({time.monotonic() - started:.0f} s)")
+            else:
+                print_task(task)
+
+        def on_step(step) -> None:
+            console.print(f"lab prepare: {step.name} {'made' if step.made else 'cached'} in {step.seconds:.1f} s",
+                          highlight=False)
+            status.update("lab prepare: llama.cpp build")
+
+        steps = prepare(load_inventory(), on_step=on_step, on_task=on_task,
+                        on_event=None if console.is_terminal else print_event)
+    table = Table(title=f"lab prepare: {time.monotonic() - started:.1f} s")
+    for column in ("step", "", "seconds", "what"):
+        table.add_column(column)
+    for step in steps:
+        table.add_row(step.name, "made" if step.made else "cached", f"{step.seconds:.1f}", Text(step.detail))
+    console.print(table)
 
 
 @app.command("image")

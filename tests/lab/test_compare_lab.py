@@ -16,7 +16,7 @@ from rigctl.results.store import ResultsStore
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 from make_hf_checkout import cache_dir, make_checkout, tools_python  # noqa: E402
 
-pytestmark = pytest.mark.lab
+pytestmark = [pytest.mark.lab, pytest.mark.hf_checkout]
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import wait_healthy
 
 from rigctl.build import parse_fact, read_builds, rollback
 from rigctl.deploy import DeployResult, ansible_env, run_playbook
@@ -270,6 +273,81 @@ def _build_the_stamped_pin(inv: Inventory, desktop: Host, original: str) -> str:
     else:  # compiled here for the first time
         assert misses > 5, misses
     return new
+
+
+COMPILE_UNIT = "llama-cpp-build.service"
+
+
+def _session_processes(session: int) -> list[str]:
+    """The command lines of this machine's processes in ``session`` (a process group's session id)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) == session:  # fields after the name: state ppid pgrp session ...
+                found.append((stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+def test_a_provision_killed_during_the_compile_leaves_nothing_the_next_run_keeps(
+        built: tuple[Inventory, DeployResult], tmp_path: Path) -> None:
+    """The controller dies hard mid-compile (rigctl, ansible-playbook and their SSH connections SIGKILLed at
+    once: an OOM kill, a closed lid): the next provision stops the compile it left, removes the half-built
+    tree and says so, builds, and the rig's server still answers; build status never shows the half build."""
+    inv, _ = built
+    desktop = inv.host("desktop")
+    original = current_target(desktop)
+    # A stamp no cache holds (a new build key): this provision must compile.
+    stamp = f"interrupted{os.getpid()}"
+    copy = tmp_path / "inventory"
+    shutil.copytree(inv.source, copy)
+    (copy / "group_vars" / "all" / "interrupted.yml").write_text(f"llama_cpp_build_commit: {stamp}\n")
+    interrupted = Inventory.load(copy)
+    argv = [str(Path(sys.executable).parent / "rigctl"), "-i", str(copy), "provision", "--limit", "desktop",
+            "--tags", "llama_cpp"]
+    controller = subprocess.Popen(argv, cwd=REPO, start_new_session=True, stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 900
+        while ssh(desktop, f"systemctl is-active {COMPILE_UNIT} || true").strip() != "active":
+            assert controller.poll() is None, f"provision ended (rc {controller.returncode}) before compiling"
+            assert time.monotonic() < deadline, "no compile within 900 s"
+            time.sleep(1)
+        time.sleep(3)  # well inside the compile: objects half-written, the tree unfinished
+    finally:
+        os.killpg(controller.pid, signal.SIGKILL)
+        controller.wait()
+    # Nothing of the killed provision runs on this machine any more.
+    deadline = time.monotonic() + 10
+    while _session_processes(controller.pid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _session_processes(controller.pid) == []
+    assert ssh(desktop, f"ls -A {BUILD_TREES}").strip(), "the kill left no build tree to clean"
+    assert read_builds(desktop).current.name == original  # build status: the half build is nowhere
+
+    said: list[str] = []
+    try:
+        result = run_playbook(interrupted, "site.yml", limit="desktop", tags=["llama_cpp"], timeout=BUILD_TIMEOUT,
+                              on_event=lambda event: said.append(event.message or ""))
+        assert result.succeeded, result.failures()
+        assert any("removed what an interrupted llama.cpp build left" in line and BUILD_TREES in line
+                   for line in said), said
+        new = current_target(desktop)
+        version = ssh(desktop, f"{INSTALL_ROOT}/current/bin/llama-server --version 2>&1")
+        assert new != original and f"commit {stamp})" in version, version
+        assert ssh(desktop, f"ls -A {BUILD_TREES}").strip() == ""
+        assert ".staging-" not in ssh(desktop, f"ls -A {INSTALL_ROOT}")
+        assert ssh(desktop, f"systemctl is-active {COMPILE_UNIT} || true").strip() != "active"
+        wait_healthy(inv, timeout=60)
+    finally:
+        stamped = current_target(desktop)
+        if stamped != original:
+            rollback(inv, "desktop")
+            # The stamped build's artifact is this test's alone: the controller's cache does not keep it.
+            (CONTROLLER_CACHE / "builds" / f"{stamped}.tar.gz").unlink(missing_ok=True)
+    assert current_target(desktop) == original
 
 
 # ------------------------------------------------------------------------ CUDA configure, controller-side

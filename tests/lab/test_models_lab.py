@@ -30,6 +30,7 @@ from models_support import gguf_reader_summary  # noqa: E402
 REVISION = "0123456789abcdef0123456789abcdef01234567"
 CALIBRATION = Path(__file__).resolve().parents[1] / "fixtures" / "calibration.txt"
 BRIDGE = f"10.213.{os.environ.get('RIGCTL_LAB_SLOT') or 0}.1"
+pytestmark = pytest.mark.hf_checkout
 
 
 # ------------------------------------------------------------------------------------------- lab
@@ -41,7 +42,7 @@ def checkout() -> Path:
 
 
 @pytest.fixture
-def inv_dir(tmp_path, lab_up, checkout) -> Path:
+def inv_dir(tmp_path, lab_served, checkout) -> Path:
     """A copy of the lab inventory whose catalog has SmolLM2 as an hf and a controller checkout."""
     inv = tmp_path / "inventory"
     shutil.copytree(REPO / "inventory" / "lab", inv)
