@@ -17,6 +17,7 @@ import hashlib
 import json
 import re
 import secrets
+import sys
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -32,6 +33,12 @@ RunKind = Literal["bench", "eval", "spec", "server-speed", "load"]
 RunStatus = Literal["running", "done", "failed", "stopped", "lost"]
 CTX_FLAGS = ("-c", "--ctx-size")
 _CHUNK = 1 << 20
+#: Deepest nesting read from a record, a JSONL row or a host's answer: records nest a few levels, and what
+#: walks them afterwards (pydantic, dataclasses.asdict, json.dumps, rich) recurses once or more per level.
+JSON_DEPTH = 64
+#: Integers in them fit 64 bits (sizes, pids, seeds, counts): a longer one is no measurement, and float()
+#: or arithmetic on it fails far from where it was read.
+_INT_LOW, _INT_HIGH = -(2**63), 2**64 - 1
 
 
 def rigctl_version() -> str:
@@ -76,6 +83,39 @@ def flag_value(argv: list[str], names: tuple[str, ...]) -> str | None:
         elif eq and name in names:
             value = rest
     return value
+
+
+def parse_json(text: str, origin: str, *, check: bool = True) -> Any:
+    """``text`` as JSON within :func:`check_json`'s bounds: json.JSONDecodeError when it is not JSON at all
+    (callers say that in their own words), ConfigError naming ``origin`` when it is past a bound.
+    ``check=False`` for a document whose parts are checked one by one (a host's run listing: one deep
+    record is that run's refusal, not the host's); json.loads' own limits still come out as ConfigError."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        raise
+    except RecursionError:
+        raise ConfigError(f"{origin}: JSON nested deeper than {JSON_DEPTH} levels") from None
+    except ValueError:  # json.loads' one other ValueError: an integer past Python's digit limit
+        raise ConfigError(f"{origin}: an integer of more than {sys.get_int_max_str_digits()} digits") from None
+    if check:
+        check_json(value, origin)
+    return value
+
+
+def check_json(value: Any, origin: str) -> None:
+    """ConfigError naming ``origin`` when ``value`` (as json.loads makes it) nests deeper than
+    :data:`JSON_DEPTH` or holds an integer past 64 bits. Iterative: the check itself never recurses."""
+    stack: list[tuple[Any, int]] = [([value], 0)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > JSON_DEPTH:
+            raise ConfigError(f"{origin}: JSON nested deeper than {JSON_DEPTH} levels")
+        for child in item.values() if isinstance(item, dict) else item:
+            if isinstance(child, dict | list):
+                stack.append((child, depth + 1))
+            elif type(child) is int and not _INT_LOW <= child <= _INT_HIGH:
+                raise ConfigError(f"{origin}: an integer of {child.bit_length()} bits (at most 64 are read)")
 
 
 @dataclass
@@ -232,6 +272,7 @@ class RunRecord:
         """``data`` (any version) checked against the record's types (ConfigError naming ``origin`` and the key)."""
         if not isinstance(data, dict):
             raise ConfigError(f"{origin}: a run record is a JSON object, not {type(data).__name__}")
+        check_json(data, origin)  # a record from a host's listing is bounded as one read from a file
         data = upgrade(data, origin)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(str(k) for k in set(data) - known)
@@ -250,7 +291,7 @@ class RunRecord:
     def load(cls, run_dir: Path) -> RunRecord:
         path = run_dir / RUN_FILE
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = parse_json(path.read_text(encoding="utf-8"), str(path))
         except FileNotFoundError:
             raise ConfigError(f"{run_dir}: no {RUN_FILE} (not a run directory)") from None
         except UnicodeDecodeError as exc:
@@ -334,6 +375,8 @@ def upgrade(data: dict[str, Any], origin: str = "run record") -> dict[str, Any]:
                           f"(1..{RECORD_VERSION})")
     out = {k: v for k, v in data.items() if k != "server"}
     out["version"] = RECORD_VERSION
+    if not isinstance(data.get("extra") or {}, dict):
+        raise ConfigError(f"{origin}: extra: a {type(data['extra']).__name__}, not a JSON object")
     extra = out["extra"] = dict(data.get("extra") or {})
     left: dict[str, Any] = {}
     for key, cls in (("gpu", Gpu), ("llama_cpp", LlamaCppBuild)):
