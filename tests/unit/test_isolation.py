@@ -362,3 +362,26 @@ def test_mcp_list_results_gives_a_bad_run_its_error_and_lists_the_rest(tmp_path:
     assert runs[GOOD_A]["score"] == 0.5 and "error" not in runs[GOOD_A]
     assert "answers.jsonl:1: JSON nested deeper than 64 levels" in runs[bad.name]["error"]
     assert tools.compare_runs(GOOD_A, GOOD_B)["overall"]["n"] == 20
+
+
+# ----------------------------------------------------------------------------------------------- models
+
+
+@pytest.mark.parametrize("hostile", ["[1]", "not json", nested(200_000), "an artifact's entry not an object"])
+def test_one_hosts_unreadable_model_answer_leaves_the_others_listed(monkeypatch, hostile: str) -> None:
+    from rigctl.models import list_artifacts
+
+    inventory = Inventory.load(LAB_INVENTORY)
+    if hostile.startswith("an artifact"):
+        hostile = json.dumps({inventory.host("laptop").artifacts[0].name: 5})
+    answers = {"desktop": "{}", "laptop": hostile}
+
+    @contextlib.contextmanager
+    def session(host: Host, client: object = None):
+        yield _FakeHost(host.name, answers[host.name])
+
+    monkeypatch.setattr("rigctl.ssh.session", session)
+    outcome = list_artifacts(inventory)
+    assert [s.artifact for s in outcome["desktop"]] and all(s.manifest is None for s in outcome["desktop"])
+    assert isinstance(outcome["laptop"], RigctlError) and str(outcome["laptop"]).startswith("laptop: ")
+    assert "\n" not in str(outcome["laptop"])
