@@ -83,7 +83,15 @@ from rigctl.errors import (
 )
 from rigctl.hostside import ship
 from rigctl.inventory import Host, Inventory
-from rigctl.results.record import RUN_FILE, RUN_ID, RunKind, RunRecord, new_run_id, parse_json, rigctl_version
+from rigctl.results.record import (
+    RUN_FILE,
+    RUN_ID,
+    RunKind,
+    RunRecord,
+    new_run_id,
+    parse_json,
+    rigctl_version,
+)
 from rigctl.results.store import ResultsStore, read_jsonl
 from rigctl.ssh import SshClient, on_each_host, session
 from rigctl.trust import inside, relative_path
@@ -215,7 +223,7 @@ def start(host: Host, spec: JobSpec, *, job_id: str | None = None, client: SshCl
                 ssh.put(path, f"{job_dir}/{name}", timeout=TRANSFER_TIMEOUT)
         result = ssh.run(ship.python_command("jobhost", "start"), timeout=COMMAND_TIMEOUT, check=True,
                          input=json.dumps(sources))
-        answer = json.loads(result.stdout)
+        answer = parse_json(result.stdout, f"{host.name}: its answer to starting {job_id}")
         if "started" not in answer:
             if "refused" in answer:
                 raise JobBusyError(host.name, str(spec.lock), str(answer["refused"].get("job")))
@@ -241,7 +249,7 @@ def _list(host: Host, only: str | None, client: SshClient | None) -> list[JobInf
     cmd = ship.python_command("jobhost", "list", JOBS_DIR, *([only] if only else []))
     with session(host, client) as ssh:
         result = ssh.run(cmd, timeout=COMMAND_TIMEOUT, check=True)
-    return [parse_job(host.name, entry) for entry in json.loads(result.stdout)]
+    return [parse_job(host.name, entry) for entry in parse_json(result.stdout, f"{host.name}: its job list")]
 
 
 def _progress_key(info: JobInfo | None) -> str:
@@ -253,8 +261,8 @@ def _wait_change(host: Host, job_id: str, last: JobInfo | None, hold_s: float, p
                  ssh: SshClient) -> JobInfo:
     """The job once its progress differs from ``last`` (or after ``hold_s``), waited for on the host."""
     cmd = ship.python_command("jobhost", "wait", JOBS_DIR, job_id, _progress_key(last), f"{hold_s:g}", f"{poll_s:g}")
-    found = [parse_job(host.name, e) for e in json.loads(ssh.run(cmd, timeout=hold_s + COMMAND_TIMEOUT,
-                                                                  check=True).stdout)]
+    answer = ssh.run(cmd, timeout=hold_s + COMMAND_TIMEOUT, check=True).stdout
+    found = [parse_job(host.name, e) for e in parse_json(answer, f"{host.name}: its job {job_id}")]
     if not found:
         raise JobError(f"{host.name}: no job {job_id} under {JOBS_DIR}")
     return found[0]
@@ -376,7 +384,7 @@ def _list_runs(ssh: SshClient, remote_root: str, inline_limit: int, only: list[s
     out = ssh.run(ship.python_command("jobhost", "runs", remote_root, UNIT_PREFIX, str(inline_limit), *only),
                   timeout=COMMAND_TIMEOUT, check=True).stdout
     try:
-        listing = parse_json(out, f"{ssh.host}: the run listing of {remote_root}", check=False)
+        listing = parse_json(out, f"{ssh.host}: the run listing of {remote_root}", deferred=True)
     except json.JSONDecodeError:
         listing = None
     if not isinstance(listing, dict):

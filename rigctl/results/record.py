@@ -17,7 +17,6 @@ import hashlib
 import json
 import re
 import secrets
-import sys
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -36,6 +35,9 @@ _CHUNK = 1 << 20
 #: Deepest nesting read from a record, a JSONL row or a host's answer: records nest a few levels, and what
 #: walks them afterwards (pydantic, dataclasses.asdict, json.dumps, rich) recurses once or more per level.
 JSON_DEPTH = 64
+#: How deep a document whose parts are checked one by one may nest (a run listing holds its records two
+#: levels down): far below where json.loads would recurse out of a thread's stack.
+DEFERRED_DEPTH = 8 * JSON_DEPTH
 #: Integers in them fit 64 bits (sizes, pids, seeds, counts): a longer one is no measurement, and float()
 #: or arithmetic on it fails far from where it was read.
 _INT_LOW, _INT_HIGH = -(2**63), 2**64 - 1
@@ -85,22 +87,71 @@ def flag_value(argv: list[str], names: tuple[str, ...]) -> str | None:
     return value
 
 
-def parse_json(text: str, origin: str, *, check: bool = True) -> Any:
-    """``text`` as JSON within :func:`check_json`'s bounds: json.JSONDecodeError when it is not JSON at all
-    (callers say that in their own words), ConfigError naming ``origin`` when it is past a bound.
-    ``check=False`` for a document whose parts are checked one by one (a host's run listing: one deep
-    record is that run's refusal, not the host's); json.loads' own limits still come out as ConfigError."""
+def parse_json(text: str, origin: str, *, deferred: bool = False) -> Any:
+    """``text`` as JSON nested at most :data:`JSON_DEPTH` levels, its integers 64-bit: json.JSONDecodeError
+    when it is not JSON at all (callers say that in their own words), ConfigError naming ``origin`` when it
+    is past a bound. The nesting is measured on the text before it is parsed, so the parser never recurses
+    past it: no RecursionError is left for a thread to survive (in this repository's tests, on CPython
+    3.11.7, one raised while a fan-out read hosts at once came with a SystemError from ast.parse in another
+    host's thread).
+
+    ``deferred``: for a document whose parts are each held to the bounds later (:func:`check_json`; a host's
+    run listing, whose records :meth:`RunRecord.from_dict` checks, so one bad record is that run's refusal
+    and not the host's): it may nest :data:`DEFERRED_DEPTH` levels, and an integer past 64 bits is kept as
+    a :class:`WideInteger` for the check to refuse."""
+    limit = DEFERRED_DEPTH if deferred else JSON_DEPTH
+    if _nests_deeper(text, limit):
+        raise ConfigError(f"{origin}: JSON nested deeper than {limit} levels")
     try:
-        value = json.loads(text)
+        return json.loads(text, parse_int=_wide_kept if deferred else _int64)
     except json.JSONDecodeError:
         raise
-    except RecursionError:
-        raise ConfigError(f"{origin}: JSON nested deeper than {JSON_DEPTH} levels") from None
-    except ValueError:  # json.loads' one other ValueError: an integer past Python's digit limit
-        raise ConfigError(f"{origin}: an integer of more than {sys.get_int_max_str_digits()} digits") from None
-    if check:
-        check_json(value, origin)
+    except ValueError as exc:  # _int64's
+        raise ConfigError(f"{origin}: {exc}") from None
+
+
+#: A JSON string (escapes included), and what nests.
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+_JSON_BRACKET = re.compile(r"[\[\]{}]")
+
+
+def _nests_deeper(text: str, limit: int) -> bool:
+    """Whether ``text``'s arrays and objects nest deeper than ``limit``, strings skipped. After an
+    unterminated string (a torn line) nothing is counted: json.loads refuses it there anyway."""
+    if text.count("[") + text.count("{") <= limit:  # the common case, at C speed
+        return False
+    outside = _JSON_STRING.sub("", text)
+    torn = outside.find('"')
+    depth = 0
+    for bracket in _JSON_BRACKET.findall(outside if torn < 0 else outside[:torn]):
+        depth += 1 if bracket in "[{" else -1
+        if depth > limit:
+            return True
+    return False
+
+
+class WideInteger(str):
+    """An integer literal past 64 bits in a deferred document: its text, for :func:`check_json` to refuse."""
+
+    def refusal(self) -> str:
+        if len(self.lstrip("-")) > 20:
+            return f"an integer of {len(self.lstrip('-'))} digits (at most 64 bits are read)"
+        return f"an integer of {int(self).bit_length()} bits (at most 64 are read)"
+
+
+def _int64(digits: str) -> int:
+    """A JSON integer literal, refused past 64 bits before Python converts it (a 5,001-digit one would
+    exceed Python's own digit limit; a 30-digit one breaks float() far from here)."""
+    value = _wide_kept(digits)
+    if isinstance(value, WideInteger):
+        raise ValueError(value.refusal())
     return value
+
+
+def _wide_kept(digits: str) -> int | WideInteger:
+    if len(digits.lstrip("-")) > 20 or not _INT_LOW <= int(digits) <= _INT_HIGH:
+        return WideInteger(digits)
+    return int(digits)
 
 
 def check_json(value: Any, origin: str) -> None:
@@ -114,6 +165,8 @@ def check_json(value: Any, origin: str) -> None:
         for child in item.values() if isinstance(item, dict) else item:
             if isinstance(child, dict | list):
                 stack.append((child, depth + 1))
+            elif isinstance(child, WideInteger):
+                raise ConfigError(f"{origin}: {child.refusal()}")
             elif type(child) is int and not _INT_LOW <= child <= _INT_HIGH:
                 raise ConfigError(f"{origin}: an integer of {child.bit_length()} bits (at most 64 are read)")
 
@@ -401,6 +454,8 @@ def upgrade(data: dict[str, Any], origin: str = "run record") -> dict[str, Any]:
                 if key in server:
                     extra.setdefault(key, server.pop(key))
             entries, server = [server], {}
+        if not isinstance(entries, list):
+            raise ConfigError(f"{origin}: server: its members are a {type(entries).__name__}, not a list")
         out["servers"] = [_v1_server(e, left, f"server.{i}") for i, e in enumerate(entries)]
         if server:
             left["server"] = server

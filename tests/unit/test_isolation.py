@@ -31,6 +31,7 @@ from rigctl.exporter import Exporter, ResultsReader
 from rigctl.inventory import Host, Inventory
 from rigctl.mcp_server import FleetTools
 from rigctl.results.record import (
+    DEFERRED_DEPTH,
     JSON_DEPTH,
     RUN_FILE,
     Artifact,
@@ -61,9 +62,9 @@ def nested(depth: int) -> str:
 #: Python's integer digit limit, past JSON_DEPTH but inside json's limit, an integer past 64 bits.
 HOSTILE_RECORDS = {
     "deep": (nested(200_000), "nested deeper than 64 levels"),
-    "digits": ('{"seed": ' + "9" * 5001 + "}", "an integer of more than 4300 digits"),
+    "digits": ('{"seed": ' + "9" * 5001 + "}", "an integer of 5001 digits (at most 64 bits are read)"),
     "extra": (None, "nested deeper than 64 levels"),
-    "wide": (None, "an integer of 100 bits"),
+    "wide": (None, "an integer of 65 bits (at most 64 are read)"),
 }
 
 
@@ -73,7 +74,7 @@ def _hostile_store(root: Path) -> list[Path]:
     eval_run(root, "desktop", GOOD_B, "m-b", [{**r, "score": 1} for r in ROWS])
     good = json.loads((root / "desktop" / GOOD_A / RUN_FILE).read_text())
     texts = {"extra": json.dumps({**good, "extra": {"x": json.loads(nested(200))}}),
-             "wide": json.dumps({**good, "seed": 2**99})}
+             "wide": json.dumps({**good, "seed": 2**64})}
     dirs = []
     for n, (name, (text, _)) in enumerate(HOSTILE_RECORDS.items()):
         run_dir = root / "laptop" / f"eval-20261201T0{n}0000Z-{name[:4].ljust(4, 'f')}"
@@ -99,7 +100,28 @@ def test_the_json_bounds_are_exact() -> None:
         check_json(2**64, "x")
     with pytest.raises(json.JSONDecodeError):  # not JSON at all: the caller names it in its own words
         parse_json("{", "x")
-    assert parse_json(nested(JSON_DEPTH + 1), "x", check=False) is not None  # a listing's parts are checked later
+    # A deferred document (a run listing) nests deeper, and keeps a wide integer for check_json to refuse.
+    listing = parse_json('{"r": {"seed": ' + "9" * 5001 + ', "extra": ' + nested(100) + "}}", "x", deferred=True)
+    with pytest.raises(ConfigError, match="^r: an integer of 5001 digits"):
+        check_json(listing["r"], "r")
+    assert parse_json(str(-(2**63)), "x") == -(2**63) and parse_json("1.5e999", "x") == float("inf")
+
+
+def test_nesting_is_measured_before_parsing_strings_and_torn_lines_aside(monkeypatch) -> None:
+    import rigctl.results.record as record
+
+    # Brackets inside strings, escaped quotes included, do not nest.
+    text = json.dumps(["[" * 1000, '\\"{' * 500, {"k": "]" * 50}])
+    assert parse_json(text, "x") == json.loads(text)
+    # A torn line (an unterminated string) is json's to refuse, whatever brackets the string held.
+    with pytest.raises(json.JSONDecodeError):
+        parse_json('{"reply": "' + "[" * 1000, "x")
+    # Too deep: refused before json.loads is called at all, so the parser never recurses past the bound.
+    monkeypatch.setattr(record.json, "loads", lambda *a, **k: pytest.fail("parsed a document past the bound"))
+    with pytest.raises(ConfigError, match="^x: JSON nested deeper than 64 levels$"):
+        parse_json(nested(200_000), "x")
+    with pytest.raises(ConfigError, match="nested deeper than 64 levels"):
+        parse_json('{"a": ' + nested(65) + "}", "x")
 
 
 def test_hostile_records_are_skipped_and_compare_of_two_good_runs_works(tmp_path: Path, caplog) -> None:
@@ -129,7 +151,7 @@ def test_hostile_rows_and_bench_output_are_one_error_naming_file_and_line(tmp_pa
     with pytest.raises(ConfigError, match=f"^{answers}:2: JSON nested deeper than 64 levels$"):
         read_jsonl(answers)
     answers.write_text('{"id": "q0", "set": "s", "score": ' + "1" * 5001 + "}\n" + json.dumps(ROWS[1]) + "\n")
-    with pytest.raises(ConfigError, match=f"^{answers}:1: an integer of more than"):
+    with pytest.raises(ConfigError, match=f"^{answers}:1: an integer of 5001 digits"):
         read_jsonl(answers)
 
     root = tmp_path / "results"
@@ -217,12 +239,12 @@ def test_one_bad_run_or_host_costs_only_itself_in_pull(tmp_path: Path, monkeypat
         run(4, 4): _listing_entry("mixed", run(4, 4), ok, extra={"deep": json.loads(nested(200))}),
         run(5, 5): _listing_entry("mixed", run(5, 5), {"cells.jsonl": b"tampered"}, listed=ok),
         run(6, 6): _listing_entry("mixed", run(6, 6), ok, seed=10**30),
+        run(7, 7): _listing_entry("mixed", run(7, 7), ok, seed=123456789),  # made 5,001 digits in the text
     }
     answers = {
         "good": json.dumps({run(1, 1): _listing_entry("good", run(1, 1), ok)}),
-        "mixed": json.dumps(mixed),
+        "mixed": json.dumps(mixed).replace('"seed": 123456789', '"seed": ' + "7" * 5001),
         "deep": "{" + '"a": [' + nested(200_000) + "]}",
-        "digits": '{"a": ' + "7" * 5001 + "}",
         "broken": RuntimeError("a bug a host's answer found"),
     }
 
@@ -242,11 +264,12 @@ def test_one_bad_run_or_host_costs_only_itself_in_pull(tmp_path: Path, monkeypat
     assert "File name too long" in refused[run(3, 3)]
     assert "nested deeper than 64 levels" in refused[run(4, 4)]
     assert "sha256 is" in refused[run(5, 5)]
-    assert "an integer of 100 bits" in refused[run(6, 6)]
+    assert "an integer of 31 digits" in refused[run(6, 6)]
+    assert "an integer of 5001 digits" in refused[run(7, 7)]
     assert all(line.startswith(f"mixed: run {rid!r} refused: ") and "\n" not in line for rid, line in refused.items())
     # Nothing of a refused run is left behind: no run directory, no staging directory.
     assert sorted(os.listdir(store.root / "mixed")) == [run(1, 1)]
-    for name, needle in (("deep", "nested deeper than 64 levels"), ("digits", "an integer of more than"),
+    for name, needle in (("deep", f"nested deeper than {DEFERRED_DEPTH} levels"),
                          ("broken", "broken: RuntimeError: a bug a host's answer found")):
         assert isinstance(outcome[name], RigctlError) and needle in str(outcome[name]), outcome[name]
         assert "\n" not in str(outcome[name])
