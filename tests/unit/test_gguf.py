@@ -212,3 +212,19 @@ def test_any_bytes_are_a_header_or_the_readers_own_error(tmp_path: Path, data: b
             assert str(exc) and "\n" not in str(exc)
             continue
         assert set(parsed) >= {"version", "meta", "tensor_count", "kv_count", "size"}
+
+
+@pytest.mark.parametrize(("meta", "why"), [
+    ({"llama.block_count": "many"}, "ValueError"),
+    ({"llama.block_count": 2**62}, "block_count 4611686018427387904"),
+    ({"llama.block_count": [1, 2]}, "TypeError"),
+    ({"llama.block_count": 2, "llama.attention.head_count": []}, "IndexError"),
+    ({"llama.block_count": 2, "llama.attention.head_count_kv": [[1]]}, "TypeError"),
+])
+def test_the_vram_estimate_refuses_metadata_of_another_shape_as_a_gguf_error(meta: dict, why: str) -> None:
+    vram = role_modules.load(REPO / "roles/llama_server/library/llama_server_vram.py", "llama_server_vram")
+    header = {"meta": {"general.architecture": "llama", **meta}, "tensors": []}
+    with pytest.raises(gguf.GGUFError, match=f"its metadata is not a model shape this estimate reads .*{why}"):
+        vram.model_shape(header)
+    # A value too long to keep (kept as its length) is no shape either, never a crash.
+    assert vram.model_shape({"meta": {"general.architecture": {"length": 5000}}, "tensors": []})["n_layer"] == 0
