@@ -149,9 +149,12 @@ def _int64(digits: str) -> int:
 
 
 def _wide_kept(digits: str) -> int | WideInteger:
-    if len(digits.lstrip("-")) > 20 or not _INT_LOW <= int(digits) <= _INT_HIGH:
+    """A JSON integer literal as an int, or as a WideInteger past 64 bits (never converted when longer
+    than any 64-bit integer)."""
+    if len(digits.lstrip("-")) > 20:
         return WideInteger(digits)
-    return int(digits)
+    value = int(digits)
+    return value if _INT_LOW <= value <= _INT_HIGH else WideInteger(digits)
 
 
 def check_json(value: Any, origin: str) -> None:
