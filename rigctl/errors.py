@@ -139,3 +139,21 @@ class ProbeError(RigctlError):
 class EnrollError(RigctlError):
     """A host cannot be added to (or removed from) the inventory: first contact, bootstrap or the
     inventory files refused it."""
+
+
+#: The longest one-line description of an exception rigctl did not raise on purpose (a host's answer or a
+#: record can make its message as long as it likes).
+ONE_LINE_MAX = 300
+
+
+def one_line(exc: BaseException) -> str:
+    """``exc`` as the one line a fan-out reports for the host or record it came from: rigctl's own message,
+    an OSError's reason and file, else the exception's type and message; whitespace folded, capped."""
+    if isinstance(exc, RigctlError):
+        text = str(exc)
+    elif isinstance(exc, OSError) and exc.strerror:
+        text = f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror
+    else:
+        text = f"{type(exc).__name__}: {exc}"
+    text = " ".join(text.split())
+    return text if len(text) <= ONE_LINE_MAX else text[:ONE_LINE_MAX - 3] + "..."

@@ -41,13 +41,13 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
 from rigctl.build import Builds, parse_fact
-from rigctl.errors import ConfigError, RigctlError
+from rigctl.errors import ConfigError, RigctlError, one_line
 from rigctl.hostside import ship
 from rigctl.hostside.llama_cpp_fact import FACT_PATH
 from rigctl.inventory import Host, Inventory
 from rigctl.inventory.profiles import unit_name
 from rigctl.models import expected_sha256, parse_manifest
-from rigctl.results.record import ANSWERS_FILE
+from rigctl.results.record import ANSWERS_FILE, parse_json
 from rigctl.results.store import ResultsStore, StoredRun, read_jsonl
 from rigctl.servers import UNIT_PROPERTIES, UnitState, parse_unit_show
 
@@ -283,7 +283,8 @@ def eval_score(run: StoredRun) -> EvalScore | None:
 
 
 class ResultsReader:
-    """The latest bench and eval results of a results store; finished runs are parsed once."""
+    """The latest bench and eval results of a results store; finished runs are parsed once, and a run
+    whose files cannot be read (whatever they hold) is left out with a warning naming it."""
 
     def __init__(self, store: ResultsStore):
         self.store = store
@@ -303,8 +304,8 @@ class ResultsReader:
                 if key not in self._bench:
                     try:
                         self._bench[key] = bench_results(run)
-                    except (RigctlError, OSError, ValueError) as exc:
-                        log.warning("skipping bench run %s: %s", key, exc)
+                    except Exception as exc:  # one run's files, whatever they hold, cost only that run
+                        log.warning("skipping bench run %s: %s", key, one_line(exc))
                         self._bench[key] = []
                 for result in self._bench[key]:
                     slot = (result.host, result.artifact, result.test, result.config)
@@ -314,8 +315,8 @@ class ResultsReader:
                 if key not in self._evals:
                     try:
                         self._evals[key] = eval_score(run)
-                    except (RigctlError, OSError, ValueError) as exc:
-                        log.warning("skipping eval run %s: %s", key, exc)
+                    except Exception as exc:  # one run's files, whatever they hold, cost only that run
+                        log.warning("skipping eval run %s: %s", key, one_line(exc))
                         self._evals[key] = None
                 score = self._evals[key]
                 if score is not None:
@@ -584,15 +585,15 @@ class Exporter:
         results_error = None
         try:
             bench, evals = self.results.latest()
-        except (RigctlError, OSError, ValueError) as exc:
-            bench, evals, results_error = [], [], str(exc)
-            log.warning("results store %s: %s", self.results.store.root, exc)
+        except Exception as exc:  # the store unreadable costs its results, never the hosts' metrics
+            bench, evals, results_error = [], [], one_line(exc)
+            log.warning("results store %s: %s", self.results.store.root, results_error)
         remaining = max(0.0, self.host_timeout + 1.0 - (time.monotonic() - started))
         wait_futures(futures.values(), timeout=remaining)
         hosts: dict[str, HostFacts] = {}
         for name, future in futures.items():
             if future.done():
-                hosts[name] = future.result()
+                hosts[name] = self._answered(name, future, started)
             else:
                 hosts[name] = HostFacts(name, up=False, error=f"no answer within {self.host_timeout:g}s",
                                         duration_seconds=time.monotonic() - started)
@@ -604,6 +605,18 @@ class Exporter:
             self._snapshot, self._static = snapshot, static
             self.collections += 1
         return snapshot
+
+    @staticmethod
+    def _answered(name: str, future: Future[HostFacts], started: float) -> HostFacts:
+        """A finished probe's facts; whatever a host's answer provoked in reading it blanks that host only."""
+        try:
+            return future.result()
+        except Exception as exc:
+            error = one_line(exc)
+            if not isinstance(exc, RigctlError):
+                error = f"its probe answer cannot be read: {error}"
+            log.warning("%s: %s", name, error)
+            return HostFacts(name, up=False, error=error, duration_seconds=time.monotonic() - started)
 
     def _probe_host(self, host: Host) -> HostFacts:
         from rigctl.ssh import SshClient
@@ -626,10 +639,13 @@ class Exporter:
             with SshClient.for_host(host, connect_timeout=self.host_timeout, retries=0,
                                     channel_timeout=self.host_timeout) as ssh:
                 result = ssh.run(cmd, timeout=self.host_timeout)
-            raw = json.loads(result.stdout)
-        except (RigctlError, ValueError, OSError) as exc:
+        except (RigctlError, OSError) as exc:
             log.info("%s: down: %s", host.name, exc)
             return HostFacts(host.name, up=False, error=str(exc), duration_seconds=time.monotonic() - started)
+        # An answer that cannot be read raises: collect_once makes it this host's error (_answered).
+        raw = parse_json(result.stdout, "its probe answer")
+        if not isinstance(raw, dict):
+            raise ConfigError(f"its probe answer is a JSON {type(raw).__name__}, not an object")
         facts = self._facts(host, raw)
         facts.duration_seconds = time.monotonic() - started
         return facts
@@ -693,11 +709,15 @@ class Exporter:
         cmd = ship.python_command("model_files", "hash", json.dumps(files))
         try:
             with SshClient.for_host(host, connect_timeout=self.host_timeout, retries=0) as ssh:
-                hashed = json.loads(ssh.run(cmd, timeout=self.hash_timeout).stdout)
+                hashed = parse_json(ssh.run(cmd, timeout=self.hash_timeout).stdout, f"{host.name}: its model hashes")
         except (RigctlError, ValueError, OSError) as exc:
             log.info("%s: model hashes not read: %s", host.name, exc)
             return
+        if not isinstance(hashed, dict):
+            log.warning("%s: its model hashes are a JSON %s, not an object", host.name, type(hashed).__name__)
+            return
         for path, sha in hashed.items():
-            self._hashes[(host.name, path)] = (_stat_key(files[path]) or (), str(sha))
+            if path in files and isinstance(sha, str):  # only what was asked, as the one shape it has
+                self._hashes[(host.name, path)] = (_stat_key(files[path]) or (), sha)
         log.debug("%s: hashed %d model files", host.name, len(hashed))
 

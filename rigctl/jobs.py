@@ -67,14 +67,31 @@ import shutil
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from types import MappingProxyType
 from typing import Any
 
-from rigctl.errors import ConfigError, ConnectError, JobBusyError, JobError, RigctlError, TransferError, TrustError
+from rigctl.errors import (
+    ConfigError,
+    ConnectError,
+    JobBusyError,
+    JobError,
+    RigctlError,
+    TransferError,
+    TrustError,
+    one_line,
+)
 from rigctl.hostside import ship
 from rigctl.inventory import Host, Inventory
-from rigctl.results.record import RUN_FILE, RUN_ID, RunKind, RunRecord, new_run_id, rigctl_version
+from rigctl.results.record import (
+    RUN_FILE,
+    RUN_ID,
+    RunKind,
+    RunRecord,
+    new_run_id,
+    parse_json,
+    rigctl_version,
+)
 from rigctl.results.store import ResultsStore, read_jsonl
 from rigctl.ssh import SshClient, on_each_host, session
 from rigctl.trust import inside, relative_path
@@ -206,7 +223,7 @@ def start(host: Host, spec: JobSpec, *, job_id: str | None = None, client: SshCl
                 ssh.put(path, f"{job_dir}/{name}", timeout=TRANSFER_TIMEOUT)
         result = ssh.run(ship.python_command("jobhost", "start"), timeout=COMMAND_TIMEOUT, check=True,
                          input=json.dumps(sources))
-        answer = json.loads(result.stdout)
+        answer = parse_json(result.stdout, f"{host.name}: its answer to starting {job_id}")
         if "started" not in answer:
             if "refused" in answer:
                 raise JobBusyError(host.name, str(spec.lock), str(answer["refused"].get("job")))
@@ -232,7 +249,7 @@ def _list(host: Host, only: str | None, client: SshClient | None) -> list[JobInf
     cmd = ship.python_command("jobhost", "list", JOBS_DIR, *([only] if only else []))
     with session(host, client) as ssh:
         result = ssh.run(cmd, timeout=COMMAND_TIMEOUT, check=True)
-    return [parse_job(host.name, entry) for entry in json.loads(result.stdout)]
+    return [parse_job(host.name, entry) for entry in parse_json(result.stdout, f"{host.name}: its job list")]
 
 
 def _progress_key(info: JobInfo | None) -> str:
@@ -244,8 +261,8 @@ def _wait_change(host: Host, job_id: str, last: JobInfo | None, hold_s: float, p
                  ssh: SshClient) -> JobInfo:
     """The job once its progress differs from ``last`` (or after ``hold_s``), waited for on the host."""
     cmd = ship.python_command("jobhost", "wait", JOBS_DIR, job_id, _progress_key(last), f"{hold_s:g}", f"{poll_s:g}")
-    found = [parse_job(host.name, e) for e in json.loads(ssh.run(cmd, timeout=hold_s + COMMAND_TIMEOUT,
-                                                                  check=True).stdout)]
+    answer = ssh.run(cmd, timeout=hold_s + COMMAND_TIMEOUT, check=True).stdout
+    found = [parse_job(host.name, e) for e in parse_json(answer, f"{host.name}: its job {job_id}")]
     if not found:
         raise JobError(f"{host.name}: no job {job_id} under {JOBS_DIR}")
     return found[0]
@@ -309,9 +326,10 @@ def pull(host: Host, store: ResultsStore | None = None, *, runs: Iterable[str] |
 
     What the host sends is data: a run whose id is not one rigctl makes or differs from its record's,
     whose record names another host, or whose record or ``cells.jsonl`` points outside the run is
-    refused (one line in ``refused``, for the caller to report) and nothing of it is written. Every
-    path is resolved and must stay in the store; files land 0644 and directories 0755 whatever their
-    mode on the host.
+    refused (one line in ``refused``, for the caller to report) and nothing of it is written; so is a run
+    whose copy fails in any other way (a name the filesystem refuses, a file that does not match), and
+    the host's other runs come home all the same. Every path is resolved and must stay in the store;
+    files land 0644 and directories 0755 whatever their mode on the host.
     """
     store = store or ResultsStore()
     result = PullResult(host=host.name)
@@ -346,9 +364,13 @@ def pull(host: Host, store: ResultsStore | None = None, *, runs: Iterable[str] |
                 record = _vetted_record(host.name, run_id, data)
                 inline = entry.get("inline") if isinstance(entry.get("inline"), dict) else {}
                 _copy_run(ssh, f"{remote_root}/{run_id}", host_dir, record, result, timeout, inline)
-            except (TrustError, ConfigError) as exc:
-                line = f"{host.name}: run {run_id!r} refused: {exc}"
+            except ConnectError:
+                raise  # the host is gone: that is the host's error, not each run's
+            except Exception as exc:  # whatever one run provokes is that run's line; the others still come
+                line = f"{host.name}: run {run_id!r} refused: {one_line(exc)}"
                 log.info("%s", line)
+                if not isinstance(exc, RigctlError):
+                    log.debug("%s: run %s: the traceback", host.name, run_id, exc_info=True)
                 result.refused.append(line)
                 if run_id in result.lost:
                     result.lost.remove(run_id)
@@ -362,7 +384,7 @@ def _list_runs(ssh: SshClient, remote_root: str, inline_limit: int, only: list[s
     out = ssh.run(ship.python_command("jobhost", "runs", remote_root, UNIT_PREFIX, str(inline_limit), *only),
                   timeout=COMMAND_TIMEOUT, check=True).stdout
     try:
-        listing = json.loads(out)
+        listing = parse_json(out, f"{ssh.host}: the run listing of {remote_root}", deferred=True)
     except json.JSONDecodeError:
         listing = None
     if not isinstance(listing, dict):
@@ -390,6 +412,11 @@ def _vetted_record(host: str, run_id: str, data: Any) -> RunRecord:
         if path == RUN_FILE or path in seen:
             raise TrustError(f"raw file {raw.path!r} is listed twice or is the record itself")
         seen.add(path)
+    # A file cannot also be a directory: `x` and `x/y` cannot both be copied.
+    directories = {str(parent) for path in seen for parent in PurePosixPath(path).parents}
+    both = sorted(seen & directories)
+    if both:
+        raise TrustError(f"raw file {both[0]!r} is also the directory of another raw file")
     return record
 
 
@@ -420,7 +447,7 @@ def _seal_lost(ssh: SshClient, job_id: str) -> dict[str, Any]:
                        f"{output[-1].strip() if output else f'exit {done.rc}'}")
     log.warning("%s: job %s died without sealing its run; sealed it as lost", ssh.host, job_id)
     try:
-        return json.loads(done.stdout)
+        return parse_json(done.stdout, "its record sealed as lost")
     except json.JSONDecodeError:
         raise TrustError("sealing it as lost printed no JSON record") from None
 
@@ -448,7 +475,7 @@ def _copy_run(
             bytes_ += raw.bytes
         _fetch(ssh, f"{remote}/{RUN_FILE}", staging / RUN_FILE, inline.get(RUN_FILE), None, timeout)
         # run.json may only have changed if the host rewrote the run since the listing: check again.
-        copied = _vetted_record(result.host, record.id, json.loads((staging / RUN_FILE).read_text()))
+        copied = _vetted_record(result.host, record.id, parse_json((staging / RUN_FILE).read_text(), RUN_FILE))
         if copied.files != record.files:
             raise JobError(f"{ssh.host}: run {record.id} changed on the host while it was pulled; pull again")
         _check_references(staging, copied)

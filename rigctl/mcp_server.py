@@ -25,7 +25,7 @@ from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import ToolAnnotations
 from pydantic import Field
 
-from rigctl.errors import ConfigError, RigctlError, TrustError
+from rigctl.errors import ConfigError, RigctlError, TrustError, one_line
 from rigctl.inventory import Host, Inventory
 from rigctl.results.record import RUN_ID
 from rigctl.results.store import ResultsStore, StoredRun
@@ -171,9 +171,14 @@ class FleetTools:
         return {"collected_in_seconds": round(snapshot.duration_seconds, 3), "hosts": out}
 
     def _health(self, host: Host, instance: Any) -> dict[str, Any]:
+        """One server's health; whatever its reply provokes is that server's status, not the fleet's error."""
         from rigctl.servers import probe
 
-        healthy, status, _model, _build = probe(instance, timeout=HEALTH_TIMEOUT)
+        try:
+            healthy, status, _model, _build = probe(instance, timeout=HEALTH_TIMEOUT)
+        except Exception as exc:
+            log.warning("fleet_status: %s/%s: %s", host.name, instance.name, one_line(exc))
+            return {"healthy": False, "status": one_line(exc)}
         return {"healthy": healthy, "status": status}
 
     def server_health(self, host_name: str, server: str) -> dict[str, Any]:
@@ -319,15 +324,19 @@ def _run_summary(run: StoredRun) -> dict[str, Any]:
         "artifacts": [a.name for a in record.artifacts],
         "llama_cpp": record.llama_cpp.version or record.llama_cpp.commit or None,
     }
-    if record.status == "done" and record.kind == "eval":
-        score = eval_score(run)
-        if score is not None:
-            summary["score"] = score.score
-            summary["questions"] = score.questions
-    elif record.status == "done" and record.kind == "bench":
-        summary["tokens_per_second"] = [{"artifact": b.artifact, "test": b.test, "config": b.config,
-                                         "mean": b.tokens_per_second}
-                                        for b in bench_results(run)]
+    try:
+        if record.status == "done" and record.kind == "eval":
+            score = eval_score(run)
+            if score is not None:
+                summary["score"] = score.score
+                summary["questions"] = score.questions
+        elif record.status == "done" and record.kind == "bench":
+            summary["tokens_per_second"] = [{"artifact": b.artifact, "test": b.test, "config": b.config,
+                                             "mean": b.tokens_per_second}
+                                            for b in bench_results(run)]
+    except Exception as exc:  # one run's unreadable files are that run's error; the listing completes
+        summary["error"] = one_line(exc)
+        log.warning("list_results: %s/%s: %s", run.host, run.id, summary["error"])
     return summary
 
 

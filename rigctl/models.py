@@ -13,7 +13,6 @@ import json
 import logging
 import re
 from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ import yaml
 from rigctl.errors import ConfigError, PinError, RigctlError
 from rigctl.hostside import ship
 from rigctl.inventory import SHA256, Host, Inventory
+from rigctl.results.record import parse_json
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,12 @@ def inspect_host(host: Host, *, rehash: bool, timeout: float = SSH_TIMEOUT) -> l
     cmd = ship.python_command("model_files", "inspect", json.dumps(paths), "1" if rehash else "0")
     with session(host) as ssh:
         result = ssh.run(cmd, timeout=timeout)
-    found = json.loads(result.stdout)
+    try:
+        found = parse_json(result.stdout, f"{host.name}: its model files")
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{host.name}: its model files: not JSON ({exc.msg})") from None
+    if not isinstance(found, dict):
+        raise ConfigError(f"{host.name}: its model files: a JSON {type(found).__name__}, not an object")
     statuses = []
     for name in names:
         entry = found.get(name, {})
@@ -157,17 +162,12 @@ def inspect_host(host: Host, *, rehash: bool, timeout: float = SSH_TIMEOUT) -> l
 
 
 def _fleet(inventory: Inventory, limit: str | None, *, rehash: bool) -> dict[str, list[ArtifactStatus] | RigctlError]:
-    hosts = inventory.select(limit)
+    from rigctl.ssh import on_each_host
 
-    def one(host: Host) -> list[ArtifactStatus] | RigctlError:
-        try:
-            return inspect_host(host, rehash=rehash)
-        except RigctlError as exc:  # one unreachable host never hides the others
-            return exc
-
-    # Hosts hash their files at the same time: a fleet check takes as long as its slowest host.
-    with ThreadPoolExecutor(max_workers=max(1, min(len(hosts), 16))) as pool:
-        return dict(zip([h.name for h in hosts], pool.map(one, hosts), strict=True))
+    # Hosts hash their files at the same time: a fleet check takes as long as its slowest host; one host
+    # unreachable, or answering what cannot be read, never hides the others.
+    return on_each_host(inventory.select(limit), lambda host: inspect_host(host, rehash=rehash), max_workers=16,
+                        thread_name_prefix="rigctl-models")
 
 
 def list_artifacts(inventory: Inventory, limit: str | None = None) -> dict[str, list[ArtifactStatus] | RigctlError]:

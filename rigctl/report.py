@@ -24,9 +24,10 @@ import logging
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -45,17 +46,21 @@ from rigctl.compare import (
     compare_pair,
     flip_counts,
     gap_points,
+    load_answers,
     p_text,
     points,
     ratio_text,
     run_scores,
     sample_file,
 )
-from rigctl.errors import RigctlError
+from rigctl.errors import ConfigError, RigctlError, one_line
 from rigctl.files import write_atomically
 from rigctl.results.record import RUN_FILE
 from rigctl.results.store import ResultsStore, StoredRun, read_jsonl
 from rigctl.stats import Interval, holm, verdict_text
+
+if TYPE_CHECKING:
+    from rigctl.bench.drafting import RaceRequest
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +136,8 @@ def _detectable(compared: list[_Compared]) -> str:
             + "; ".join(parts) + ".")
 
 
-def _scope(loaded: LoadedCampaign, found: Located, missing: list[str], compared: list[_Compared]) -> list[str]:
+def _scope(loaded: LoadedCampaign, found: Located, missing: list[str], unreadable: list[str],
+           compared: list[_Compared]) -> list[str]:
     campaign = loaded.campaign
     runs = found.runs()
     hosts = []
@@ -154,6 +160,7 @@ def _scope(loaded: LoadedCampaign, found: Located, missing: list[str], compared:
         _detectable(compared),
         f"Not measured: {', '.join(campaign.not_measured)}." if campaign.not_measured else "",
         f"Not pulled yet: {'; '.join(missing)}." if missing else "",
+        f"Left out, their files unreadable: {'; '.join(unreadable)}." if unreadable else "",
     ]
     return [" ".join(p for p in parts if p), ""]
 
@@ -561,7 +568,7 @@ def _flips_section(compared: list[_Compared], links: _Links, out_dir: Path) -> l
 def _drafting_section(loaded: LoadedCampaign, found: Located, links: _Links) -> list[str]:
     """Per race: each contender's decode t/s, speedup over the baseline (geometric mean of the per-prompt
     speedups), draft acceptance and greedy replies byte-identical to the baseline's, per temperature."""
-    from rigctl.bench.drafting import REQUESTS_FILE, RaceRequest, summarize_race
+    from rigctl.bench.drafting import REQUESTS_FILE, summarize_race
 
     campaign = loaded.campaign
     if not campaign.drafting:
@@ -574,7 +581,7 @@ def _drafting_section(loaded: LoadedCampaign, found: Located, links: _Links) -> 
             lines += ["Nothing pulled yet.", ""]
             continue
         path = run.path / REQUESTS_FILE
-        requests = [RaceRequest(**row) for row in read_jsonl(path)]
+        requests = _race_requests(run)
         file = [path]
         rows = []
         for row in summarize_race(requests, race.baseline):
@@ -742,6 +749,48 @@ def _runs_section(found: Located, links: _Links) -> list[str]:
 # ----------------------------------------------------------------------------------------------- build
 
 
+def _race_requests(run: StoredRun) -> list[RaceRequest]:
+    """A drafting race's requests (:class:`rigctl.bench.drafting.RaceRequest` each)."""
+    from rigctl.bench.drafting import REQUESTS_FILE, RaceRequest
+
+    path = run.path / REQUESTS_FILE
+    try:
+        return [RaceRequest(**row) for row in read_jsonl(path)]
+    except TypeError as exc:
+        raise ConfigError(f"{path}: not a drafting race's requests: {exc}") from None
+
+
+def _read_load_run(run: StoredRun) -> None:
+    from rigctl.bench.load import load_levels, load_requests
+
+    load_levels(run)
+    load_requests(run)
+
+
+#: What the sections read of a run of each kind: a run whose files cannot be read is left out up front,
+#: so one bad run costs its own rows and never the report.
+_READERS: dict[str, Callable[[StoredRun], object]] = {
+    "bench": load_run_samples, "eval": load_answers, "spec": _race_requests, "load": _read_load_run}
+
+
+def _leave_out_unreadable(found: Located) -> list[str]:
+    """Each located run that its section cannot read becomes not pulled (None), with a warning naming it;
+    one line per run left out, for the scope."""
+    left_out = []
+    for slots in (found.benches, found.evals, found.drafting, found.loads):
+        for key, run in slots.items():
+            if run is None:
+                continue
+            try:
+                _READERS[run.record.kind](run)
+            except Exception as exc:  # whatever a run's files provoke, the report goes on without it
+                line = f"{run.host}/{run.id} ({one_line(exc)})"
+                log.warning("report: leaving out %s", line)
+                left_out.append(line)
+                slots[key] = None
+    return left_out
+
+
 def build_report(loaded: LoadedCampaign, store: ResultsStore, out_dir: Path) -> Report:
     """Write ``out_dir/report.md`` and its charts from the pulled runs the campaign names."""
     campaign = loaded.campaign
@@ -750,6 +799,7 @@ def build_report(loaded: LoadedCampaign, store: ResultsStore, out_dir: Path) -> 
         for old in out_dir.glob(pattern):
             old.unlink()
     found = locate(loaded, store)
+    unreadable = _leave_out_unreadable(found)
     links = _Links(out_dir, store.root)
     missing = [f"bench {b} on {h}" for (b, h), r in found.benches.items() if r is None]
     missing += [f"eval {e} {t}" for (e, t), r in found.evals.items() if r is None]
@@ -774,7 +824,7 @@ def build_report(loaded: LoadedCampaign, store: ResultsStore, out_dir: Path) -> 
         forest = out_dir / "comparisons-forest.png"
         _forest_plot(forest, compared)
         charts.append(forest)
-    lines = [f"# {campaign.title}", "", *_scope(loaded, found, missing, compared), *speed, *quality,
+    lines = [f"# {campaign.title}", "", *_scope(loaded, found, missing, unreadable, compared), *speed, *quality,
              *_comparison_sections(loaded, compared, problems, links, forest),
              *_flips_section(compared, links, out_dir),
              *_drafting_section(loaded, found, links), *load, *_deployed_section(loaded, found, links),

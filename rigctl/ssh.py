@@ -39,7 +39,7 @@ from typing import Self, TypeVar
 import paramiko
 
 from rigctl.connections import current as current_connections
-from rigctl.errors import ConnectError, HostKeyError, RemoteCommandError, RigctlError, TransferError
+from rigctl.errors import ConnectError, HostKeyError, RemoteCommandError, RigctlError, TransferError, one_line
 from rigctl.inventory import SHA256, Host
 
 log = logging.getLogger(__name__)
@@ -507,8 +507,9 @@ _T = TypeVar("_T")
 def on_each_host(hosts: Iterable[Host], work: Callable[[Host], _T], *, max_workers: int = 8,
                  thread_name_prefix: str = "rigctl-hosts") -> dict[str, _T | RigctlError]:
     """``work(host)`` on every host at once; per host name (in the order of ``hosts``) its result or the
-    RigctlError it raised, so one host failing never costs the others' results. The threads share the
-    caller's :func:`rigctl.connections.connections` scope."""
+    RigctlError it raised, so one host failing never costs the others' results. Any other exception (what
+    a host's answer provokes) becomes that host's RigctlError, one line naming the host. The threads share
+    the caller's :func:`rigctl.connections.connections` scope."""
     hosts = list(hosts)
     if not hosts:
         return {}
@@ -519,6 +520,9 @@ def on_each_host(hosts: Iterable[Host], work: Callable[[Host], _T], *, max_worke
         except RigctlError as exc:
             log.debug("%s", exc)
             return exc
+        except Exception as exc:  # a host's answer can provoke anything: it stops only that host
+            log.debug("%s", host.name, exc_info=True)
+            return RigctlError(f"{host.name}: {one_line(exc)}")
 
     with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(hosts))),
                             thread_name_prefix=thread_name_prefix) as pool:

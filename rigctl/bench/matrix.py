@@ -53,6 +53,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from rigctl.errors import ConfigError, RigctlError
 from rigctl.hostside.bench_task import plan_cells
 from rigctl.inventory import Host, Inventory
+from rigctl.results.record import parse_json
 from rigctl.results.store import StoredRun, read_jsonl
 from rigctl.trust import inside
 
@@ -208,7 +209,7 @@ def parse_llama_bench_json(text: str, origin: str = "llama-bench output") -> lis
     if not text.strip():
         raise ConfigError(f"{origin}: empty ({len(text)} bytes): llama-bench wrote no results")
     try:
-        data = json.loads(text)
+        data = parse_json(text, origin)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{origin}: not JSON ({exc.msg} at line {exc.lineno})") from None
     if not isinstance(data, list):

@@ -263,7 +263,7 @@ def gguf_shape(path: str) -> dict[str, Any] | None:
     Per-layer arrays (``head_count_kv`` on some models) are kept as lists."""
     try:
         metadata = gguf.read_header(path, tensors=False)["meta"]
-    except (OSError, ValueError, gguf.GGUFError):
+    except gguf.GGUFError:
         return None
     arch = metadata.get("general.architecture")
     if not isinstance(arch, str):

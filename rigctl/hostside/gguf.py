@@ -32,14 +32,31 @@ GGML_TYPES = {
 }
 #: GGUF metadata value types: struct format of the scalars; 8 string, 9 array.
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-#: Arrays longer than this (vocabularies, merges, token scores) are skipped; only their length is kept.
-MAX_ARRAY = 4096
+_STRING, _ARRAY = 8, 9
 _LENGTH = struct.Struct("<Q")
 VERSIONS = (2, 3)
 
+# A header's length fields are the file's word, and the file may be anyone's (a model repository, a
+# mirror): every one is checked against these bounds before it is acted on, so a hostile header costs
+# at most MAX_VALUES reads and MAX_KEPT bytes, then is refused.
+#: Arrays longer than this (vocabularies, merges, token scores) are skipped; only their length is kept.
+MAX_ARRAY = 4096
+#: Strings longer than this are skipped and kept as ``{"length": n}``, so no file-sized string reaches a
+#: manifest or a run record; a key or tensor name longer is refused.
+MAX_STRING = 1024
+#: Arrays nested deeper than this are refused: no model's metadata nests arrays at all.
+MAX_DEPTH = 3
+#: Metadata entries, tensors and array items read one by one, in all: the largest vocabularies and merge
+#: lists are well under a million; the time a header may take is bounded by this.
+MAX_VALUES = 1 << 22
+#: Bytes of strings and numbers kept in the returned header, in all.
+MAX_KEPT = 16 << 20
+#: Dimensions of a tensor (ggml's GGML_MAX_DIMS).
+MAX_DIMS = 4
+
 
 class GGUFError(Exception):
-    """Not a GGUF file this reader understands, or one cut short."""
+    """Not a GGUF file this reader understands, or one cut short: the only error the reader raises."""
 
 
 class Tensor(NamedTuple):
@@ -53,6 +70,8 @@ class _Reader:
     def __init__(self, handle: BinaryIO, size: int):
         self.handle = handle
         self.size = size
+        self.values = 0  # read one by one so far (MAX_VALUES)
+        self.kept = 0  # bytes kept so far (MAX_KEPT)
 
     def take(self, n: int) -> bytes:
         data = self.handle.read(n)
@@ -60,13 +79,40 @@ class _Reader:
             raise GGUFError(f"truncated at byte {self.handle.tell()} (file has {self.size})")
         return data
 
+    def skip(self, n: int) -> None:
+        """Past ``n`` bytes, refused when they run past the end (a count times an item size can be any
+        64-bit number, more than a seek takes)."""
+        if n > self.size - self.handle.tell():
+            raise GGUFError(f"truncated at byte {self.size} ({n} bytes claimed at byte {self.handle.tell()})")
+        self.handle.seek(n, os.SEEK_CUR)
+
+    def count(self, n: int, what: str) -> None:
+        self.values += n
+        if self.values > MAX_VALUES:
+            raise GGUFError(f"{what}: more than {MAX_VALUES} values in the header")
+
+    def keep(self, n: int) -> None:
+        self.kept += n
+        if self.kept > MAX_KEPT:
+            raise GGUFError(f"more than {MAX_KEPT} bytes of metadata")
+
     def scalar(self, fmt: str) -> Any:
         return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
 
-    def string(self) -> str:
+    def name(self, what: str) -> str:
+        """A key or a tensor name: refused when longer than :data:`MAX_STRING`."""
         n = self.scalar("<Q")
-        if n > self.size:
-            raise GGUFError(f"string length {n} past the end of the file")
+        if n > MAX_STRING:
+            raise GGUFError(f"{what} of {n} bytes at byte {self.handle.tell() - 8} (at most {MAX_STRING})")
+        self.keep(n)
+        return self.take(n).decode("utf-8", errors="replace")
+
+    def string(self) -> str | dict[str, int]:
+        n = self.scalar("<Q")
+        if n > MAX_STRING:
+            self.skip(n)
+            return {"length": n}
+        self.keep(n)
         return self.take(n).decode("utf-8", errors="replace")
 
     def skip_strings(self, count: int) -> None:
@@ -84,60 +130,97 @@ class _Reader:
         if self.handle.tell() > self.size:
             raise GGUFError(f"truncated at byte {self.size} (an array of strings runs past the end)")
 
-    def value(self, vtype: int) -> Any:
+    def array_head(self, depth: int) -> tuple[int, int]:
+        """An array's element type and count, checked: nesting within :data:`MAX_DEPTH`, the count within
+        :data:`MAX_VALUES` unless its items can be skipped in one seek."""
+        if depth >= MAX_DEPTH:
+            raise GGUFError(f"arrays nested deeper than {MAX_DEPTH} at byte {self.handle.tell()}")
+        etype, count = self.scalar("<I"), self.scalar("<Q")
+        if etype not in _SCALARS and etype not in (_STRING, _ARRAY):
+            raise GGUFError(f"unknown metadata value type {etype}")
+        if etype not in _SCALARS:
+            self.count(count, f"an array of {count} items")
+        return etype, count
+
+    def skip_items(self, etype: int, count: int, depth: int) -> None:
+        if etype in _SCALARS:
+            self.skip(struct.calcsize(_SCALARS[etype]) * count)
+        elif etype == _STRING:
+            self.skip_strings(count)
+        else:
+            for _ in range(count):
+                self.skip_items(*self.array_head(depth), depth + 1)
+
+    def value(self, vtype: int, depth: int = 0) -> Any:
         if vtype in _SCALARS:
+            self.keep(8)
             return self.scalar(_SCALARS[vtype])
-        if vtype == 8:
+        if vtype == _STRING:
             return self.string()
-        if vtype == 9:
-            etype, count = self.scalar("<I"), self.scalar("<Q")
-            if etype in _SCALARS and count > MAX_ARRAY:
-                self.handle.seek(struct.calcsize(_SCALARS[etype]) * count, os.SEEK_CUR)
+        if vtype == _ARRAY:
+            etype, count = self.array_head(depth)
+            if count > MAX_ARRAY:
+                self.skip_items(etype, count, depth + 1)
                 return {"length": count}
-            if etype == 8 and count > MAX_ARRAY:
-                self.skip_strings(count)
-                return {"length": count}
-            items = [self.value(etype) for _ in range(count)]
-            return items if count <= MAX_ARRAY else {"length": count}
+            if etype in _SCALARS:
+                self.count(count, f"an array of {count} items")
+            return [self.value(etype, depth + 1) for _ in range(count)]
         raise GGUFError(f"unknown metadata value type {vtype}")
 
 
 def read_header(path: str, *, tensors: bool = True) -> dict[str, Any]:
-    """``version``, ``meta`` (scalars, strings and arrays of up to :data:`MAX_ARRAY` items; a longer
-    array as ``{"length": n}``), ``tensor_count``, ``kv_count``, ``size`` and, with ``tensors``, the
-    tensor table (:class:`Tensor` each) and ``data_start`` (where the aligned tensor data begins)."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as handle:
-        r = _Reader(handle, size)
-        if r.take(4) != b"GGUF":
-            raise GGUFError("not a GGUF file (bad magic)")
-        version = r.scalar("<I")
-        if version not in VERSIONS:
-            raise GGUFError(f"GGUF version {version}: only versions {VERSIONS[0]} and {VERSIONS[-1]} are read")
-        n_tensors, n_kv = r.scalar("<Q"), r.scalar("<Q")
-        meta = {}
-        for _ in range(n_kv):
-            key = r.string()
-            meta[key] = r.value(r.scalar("<I"))
-        header: dict[str, Any] = {"version": version, "meta": meta, "tensor_count": n_tensors, "kv_count": n_kv,
-                                  "size": size}
-        if not tensors:
-            return header
-        table = []
-        for _ in range(n_tensors):
-            name = r.string()
-            dims = [r.scalar("<Q") for _ in range(r.scalar("<I"))]
-            ttype, offset = r.scalar("<I"), r.scalar("<Q")
-            if ttype not in GGML_TYPES:
-                raise GGUFError(f"tensor {name}: unknown ggml type {ttype}")
-            n = 1
-            for d in dims:
-                n *= d
-            tname, block, block_bytes = GGML_TYPES[ttype]
-            table.append(Tensor(name, tname, offset, n // block * block_bytes))
-        alignment = int(meta.get("general.alignment", 32))
-        header["tensors"] = table
-        header["data_start"] = (handle.tell() + alignment - 1) // alignment * alignment
+    """``version``, ``meta`` (scalars, strings of up to :data:`MAX_STRING` bytes and arrays of up to
+    :data:`MAX_ARRAY` items; a longer one as ``{"length": n}``), ``tensor_count``, ``kv_count``, ``size``
+    and, with ``tensors``, the tensor table (:class:`Tensor` each) and ``data_start`` (where the aligned
+    tensor data begins). Raises only :class:`GGUFError`, whatever the file holds."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as handle:
+            return _read(_Reader(handle, size), tensors)
+    except OSError as exc:
+        raise GGUFError(f"cannot read: {exc.strerror or exc}") from None
+
+
+def _read(r: _Reader, tensors: bool) -> dict[str, Any]:
+    if r.take(4) != b"GGUF":
+        raise GGUFError("not a GGUF file (bad magic)")
+    version = r.scalar("<I")
+    if version not in VERSIONS:
+        raise GGUFError(f"GGUF version {version}: only versions {VERSIONS[0]} and {VERSIONS[-1]} are read")
+    n_tensors, n_kv = r.scalar("<Q"), r.scalar("<Q")
+    r.count(n_kv, f"{n_kv} metadata entries")
+    meta = {}
+    for _ in range(n_kv):
+        key = r.name("a metadata key")
+        meta[key] = r.value(r.scalar("<I"))
+    header: dict[str, Any] = {"version": version, "meta": meta, "tensor_count": n_tensors, "kv_count": n_kv,
+                              "size": r.size}
+    if not tensors:
+        return header
+    r.count(n_tensors, f"{n_tensors} tensors")
+    table = []
+    for _ in range(n_tensors):
+        name = r.name("a tensor name")
+        n_dims = r.scalar("<I")
+        if n_dims > MAX_DIMS:
+            raise GGUFError(f"tensor {name}: {n_dims} dimensions (ggml has at most {MAX_DIMS})")
+        dims = [r.scalar("<Q") for _ in range(n_dims)]
+        ttype, offset = r.scalar("<I"), r.scalar("<Q")
+        if ttype not in GGML_TYPES:
+            raise GGUFError(f"tensor {name}: unknown ggml type {ttype}")
+        n = 1
+        for d in dims:
+            n *= d
+        tname, block, block_bytes = GGML_TYPES[ttype]
+        r.keep(64)  # the Tensor itself, roughly
+        table.append(Tensor(name, tname, offset, n // block * block_bytes))
+    alignment = meta.get("general.alignment", 32)
+    # A power of two, as llama.cpp requires: 0 would divide by zero, a string or a list is no number.
+    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0 \
+            or alignment & (alignment - 1):
+        raise GGUFError(f"general.alignment {alignment!r} is not a power of two")
+    header["tensors"] = table
+    header["data_start"] = (r.handle.tell() + alignment - 1) // alignment * alignment
     return header
 
 

@@ -32,6 +32,15 @@ RunKind = Literal["bench", "eval", "spec", "server-speed", "load"]
 RunStatus = Literal["running", "done", "failed", "stopped", "lost"]
 CTX_FLAGS = ("-c", "--ctx-size")
 _CHUNK = 1 << 20
+#: Deepest nesting read from a record, a JSONL row or a host's answer: records nest a few levels, and what
+#: walks them afterwards (pydantic, dataclasses.asdict, json.dumps, rich) recurses once or more per level.
+JSON_DEPTH = 64
+#: How deep a document whose parts are checked one by one may nest (a run listing holds its records two
+#: levels down): far below where json.loads would recurse out of a thread's stack.
+DEFERRED_DEPTH = 8 * JSON_DEPTH
+#: Integers in them fit 64 bits (sizes, pids, seeds, counts): a longer one is no measurement, and float()
+#: or arithmetic on it fails far from where it was read.
+_INT_LOW, _INT_HIGH = -(2**63), 2**64 - 1
 
 
 def rigctl_version() -> str:
@@ -76,6 +85,93 @@ def flag_value(argv: list[str], names: tuple[str, ...]) -> str | None:
         elif eq and name in names:
             value = rest
     return value
+
+
+def parse_json(text: str, origin: str, *, deferred: bool = False) -> Any:
+    """``text`` as JSON nested at most :data:`JSON_DEPTH` levels, its integers 64-bit: json.JSONDecodeError
+    when it is not JSON at all (callers say that in their own words), ConfigError naming ``origin`` when it
+    is past a bound. The nesting is measured on the text before it is parsed, so the parser never recurses
+    past it: no RecursionError is left for a thread to survive (in this repository's tests, on CPython
+    3.11.7, one raised while a fan-out read hosts at once came with a SystemError from ast.parse in another
+    host's thread).
+
+    ``deferred``: for a document whose parts are each held to the bounds later (:func:`check_json`; a host's
+    run listing, whose records :meth:`RunRecord.from_dict` checks, so one bad record is that run's refusal
+    and not the host's): it may nest :data:`DEFERRED_DEPTH` levels, and an integer past 64 bits is kept as
+    a :class:`WideInteger` for the check to refuse."""
+    limit = DEFERRED_DEPTH if deferred else JSON_DEPTH
+    if _nests_deeper(text, limit):
+        raise ConfigError(f"{origin}: JSON nested deeper than {limit} levels")
+    try:
+        return json.loads(text, parse_int=_wide_kept if deferred else _int64)
+    except json.JSONDecodeError:
+        raise
+    except ValueError as exc:  # _int64's
+        raise ConfigError(f"{origin}: {exc}") from None
+
+
+#: A JSON string (escapes included), and what nests.
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+_JSON_BRACKET = re.compile(r"[\[\]{}]")
+
+
+def _nests_deeper(text: str, limit: int) -> bool:
+    """Whether ``text``'s arrays and objects nest deeper than ``limit``, strings skipped. After an
+    unterminated string (a torn line) nothing is counted: json.loads refuses it there anyway."""
+    if text.count("[") + text.count("{") <= limit:  # the common case, at C speed
+        return False
+    outside = _JSON_STRING.sub("", text)
+    torn = outside.find('"')
+    depth = 0
+    for bracket in _JSON_BRACKET.findall(outside if torn < 0 else outside[:torn]):
+        depth += 1 if bracket in "[{" else -1
+        if depth > limit:
+            return True
+    return False
+
+
+class WideInteger(str):
+    """An integer literal past 64 bits in a deferred document: its text, for :func:`check_json` to refuse."""
+
+    def refusal(self) -> str:
+        if len(self.lstrip("-")) > 20:
+            return f"an integer of {len(self.lstrip('-'))} digits (at most 64 bits are read)"
+        return f"an integer of {int(self).bit_length()} bits (at most 64 are read)"
+
+
+def _int64(digits: str) -> int:
+    """A JSON integer literal, refused past 64 bits before Python converts it (a 5,001-digit one would
+    exceed Python's own digit limit; a 30-digit one breaks float() far from here)."""
+    value = _wide_kept(digits)
+    if isinstance(value, WideInteger):
+        raise ValueError(value.refusal())
+    return value
+
+
+def _wide_kept(digits: str) -> int | WideInteger:
+    """A JSON integer literal as an int, or as a WideInteger past 64 bits (never converted when longer
+    than any 64-bit integer)."""
+    if len(digits.lstrip("-")) > 20:
+        return WideInteger(digits)
+    value = int(digits)
+    return value if _INT_LOW <= value <= _INT_HIGH else WideInteger(digits)
+
+
+def check_json(value: Any, origin: str) -> None:
+    """ConfigError naming ``origin`` when ``value`` (as json.loads makes it) nests deeper than
+    :data:`JSON_DEPTH` or holds an integer past 64 bits. Iterative: the check itself never recurses."""
+    stack: list[tuple[Any, int]] = [([value], 0)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > JSON_DEPTH:
+            raise ConfigError(f"{origin}: JSON nested deeper than {JSON_DEPTH} levels")
+        for child in item.values() if isinstance(item, dict) else item:
+            if isinstance(child, dict | list):
+                stack.append((child, depth + 1))
+            elif isinstance(child, WideInteger):
+                raise ConfigError(f"{origin}: {child.refusal()}")
+            elif type(child) is int and not _INT_LOW <= child <= _INT_HIGH:
+                raise ConfigError(f"{origin}: an integer of {child.bit_length()} bits (at most 64 are read)")
 
 
 @dataclass
@@ -232,6 +328,7 @@ class RunRecord:
         """``data`` (any version) checked against the record's types (ConfigError naming ``origin`` and the key)."""
         if not isinstance(data, dict):
             raise ConfigError(f"{origin}: a run record is a JSON object, not {type(data).__name__}")
+        check_json(data, origin)  # a record from a host's listing is bounded as one read from a file
         data = upgrade(data, origin)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(str(k) for k in set(data) - known)
@@ -250,7 +347,7 @@ class RunRecord:
     def load(cls, run_dir: Path) -> RunRecord:
         path = run_dir / RUN_FILE
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = parse_json(path.read_text(encoding="utf-8"), str(path))
         except FileNotFoundError:
             raise ConfigError(f"{run_dir}: no {RUN_FILE} (not a run directory)") from None
         except UnicodeDecodeError as exc:
@@ -334,6 +431,8 @@ def upgrade(data: dict[str, Any], origin: str = "run record") -> dict[str, Any]:
                           f"(1..{RECORD_VERSION})")
     out = {k: v for k, v in data.items() if k != "server"}
     out["version"] = RECORD_VERSION
+    if not isinstance(data.get("extra") or {}, dict):
+        raise ConfigError(f"{origin}: extra: a {type(data['extra']).__name__}, not a JSON object")
     extra = out["extra"] = dict(data.get("extra") or {})
     left: dict[str, Any] = {}
     for key, cls in (("gpu", Gpu), ("llama_cpp", LlamaCppBuild)):
@@ -358,6 +457,8 @@ def upgrade(data: dict[str, Any], origin: str = "run record") -> dict[str, Any]:
                 if key in server:
                     extra.setdefault(key, server.pop(key))
             entries, server = [server], {}
+        if not isinstance(entries, list):
+            raise ConfigError(f"{origin}: server: its members are a {type(entries).__name__}, not a list")
         out["servers"] = [_v1_server(e, left, f"server.{i}") for i, e in enumerate(entries)]
         if server:
             left["server"] = server

@@ -23,7 +23,7 @@ from rigctl.errors import RigctlError
 from rigctl.hostside import llama_cpp_fact, ship
 from rigctl.hostside.stamp import parse_gpu_query
 from rigctl.inventory import Host, profiles
-from rigctl.results.record import Artifact, Gpu, LlamaCppBuild, Provenance, Server, Task, rigctl_version
+from rigctl.results.record import Artifact, Gpu, LlamaCppBuild, Provenance, Server, Task, parse_json, rigctl_version
 from rigctl.trust import redact_argv
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ def host_facts(ssh: SshClient, units: Sequence[str], manifest_paths: Sequence[st
     """The answer of :mod:`rigctl.hostside.stamp` on the host (one round trip)."""
     request = json.dumps({"units": list(units), "manifests": list(manifest_paths)})
     result = ssh.run(ship.python_command("stamp", request), timeout=STAMP_TIMEOUT, check=True)
-    answer = json.loads(result.stdout)
+    answer = parse_json(result.stdout, f"{ssh.host}: its provenance stamp")  # bounded: it goes into run.json
     if not isinstance(answer, dict):
         raise RigctlError(f"{ssh.host}: the provenance stamp came back as {type(answer).__name__}")
     return answer

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rigctl.errors import ConfigError, TrustError
-from rigctl.results.record import RUN_FILE, RunRecord, file_sha256
+from rigctl.results.record import RUN_FILE, RunRecord, file_sha256, parse_json
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = parse_json(line, f"{path}:{number}")
         except json.JSONDecodeError:
             if number == len(lines):
                 log.warning("%s: ignoring a torn last line", path)

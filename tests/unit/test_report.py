@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import yaml
@@ -243,3 +245,36 @@ def test_cpu_runs_and_rigs_without_a_bandwidth_give_no_figure(tmp_path):
     assert ("Bandwidth bound: no bandwidth figure (the inventory gives this GPU no gpu_host_gpu.bandwidth_gbs)."
             in report.markdown)
     assert check_report(report.path)["speed"] == 2
+
+
+def test_hostile_records_in_the_store_leave_the_report_as_it_was(tmp_path, results, caplog):
+    loaded = load_campaign(_write_campaign(tmp_path))
+    clean = build_report(loaded, ResultsStore(results), tmp_path / "clean").markdown
+    for name, text in (("deep", "[" * 200_000 + "]" * 200_000), ("digits", '{"seed": ' + "9" * 5001 + "}")):
+        run_dir = results / "laptop" / f"eval-{name}"
+        run_dir.mkdir(parents=True)
+        (run_dir / "run.json").write_text(text)
+    with caplog.at_level(logging.WARNING):
+        hostile = build_report(loaded, ResultsStore(results), tmp_path / "hostile").markdown
+    assert hostile == clean
+    assert "eval-deep" in caplog.text and "eval-digits" in caplog.text
+
+
+@pytest.mark.parametrize("victim", ["bench", "eval", "spec"])
+def test_a_run_whose_files_cannot_be_read_is_left_out_and_named(tmp_path, results, caplog, victim):
+    run_dir, raw = {"bench": (results / "desktop" / "bench-1", "cells.jsonl"),
+                    "eval": (results / "desktop" / "eval-g", "answers.jsonl"),
+                    "spec": (results / "desktop" / "spec-1", "requests.jsonl")}[victim]
+    (run_dir / raw).write_text("[" * 100_000 + "]" * 100_000 + "\n" if victim != "spec" else '{"surprise": 1}\n')
+    with caplog.at_level(logging.WARNING):
+        report = build_report(load_campaign(_write_campaign(tmp_path)), ResultsStore(results), tmp_path / "out")
+    scope = next(line for line in report.markdown.splitlines() if line.startswith("**Scope.**"))
+    assert f"Left out, their files unreadable: desktop/{run_dir.name} (" in scope
+    assert f"report: leaving out desktop/{run_dir.name}" in caplog.text
+    # Every section is there; the victim's own reads as not pulled.
+    assert all(f"## {section}" in report.markdown for section in ("Speed", "Quality", "Drafting"))
+    own = {"bench": "### speed on desktop", "eval": "Not pulled yet: eval suite gemma-qat@desktop",
+           "spec": "### mtp on desktop"}[victim]
+    assert own in report.markdown
+    if victim != "eval":
+        assert report.markdown.split(own)[1].lstrip().startswith("Nothing pulled yet.")

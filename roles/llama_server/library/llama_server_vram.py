@@ -43,6 +43,8 @@ MIB = 1024 * 1024
 CACHE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32,
                "iq4_nl": 18 / 32, "q5_0": 22 / 32, "q5_1": 24 / 32}
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
+#: Blocks (layers) a model may claim; the largest have a few hundred.
+MAX_BLOCKS = 1 << 16
 
 
 def _header(path: str) -> dict:
@@ -59,7 +61,17 @@ def _per_layer(value, n_layer, default):
 
 
 def model_shape(header: dict) -> dict:
-    """The hyperparameters the estimate needs, from the GGUF metadata."""
+    """The hyperparameters the estimate needs, from the GGUF metadata; GGUFError when the metadata holds
+    values of another shape (the file is anyone's: a string, a list or a kept-as-length value where a
+    number belongs)."""
+    try:
+        return _shape(header)
+    except (ArithmeticError, LookupError, TypeError, ValueError) as exc:
+        raise GGUFError(f"its metadata is not a model shape this estimate reads ({type(exc).__name__}: "
+                        f"{exc})") from None
+
+
+def _shape(header: dict) -> dict:
     meta = header["meta"]
     arch = str(meta.get("general.architecture", ""))
 
@@ -67,6 +79,8 @@ def model_shape(header: dict) -> dict:
         return meta.get(f"{arch}.{name}", default)
 
     n_layer = int(key("block_count", 0))
+    if not 0 <= n_layer <= MAX_BLOCKS:  # the estimate makes a list per layer: a claimed 2**62 is no model
+        raise ValueError(f"block_count {n_layer} (at most {MAX_BLOCKS})")
     nextn = int(key("nextn_predict_layers", 0) or 0)
     n_embd = int(key("embedding_length", 0))
     n_head = key("attention.head_count", 1)
@@ -227,7 +241,10 @@ def main() -> None:
     if manifest_bytes and manifest_bytes != header_bytes:
         module.fail_json(msg=f"{p['model']}: the manifest says {manifest_bytes} bytes of weights, the file has "
                              f"{header_bytes}; the models role should remake it")
-    result = estimate(main_header, draft_header, p)
+    try:
+        result = estimate(main_header, draft_header, p)
+    except GGUFError as exc:
+        module.fail_json(msg=f"{p['model']}: {exc}")
     result["weights_total_mib"] = round(header_bytes / MIB, 1)
     result["sha256"] = manifest.get("sha256", "")
     module.exit_json(changed=False, **result)
