@@ -8,6 +8,9 @@
   lines, :func:`is_secret_name` for a setting's name.
 * A token goes only to its own origin, scheme, host and port exactly (:func:`same_origin`); a redirect
   to any other origin loses it.
+* Text a host reports (its GPU's name, its OS) is kept only when it can be nothing but text
+  (:func:`data_text_problem`): printable, bounded, and without the markers that would make Ansible
+  template it.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ MASK = "***"
 _SECRET_NAME = re.compile(r"(?:^|[_-])(?:api[_-]?key|token|secret|passw(?:or)?d|credentials?)"
                           r"(?=$|[_-](?!file|path|dir))", re.IGNORECASE)
 _DEFAULT_PORTS = {"http": 80, "https": 443}
+#: What opens a Jinja expression, statement or comment: text carrying one runs as code wherever Ansible
+#: templates it (every inventory string not tagged !unsafe).
+TEMPLATE_MARKERS = ("{{", "{%", "{#")
 # Shorter values are not redacted by value: masking every "k" of a log line hides nothing and ruins it.
 _MIN_SECRET = 4
 
@@ -52,6 +58,21 @@ def contained(root: Path, path: Path, what: str) -> Path:
     if resolved != base and not resolved.is_relative_to(base):
         raise TrustError(f"{what}: {path} resolves to {resolved}, outside {base}")
     return resolved
+
+
+def data_text_problem(text: str, max_length: int) -> str | None:
+    """Why ``text`` from outside cannot be kept as data, or None when it can: it must be printable (no
+    control character, terminal escape or line break), at most ``max_length`` characters, and free of
+    :data:`TEMPLATE_MARKERS`."""
+    if len(text) > max_length:
+        return f"{len(text)} characters, more than {max_length}"
+    odd = next((ch for ch in text if not ch.isprintable()), None)
+    if odd is not None:
+        return f"unprintable character {odd!r} in {text!r}"
+    marker = next((m for m in TEMPLATE_MARKERS if m in text), None)
+    if marker is not None:
+        return f"template marker {marker!r} in {text!r}: a host's text is data, never a template"
+    return None
 
 
 def origin(url: str) -> tuple[str, str, int]:
