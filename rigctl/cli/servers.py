@@ -8,6 +8,7 @@ import typer
 from rich.table import Table
 
 from rigctl.cli.common import LimitOption, console, load_inventory
+from rigctl.cli.render import outside_text
 
 app = typer.Typer(no_args_is_help=False, invoke_without_command=True,
                   help="llama-server instances: state, port, model, build, health; restart; logs.")
@@ -68,4 +69,4 @@ def servers_logs(
     """The last journal lines of one instance."""
     from rigctl.servers import logs
 
-    console.print(logs(load_inventory(), host, server, lines), markup=False, highlight=False, end="")
+    console.print(outside_text(logs(load_inventory(), host, server, lines), lines=True), end="")

@@ -481,3 +481,17 @@ def test_check_refuses_unprintable_and_overlong_facts(lab_copy: Path) -> None:
     assert problems["gpu_host_gpu.name"] == "unprintable character '\\x1b' in 'RTX\\x1b[2J 3090'"
     assert problems["rigctl_host_facts.os"] == "200 characters, more than 128"
 
+
+def test_hosts_shows_gpu_names_as_the_literal_text(lab_copy: Path) -> None:
+    """`rigctl hosts` over facts with markup, templates and an escape: each shown as written, nothing run."""
+    names = {"desktop": ("Lab stand-in for RTX 3050 OEM", "RTX [/] {{ 7*7 }} \\e[2J"),
+             # A lookup runs in the command's directory: the copy's, where the marker is looked for.
+             "laptop": ("Lab stand-in for GTX 1650 Ti", "{{lookup('pipe','touch m')}}")}
+    for host, (before, after) in names.items():
+        vars_file = lab_copy / "host_vars" / f"{host}.yml"
+        vars_file.write_text(vars_file.read_text().replace(f"name: {before}", f'name: !unsafe "{after}"'))
+    out = subprocess.run([sys.executable, "-m", "rigctl.cli", "-i", str(lab_copy), "hosts"],
+                         capture_output=True, text=True, timeout=60, cwd=lab_copy)
+    assert out.returncode == 0, out.stderr
+    assert "RTX [/] {{ 7*7 }} \\x1b[2J" in out.stdout and "{{lookup('pipe','touch m')}}" in out.stdout
+    assert "\x1b" not in out.stdout and not (lab_copy / "m").exists()
