@@ -15,12 +15,14 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import threading
 import urllib.parse
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 from rigctl.errors import TrustError
 
@@ -98,10 +100,28 @@ def is_secret_name(name: str) -> bool:
     return bool(_SECRET_NAME.search(name))
 
 
+def secret_forms(secret: str) -> set[str]:
+    """Every way ``secret`` may appear in a message: as it is, without the whitespace around it, and
+    escaped as Python's repr of it as text or as bytes (an HTTP library's header error) or JSON writes it."""
+    forms = {secret, secret.strip(), repr(secret)[1:-1], repr(secret.encode())[2:-1], json.dumps(secret)[1:-1]}
+    return {form for form in forms if len(form) >= _MIN_SECRET}
+
+
+def mask_secret_values(value: Any) -> Any:
+    """``value`` with whatever a secret-named key holds, at any depth, replaced by ``***``: what a message
+    may quote of a mapping (a model source with its ``token``)."""
+    if isinstance(value, Mapping):
+        return {key: MASK if is_secret_name(str(key)) else mask_secret_values(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [mask_secret_values(item) for item in value]
+    return value
+
+
 def redact(text: str, secrets: Iterable[str | None]) -> str:
-    """``text`` with every occurrence of each secret replaced by ``***``."""
-    for secret in sorted({s for s in secrets if s and len(s) >= _MIN_SECRET}, key=len, reverse=True):
-        text = text.replace(secret, MASK)
+    """``text`` with every occurrence of each secret, in any of its :func:`secret_forms`, replaced by ``***``."""
+    forms = {form for secret in secrets if secret for form in secret_forms(secret)}
+    for form in sorted(forms, key=len, reverse=True):  # the longest first: a form may hold another
+        text = text.replace(form, MASK)
     return text
 
 

@@ -30,7 +30,7 @@ from rigctl.errors import ConfigError
 from rigctl.inventory.model import FULL_COMMIT, HEX_COMMIT, SHA256, Host, Inventory
 from rigctl.inventory.profiles import ProfileError, resolve_profile
 from rigctl.probe import HOST_TEXT_MAX, PROBED_KEYS
-from rigctl.trust import MASK, data_text_problem, is_secret_name
+from rigctl.trust import MASK, data_text_problem, is_secret_name, mask_secret_values
 
 #: Variable prefixes owned by the roles and rigctl: an unknown key with one of these is a typo.
 OWNED_PREFIXES = ("gpu_host_", "llama_cpp_", "models_", "llama_server_", "monitoring_", "rigctl_")
@@ -478,8 +478,10 @@ def _pydantic_problems(where: str, key: str, exc: ValidationError) -> list[Probl
         elif err["type"] == "value_error":  # our own validators' messages name the value already
             message = str(err["ctx"]["error"]) if "ctx" in err else message.removeprefix("Value error, ")
         elif "input" in err and err["type"] not in {"union_tag_invalid"}:
-            # A secret's value (llama_server_api_key, a source's token) is never echoed.
-            shown = MASK if any(is_secret_name(part) for part in path.split(".")) else repr(err["input"])
+            # A secret's value (llama_server_api_key, a source's token) is never echoed, nor is one inside the
+            # value shown (a source that names no type, quoted whole).
+            shown = (MASK if any(is_secret_name(part) for part in path.split("."))
+                     else repr(mask_secret_values(err["input"])))
             message = f"{message} (got {shown})"
         problems.append(Problem(where, path, message))
     return problems

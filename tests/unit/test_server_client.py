@@ -13,6 +13,7 @@ import pytest
 from rigctl.errors import ConfigError, ServerError
 from rigctl.inventory import Host
 from rigctl.server import (
+    NO_RETRY,
     AsyncServerClient,
     ChatStreamAssembler,
     Endpoint,
@@ -192,3 +193,29 @@ def test_async_client_retries_too(script):
             return (await client.props()).model_path
 
     assert asyncio.run(main()) == "/m.gguf"
+
+
+def test_a_key_with_a_line_break_is_never_shown_by_the_header_error():
+    """httpx refuses the header and quotes it, escaped: the message names the call, never the key."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    try:
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        with ServerClient(Endpoint(url, api_key="sk-4f1c9e\n"), retry=NO_RETRY) as client:
+            with pytest.raises(ServerError, match=r"GET /props: LocalProtocolError") as info:
+                client.props()
+            health = client.health()
+    finally:
+        listener.close()
+    assert "4f1c9e" not in str(info.value) and "Bearer ***" in str(info.value)
+    assert "4f1c9e" not in health.status
+
+
+def test_the_key_from_the_environment_loses_its_line_break(monkeypatch):
+    from rigctl.cli.eval import read_api_key
+
+    monkeypatch.setenv("RIGCTL_API_KEY", "sk-4f1c9e\n")
+    assert read_api_key(None) == "sk-4f1c9e"
+    monkeypatch.setenv("RIGCTL_API_KEY", " \n")
+    assert read_api_key(None) is None
