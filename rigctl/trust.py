@@ -10,7 +10,7 @@
   to any other origin loses it.
 * Text a host reports (its GPU's name, its OS) is kept only when it can be nothing but text
   (:func:`data_text_problem`): printable, bounded, and without the markers that would make Ansible
-  template it.
+  template it. Text from outside is shown with its unprintable characters escaped (:func:`printable`).
 """
 
 from __future__ import annotations
@@ -75,6 +75,15 @@ def data_text_problem(text: str, max_length: int) -> str | None:
     if marker is not None:
         return f"template marker {marker!r} in {text!r}: a host's text is data, never a template"
     return None
+
+
+def printable(text: str, *, lines: bool = False) -> str:
+    """``text`` with every unprintable character (a terminal escape, a carriage return, a line break unless
+    ``lines``) written as its Python escape (``\\x1b``, ``\\n``, ``\\u202e``): what a terminal may be sent."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() or (lines and ch == "\n") else ch.encode("unicode_escape").decode()
+                   for ch in text)
 
 
 def origin(url: str) -> tuple[str, str, int]:

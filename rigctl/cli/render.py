@@ -10,23 +10,21 @@ from rich.text import Text
 
 from rigctl.cli.common import console, err_console
 from rigctl.errors import RigctlError
+from rigctl.trust import printable
 
 if TYPE_CHECKING:
     from rigctl.deploy import DeployResult, TaskEvent
 
+
 def outside_text(value: object, *, lines: bool = False) -> Text:
     """Text from outside rigctl (a host's answer, a server's reply, a record, an error quoting them) as the
     terminal must show it: a rich ``Text``, so no markup or emoji code in it is interpreted, with every
-    unprintable character (a terminal escape, a carriage return, a line break unless ``lines``) written as
-    its Python escape (``\\x1b``), so none reaches the terminal as a control.
+    unprintable character (a terminal escape, a carriage return, a line break unless ``lines``) escaped
+    (:func:`rigctl.trust.printable`), so none reaches the terminal as a control.
 
     Print it, put it in a table cell or title, or join it with ``Text.assemble``: formatted into a string
     it is plain text again, which markup would read."""
-    text = str(value)
-    if not text.isprintable():
-        text = "".join(ch if ch.isprintable() or (lines and ch == "\n") else ch.encode("unicode_escape").decode()
-                       for ch in text)
-    return Text(text)
+    return Text(printable(str(value), lines=lines))
 
 
 _MARKS = {"ok": "[green]ok[/green]", "changed": "[yellow]changed[/yellow]", "failed": "[red]failed[/red]",

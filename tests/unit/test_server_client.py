@@ -212,10 +212,44 @@ def test_a_key_with_a_line_break_is_never_shown_by_the_header_error():
     assert "4f1c9e" not in health.status
 
 
-def test_the_key_from_the_environment_loses_its_line_break(monkeypatch):
-    from rigctl.cli.eval import read_api_key
+def test_the_key_from_the_environment_loses_its_line_break(tmp_path):
+    """RIGCTL_API_KEY from an env file ends in a line break: the server gets the key without it, and no
+    output shows the key."""
+    import os
+    import socket
+    import subprocess
+    import sys
 
-    monkeypatch.setenv("RIGCTL_API_KEY", "sk-4f1c9e\n")
-    assert read_api_key(None) == "sk-4f1c9e"
-    monkeypatch.setenv("RIGCTL_API_KEY", " \n")
-    assert read_api_key(None) is None
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(60)
+    seen: list[bytes] = []
+
+    def answer() -> None:
+        try:
+            while True:
+                conn, _ = listener.accept()
+                with conn:
+                    head = b""
+                    while b"\r\n\r\n" not in head and (chunk := conn.recv(4096)):
+                        head += chunk
+                    seen.append(head)
+                    conn.sendall(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\n"
+                                 b"Connection: close\r\n\r\n")
+        except OSError:
+            return
+
+    threading.Thread(target=answer, daemon=True).start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    (tmp_path / "q.jsonl").write_text('{"question": "1+1?", "answer": "#### 2"}\n')
+    task = tmp_path / "t.yaml"
+    task.write_text("name: t\nscorer: gsm8k\ndataset: {path: q.jsonl}\nprompt: '{question}'\n")
+    env = {**os.environ, "RIGCTL_API_KEY": "sk-4f1c9e\n"}
+    try:
+        done = subprocess.run([sys.executable, "-m", "rigctl.cli", "eval", "run", "-t", str(task), "--url", url,
+                               "--results", str(tmp_path / "results")], capture_output=True, text=True, timeout=120,
+                              env=env)
+    finally:
+        listener.close()
+    assert seen and all(b"\r\nauthorization: bearer sk-4f1c9e\r\n" in head.lower() for head in seen), \
+        seen + [done.stderr.encode()]
+    assert "4f1c9e" not in done.stdout + done.stderr
