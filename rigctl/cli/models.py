@@ -22,7 +22,7 @@ def models_list(limit: LimitOption = None) -> None:
         table.add_column(column)
     results = list_artifacts(load_inventory(), limit)
     for row in rows(results):
-        table.add_row(*row)
+        table.add_row(*(outside_text(cell) for cell in row))  # a model file's metadata, a host's error
     console.print(table)
     failed = {host: outcome for host, outcome in results.items() if isinstance(outcome, RigctlError)}
     for host, outcome in failed.items():
