@@ -10,7 +10,8 @@
    user, the controller's key (made when missing), sudo without a password, Python.
 3. **Facts.** One SSH command as the fleet user (:mod:`rigctl.probe`), written to
    ``host_vars/NAME.yml``; NAME added to ``hosts.yml`` under its group. Both are edited round trip
-   (ruamel.yaml), so comments and order stay. ``inventory check`` must pass or nothing is kept.
+   (ruamel.yaml), so comments and order stay; the text the host chose is written ``!unsafe``, so no
+   later inventory load or play templates it. ``inventory check`` must pass or nothing is kept.
 
 Run again for the same host, every step finds its work done and no file changes.
 """
@@ -32,13 +33,22 @@ from typing import Any
 
 import paramiko
 from ruamel.yaml import YAML
-from ruamel.yaml.comments import CommentedMap
+from ruamel.yaml.comments import CommentedMap, TaggedScalar
 
 from rigctl.deploy import DeployResult, TaskEvent, project_root, run_playbook
 from rigctl.errors import ConfigError, EnrollError, HostKeyError
 from rigctl.files import write_atomically
 from rigctl.inventory import Host, Inventory
-from rigctl.probe import PROBE_TIMEOUT_S, HostFacts, drift, inventory_vars, new_token, parse_probe, probe_command
+from rigctl.probe import (
+    PROBE_TIMEOUT_S,
+    HostFacts,
+    HostText,
+    drift,
+    inventory_vars,
+    new_token,
+    parse_probe,
+    probe_command,
+)
 from rigctl.ssh import DEFAULT_CONNECT_TIMEOUT, SshClient, SshTarget, known_hosts_name
 
 log = logging.getLogger(__name__)
@@ -53,6 +63,8 @@ _FINGERPRINT = re.compile(r"^SHA256:[A-Za-z0-9+/]{43}$")
 #: ansible-playbook's prompts for --ask-pass and --ask-become-pass.
 SSH_PASSWORD_PROMPT = r"SSH password:\s*?$"
 BECOME_PASSWORD_PROMPT = r"BECOME password.*:\s*?$"
+#: Ansible's tag for a string it must never template.
+UNSAFE_TAG = "!unsafe"
 HOST_VARS_HEADER = ("Written by `rigctl hosts add` from what the host reported; `rigctl hosts probe NAME` "
                     "shows drift.\nEdit freely: values rigctl does not probe are kept.")
 
@@ -350,7 +362,9 @@ class InventoryFiles:
     # ---------------------------------------------------------------- host_vars
 
     def update_host_vars(self, name: str, values: Mapping[str, Any]) -> bool:
-        """Set ``values`` in host_vars/NAME.yml (made when missing), keeping its other keys and comments."""
+        """Set ``values`` in host_vars/NAME.yml (made when missing), keeping its other keys and comments;
+        :class:`~rigctl.probe.HostText` in them is written ``!unsafe``. A value the file holds already,
+        tagged alike, is left as it is."""
         path = self.host_vars_file(name)
         data = self._load(path)
         if data is None:
@@ -359,8 +373,8 @@ class InventoryFiles:
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a mapping of variables")
         for key, value in values.items():
-            if _plain(data.get(key)) != value:
-                data[key] = value
+            if _comparable(data.get(key)) != _comparable(value):
+                data[key] = _yaml_value(value)
         return self._write(path, data)
 
     def remove_host_vars(self, name: str) -> bool:
@@ -401,11 +415,29 @@ class InventoryFiles:
         self._saved.clear()
 
 
-def _plain(value: Any) -> Any:
+def _yaml_value(value: Any) -> Any:
+    """``value`` as the file keeps it: each :class:`~rigctl.probe.HostText` an ``!unsafe`` scalar (quoted for
+    the reader; Ansible resolves it as if unquoted, which a host's free text survives as a string)."""
+    if isinstance(value, HostText):
+        return TaggedScalar(str(value), style="'", tag=UNSAFE_TAG)
     if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {k: _yaml_value(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_plain(v) for v in value]
+        return [_yaml_value(v) for v in value]
+    return value
+
+
+def _comparable(value: Any) -> Any:
+    """A value of the file or of a probe as plain Python, a string with its ``!unsafe`` tag kept: a fact the
+    file holds without the tag (written before facts were tagged) differs, so it is rewritten tagged."""
+    if isinstance(value, TaggedScalar):
+        return (str(value.tag), str(value.value))
+    if isinstance(value, HostText):
+        return (UNSAFE_TAG, str(value))
+    if isinstance(value, Mapping):
+        return {str(k): _comparable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_comparable(v) for v in value]
     if isinstance(value, str):
         return str(value)
     return value

@@ -688,7 +688,7 @@ class Lab:
         with _gpu_lock(path):
             return _read_gpu_state(path, name)
 
-    def set_gpu(self, name: str, **fields: Any) -> GpuState:
+    def set_gpu(self, name: str, /, **fields: Any) -> GpuState:
         """Change what rig ``name``'s nvidia-smi reports (e.g. ``temperature_sequence=[80, 60, 40]``)."""
         path = self._gpu_state_path(self.rig(name))
         with _gpu_lock(path):

@@ -4,7 +4,9 @@
 into :class:`HostFacts`. The parser is pure and trusts nothing: the host's output is input, every
 field is checked and a bad one is a :class:`~rigctl.errors.ProbeError` naming the host and the field.
 Sections are fenced with a token the controller draws for each probe, so no line the host prints
-can pass for a section of its own.
+can pass for a section of its own. Text the host chooses freely (a GPU's name, the CPU model, the OS)
+is :class:`HostText`: printable, bounded and free of template markers, and written into the inventory
+as ``!unsafe`` so Ansible never templates it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from rigctl.errors import ProbeError
+from rigctl.trust import data_text_problem
 
 #: nvidia-smi's per-GPU fields, in the order the probe asks for them.
 GPU_QUERY = "index,name,memory.total,compute_cap,driver_version,uuid,pci.bus_id"
@@ -26,15 +29,34 @@ _SECTIONS = ("gpus", "smi", "cpu", "cpus", "memory", "disk", "os")
 _COMPUTE_CAP = re.compile(r"^\d{1,2}\.\d$")
 _VERSION = re.compile(r"^\d+(\.\d+){0,3}$")
 _CUDA_VERSION = re.compile(r"CUDA Version:\s*(\d+\.\d+)")
+#: Longer than any GPU name, CPU brand string (48 bytes) or os-release PRETTY_NAME shipped.
+HOST_TEXT_MAX = 128
+#: The variables :func:`inventory_vars` writes: facts, which rigctl reads as data and never templates.
+PROBED_KEYS = frozenset({"gpu_host_gpu", "gpu_host_gpus", "llama_cpp_cuda_architectures", "rigctl_host_facts"})
+
+
+class HostText(str):
+    """Text the host chose (a GPU's name, its CPU model, its OS), checked by :func:`host_text`: data, which
+    the inventory files keep as ``!unsafe``. Values a pattern already confines (versions, compute
+    capabilities) stay plain ``str``: Ansible reads an ``!unsafe`` scalar as YAML would read it unquoted, so
+    ``!unsafe '8.6'`` would load as a float."""
+
+
+def host_text(host: str, field: str, text: str) -> HostText:
+    """``text`` as :class:`HostText`; ProbeError naming ``host`` and ``field`` when it cannot be kept as data."""
+    problem = data_text_problem(text, HOST_TEXT_MAX)
+    if problem is not None:
+        raise ProbeError(host, field, problem)
+    return HostText(text)
 
 
 @dataclass(frozen=True)
 class GpuFacts:
     index: int
-    name: str
+    name: HostText
     vram_mib: int
     compute_capability: str
-    uuid: str
+    uuid: HostText
 
     @property
     def cuda_arch(self) -> str:
@@ -47,12 +69,12 @@ class HostFacts:
     gpus: tuple[GpuFacts, ...]
     driver_version: str
     cuda_version: str
-    cpu_model: str
+    cpu_model: HostText
     cpu_flags: tuple[str, ...]
     cpus: int
     memory_mib: int
     disk_free_mib: int
-    os: str
+    os: HostText
 
     @property
     def cuda_architectures(self) -> str:
@@ -145,8 +167,9 @@ def _gpus(host: str, text: str) -> tuple[tuple[GpuFacts, ...], str]:
         if not _VERSION.match(driver):
             raise ProbeError(host, "driver_version", f"{driver!r} is not a version")
         drivers.add(driver)
-        gpus.append(GpuFacts(_int(host, f"{where}.index", index), name, _positive_int(host, f"{where}.vram_mib", vram),
-                             cap, uuid))
+        gpus.append(GpuFacts(_int(host, f"{where}.index", index), host_text(host, f"{where}.name", name),
+                             _positive_int(host, f"{where}.vram_mib", vram), cap,
+                             host_text(host, f"{where}.uuid", uuid)))
     if len(drivers) != 1:
         raise ProbeError(host, "driver_version", f"GPUs report different drivers: {', '.join(sorted(drivers))}")
     indexes = [g.index for g in gpus]
@@ -155,7 +178,7 @@ def _gpus(host: str, text: str) -> tuple[tuple[GpuFacts, ...], str]:
     return tuple(gpus), drivers.pop()
 
 
-def _cpu(host: str, text: str) -> tuple[str, tuple[str, ...]]:
+def _cpu(host: str, text: str) -> tuple[HostText, tuple[str, ...]]:
     fields: dict[str, str] = {}
     for line in text.splitlines():
         key, sep, value = line.partition(":")
@@ -165,7 +188,7 @@ def _cpu(host: str, text: str) -> tuple[str, tuple[str, ...]]:
     if not model:
         raise ProbeError(host, "cpu_model", "/proc/cpuinfo names no model")
     flags = set(fields.get("flags", "").split())
-    return model, tuple(f for f in ISA_FLAGS if f in flags)
+    return host_text(host, "cpu_model", model), tuple(f for f in ISA_FLAGS if f in flags)
 
 
 def _memory_mib(host: str, text: str) -> int:
@@ -182,16 +205,18 @@ def _disk_free_mib(host: str, text: str) -> int:
     return _int(host, "disk_free_mib", cells[3]) // 1024
 
 
-def _os_name(host: str, text: str) -> str:
+def _os_name(host: str, text: str) -> HostText:
     release: dict[str, str] = {}
     for line in text.splitlines():
         key, sep, value = line.partition("=")
         if sep and re.fullmatch(r"[A-Z_]+", key):
-            release[key] = value.strip().strip('"')
+            value = value.strip()
+            quoted = len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'"  # os-release(5) takes either
+            release[key] = value[1:-1] if quoted else value
     name = release.get("PRETTY_NAME") or " ".join(filter(None, (release.get("NAME"), release.get("VERSION_ID"))))
     if not name:
         raise ProbeError(host, "os", "/etc/os-release names no system")
-    return name
+    return host_text(host, "os", name)
 
 
 def _int(host: str, field: str, text: str) -> int:

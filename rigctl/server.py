@@ -56,7 +56,7 @@ from rigctl.hostside.llama_server_http import (
     retry_wait,
     retryable_status,
 )
-from rigctl.trust import MASK, register_secret
+from rigctl.trust import MASK, redact, register_secret
 
 log = logging.getLogger(__name__)
 
@@ -510,7 +510,8 @@ class _Base:
             raise ServerError(str(self.endpoint), call.what, _error_reason(response), response.status_code)
 
     def _fail(self, call: _Call, exc: Exception, attempts: int) -> ServerError:
-        reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        # The HTTP library may quote the request's headers (an illegal value, escaped): never the key.
+        reason = redact(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__, [self.endpoint.api_key])
         if attempts > 1:
             reason += f" (after {attempts} attempts)"
         return ServerError(str(self.endpoint), call.what, reason)

@@ -8,16 +8,21 @@
   lines, :func:`is_secret_name` for a setting's name.
 * A token goes only to its own origin, scheme, host and port exactly (:func:`same_origin`); a redirect
   to any other origin loses it.
+* Text a host reports (its GPU's name, its OS) is kept only when it can be nothing but text
+  (:func:`data_text_problem`): printable, bounded, and without the markers that would make Ansible
+  template it. Text from outside is shown with its unprintable characters escaped (:func:`printable`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import threading
 import urllib.parse
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 from rigctl.errors import TrustError
 
@@ -26,6 +31,9 @@ MASK = "***"
 _SECRET_NAME = re.compile(r"(?:^|[_-])(?:api[_-]?key|token|secret|passw(?:or)?d|credentials?)"
                           r"(?=$|[_-](?!file|path|dir))", re.IGNORECASE)
 _DEFAULT_PORTS = {"http": 80, "https": 443}
+#: What opens a Jinja expression, statement or comment: text carrying one runs as code wherever Ansible
+#: templates it (every inventory string not tagged !unsafe).
+TEMPLATE_MARKERS = ("{{", "{%", "{#")
 # Shorter values are not redacted by value: masking every "k" of a log line hides nothing and ruins it.
 _MIN_SECRET = 4
 
@@ -54,6 +62,30 @@ def contained(root: Path, path: Path, what: str) -> Path:
     return resolved
 
 
+def data_text_problem(text: str, max_length: int) -> str | None:
+    """Why ``text`` from outside cannot be kept as data, or None when it can: it must be printable (no
+    control character, terminal escape or line break), at most ``max_length`` characters, and free of
+    :data:`TEMPLATE_MARKERS`."""
+    if len(text) > max_length:
+        return f"{len(text)} characters, more than {max_length}"
+    odd = next((ch for ch in text if not ch.isprintable()), None)
+    if odd is not None:
+        return f"unprintable character {odd!r} in {text!r}"
+    marker = next((m for m in TEMPLATE_MARKERS if m in text), None)
+    if marker is not None:
+        return f"template marker {marker!r} in {text!r}: a host's text is data, never a template"
+    return None
+
+
+def printable(text: str, *, lines: bool = False) -> str:
+    """``text`` with every unprintable character (a terminal escape, a carriage return, a line break unless
+    ``lines``) written as its Python escape (``\\x1b``, ``\\n``, ``\\u202e``): what a terminal may be sent."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() or (lines and ch == "\n") else ch.encode("unicode_escape").decode()
+                   for ch in text)
+
+
 def origin(url: str) -> tuple[str, str, int]:
     """(scheme, host, port) of ``url``, the port filled in for http and https."""
     parts = urllib.parse.urlsplit(url)
@@ -77,10 +109,28 @@ def is_secret_name(name: str) -> bool:
     return bool(_SECRET_NAME.search(name))
 
 
+def secret_forms(secret: str) -> set[str]:
+    """Every way ``secret`` may appear in a message: as it is, without the whitespace around it, and
+    escaped as Python's repr of it as text or as bytes (an HTTP library's header error) or JSON writes it."""
+    forms = {secret, secret.strip(), repr(secret)[1:-1], repr(secret.encode())[2:-1], json.dumps(secret)[1:-1]}
+    return {form for form in forms if len(form) >= _MIN_SECRET}
+
+
+def mask_secret_values(value: Any) -> Any:
+    """``value`` with whatever a secret-named key holds, at any depth, replaced by ``***``: what a message
+    may quote of a mapping (a model source with its ``token``)."""
+    if isinstance(value, Mapping):
+        return {key: MASK if is_secret_name(str(key)) else mask_secret_values(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [mask_secret_values(item) for item in value]
+    return value
+
+
 def redact(text: str, secrets: Iterable[str | None]) -> str:
-    """``text`` with every occurrence of each secret replaced by ``***``."""
-    for secret in sorted({s for s in secrets if s and len(s) >= _MIN_SECRET}, key=len, reverse=True):
-        text = text.replace(secret, MASK)
+    """``text`` with every occurrence of each secret, in any of its :func:`secret_forms`, replaced by ``***``."""
+    forms = {form for secret in secrets if secret for form in secret_forms(secret)}
+    for form in sorted(forms, key=len, reverse=True):  # the longest first: a form may hold another
+        text = text.replace(form, MASK)
     return text
 
 

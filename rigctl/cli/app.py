@@ -32,6 +32,7 @@ from rigctl.cli import (
     servers,
 )
 from rigctl.cli.common import close_preload, err_console, state
+from rigctl.cli.render import outside_text
 from rigctl.connections import connections
 from rigctl.errors import RigctlError
 
@@ -128,7 +129,8 @@ def _run_app() -> None:
     except RigctlError as exc:
         if state.debug:
             raise
-        err_console.print(f"error: {mask_registered(str(exc))}", markup=False, highlight=False, soft_wrap=True)
+        # An error may quote what a host or a server said: one line of text, whatever it holds.
+        err_console.print(outside_text(f"error: {mask_registered(str(exc))}"), soft_wrap=True)
         sys.exit(exc.exit_code)
     except typer.Abort:
         err_console.print("aborted", markup=False)
@@ -139,7 +141,7 @@ def _run_app() -> None:
     except Exception as exc:  # anything unexpected, still one line
         if state.debug:
             raise
-        err_console.print(f"error: {type(exc).__name__}: {mask_registered(str(exc))} "
-                          "(run with --debug for the traceback)", markup=False, highlight=False, soft_wrap=True)
+        err_console.print(outside_text(f"error: {type(exc).__name__}: {mask_registered(str(exc))} "
+                                       "(run with --debug for the traceback)"), soft_wrap=True)
         sys.exit(1)
     sys.exit(rc if isinstance(rc, int) else 0)

@@ -19,7 +19,7 @@ from rigctl.cli.common import (
     results_store,
 )
 from rigctl.cli.preloading import INVENTORY_COMMANDS
-from rigctl.cli.render import print_progress, print_pull
+from rigctl.cli.render import outside_text, print_progress, print_pull
 from rigctl.errors import ConfigError, RigctlError
 
 app = typer.Typer(no_args_is_help=True, help="Speed benches: llama-bench matrices, server speed, drafter race.")
@@ -93,7 +93,7 @@ def bench_run(
     failed = False
     for host, outcome in started.items():
         if isinstance(outcome, RigctlError):
-            err_console.print(f"error: {outcome}", markup=False, highlight=False, soft_wrap=True)
+            err_console.print(outside_text(f"error: {outcome}"), soft_wrap=True)
             failed = True
         else:
             console.print(f"{host}: started {outcome.id} (unit {outcome.unit})", markup=False, highlight=False)

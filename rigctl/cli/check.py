@@ -12,6 +12,7 @@ import typer
 from rich.table import Table
 
 from rigctl.cli.common import console, load_inventory
+from rigctl.cli.render import outside_text
 from rigctl.errors import ConfigError
 
 app = typer.Typer(no_args_is_help=True,
@@ -77,9 +78,9 @@ def check_template_cmd(
         with ServerClient(endpoint) as client, console.status(f"{endpoint}: rendering {len(conversations)} prompts"):
             result = check_template(client, reference, conversations, chat_template=template)
         for diff in result.differing:
-            console.print(f"{diff.name}: differs at character {diff.position}\n"
-                          f"  server:    {context(diff.server, diff.position)}\n"
-                          f"  reference: {context(diff.reference, diff.position)}", markup=False, highlight=False)
+            console.print(outside_text(f"{diff.name}: differs at character {diff.position}\n"
+                                       f"  server:    {context(diff.server, diff.position)}\n"
+                                       f"  reference: {context(diff.reference, diff.position)}", lines=True))
         console.print(f"{result.endpoint}: {result.identical} of {len(result.results)} prompts byte-identical "
                       f"to transformers ({result.checkout})", markup=False, highlight=False)
         failed |= bool(result.differing)
@@ -111,7 +112,8 @@ def check_logits_cmd(
         with ServerClient(endpoint) as client, console.status(f"{endpoint}: {len(conversations)} prompts"):
             result = check_logits(client, reference, conversations, top_k=top_k)
         masses = [r.server_mass for r in result.results]
-        table.add_row(result.endpoint, Path(result.model_path).name, result.build, str(len(result.results)),
+        table.add_row(result.endpoint, outside_text(Path(result.model_path).name), outside_text(result.build),
+                      str(len(result.results)),
                       f"{result.agreement}/{len(result.results)}", _num(result.mean_kl), _num(result.max_kl),
                       f"{min(masses):.2f}-{max(masses):.2f}" if masses else "-")
     console.print(table)

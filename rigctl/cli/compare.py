@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 from rigctl.cli.common import ResultsOption, console, err_console, results_store
+from rigctl.cli.render import outside_text
 from rigctl.errors import ConfigError
 
 if TYPE_CHECKING:  # rigctl.compare pulls in the bench and pydantic: imported where used
@@ -56,14 +57,14 @@ def print_eval_comparison(result: Comparison) -> None:
         if pair.only_a or pair.only_b:
             err_console.print(f"note: {pair.only_a} questions only in {pair.a.name}, {pair.only_b} only in "
                               f"{pair.b.name}; left out", markup=False, highlight=False)
-        table = Table(title=title)
+        table = Table(title=outside_text(title))
         columns = ["set", "n", "A", "B", "B - A, points (95%)", "b / c", "p (exact)"]
         columns += [f"±{pair.margin:g} points"] if pair.margin is not None else []
         for column in columns:
             table.add_column(column, justify="left" if column == "set" else "right")
         recorded = pair.recorded
         for gap in [*recorded.sets, recorded.overall]:
-            cells = [gap.set, str(gap.n), f"{gap.score_a:.3f}", f"{gap.score_b:.3f}", points(gap.gap),
+            cells = [outside_text(gap.set), str(gap.n), f"{gap.score_a:.3f}", f"{gap.score_b:.3f}", points(gap.gap),
                      *_test_cells(gap)]
             cells += [_verdict_cell(gap, pair.margin)] if pair.margin is not None else []
             table.add_row(*cells, style="bold" if gap.set == "overall" else None)
@@ -102,20 +103,21 @@ def print_flips(result: Comparison) -> None:
     from rigctl.compare import flip_counts
 
     for pair in result.pairs:
-        counts = Table(title=f"flips, {pair.a.name} → {pair.b.name} (as recorded)")
+        counts = Table(title=outside_text(f"flips, {pair.a.name} → {pair.b.name} (as recorded)"))
         for column in ("set", "right→wrong", "wrong→right"):
             counts.add_column(column, justify="left" if column == "set" else "right")
         for count in flip_counts(pair.flips, [g.set for g in pair.recorded.sets]):
-            counts.add_row(count.set, str(count.right_to_wrong), str(count.wrong_to_right),
+            counts.add_row(outside_text(count.set), str(count.right_to_wrong), str(count.wrong_to_right),
                            style="bold" if count.set == "overall" else None)
         console.print(counts)
         if not pair.flips:
             continue
-        table = Table(title=f"flipped questions: A = {pair.a.name}, B = {pair.b.name}")
+        table = Table(title=outside_text(f"flipped questions: A = {pair.a.name}, B = {pair.b.name}"))
         for column in ("set", "id", "flip", "A replied", "B replied"):
             table.add_column(column, overflow="fold")
         for flip in pair.flips:
-            table.add_row(flip.set, flip.id, flip.direction, _clip(flip.reply_a), _clip(flip.reply_b))
+            table.add_row(outside_text(flip.set), outside_text(flip.id), flip.direction,
+                          outside_text(_clip(flip.reply_a)), outside_text(_clip(flip.reply_b)))
         console.print(table)
         a_file, b_file = pair.files
         console.print(f"replies in full: {a_file} and {b_file}", markup=False, highlight=False, soft_wrap=True)

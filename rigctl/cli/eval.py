@@ -178,9 +178,10 @@ def eval_run(
 
 
 def read_api_key(path: Path | None) -> str | None:
-    """The key in ``path`` ('-': stdin), else $RIGCTL_API_KEY, else None (the inventory's is used)."""
+    """The key in ``path`` ('-': stdin), else $RIGCTL_API_KEY, else None (the inventory's is used); either
+    without the whitespace around it (an env file's line break is not part of the key)."""
     if path is None:
-        return os.environ.get("RIGCTL_API_KEY") or None
+        return os.environ.get("RIGCTL_API_KEY", "").strip() or None
     try:
         text = sys.stdin.read() if str(path) == "-" else path.read_text()
     except OSError as exc:

@@ -11,7 +11,7 @@ import typer
 from rich.table import Table
 
 from rigctl.cli.common import console, err_console, load_inventory, state
-from rigctl.cli.render import print_deploy_summary, print_event, print_task
+from rigctl.cli.render import outside_text, print_deploy_summary, print_event, print_task
 from rigctl.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ def hosts(ctx: typer.Context) -> None:
         table.add_row(
             host.name,
             f"{host.address}:{host.port}" if host.port != 22 else host.address,
-            gpu.name if gpu else "-",
+            outside_text(gpu.name) if gpu else "-",
             gpu.compute_capability if gpu else "-",
             f"{gpu.vram_mib / 1024:g} GiB" if gpu else "-",
             str(host.llama_cpp) if "llama_cpp_source" in host.vars else "-",
@@ -47,13 +47,13 @@ def hosts(ctx: typer.Context) -> None:
 
 
 def _print_facts(name: str, facts: HostFacts) -> None:
-    table = Table(title=f"{name}: {facts.os}, {facts.cpu_model}, {facts.cpus} CPUs, "
-                        f"{facts.memory_mib / 1024:.1f} GiB, {facts.disk_free_mib / 1024:.1f} GiB free")
+    table = Table(title=outside_text(f"{name}: {facts.os}, {facts.cpu_model}, {facts.cpus} CPUs, "
+                                     f"{facts.memory_mib / 1024:.1f} GiB, {facts.disk_free_mib / 1024:.1f} GiB free"))
     for column in ("GPU", "name", "VRAM", "CC", "arch", "uuid"):
         table.add_column(column)
     for gpu in facts.gpus:
-        table.add_row(str(gpu.index), gpu.name, f"{gpu.vram_mib / 1024:g} GiB", gpu.compute_capability,
-                      gpu.cuda_arch, gpu.uuid)
+        table.add_row(str(gpu.index), outside_text(gpu.name), f"{gpu.vram_mib / 1024:g} GiB",
+                      gpu.compute_capability, gpu.cuda_arch, outside_text(gpu.uuid))
     console.print(table)
     console.print(f"driver {facts.driver_version}, CUDA {facts.cuda_version}; "
                   f"CPU flags: {' '.join(facts.cpu_flags) or 'none of note'}", highlight=False)
@@ -157,7 +157,7 @@ def hosts_probe(
         for column in ("key", "host_vars", "host"):
             table.add_column(column)
         for key, recorded, observed in result.drift:
-            table.add_row(key, "-" if recorded is None else str(recorded), str(observed))
+            table.add_row(key, "-" if recorded is None else outside_text(recorded), outside_text(observed))
         console.print(table)
     if write:
         console.print(f"{name}: host_vars " + ("updated" if result.written else "unchanged"), highlight=False)

@@ -6,6 +6,7 @@ import typer
 from rich.table import Table
 
 from rigctl.cli.common import LimitOption, console, err_console, load_inventory
+from rigctl.cli.render import outside_text
 from rigctl.errors import RigctlError
 
 app = typer.Typer(no_args_is_help=True, help="Model artifacts on the hosts: list, verify and pin hashes.")
@@ -21,13 +22,13 @@ def models_list(limit: LimitOption = None) -> None:
         table.add_column(column)
     results = list_artifacts(load_inventory(), limit)
     for row in rows(results):
-        table.add_row(*row)
+        table.add_row(*(outside_text(cell) for cell in row))  # a model file's metadata, a host's error
     console.print(table)
     failed = {host: outcome for host, outcome in results.items() if isinstance(outcome, RigctlError)}
     for host, outcome in failed.items():
         text = str(outcome)
-        err_console.print(f"error: {text if text.startswith(host) else f'{host}: {text}'}", markup=False,
-                          highlight=False, soft_wrap=True)
+        err_console.print(outside_text(f"error: {text if text.startswith(host) else f'{host}: {text}'}"),
+                          soft_wrap=True)
     if failed:  # a listing that could not see a host is not a clean listing
         raise typer.Exit(1)
 
@@ -40,7 +41,7 @@ def models_verify(limit: LimitOption = None) -> None:
     results = verify(load_inventory(), limit)
     found = problems(results)
     for line in found:
-        err_console.print(line, markup=False, highlight=False, soft_wrap=True)
+        err_console.print(outside_text(line), soft_wrap=True)
     checked = sum(len(r) for r in results.values() if isinstance(r, list))
     summary = f"{checked} artifacts on {len(results)} hosts, {len(found)} problems"
     (err_console if found else console).print(summary, highlight=False)

@@ -1,26 +1,39 @@
-"""Rendering shared by several command groups: playbook progress and summaries, pull outcomes."""
+"""Rendering shared by several command groups: text from outside shown as text, playbook progress and
+summaries, pull outcomes."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
+from rich.text import Text
 
 from rigctl.cli.common import console, err_console
 from rigctl.errors import RigctlError
+from rigctl.trust import printable
 
 if TYPE_CHECKING:
     from rigctl.deploy import DeployResult, TaskEvent
+
+
+def outside_text(value: object, *, lines: bool = False) -> Text:
+    """Text from outside rigctl (a host's answer, a server's reply, a record, an error quoting them) as the
+    terminal must show it: a rich ``Text``, so no markup or emoji code in it is interpreted, with every
+    unprintable character (a terminal escape, a carriage return, a line break unless ``lines``) escaped
+    (:func:`rigctl.trust.printable`), so none reaches the terminal as a control.
+
+    Print it, put it in a table cell or title, or join it with ``Text.assemble``: formatted into a string
+    it is plain text again, which markup would read."""
+    return Text(printable(str(value), lines=lines))
+
 
 _MARKS = {"ok": "[green]ok[/green]", "changed": "[yellow]changed[/yellow]", "failed": "[red]failed[/red]",
           "unreachable": "[red]unreachable[/red]", "skipped": "[dim]skipped[/dim]"}
 
 
 def print_event(event: TaskEvent) -> None:
-    line = f"  {_MARKS[event.status]} {event.host}"
-    if event.message:
-        line += f": {event.message}"
-    console.print(line, highlight=False)
+    said = f"{event.host}: {event.message}" if event.message else event.host
+    console.print(Text.assemble("  ", Text.from_markup(_MARKS[event.status]), " ", outside_text(said)))
 
 
 def print_task(task: str) -> None:
@@ -34,14 +47,14 @@ def print_deploy_summary(result: DeployResult, title: str) -> None:
     for outcome in result.hosts.values():
         table.add_row(outcome.host, str(outcome.ok), str(outcome.changed), str(outcome.failed),
                       str(outcome.unreachable), str(outcome.skipped),
-                      f"{outcome.failed_task}: {outcome.failure}" if outcome.failed_task else "")
+                      outside_text(f"{outcome.failed_task}: {outcome.failure}") if outcome.failed_task else "")
     console.print(table)
 
 
 def print_progress(info: Any) -> None:
     """One line per change of a job's state (a :class:`rigctl.jobs.JobInfo`)."""
     progress = f"{info.done}/{info.total}" if info.total else "-"
-    console.print(f"{info.host}: {info.id} {info.state} [{progress}] {info.message}", markup=False, highlight=False)
+    console.print(outside_text(f"{info.host}: {info.id} {info.state} [{progress}] {info.message}"))
 
 
 def print_pull(results: dict[str, Any]) -> bool:
@@ -49,7 +62,7 @@ def print_pull(results: dict[str, Any]) -> bool:
     ok = True
     for host, outcome in results.items():
         if isinstance(outcome, RigctlError):
-            err_console.print(f"{host}: pull failed: {outcome}", markup=False, highlight=False, soft_wrap=True)
+            err_console.print(outside_text(f"{host}: pull failed: {outcome}"), soft_wrap=True)
             ok = False
             continue
         line = (f"{host}: copied {len(outcome.copied)} run(s) ({outcome.files} files, {outcome.bytes} bytes), "
@@ -58,8 +71,8 @@ def print_pull(results: dict[str, Any]) -> bool:
         console.print(line, markup=False, highlight=False)
         for run_id in outcome.copied:
             lost = " (lost: its job died without sealing it; partial)" if run_id in outcome.lost else ""
-            console.print(f"  + {host}/{run_id}{lost}", markup=False, highlight=False)
+            console.print(outside_text(f"  + {host}/{run_id}{lost}"))
         for line in outcome.refused:
-            err_console.print(line, markup=False, highlight=False, soft_wrap=True)
+            err_console.print(outside_text(line), soft_wrap=True)
             ok = False
     return ok

@@ -8,6 +8,7 @@ import typer
 from rich.table import Table
 
 from rigctl.cli.common import LimitOption, console, load_inventory
+from rigctl.cli.render import outside_text
 
 app = typer.Typer(no_args_is_help=False, invoke_without_command=True,
                   help="llama-server instances: state, port, model, build, health; restart; logs.")
@@ -36,10 +37,11 @@ def servers_list(
             health = "[green]ok[/green]"
         elif row.health == "disabled":
             health = "[dim]-[/dim]"
-        else:
-            health = f"[red]{row.error or row.health}[/red]"
+        else:  # what the server or the host said
+            health = outside_text(row.error or row.health)
+            health.stylize("red")
         table.add_row(row.host, row.name, state, str(row.main_pid or "-"), str(row.port), row.artifact, row.profile,
-                      row.model or "-", row.build or "-", health)
+                      outside_text(row.model or "-"), outside_text(row.build or "-"), health)
     console.print(table)
     if any(r.enabled and not r.healthy for r in rows):
         raise typer.Exit(1)
@@ -55,8 +57,8 @@ def servers_restart(
     from rigctl.servers import restart
 
     status = restart(load_inventory(), host, server, timeout)
-    console.print(f"{status.host}/{status.name}: {status.state}, pid {status.main_pid}, {status.model} "
-                  f"({status.build})", highlight=False)
+    console.print(outside_text(f"{status.host}/{status.name}: {status.state}, pid {status.main_pid}, {status.model} "
+                               f"({status.build})"))
 
 
 @app.command("logs")
@@ -68,4 +70,4 @@ def servers_logs(
     """The last journal lines of one instance."""
     from rigctl.servers import logs
 
-    console.print(logs(load_inventory(), host, server, lines), markup=False, highlight=False, end="")
+    console.print(outside_text(logs(load_inventory(), host, server, lines), lines=True), end="")

@@ -29,7 +29,8 @@ from pydantic import (
 from rigctl.errors import ConfigError
 from rigctl.inventory.model import FULL_COMMIT, HEX_COMMIT, SHA256, Host, Inventory
 from rigctl.inventory.profiles import ProfileError, resolve_profile
-from rigctl.trust import MASK, is_secret_name
+from rigctl.probe import HOST_TEXT_MAX, PROBED_KEYS
+from rigctl.trust import MASK, data_text_problem, is_secret_name, mask_secret_values
 
 #: Variable prefixes owned by the roles and rigctl: an unknown key with one of these is a typo.
 OWNED_PREFIXES = ("gpu_host_", "llama_cpp_", "models_", "llama_server_", "monitoring_", "rigctl_")
@@ -376,6 +377,7 @@ def check_host(host: Host, known: set[str]) -> list[Problem]:
             parsed[key] = _adapter(key).validate_python(v[key])
         except ValidationError as exc:
             out.extend(_pydantic_problems(where, key, exc))
+    out.extend(_check_facts_are_text(where, v))
     out.extend(_check_pin(where, v))
     out.extend(_check_cuda_archs(where, parsed))
     out.extend(_check_catalog(where, parsed.get("models_catalog")))
@@ -383,6 +385,29 @@ def check_host(host: Host, known: set[str]) -> list[Problem]:
     out.extend(_check_pins(where, v, parsed))
     out.extend(_check_exposure(host, parsed))
     out.extend(_check_gpus(where, parsed))
+    return out
+
+
+def _check_facts_are_text(where: str, v: Mapping[str, Any]) -> list[Problem]:
+    """The facts a probe writes hold only what a probe would accept from a host: every string printable,
+    bounded and free of template markers (a hand edit, or a file written before probes checked them,
+    could carry a template that a play would run)."""
+    out = []
+
+    def walk(path: str, value: Any) -> None:
+        if isinstance(value, Mapping):
+            for key, item in value.items():
+                walk(f"{path}.{key}", item)
+        elif isinstance(value, list):
+            for index, item in enumerate(value):
+                walk(f"{path}.{index}", item)
+        elif isinstance(value, str):
+            problem = data_text_problem(value, HOST_TEXT_MAX)
+            if problem is not None:
+                out.append(Problem(where, path, problem))
+
+    for key in sorted(PROBED_KEYS & set(v)):
+        walk(key, v[key])
     return out
 
 
@@ -453,8 +478,10 @@ def _pydantic_problems(where: str, key: str, exc: ValidationError) -> list[Probl
         elif err["type"] == "value_error":  # our own validators' messages name the value already
             message = str(err["ctx"]["error"]) if "ctx" in err else message.removeprefix("Value error, ")
         elif "input" in err and err["type"] not in {"union_tag_invalid"}:
-            # A secret's value (llama_server_api_key, a source's token) is never echoed.
-            shown = MASK if any(is_secret_name(part) for part in path.split(".")) else repr(err["input"])
+            # A secret's value (llama_server_api_key, a source's token) is never echoed, nor is one inside the
+            # value shown (a source that names no type, quoted whole).
+            shown = (MASK if any(is_secret_name(part) for part in path.split("."))
+                     else repr(mask_secret_values(err["input"])))
             message = f"{message} (got {shown})"
         problems.append(Problem(where, path, message))
     return problems

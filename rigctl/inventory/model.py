@@ -3,7 +3,9 @@
 The inventory directory is the single source of truth for Ansible and rigctl alike: this module
 never keeps a host list of its own. Host variables are merged exactly as Ansible merges them
 (inventory file, group_vars, host_vars) and templated with Ansible's Templar, so a value such as
-``"{{ rigctl_lab.dir }}/id_ed25519"`` reads the same here as in a play.
+``"{{ rigctl_lab.dir }}/id_ed25519"`` reads the same here as in a play. The facts a probe writes
+(:data:`rigctl.probe.PROBED_KEYS`) are the exception: they are what a host said, read as the text they
+are and never templated, even in a file written before rigctl tagged them ``!unsafe``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import yaml
 
 import rigctl.inventory.profiles as profiles
 from rigctl.errors import ConfigError
+from rigctl.probe import PROBED_KEYS
 
 if TYPE_CHECKING:
     from rigctl.server import Endpoint
@@ -392,6 +395,9 @@ class Inventory:
                 merged = {}
                 for key, value in raw.items():
                     if key in _MAGIC_VARS:
+                        continue
+                    if key in PROBED_KEYS:
+                        merged[str(key)] = _plain(value)
                         continue
                     try:
                         merged[str(key)] = _plain(templar.template(value))

@@ -211,3 +211,97 @@ def test_stranger_rig_is_enrolled_provisioned_and_serves(stranger: tuple[Path, L
     assert RIG not in Inventory.load(inv).hosts
     assert RIG not in known_hosts.read_text() and rig.address not in known_hosts.read_text()
     assert httpx.get(f"{base}/health", timeout=5).status_code == 200
+
+
+class Planted:
+    """What rig ``spare`` answers a probe with, changed from outside it: its os-release and /proc/cpuinfo
+    overmounted by bind mounts (in its mount namespace), its stand-in GPU's name rewritten."""
+
+    def __init__(self, lab: Lab):
+        self.lab = lab
+        self.name = lab.gpu_state(RIG).name
+        self.mounted: list[str] = []
+
+    def file(self, target: str, text: str) -> None:
+        copy = f"/root/planted{target.replace('/', '-')}"
+        self.lab.guest_run(RIG, ["sh", "-c", f"umount {target} 2>/dev/null; true"])
+        self.lab.guest_run(RIG, ["sh", "-c", f"printf '%s\\n' \"$0\" > {copy}", text])
+        self.lab.guest_run(RIG, ["mount", "--bind", copy, target])
+        if target not in self.mounted:
+            self.mounted.append(target)
+
+    def os_name(self, pretty: str) -> None:
+        self.file("/etc/os-release", f'PRETTY_NAME="{pretty}"\nNAME="Debian GNU/Linux"\nVERSION_ID="12"\nID=debian')
+
+    def cpu_model(self, model: str) -> None:
+        real = self.lab.guest_run(RIG, ["sh", "-c", "umount /proc/cpuinfo 2>/dev/null; cat /proc/cpuinfo"])
+        self.file("/proc/cpuinfo", re.sub(r"(?m)^model name\t: .*$", lambda _: f"model name\t: {model}", real))
+
+    def gpu_name(self, name: str) -> None:
+        self.lab.set_gpu(RIG, name=name)
+
+    def restore(self) -> None:
+        for target in self.mounted:
+            self.lab.guest_run(RIG, ["umount", target])
+        self.lab.set_gpu(RIG, name=self.name)
+
+
+def test_a_rig_whose_answers_carry_templates_runs_nothing(stranger: tuple[Path, Lab], tmp_path: Path) -> None:
+    """os-release, CPU model and GPU name carrying Jinja: each refused in one line naming the field, nothing
+    written, nothing run (the marker stays absent); text that is odd but plain is enrolled and shown as it is."""
+    inv, lab = stranger
+    rig = lab.rig(RIG)
+    known_hosts = lab.config.known_hosts
+    password = lab.root_password(RIG)
+    shown = lab.guest_run(RIG, ["ssh-keygen", "-lf", "/etc/ssh/ssh_host_ed25519_key.pub"]).split()[1]
+    marker = tmp_path / "marker"
+    payload = f"{{{{ lookup('pipe', 'touch {marker}') }}}}"
+    planted = Planted(lab)
+
+    def add() -> subprocess.CompletedProcess[str]:
+        return rigctl(inv, "hosts", "add", RIG, rig.address, "--ask-pass", "--fingerprint", shown, "--group", "lab",
+                      stdin=password + "\n")
+
+    try:
+        # nvidia-smi's answer is CSV: a GPU name with a comma (as a lookup has) fails as a line of 8 fields.
+        planted.gpu_name("RTX {{ 7*7 }}")
+        planted.cpu_model(f"Xeon {{% if lookup('pipe', 'touch {marker}') %}}{{% endif %}}")
+        planted.os_name(f"Debian {payload}")
+        for field in ("gpus\\[0\\]\\.name", "cpu_model", "os"):
+            before = snapshot(inv, known_hosts)
+            refused = add()
+            assert refused.returncode == 1, refused.stdout + refused.stderr
+            # Before it, stderr holds only the password prompt.
+            errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+            assert len(errors) == 1 and refused.stderr.endswith(errors[0] + "\n"), refused.stderr
+            assert re.match(rf"error: {RIG}: probe: {field}: template marker", errors[0]), errors
+            assert snapshot(inv, known_hosts) == before and not marker.exists()
+            if field.startswith("gpus"):
+                planted.gpu_name("Lab stand-in for RTX 4060 Ti")
+            elif field == "cpu_model":
+                planted.cpu_model("Xeon [/] $(touch /tmp/x) \\e[2J")
+
+        # Plain text that is markup to rich and shell to a shell: enrolled, and shown as written.
+        planted.gpu_name("RTX [/] [bold]4060[/] `id`")
+        planted.os_name("Debian [/] 12")
+        added = add()
+        assert added.returncode == 0, added.stdout + added.stderr
+        listed = rigctl(inv, "hosts")
+        assert listed.returncode == 0 and "RTX [/] [bold]4060[/] `id`" in listed.stdout, listed.stdout + listed.stderr
+        vars_file = inv / "host_vars" / f"{RIG}.yml"
+        text = vars_file.read_text()
+        assert "name: !unsafe 'RTX [/] [bold]4060[/] `id`'" in text and "os: !unsafe 'Debian [/] 12'" in text
+        checked = rigctl(inv, "inventory", "check")
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+
+        # A payload that appears later: probe --write refuses it and leaves host_vars as they were.
+        planted.gpu_name("RTX {% raw %}")
+        probed = rigctl(inv, "hosts", "probe", RIG, "--write")
+        assert probed.returncode == 1
+        assert re.fullmatch(rf"error: {RIG}: probe: gpus\[0\]\.name: template marker '{{%' .*\n", probed.stderr), \
+            probed.stderr
+        assert vars_file.read_text() == text and not marker.exists()
+    finally:
+        planted.restore()
+        rigctl(inv, "hosts", "remove", RIG)
+    assert not marker.exists()

@@ -35,9 +35,10 @@ def test_fleet_status_both_rigs_up_and_servers_healthy(lab_served: Inventory, tm
         assert [m["drift"] for m in host["models"]] == [False] * len(host["models"])
         server = host["servers"]["smollm2"]
         assert server["state"] == "active" and server["healthy"] is True and server["main_pid"] > 0
-    assert health["healthy"] and health["props"]["model_path"].endswith(".gguf")
-    assert health["props"]["build_info"]
-    assert logs["unit"] == "llama-server@smollm2.service" and logs["journal"].strip()
+    # What the server and the host said comes back marked as data.
+    assert health["healthy"] and health["props"]["model_path"]["untrusted"].endswith(".gguf")
+    assert health["props"]["build_info"]["untrusted"]
+    assert logs["unit"] == "llama-server@smollm2.service" and logs["journal"]["untrusted"].strip()
 
 
 @pytest.mark.lab
@@ -87,7 +88,8 @@ def test_start_a_short_eval_and_read_its_result_through_the_tools(lab_served: In
     runs = [r for r in listed["runs"] if r["id"] == started["job"]["id"]]
     assert len(runs) == 1
     run = runs[0]
-    assert run["status"] == "done" and run["task"] == "arith" and run["artifacts"] == ["smollm2-135m-q4_1"]
+    assert run["status"] == "done" and run["task"] == {"untrusted": "arith"}
+    assert run["artifacts"] == ["smollm2-135m-q4_1"]
     assert run["questions"] == len(questions) and 0.0 <= run["score"] <= 1.0
     # The score the tool reports is the mean of the answers file the run wrote.
     answers_file = results / "desktop" / run["id"] / "answers.jsonl"

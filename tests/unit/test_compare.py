@@ -286,3 +286,20 @@ def test_compare_cli_flips_margin_and_plan(store):
     assert "smallest gap detectable at 80 % power" in out and "36 (30%)" in out
     bad = rigctl("compare", "desktop/eval-a", "desktop/eval-b", "--equivalence-margin", "-1", results=store.root)
     assert bad.returncode != 0 and "error:" in bad.stderr and "equivalence margin" in bad.stderr
+
+
+def test_flipped_replies_are_shown_as_text(tmp_path):
+    """A reply is what a model said: markup in it is not read, and a terminal escape is shown, not sent."""
+    from benchlab import rigctl
+
+    a = [{"id": "q1", "set": "math", "score": 1, "reply": "[/] closes nothing [bold]"},
+         {"id": "q2", "set": "math", "score": 0, "reply": "clear \x1b[2J\x1b]0;owned\x07 done"}]
+    b = [{"id": "q1", "set": "math", "score": 0, "reply": ":skull: 41"},
+         {"id": "q2", "set": "math", "score": 1, "reply": "42"}]
+    eval_run(tmp_path, "desktop", "eval-a", "m1", a)
+    eval_run(tmp_path, "desktop", "eval-b", "m1", b)
+    done = rigctl("compare", "desktop/eval-a", "desktop/eval-b", "--flips", results=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "[/] closes nothing [bold]" in done.stdout and ":skull: 41" in done.stdout
+    assert "\x1b" not in done.stdout and "\x07" not in done.stdout
+    assert "clear \\x1b[2J\\x1b]0;owned\\x07 done" in done.stdout

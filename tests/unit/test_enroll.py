@@ -370,3 +370,128 @@ def test_add_asks_for_the_password_only_after_the_host_key_is_vouched_for(ssh_se
                  ask_password=lambda: pytest.fail("asked for the password"))
     assert server.auth_attempts == []
     assert {p: p.read_text() for p in lab_copy.rglob("*.yml")} == before
+
+
+# --- what a host says is data ---------------------------------------------------------------------
+
+PAYLOAD = "{{ lookup('pipe', 'touch MARKER') }}Debian"
+
+
+def with_section(output: str, name: str, body: str, token: str = "t0k3n") -> str:
+    """``output`` of the probe with section ``name``'s lines replaced by ``body``."""
+    head, rest = output.split(f"### {token} {name}\n", 1)
+    _old, tail = rest.split(f"\n### {token} ", 1)
+    return f"{head}### {token} {name}\n{body}\n### {token} {tail}"
+
+
+@pytest.mark.parametrize(("section", "body", "field"), [
+    ("os", f'PRETTY_NAME="{PAYLOAD}"', "os"),
+    ("os", 'PRETTY_NAME="Debian {% if 1 %}x{% endif %}"', "os"),
+    ("os", 'PRETTY_NAME="Debian {# note #}"', "os"),
+    ("cpu", f"model name\t: {PAYLOAD}\nflags\t: avx2", "cpu_model"),
+    ("cpu", "model name\t: Intel\x1b]0;owned\x07 Xeon\nflags\t: avx2", "cpu_model"),
+    ("os", f'PRETTY_NAME="{"x" * 129}"', "os"),
+])
+def test_probe_refuses_text_that_is_not_plain_data(smi_path: dict[str, str], section: str, body: str,
+                                                   field: str) -> None:
+    output = with_section(run_probe(smi_path), section, body)
+    with pytest.raises(ProbeError, match=rf"^new: probe: {field}: ") as raised:
+        parse_probe("new", output, "t0k3n")
+    assert "\n" not in str(raised.value)
+
+
+def test_probe_refuses_a_gpu_name_with_a_template(smi_path: dict[str, str]) -> None:
+    state = dict(TWO_GPUS, name="RTX {{ 7*7 }}")
+    Path(smi_path["RIGCTL_LAB_GPU_STATE"]).write_text(json.dumps(state))
+    with pytest.raises(ProbeError, match=r"new: probe: gpus\[0\]\.name: template marker '\{\{'"):
+        parse_probe("new", run_probe(smi_path), "t0k3n")
+
+
+def test_probe_keeps_odd_but_printable_text_as_it_is(smi_path: dict[str, str]) -> None:
+    state = dict(TWO_GPUS, name="RTX [bold]3090[/] } { $(id) é")
+    Path(smi_path["RIGCTL_LAB_GPU_STATE"]).write_text(json.dumps(state))
+    output = with_section(run_probe(smi_path), "os", "PRETTY_NAME='Debian [/] 12'")
+    facts = parse_probe("new", output, "t0k3n")
+    assert (facts.gpus[0].name, facts.os) == ("RTX [bold]3090[/] } { $(id) é", "Debian [/] 12")
+
+
+def host_facts(name: str = "RTX 3090", os_name: str = "Debian GNU/Linux 12 (bookworm)") -> dict[str, object]:
+    from rigctl.probe import GpuFacts, HostFacts, HostText
+
+    gpu = GpuFacts(0, HostText(name), 24576, "8.6", HostText("GPU-aaaa"))
+    return inventory_vars(HostFacts(gpus=(gpu,), driver_version="550", cuda_version="12.4",
+                                    cpu_model=HostText("Intel Xeon"), cpu_flags=("avx2",), cpus=8,
+                                    memory_mib=32000, disk_free_mib=1, os=HostText(os_name)))
+
+
+def test_host_text_is_written_unsafe_and_read_back_literally(lab_copy: Path) -> None:
+    vars_file = lab_copy / "host_vars" / "newrig.yml"
+    files = InventoryFiles(lab_copy)
+    files.add_to_group("newrig", "lab", {"ansible_host": "10.213.0.13"})
+    # Text a probe refuses, written as if it had not: only the tag stands between it and the templar.
+    facts = host_facts(name="RTX {{ 7*7 }}", os_name=PAYLOAD.replace("MARKER", str(lab_copy / "marker")))
+    assert files.update_host_vars("newrig", facts)
+    text = vars_file.read_text()
+    assert "name: !unsafe 'RTX {{ 7*7 }}'" in text and "os: !unsafe '{{ lookup(" in text
+    # Pattern-checked values keep their plain type: Ansible would load `!unsafe '8.6'` as a float.
+    assert "compute_capability: '8.6'" in text and "driver_version: '550'" in text
+
+    host = Inventory.load(lab_copy).hosts["newrig"]
+    assert host.vars["gpu_host_gpu"]["name"] == "RTX {{ 7*7 }}"
+    assert host.gpu is not None and host.gpu.name == "RTX {{ 7*7 }}"
+    assert host.vars["rigctl_host_facts"]["os"].startswith("{{ lookup(")
+    assert host.vars["rigctl_host_facts"]["driver_version"] == "550"
+    assert not (lab_copy / "marker").exists()
+    # Written again: no change, the tags included.
+    assert not InventoryFiles(lab_copy).update_host_vars("newrig", facts)
+
+
+def test_facts_written_untagged_are_never_templated_and_are_retagged(lab_copy: Path) -> None:
+    files = InventoryFiles(lab_copy)
+    files.add_to_group("newrig", "lab", {"ansible_host": "10.213.0.13"})
+    marker = lab_copy / "marker"
+    vars_file = lab_copy / "host_vars" / "newrig.yml"
+    # As rigctl wrote facts before it tagged them: verbatim, a template to any loader that templates.
+    vars_file.write_text(f"# by hand\ngpu_host_gpu:\n  name: \"RTX {{{{ 7*7 }}}}\"\n  vram_mib: 8192\n"
+                         f"  compute_capability: '8.6'\nrigctl_host_facts:\n"
+                         f"  os: \"{PAYLOAD.replace('MARKER', str(marker))}\"\n")
+    host = Inventory.load(lab_copy).hosts["newrig"]
+    assert host.gpu is not None and host.gpu.name == "RTX {{ 7*7 }}"
+    assert not marker.exists()
+    problems = [str(p) for p in check(Inventory.load(lab_copy), ROLES) if "template marker" in p.message]
+    assert problems == [
+        "host newrig: gpu_host_gpu.name: template marker '{{' in 'RTX {{ 7*7 }}': a host's text is data, "
+        "never a template",
+        f"host newrig: rigctl_host_facts.os: template marker '{{{{' in "
+        f"{PAYLOAD.replace('MARKER', str(marker))!r}: a host's text is data, never a template",
+    ]
+    # The same values from a probe: rewritten tagged, the comment kept.
+    facts = {"gpu_host_gpu": host_facts()["gpu_host_gpu"]}
+    assert InventoryFiles(lab_copy).update_host_vars("newrig", facts)
+    text = vars_file.read_text()
+    assert text.startswith("# by hand\n") and "name: !unsafe 'RTX 3090'" in text
+
+
+def test_check_refuses_unprintable_and_overlong_facts(lab_copy: Path) -> None:
+    files = InventoryFiles(lab_copy)
+    files.add_to_group("newrig", "lab", {"ansible_host": "10.213.0.13"})
+    facts = host_facts(name="RTX\x1b[2J 3090", os_name="D" * 200)
+    files.update_host_vars("newrig", facts)
+    problems = {p.key: p.message for p in check(Inventory.load(lab_copy), ROLES) if p.where == "host newrig"}
+    assert problems["gpu_host_gpu.name"] == "unprintable character '\\x1b' in 'RTX\\x1b[2J 3090'"
+    assert problems["rigctl_host_facts.os"] == "200 characters, more than 128"
+
+
+def test_hosts_shows_gpu_names_as_the_literal_text(lab_copy: Path) -> None:
+    """`rigctl hosts` over facts with markup, templates and an escape: each shown as written, nothing run."""
+    names = {"desktop": ("Lab stand-in for RTX 3050 OEM", "RTX [/] {{ 7*7 }} \\e[2J"),
+             # A lookup runs in the command's directory: the copy's, where the marker is looked for.
+             "laptop": ("Lab stand-in for GTX 1650 Ti", "{{lookup('pipe','touch m')}}")}
+    for host, (before, after) in names.items():
+        vars_file = lab_copy / "host_vars" / f"{host}.yml"
+        vars_file.write_text(vars_file.read_text().replace(f"name: {before}", f'name: !unsafe "{after}"'))
+    out = subprocess.run([sys.executable, "-m", "rigctl.cli", "-i", str(lab_copy), "hosts"],
+                         capture_output=True, text=True, timeout=60, cwd=lab_copy)
+    assert out.returncode == 0, out.stderr
+    assert "RTX [/] {{ 7*7 }} \\x1b[2J" in out.stdout and "{{lookup('pipe','touch m')}}" in out.stdout
+    assert "\x1b" not in out.stdout and not (lab_copy / "m").exists()

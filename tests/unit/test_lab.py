@@ -471,3 +471,14 @@ def test_stand_in_persistence_mode_and_summary_table(gpu_state: Path) -> None:
     assert all(len(line) == 89 for line in table[1:] if line.startswith(("|", "+")))
     assert any("Lab stand-in for RTX 3050" in line and " On " in line for line in table)
     assert any("41C" in line and "512MiB /  8192MiB" in line for line in table)
+
+
+
+def test_set_gpu_can_rename_the_stand_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``name`` is both the rig's and a GPU field: the rig's is positional only, so the GPU's can be set."""
+    lab = Lab.from_inventory(real_inventory())
+    state = tmp_path / "gpu.json"
+    state.write_text(lab.rig("desktop").gpu.to_json())
+    monkeypatch.setattr(Lab, "_gpu_state_path", lambda self, rig: state)
+    assert lab.set_gpu("desktop", name="Renamed stand-in").name == "Renamed stand-in"
+    assert json.loads(state.read_text())["name"] == "Renamed stand-in"

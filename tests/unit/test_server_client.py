@@ -13,6 +13,7 @@ import pytest
 from rigctl.errors import ConfigError, ServerError
 from rigctl.inventory import Host
 from rigctl.server import (
+    NO_RETRY,
     AsyncServerClient,
     ChatStreamAssembler,
     Endpoint,
@@ -192,3 +193,63 @@ def test_async_client_retries_too(script):
             return (await client.props()).model_path
 
     assert asyncio.run(main()) == "/m.gguf"
+
+
+def test_a_key_with_a_line_break_is_never_shown_by_the_header_error():
+    """httpx refuses the header and quotes it, escaped: the message names the call, never the key."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    try:
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        with ServerClient(Endpoint(url, api_key="sk-4f1c9e\n"), retry=NO_RETRY) as client:
+            with pytest.raises(ServerError, match=r"GET /props: LocalProtocolError") as info:
+                client.props()
+            health = client.health()
+    finally:
+        listener.close()
+    assert "4f1c9e" not in str(info.value) and "Bearer ***" in str(info.value)
+    assert "4f1c9e" not in health.status
+
+
+def test_the_key_from_the_environment_loses_its_line_break(tmp_path):
+    """RIGCTL_API_KEY from an env file ends in a line break: the server gets the key without it, and no
+    output shows the key."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(60)
+    seen: list[bytes] = []
+
+    def answer() -> None:
+        try:
+            while True:
+                conn, _ = listener.accept()
+                with conn:
+                    head = b""
+                    while b"\r\n\r\n" not in head and (chunk := conn.recv(4096)):
+                        head += chunk
+                    seen.append(head)
+                    conn.sendall(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\n"
+                                 b"Connection: close\r\n\r\n")
+        except OSError:
+            return
+
+    threading.Thread(target=answer, daemon=True).start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    (tmp_path / "q.jsonl").write_text('{"question": "1+1?", "answer": "#### 2"}\n')
+    task = tmp_path / "t.yaml"
+    task.write_text("name: t\nscorer: gsm8k\ndataset: {path: q.jsonl}\nprompt: '{question}'\n")
+    env = {**os.environ, "RIGCTL_API_KEY": "sk-4f1c9e\n"}
+    try:
+        done = subprocess.run([sys.executable, "-m", "rigctl.cli", "eval", "run", "-t", str(task), "--url", url,
+                               "--results", str(tmp_path / "results")], capture_output=True, text=True, timeout=120,
+                              env=env)
+    finally:
+        listener.close()
+    assert seen and all(b"\r\nauthorization: bearer sk-4f1c9e\r\n" in head.lower() for head in seen), \
+        seen + [done.stderr.encode()]
+    assert "4f1c9e" not in done.stdout + done.stderr

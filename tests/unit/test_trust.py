@@ -318,3 +318,27 @@ def test_mcp_run_and_task_references_stay_inside(tmp_path: Path) -> None:
             tools.task(bad)
     with pytest.raises(ConfigError, match="no such task"):
         tools.task("nowhere")
+
+
+def test_a_secret_is_masked_in_every_form_a_message_quotes_it() -> None:
+    from rigctl.trust import redact
+
+    secret = "sk-7d1e'\"é\n"
+    quoted = {"raw": f"key {secret} end", "repr": f"got {secret!r}", "bytes": f"header {secret.encode()!r}",
+              "json": f"body {json.dumps(secret)}", "stripped": f"Bearer {secret.strip()}"}
+    for form, text in quoted.items():
+        masked = redact(text, [secret])
+        assert "7d1e" not in masked and "***" in masked, form
+
+
+def test_inventory_check_masks_a_token_inside_a_value_it_quotes() -> None:
+    """A model source that names no type is quoted whole in the error: its token is not."""
+    inventory = Inventory.load(LAB_INVENTORY)
+    host = inventory.host("desktop")
+    catalog = {"m": {"source": {"repo": "a/b", "revision": "main", "token": "hf_Zq81ProbablyLive"},
+                     "artifacts": {"x": {"type": "file", "file": "x.gguf"}}}}
+    problems = [str(p) for p in check_host(dataclasses.replace(host, vars={**host.vars, "models_catalog": catalog}),
+                                           set(SCHEMA))]
+    quoted = [p for p in problems if p.startswith("host desktop: models_catalog.m.source: ")]
+    assert quoted and "'token': '***'" in quoted[0]
+    assert not [p for p in problems if "hf_Zq81" in p]

@@ -1,0 +1,49 @@
+"""Text from outside rigctl on the terminal: shown as the text it is, never as markup or as a control. The
+CLI's tables are driven as commands (test_compare's flips, test_enroll's hosts); here the escaping itself
+and the error line every command ends with."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rigctl.trust import printable
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@given(st.text())
+def test_any_text_becomes_one_line_of_printable_characters(text: str) -> None:
+    shown = printable(text)
+    assert shown.isprintable()
+    assert (shown == text) == text.isprintable()  # printable text is left exactly as it is
+
+
+@given(st.text())
+def test_lines_keep_their_breaks_and_nothing_else(text: str) -> None:
+    assert all(part.isprintable() for part in printable(text, lines=True).split("\n"))
+    assert printable(text, lines=True).count("\n") == text.count("\n")
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("clear\x1b[2J title\x1b]0;owned\x07", "clear\\x1b[2J title\\x1b]0;owned\\x07"),
+    ("line\nbreak\r\tand \u202egnirts", "line\\nbreak\\r\\tand \\u202egnirts"),
+    ("[/] é 🙂 plain", "[/] é 🙂 plain"),
+])
+def test_controls_are_written_as_their_escapes(text: str, expected: str) -> None:
+    assert printable(text) == expected
+
+
+def test_an_error_quoting_outside_text_is_one_line_of_text(tmp_path: Path) -> None:
+    """The error line shows markup and escapes literally, and a line break cannot forge a second line."""
+    weird = str(tmp_path / "inv [/] [bold]x\x1b[2J\nerror: forged")
+    done = subprocess.run([sys.executable, "-m", "rigctl.cli", "-i", weird, "hosts"], capture_output=True,
+                          text=True, timeout=60, cwd=REPO)
+    assert done.returncode == 2
+    assert done.stderr == (f"error: inventory {tmp_path}/inv [/] [bold]x\\x1b[2J\\nerror: forged: "
+                           "no such file or directory\n")
