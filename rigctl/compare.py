@@ -38,6 +38,7 @@ from typing import Any
 
 from rigctl.bench.matrix import RAW_DIR, BenchSample, counted, load_run_samples
 from rigctl.errors import ConfigError
+from rigctl.evals.scorers import GSM8K_SCORES
 from rigctl.results.record import ANSWERS_FILE
 from rigctl.results.store import StoredRun, read_jsonl
 from rigctl.stats import (
@@ -154,15 +155,18 @@ def load_answers(run: StoredRun) -> list[dict[str, Any]]:
 
 @dataclass(frozen=True)
 class Scoring:
-    """How answers are scored before pairing: as recorded, or with a sceptic's switch."""
+    """How answers are scored before pairing: as recorded, with a sceptic's switch, or by another of the
+    named scores the answers carry (``metric``, a key of :data:`scorers.GSM8K_SCORES`: lm-eval's strict-match
+    or flexible-extract in place of rigctl's normalised GSM8K score)."""
 
     cutoff_as_right: bool = False
     toolless_as_right: bool = False
     exclude: tuple[str, ...] = ()
+    metric: str = "score"
 
     @property
     def label(self) -> str:
-        parts = []
+        parts = [GSM8K_SCORES[self.metric]] if self.metric != "score" else []
         if self.cutoff_as_right:
             parts.append("cut-off as right")
         if self.toolless_as_right:
@@ -171,8 +175,9 @@ class Scoring:
             parts.append("without " + ", ".join(self.exclude))
         return " + ".join(parts) or "as recorded"
 
-    def variants(self) -> list[Scoring]:
-        """As recorded, each switch on its own, and all of them together when more than one is on."""
+    def variants(self, metrics: Sequence[str] = ()) -> list[Scoring]:
+        """As recorded, each switch on its own, all of them together when more than one is on, then each of
+        ``metrics`` as recorded."""
         single = []
         if self.cutoff_as_right:
             single.append(Scoring(cutoff_as_right=True))
@@ -180,14 +185,14 @@ class Scoring:
             single.append(Scoring(toolless_as_right=True))
         if self.exclude:
             single.append(Scoring(exclude=self.exclude))
-        return [Scoring(), *single, *([self] if len(single) > 1 else [])]
+        return [Scoring(), *single, *([self] if len(single) > 1 else []), *(Scoring(metric=m) for m in metrics)]
 
     def scores(self, rows: Iterable[dict[str, Any]]) -> dict[tuple[str, str], float]:
         out: dict[tuple[str, str], float] = {}
         for row in rows:
             if row["set"] in self.exclude:
                 continue
-            score = float(row["score"])
+            score = float(row[self.metric])
             if (self.cutoff_as_right and row.get("cutoff")) or (self.toolless_as_right and row.get("toolless")):
                 score = 1.0
             out[(str(row["set"]), str(row["id"]))] = score
@@ -408,7 +413,7 @@ def compare_pair(run_a: StoredRun, run_b: StoredRun, *, scoring: Scoring = Scori
                           f"({len(keys_b)} answers) share no question: nothing to pair")
     _check_margin(margin)
     variants = tuple(paired_gaps(rows_a, rows_b, s, resamples=resamples, seed=seed, margin=margin)
-                     for s in scoring.variants())
+                     for s in scoring.variants(other_scores(rows_a + rows_b)))
     return PairComparison(a=RunRef.of(run_a), b=RunRef.of(run_b), task=task_identity(run_a)[0], variants=variants,
                           only_a=len(keys_a - keys_b), only_b=len(keys_b - keys_a), forced=mismatch,
                           flips=tuple(flips_of(rows_a, rows_b, Scoring())), margin=margin)
@@ -437,6 +442,13 @@ def compare_runs(runs: Sequence[StoredRun], *, cutoff_as_right: bool = False, to
                       holm=tuple(adjusted))
 
 
+def other_scores(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The named scores besides ``score`` that every row carries as a number (GSM8K runs since lm-eval's
+    scores were added); older runs carry none."""
+    return [key for key in GSM8K_SCORES if key != "score" and rows
+            and all(isinstance(row.get(key), int | float) for row in rows)]
+
+
 def check_sets(names: Sequence[str], runs: Sequence[StoredRun], origin: str) -> None:
     """ConfigError naming ``origin`` when a set in ``names`` is in none of the runs' answers."""
     if not names:
@@ -448,13 +460,15 @@ def check_sets(names: Sequence[str], runs: Sequence[StoredRun], origin: str) -> 
                           f"(sets: {', '.join(present)})")
 
 
-def run_scores(run: StoredRun, *, resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED) -> list[SetGap]:
-    """One run's mean score per set and overall with intervals (``gap`` holds the mean's interval)."""
+def run_scores(run: StoredRun, *, resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED,
+               metric: str = "score") -> list[SetGap]:
+    """One run's mean score (or another named score, ``metric``) per set and overall with intervals (``gap``
+    holds the mean's interval)."""
     rows = load_answers(run)
     by_set: dict[str, list[float]] = {}
     for row in rows:
-        by_set.setdefault(str(row["set"]), []).append(float(row["score"]))
-    everything = [float(r["score"]) for r in rows]
+        by_set.setdefault(str(row["set"]), []).append(float(row[metric]))
+    everything = [float(r[metric]) for r in rows]
     out = []
     for name, values in [*sorted(by_set.items()), (OVERALL, everything)]:
         interval = bootstrap_mean(values, resamples=resamples, seed=seed)

@@ -45,6 +45,8 @@ from rigctl.compare import (
     compare_pair,
     flip_counts,
     gap_points,
+    load_answers,
+    other_scores,
     p_text,
     points,
     ratio_text,
@@ -52,6 +54,7 @@ from rigctl.compare import (
     sample_file,
 )
 from rigctl.errors import RigctlError
+from rigctl.evals.scorers import GSM8K_SCORES
 from rigctl.files import write_atomically
 from rigctl.results.record import RUN_FILE
 from rigctl.results.store import ResultsStore, StoredRun, read_jsonl
@@ -359,7 +362,11 @@ def _quality_section(loaded: LoadedCampaign, found: Located, links: _Links, out_
             continue
         scores = {t.id: run_scores(r, resamples=campaign.resamples, seed=campaign.seed) for t, r in pulled}
         sets = sorted({g.set for gaps in scores.values() for g in gaps if g.set != OVERALL})
-        header = ["model", "host", *(sets if len(sets) > 1 else []), "overall", "n"]
+        # GSM8K runs carry lm-eval's two scores beside rigctl's: each gets its own named column.
+        metrics = other_scores([row for _, r in pulled for row in load_answers(r)])
+        named = [f"overall ({GSM8K_SCORES['score']})"] if metrics else ["overall"]
+        header = ["model", "host", *(sets if len(sets) > 1 else []), *named,
+                  *(f"overall ({GSM8K_SCORES[m]})" for m in metrics), "n"]
         rows = []
         overall: list[tuple[str, Interval]] = []
         for target, run in pulled:
@@ -368,8 +375,11 @@ def _quality_section(loaded: LoadedCampaign, found: Located, links: _Links, out_
             cells = [links.number(ratio_text(by_set[s].gap), file) if s in by_set else "-"
                      for s in (sets if len(sets) > 1 else [])]
             total = by_set[OVERALL]
+            others = [run_scores(run, resamples=campaign.resamples, seed=campaign.seed, metric=m)[-1].gap
+                      for m in metrics]
             rows.append([campaign.label(target.artifact), target.host, *cells,
-                         links.number(ratio_text(total.gap), file), links.number(str(total.n), file)])
+                         links.number(ratio_text(total.gap), file),
+                         *(links.number(ratio_text(gap), file) for gap in others), links.number(str(total.n), file)])
             overall.append((campaign.target_label(target.id), total.gap))
         lines += _table(header, rows, align="ll")
         chart = out_dir / f"quality-{evaluation.name}.png"
@@ -451,7 +461,9 @@ def _comparison_sections(loaded: LoadedCampaign, compared: list[_Compared], prob
         items = [c for c in compared if c.section == section]
         if not items:
             continue
-        lines += [f"## {title}", "", "B - A in points (95% paired bootstrap interval), question by question; "
+        lines += [f"## {title}", "", "A, B: the recorded score (for GSM8K rigctl's normalised one; lm-eval's "
+                  "strict-match and flexible-extract gaps are under Sensitivity). "
+                  "B - A in points (95% paired bootstrap interval), question by question; "
                   "b / c: questions A got right and B wrong / A wrong and B right; p: McNemar's exact test "
                   "(sign-flip permutation test for graded scores), and Holm-adjusted across all the campaign's "
                   "comparisons; verdict: TOST at 5 % against the equivalence margin, else the "
@@ -696,7 +708,8 @@ def _sensitivity_section(compared: list[_Compared], links: _Links) -> list[str]:
                          links.number(points(gap.gap), files), moved])
     if not rows:
         return []
-    return ["## Sensitivity", "", "The overall gap when the sceptic's switches are applied (B - A, points).", "",
+    return ["## Sensitivity", "", "The overall gap when the sceptic's switches are applied, and for GSM8K under "
+            "lm-eval's strict-match and flexible-extract in place of rigctl's normalised score (B - A, points).", "",
             *_table(["comparison", "eval", "scoring", "n", "B - A, points", "moved"], rows, align="lll"), ""]
 
 

@@ -34,10 +34,31 @@ from dataclasses import dataclass
 from typing import Any
 
 # ----------------------------------------------------------------------------------------------- GSM8K
+# Three scores per reply. ``score`` is rigctl's own: the last number in the reply, normalised (commas, ``$``,
+# trailing zeros, unicode digits), against the gold number. The other two are lm-eval 0.4's, computed the way
+# lm-eval's ``gsm8k`` task computes them (lm_eval/tasks/gsm8k/gsm8k.yaml, metadata version 3.0), so they can
+# be set beside published numbers: the reply cut at the task's stop sequences (``generation_kwargs.until``;
+# lm-eval sends them as ``stop``, and a greedy reply cut after the fact is the same text), each filter of
+# ``filter_list`` (``RegexFilter.apply`` in lm_eval/filters/extraction.py, then ``take_first``), and
+# ``exact_match`` with the task's ``regexes_to_ignore`` and ``ignore_case`` applied to the filtered reply and to
+# the dataset's whole answer field alike (``exact_match_hf_evaluate`` in lm_eval/api/metrics.py).
 
-_NUMBER = r"-?\$?\s?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
-_STRICT = re.compile(r"####\s*(" + _NUMBER + r")")
+#: The scores a GSM8K answer row carries, by key, with the names every table prints.
+GSM8K_SCORES = {"score": "rigctl normalised", "lmeval_strict_match": "lm-eval strict-match",
+                "lmeval_flexible_extract": "lm-eval flexible-extract"}
+
+LMEVAL_STOP = ("Question:", "</s>", "<|im_end|>")
+LMEVAL_STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")  # group_select 0: the first match
+LMEVAL_FLEXIBLE = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")  # group_select -1: the last match
+LMEVAL_IGNORE = (",", r"\$", "(?s).*#### ", r"\.$")
+LMEVAL_FALLBACK = "[invalid]"
+
+# A minus right after a letter or digit is a hyphen or an operator ("x-5", "20-2"), and one followed by a
+# space is a dash ("- 18", "Answer - 18"): neither is a sign. Commas between digits group them, wherever
+# they stand ("1,8" is 18, as lm-eval and the gold's own normalisation read it).
+_NUMBER = r"(?:(?<!\w)-)?(?:\$\s?)?\d+(?:,\d+)*(?:\.\d+)?"
 _ANY_NUMBER = re.compile(_NUMBER)
+_AFTER_HASHES = re.compile(r"####\s*(-?\$?\s?\d+(?:,\d+)*(?:\.\d+)?)")
 _PLAIN = re.compile(r"(-?)(\d+)(?:\.(\d+))?")
 
 
@@ -65,35 +86,61 @@ def normalise_number(text: str) -> str | None:
     return f"{sign}{whole}" + (f".{fraction}" if fraction else "")
 
 
-def extract_strict(reply: str) -> str | None:
-    """The number after the first ``####`` (GSM8K's own answer format), normalised."""
-    match = _STRICT.search(reply)
-    return normalise_number(match.group(1)) if match else None
-
-
-def extract_flexible(reply: str) -> str | None:
-    """The last number anywhere in the reply, normalised."""
+def last_number(reply: str) -> str | None:
+    """The last number anywhere in the reply, normalised: what rigctl's own score compares."""
     matches = _ANY_NUMBER.findall(reply)
     return normalise_number(matches[-1]) if matches else None
 
 
 def gsm8k_gold(answer: str) -> str:
     """The gold number of a GSM8K answer field (``... #### 72``), or the field itself when it is a bare number."""
-    gold = extract_strict(answer) if "####" in answer else normalise_number(answer)
+    match = _AFTER_HASHES.search(answer) if "####" in answer else None
+    gold = normalise_number(match.group(1) if match else answer)
     if gold is None:
         raise ValueError(f"no gold number in {answer[-60:]!r}")
     return gold
 
 
-def score_gsm8k(reply: str, gold: str, finish_reason: str) -> dict[str, Any]:
-    """``score`` is the flexible match (last number); ``strict_score`` the ``#### n`` match. A wrong answer
-    says why in ``error``."""
-    strict = extract_strict(reply)
-    flexible = extract_flexible(reply)
-    out = {"strict": strict, "flexible": flexible, "gold": gold, "strict_score": int(strict == gold),
-           "score": int(flexible == gold), "cutoff": finish_reason == "length", "finish_reason": finish_reason}
-    if flexible != gold:
-        out["error"] = "no number in the reply" if flexible is None else f"last number {flexible}, gold {gold}"
+def lmeval_cut(reply: str) -> str:
+    """The reply as lm-eval's gsm8k task sees it: up to the first of its stop sequences."""
+    for stop in LMEVAL_STOP:
+        reply = reply.split(stop)[0]
+    return reply
+
+
+def lmeval_filter(pattern: re.Pattern[str], group_select: int, reply: str) -> str:
+    """lm-eval's ``RegexFilter`` on one reply: the selected match, its first non-empty group when the pattern
+    has several, stripped; ``[invalid]`` when nothing matches."""
+    matches = pattern.findall(reply)
+    if not matches:
+        return LMEVAL_FALLBACK
+    match = matches[group_select]
+    if isinstance(match, tuple):
+        match = next((group for group in match if group), LMEVAL_FALLBACK)
+    return match.strip()
+
+
+def lmeval_ignore(text: str) -> str:
+    """What lm-eval's ``exact_match`` compares: the task's ``regexes_to_ignore`` removed in order, lower case."""
+    for pattern in LMEVAL_IGNORE:
+        text = re.sub(pattern, "", text)
+    return text.lower()
+
+
+def score_gsm8k(reply: str, gold: str, answer: str, finish_reason: str) -> dict[str, Any]:
+    """rigctl's ``score`` (the reply's last number, normalised, against ``gold``) and lm-eval's strict-match and
+    flexible-extract (against the dataset's whole ``answer`` field). A wrong answer says why in ``error``."""
+    number = last_number(reply)
+    cut = lmeval_cut(reply)
+    strict = lmeval_filter(LMEVAL_STRICT, 0, cut)
+    flexible = lmeval_filter(LMEVAL_FLEXIBLE, -1, cut)
+    reference = lmeval_ignore(answer)
+    out = {"number": number, "gold": gold, "score": int(number == gold),
+           "lmeval_strict": strict, "lmeval_strict_match": int(lmeval_ignore(strict) == reference),
+           "lmeval_flexible": flexible, "lmeval_flexible_extract": int(lmeval_ignore(flexible) == reference),
+           "cutoff": finish_reason == "length", "finish_reason": finish_reason}
+    if number != gold:
+        out["error"] = "no number in the reply" if number is None else f"last number {number}, gold {gold}"
     return out
 
 
@@ -425,7 +472,7 @@ def _calls(message: Mapping[str, Any]) -> tuple[list[tuple[str, Any]], str]:
 
 def gsm8k_record(data: Mapping[str, Any], answer: Any) -> dict[str, Any]:
     reply = _chat_reply(answer)
-    scored = score_gsm8k(reply["reply"], data["gold"], reply["finish_reason"])
+    scored = score_gsm8k(reply["reply"], data["gold"], data["answer"], reply["finish_reason"])
     return {**reply, **scored, **({"error": reply["error"]} if "error" in reply else {})}
 
 
@@ -537,13 +584,13 @@ def _mean(values: Iterable[float]) -> float | None:
 
 def summarise(rows: Sequence[Mapping[str, Any]], scorer: str) -> dict[str, Any]:
     """Per set and overall: n, score (mean), cut-offs; tool-less and missed calls for bfcl_simple;
-    strict score for gsm8k. ``overall.score`` averages questions, ``overall.macro`` averages sets."""
+    lm-eval's two scores for gsm8k. ``overall.score`` averages questions, ``overall.macro`` averages sets."""
 
     def block(items: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {"n": len(items), "score": _mean(float(r["score"]) for r in items),
                                "cutoffs": sum(1 for r in items if r.get("cutoff"))}
         if scorer == "gsm8k":
-            out["strict_score"] = _mean(float(r.get("strict_score", 0)) for r in items)
+            out.update({key: _mean(float(r.get(key, 0)) for r in items) for key in GSM8K_SCORES if key != "score"})
         if scorer == "bfcl_simple":
             out["toolless"] = sum(1 for r in items if r.get("toolless"))
             out["missed_calls"] = sum(1 for r in items if r.get("missed_call"))

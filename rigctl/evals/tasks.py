@@ -241,12 +241,13 @@ def _build(loaded: LoadedTask, limit: int | None) -> None:
         for number, row in _cap(list(enumerate(rows, 1)), spec.limit, limit):
             where = f"{file.path}:{number}"
             qid = str(_field(row, spec.id_field, where)) if spec.id_field else f"{spec.name}-{number}"
+            answer = str(_field(row, spec.answer_field, where))
             try:
-                gold = gsm8k_gold(str(_field(row, spec.answer_field, where)))
+                gold = gsm8k_gold(answer)
             except ValueError as exc:
                 raise EvalError(f"{where}: {exc}") from None
             questions.append(Question(qid, spec.name, {"prompt": _format(spec.prompt, row, where),
-                                                       "system": spec.system, "gold": gold}))
+                                                       "system": spec.system, "gold": gold, "answer": answer}))
     elif isinstance(spec, BfclTask):
         file = spec.dataset.fetch(base)
         answers_file = spec.answers.fetch(base)

@@ -111,11 +111,13 @@ def test_scores_follow_from_the_raw_replies(lab, env, name, n):
     for row in rows:
         assert row["cutoff"] == (row["finish_reason"] == "length")
         if name == "fixture-gsm8k":
-            # An independent reading of "the last number": thousands separators in groups of three.
-            numbers = re.findall(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?", row["reply"].replace("$", ""))
+            # An independent reading of "the last number": commas between digits group them, and a minus is
+            # a sign only where no letter or digit stands before it.
+            numbers = re.findall(r"(?:(?<!\w)-)?\d+(?:,\d+)*(?:\.\d+)?", row["reply"].replace("$", ""))
             last = numbers[-1].replace(",", "") if numbers else None
             expected = last is not None and float(last) == float(row["gold"])
             assert row["score"] == int(expected), row
+            assert row["lmeval_strict_match"] in (0, 1) and row["lmeval_flexible_extract"] in (0, 1), row
         else:
             calls = [(c["name"], c["arguments"]) for c in row["tool_calls"]]
             question = next(json.loads(line) for line in (FIXTURES / "hf" / "bfcl_simple.json").open()

@@ -286,3 +286,25 @@ def test_compare_cli_flips_margin_and_plan(store):
     assert "smallest gap detectable at 80 % power" in out and "36 (30%)" in out
     bad = rigctl("compare", "desktop/eval-a", "desktop/eval-b", "--equivalence-margin", "-1", results=store.root)
     assert bad.returncode != 0 and "error:" in bad.stderr and "equivalence margin" in bad.stderr
+
+
+def test_gsm8k_pairs_carry_lm_evals_scores_by_name(tmp_path):
+    from rigctl.evals.scorers import score_gsm8k
+
+    answer = "4 * 250 = <<4*250=1000>>1000\n#### 1000"
+    # A writes "#### 1,000" (every score reads it); B writes "$1000" in prose (lm-eval's strict-match does not).
+    a = [{"id": f"q{i}", "set": "gsm8k", **score_gsm8k("#### 1,000", "1000", answer, "stop")} for i in range(30)]
+    b = [{"id": f"q{i}", "set": "gsm8k", **score_gsm8k("It costs $1000.", "1000", answer, "stop")}
+         for i in range(30)]
+    eval_run(tmp_path, "desktop", "eval-a", "q4", a)
+    eval_run(tmp_path, "desktop", "eval-b", "q8", b)
+    store = ResultsStore(tmp_path)
+    pair = compare_runs([store.find("eval-a"), store.find("eval-b")], seed=1).pairs[0]
+    gaps = {variant.label: variant.overall.gap.estimate for variant in pair.variants}
+    assert gaps == {"as recorded": 0.0, "lm-eval strict-match": -1.0, "lm-eval flexible-extract": 0.0}
+    # Rows written before lm-eval's scores were added get no such variants.
+    for row in a:
+        del row["lmeval_strict_match"]
+    eval_run(tmp_path, "desktop", "eval-c", "q4", a)
+    old = compare_runs([store.find("eval-c"), store.find("eval-b")], seed=1).pairs[0]
+    assert [v.label for v in old.variants] == ["as recorded", "lm-eval flexible-extract"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import yaml
@@ -243,3 +245,24 @@ def test_cpu_runs_and_rigs_without_a_bandwidth_give_no_figure(tmp_path):
     assert ("Bandwidth bound: no bandwidth figure (the inventory gives this GPU no gpu_host_gpu.bandwidth_gbs)."
             in report.markdown)
     assert check_report(report.path)["speed"] == 2
+
+
+def test_gsm8k_quality_shows_each_score_by_name(tmp_path, results):
+    """A GSM8K run's rows carry lm-eval's two scores: the quality table has a named column for each (their
+    numbers recomputed from the answers), and the sensitivity table their gaps."""
+    for run in ("eval-q", "eval-g"):
+        path = results / "desktop" / run / "answers.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        for i, row in enumerate(rows):
+            row["lmeval_strict_match"] = row["score"] if i % 3 else 0
+            row["lmeval_flexible_extract"] = row["score"]
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    report = build_report(load_campaign(_write_campaign(tmp_path)), ResultsStore(results), tmp_path / "out")
+    checked = check_report(report.path)
+    assert checked["quality"] == 2 * (3 + 3)  # per run: three sets and the three named overall scores
+    (quality,) = [rows for section, _, rows in tables(report.markdown) if section == "Quality"]
+    assert {"overall (rigctl normalised)", "overall (lm-eval strict-match)",
+            "overall (lm-eval flexible-extract)"} <= set(quality[0])
+    (sensitivity,) = [rows for section, _, rows in tables(report.markdown) if section == "Sensitivity"]
+    labels = [row["scoring"] for row in sensitivity]
+    assert labels[-2:] == ["lm-eval strict-match", "lm-eval flexible-extract"]

@@ -14,7 +14,7 @@ from rigctl.evals import scorers
 
 SETTINGS = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-GSM8K = {"system": None, "prompt": "q", "gold": "72"}
+GSM8K = {"system": None, "prompt": "q", "gold": "72", "answer": "48 + 24 = 72\n#### 72"}
 BFCL = {"system": None, "messages": [{"role": "user", "content": "q"}],
         "function": {"name": "math.gcd", "parameters": {"type": "dict", "properties": {
             "a": {"type": "integer"}, "b": {"type": "float"}, "names": {"type": "array", "items": {"type": "string"}},
@@ -95,9 +95,9 @@ def test_numbers_of_any_length_keep_every_digit(number):
 @SETTINGS
 @given(replies, st.sampled_from(["stop", "length", ""]))
 def test_gsm8k_scoring_never_raises(reply, finish):
-    row = scorers.score_gsm8k(reply, "72", finish)
+    row = scorers.score_gsm8k(reply, "72", GSM8K["answer"], finish)
     _survives(row)
-    assert row["score"] == int(row["flexible"] == "72")
+    assert row["score"] == int(row["number"] == "72")
 
 
 @SETTINGS
