@@ -17,10 +17,13 @@ BFCL's rules (its ``ast_checker``, simple category, Python), restated:
 * a parameter in the possible answer that the call omits is only fine when ``""`` is among its answers
   (optional).
 
-Whatever a server sends back, the record functions (``gsm8k_record``, ``bfcl_record``, ``choice_record``)
-return a record: a reply that cannot be read (no choices, a message that is no object, tool calls that
-are no list, arguments that are no JSON, numbers too long to convert, nesting too deep to parse) is a
-wrong answer with the reason in ``error``, never an exception that stops the run.
+Whatever a server answers, the record functions (``gsm8k_record``, ``bfcl_record``, ``choice_record``)
+return a record: a reply that cannot be read (a body the client could not hold, given as
+:class:`Unreadable`; a message that is no object, tool calls that are no list, arguments that are no JSON,
+numbers too long to convert, nesting too deep to parse) is a wrong answer with the reason in ``error``.
+The one exception is an answer that is no answer at all, a 200 without ``choices`` (or without
+``completion_probabilities``): :class:`NoAnswer`, which stops the run (resumable), since scoring it would
+count a server fault as the model's mistake.
 """
 
 from __future__ import annotations
@@ -396,11 +399,26 @@ def chat_request(scorer: str, data: Mapping[str, Any], *, max_tokens: int, seed:
     return body
 
 
+@dataclass(frozen=True)
+class Unreadable:
+    """Stands in for an answer whose body the client could not hold (see
+    :func:`rigctl.hostside.llama_server_http.decode_json`): scored as a wrong answer with ``reason``."""
+
+    reason: str
+
+
+class NoAnswer(ValueError):
+    """A 200 that carries no answer to score: the run stops on it, to be resumed."""
+
+
 def _message(answer: Any) -> tuple[Mapping[str, Any], Mapping[str, Any], str]:
-    """The first choice, its message and what was wrong with the answer's shape ("" when nothing)."""
+    """The first choice, its message and what was wrong with the answer's shape ("" when nothing).
+    NoAnswer when there are no choices at all."""
+    if isinstance(answer, Unreadable):
+        return {}, {}, f"unreadable answer: {answer.reason}"
     choices = answer.get("choices") if isinstance(answer, Mapping) else None
     if not isinstance(choices, list) or not choices:
-        return {}, {}, f"no choices in the answer: {_excerpt(answer)}"
+        raise NoAnswer(f"no choices in the answer: {_excerpt(answer)}")
     choice = choices[0]
     if not isinstance(choice, Mapping):
         return {}, {}, f"the first choice is no object: {_excerpt(choice)}"
@@ -444,13 +462,16 @@ def _chat_reply(answer: Any) -> dict[str, Any]:
 
 
 def _arguments(raw: Any) -> Any:
-    """Tool-call arguments: JSON text decoded; text that is not JSON is kept as text (the checker says so)."""
+    """Tool-call arguments: JSON text decoded; text that is not JSON, or that decodes to a lone surrogate
+    (which the answers file could not hold), is kept as text (the checker says so)."""
     if not isinstance(raw, str):
         return raw
     try:
-        return json.loads(raw)
-    except (ValueError, RecursionError):  # not JSON, an integer past Python's digit limit, nesting too deep
-        return raw
+        value = json.loads(raw)
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except (ValueError, RecursionError):  # not JSON, an integer past Python's digit limit, nesting too deep,
+        return raw                        # a lone surrogate (UnicodeEncodeError is a ValueError)
+    return value
 
 
 def _calls(message: Mapping[str, Any]) -> tuple[list[tuple[str, Any]], str]:
@@ -512,10 +533,14 @@ def _probability(entry: Mapping[str, Any]) -> float:
 def first_token_probs(answer: Any) -> tuple[dict[int, float], str]:
     """Token id -> probability of the first generated position's top candidates, and the most probable
     token's text. Candidates that cannot be read (no id, a probability that is no number) are left out;
-    no readable position at all raises ValueError."""
+    no readable position raises ValueError; no positions at all, NoAnswer."""
+    if isinstance(answer, Unreadable):
+        raise ValueError(f"unreadable answer: {answer.reason}")
     positions = answer.get("completion_probabilities") if isinstance(answer, Mapping) else None
-    if not isinstance(positions, list) or not positions or not isinstance(positions[0], Mapping):
-        raise ValueError("no completion_probabilities in the answer (was n_probs sent?)")
+    if not isinstance(positions, list) or not positions:
+        raise NoAnswer(f"no completion_probabilities in the answer (was n_probs sent?): {_excerpt(answer)}")
+    if not isinstance(positions[0], Mapping):
+        raise ValueError(f"the first position is no object: {_excerpt(positions[0])}")
     first = positions[0]
     entries = first.get("top_logprobs") or first.get("top_probs") or first.get("probs") or []
     probs: dict[int, float] = {}
@@ -561,6 +586,8 @@ def choice_record(data: Mapping[str, Any], answer: Any,
                   tokens: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     try:
         probs, best = first_token_probs(answer)
+    except NoAnswer:
+        raise
     except ValueError as exc:
         probs, best, problem = {}, "", str(exc)
     else:

@@ -73,7 +73,8 @@ class Source(_Strict):
         if self.url:
             return datasets.fetch_url(self.url, sha256=self.sha256)
         path = Path(self.path or "")
-        return datasets.local_file(path if path.is_absolute() else base / path, sha256=self.sha256)
+        # Resolved, so a run started from a relative task path records the file a resume finds again.
+        return datasets.local_file((path if path.is_absolute() else base / path).resolve(), sha256=self.sha256)
 
 
 class _TaskBase(_Strict):

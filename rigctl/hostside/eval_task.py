@@ -23,7 +23,14 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from rigctl.hostside.llama_server_http import RETRY_ATTEMPTS, props_fields, retry_wait, retryable_status
+from rigctl.hostside.llama_server_http import (
+    RETRY_ATTEMPTS,
+    UnreadableJSON,
+    decode_json,
+    props_fields,
+    retry_wait,
+    retryable_status,
+)
 
 ANSWERS_FILE = "answers.jsonl"
 
@@ -47,7 +54,11 @@ class Server:
             request = urllib.request.Request(self.base + path, data=data, headers=self.headers, method=method)
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    return json.loads(response.read())
+                    body = response.read()
+                try:
+                    return decode_json(body)
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    raise self.error(f"{method} {path}: not JSON: {body[:120]!r}") from None
             except urllib.error.HTTPError as exc:
                 if not retryable_status(exc.code) or attempt == self.retries - 1:
                     text = exc.read().decode(errors="replace").strip().splitlines()
@@ -103,18 +114,31 @@ def run(job: Any) -> None:
         job.record["extra"]["label_tokens"] = tokens
     job.save_record()
 
+    def answer(path: str, body: Any) -> Any:
+        """As the controller's runner: a body Python cannot hold is a wrong answer with the reason."""
+        try:
+            return server.call("POST", path, body)
+        except UnreadableJSON as exc:
+            return scorers.Unreadable(str(exc))
+
     def ask(question: dict[str, Any]) -> dict[str, Any]:
         data = question["data"]
-        if scorer == "choice":
-            prompt = server.call("POST", "/apply-template", scorers.template_request(data))["prompt"]
-            answer = server.call("POST", "/completion",
-                                 scorers.completion_request(prompt, n_probs=int(params["n_probs"]), seed=seed))
-            record = scorers.choice_record(data, answer, tokens)
-        else:
-            body = scorers.chat_request(scorer, data, max_tokens=int(params["max_tokens"]), seed=seed,
-                                        thinking=thinking)
-            answer = server.call("POST", "/v1/chat/completions", body)
-            record = (scorers.gsm8k_record if scorer == "gsm8k" else scorers.bfcl_record)(data, answer)
+        try:
+            if scorer == "choice":
+                rendered = answer("/apply-template", scorers.template_request(data))
+                if not isinstance(rendered, scorers.Unreadable):
+                    if not isinstance(rendered, dict) or not isinstance(rendered.get("prompt"), str):
+                        raise job.TaskError("POST /apply-template: no prompt in the answer")
+                    rendered = answer("/completion", scorers.completion_request(
+                        rendered["prompt"], n_probs=int(params["n_probs"]), seed=seed))
+                record = scorers.choice_record(data, rendered, tokens)
+            else:
+                body = scorers.chat_request(scorer, data, max_tokens=int(params["max_tokens"]), seed=seed,
+                                            thinking=thinking)
+                record = (scorers.gsm8k_record if scorer == "gsm8k" else scorers.bfcl_record)(
+                    data, answer("/v1/chat/completions", body))
+        except scorers.NoAnswer as exc:
+            raise job.TaskError(f"question {question['id']}: {exc}") from None
         return {"id": question["id"], "set": question["set"], **record}
 
     job.run_dir.mkdir(parents=True, exist_ok=True)

@@ -192,3 +192,20 @@ def test_async_client_retries_too(script):
             return (await client.props()).model_path
 
     assert asyncio.run(main()) == "/m.gguf"
+
+
+@pytest.mark.parametrize(("body", "reason"), [
+    (b'{"content": "\\udc00"}', "a string with a lone UTF-16 surrogate, which UTF-8 cannot carry"),
+    (b"[" * 50_000 + b"]" * 50_000, "JSON nested too deep to read"),
+    (b'{"n": ' + b"1" * 4301 + b"}", "a number too long to read (Exceeds the limit (4300 digits)"),
+])
+def test_json_python_cannot_hold_is_told_apart_from_text_that_is_no_json(body, reason):
+    from rigctl.hostside.llama_server_http import UnreadableJSON, decode_json
+
+    with pytest.raises(UnreadableJSON) as info:
+        decode_json(body)
+    assert str(info.value).startswith(reason)
+    # A surrogate pair is one character, and 4,300 digits still an integer: both read.
+    assert decode_json(b'["\\ud83d\\ude00", ' + b"1" * 4300 + b"]")[0] == "\U0001f600"
+    with pytest.raises(json.JSONDecodeError):
+        decode_json(b"<html>bad gateway</html>")

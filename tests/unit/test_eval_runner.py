@@ -1,0 +1,145 @@
+"""The eval runner against a loopback stand-in server that sends hostile bodies: a run survives any reply.
+
+A lone surrogate, nesting past Python's recursion limit and an integer past its digit limit are wrong
+answers with their reasons, and the run is sealed done; a 200 without ``choices`` stops the run (failed,
+answers kept) and ``--resume`` from a relative task path finishes it, asking each question once.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import Counter
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from rigctl.errors import EvalError
+from rigctl.evals import runner
+from rigctl.evals.tasks import load_task
+from rigctl.results.store import ResultsStore, read_jsonl
+from rigctl.server import NO_RETRY, Endpoint
+
+PROPS = {"build_info": "b1-abc", "model_path": "/m.gguf", "total_slots": 2,
+         "default_generation_settings": {"n_ctx": 4096}}
+
+
+def chat(content: str) -> bytes:
+    return json.dumps({"choices": [{"message": {"content": content}, "finish_reason": "stop"}],
+                       "usage": {"completion_tokens": 3}}).encode()
+
+
+HOSTILE = {
+    "q1": chat("48 + 24 = 72\n#### 72"),
+    "q2": b'{"choices": [{"message": {"content": "\\ud800 #### 72"}, "finish_reason": "stop"}]}',
+    "q3": b'{"choices": [{"message": {"content": "#### 72"}}], "deep": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+    "q4": b'{"choices": [{"message": {"content": "#### 72"}}], "usage": {"completion_tokens": ' + b"9" * 5000 + b"}}",
+    "q5": chat("#### 71"),
+}
+
+
+class StandIn:
+    """/props, and /v1/chat/completions answering each question (found by its prompt) with ``body(q)``;
+    counts the questions asked."""
+
+    def __init__(self, body: Callable[[str], bytes]):
+        self.body = body
+        self.asked: Counter[str] = Counter()
+        stand_in = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _send(self, data: bytes) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:  # noqa: N802 (http.server's names)
+                self._send(json.dumps(PROPS).encode())
+
+            def do_POST(self) -> None:  # noqa: N802
+                request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                question = request["messages"][-1]["content"].split()[0]
+                stand_in.asked[question] += 1
+                self._send(stand_in.body(question))
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.endpoint = Endpoint(f"http://127.0.0.1:{self.httpd.server_address[1]}")
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def task_dir(tmp_path, monkeypatch):
+    """A GSM8K task with a local dataset, in ``tasks/``, loaded by a relative path from ``tmp_path``."""
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "data.jsonl").write_text("".join(
+        json.dumps({"question": f"q{i} how many?", "answer": "48 + 24 = 72\n#### 72"}) + "\n" for i in range(1, 6)))
+    (tmp_path / "tasks" / "mini.yaml").write_text(
+        "name: mini\nscorer: gsm8k\ndataset: {path: data.jsonl}\nprompt: '{question}'\nmax_tokens: 64\n")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def _start(stand_in: StandIn, store: ResultsStore) -> tuple[Path, object, object]:
+    task = load_task("tasks/mini.yaml")
+    options = runner.Options(concurrency=2, retry=NO_RETRY)
+    run_dir, record = runner.start_run(task, stand_in.endpoint, store, "stand-in", options=options)
+    return task, run_dir, record
+
+
+def test_hostile_bodies_are_wrong_answers_with_reasons(task_dir):
+    stand_in = StandIn(HOSTILE.__getitem__)
+    store = ResultsStore(task_dir / "results")
+    try:
+        task, run_dir, record = _start(stand_in, store)
+        summary = runner.run(task, stand_in.endpoint, run_dir, record, runner.Options(concurrency=2, retry=NO_RETRY))
+    finally:
+        stand_in.close()
+    rows = {row["id"].split("-")[-1]: row for row in read_jsonl(run_dir / "answers.jsonl")}
+    assert sorted(rows) == ["1", "2", "3", "4", "5"]
+    assert rows["1"]["score"] == 1 and rows["5"]["score"] == 0
+    assert rows["2"]["error"] == "unreadable answer: a string with a lone UTF-16 surrogate, which UTF-8 cannot carry"
+    assert rows["3"]["error"] == "unreadable answer: JSON nested too deep to read"
+    assert rows["4"]["error"].startswith("unreadable answer: a number too long to read (Exceeds the limit")
+    assert all(rows[q]["score"] == 0 for q in "234")
+    assert summary["overall"]["n"] == 5 and summary["overall"]["score"] == 0.2
+    assert store.find(f"stand-in/{record.id}").record.status == "done"
+
+
+def test_a_200_without_choices_stops_the_run_and_resume_finishes_it(task_dir):
+    broken = StandIn(lambda q: b'{"error": {"message": "upstream gone"}}' if q == "q3" else chat("#### 72"))
+    store = ResultsStore(task_dir / "results")
+    try:
+        task, run_dir, record = _start(broken, store)
+        with pytest.raises(EvalError) as info:
+            runner.run(task, broken.endpoint, run_dir, record, runner.Options(concurrency=1, retry=NO_RETRY))
+    finally:
+        broken.close()
+    message = str(info.value)
+    assert "no choices in the answer" in message and f"--resume stand-in/{record.id}" in message
+    assert store.find(f"stand-in/{record.id}").record.status == "failed"
+    before = {row["id"] for row in read_jsonl(run_dir / "answers.jsonl")}
+    assert "mini-3" not in before
+
+    fixed = StandIn(lambda q: chat("#### 72"))
+    try:
+        run_path, resumed, task, options = runner.resume_run(store, f"stand-in/{record.id}", fixed.endpoint)
+        summary = runner.run(task, fixed.endpoint, run_path, resumed, options)
+    finally:
+        fixed.close()
+    rows = read_jsonl(run_dir / "answers.jsonl")
+    assert sorted(row["id"] for row in rows) == [f"mini-{i}" for i in range(1, 6)]
+    assert set(fixed.asked) == {f"q{i}" for i in range(1, 6) if f"mini-{i}" not in before}
+    assert all(n == 1 for n in fixed.asked.values())
+    assert summary["overall"]["score"] == 1.0
+    assert store.find(f"stand-in/{record.id}").record.status == "done"
