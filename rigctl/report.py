@@ -27,6 +27,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -360,6 +361,7 @@ def _quality_section(loaded: LoadedCampaign, found: Located, links: _Links, out_
         if not pulled:
             lines += ["Nothing pulled yet.", ""]
             continue
+        lines += _deviation_lines(pulled, links)
         scores = {t.id: run_scores(r, resamples=campaign.resamples, seed=campaign.seed) for t, r in pulled}
         sets = sorted({g.set for gaps in scores.values() for g in gaps if g.set != OVERALL})
         # GSM8K runs carry lm-eval's two scores beside rigctl's: each gets its own named column.
@@ -387,6 +389,20 @@ def _quality_section(loaded: LoadedCampaign, found: Located, links: _Links, out_
         charts.append(chart)
         lines += ["", f"![{evaluation.name}]({chart.name})", ""]
     return lines
+
+
+def _deviation_lines(pulled: Sequence[tuple[Any, StoredRun]], links: _Links) -> list[str]:
+    """What the runs' records say departs from their instrument's own request (a BFCL task with a token limit,
+    say): its scores are then not the instrument's, and the report says so before showing them."""
+    seen: dict[str, list[StoredRun]] = {}
+    for _, run in pulled:
+        deviations = run.record.extra.get("deviations")
+        if isinstance(deviations, dict) and deviations.get("settings"):
+            text = (f"**Not {deviations.get('from', 'the instrument')}**: "
+                    f"{'; '.join(map(str, deviations['settings']))}. Why: {deviations.get('reason') or 'not said'}.")
+            seen.setdefault(text, []).append(run)
+    return [line for text, runs in seen.items()
+            for line in (f"{text} ({links.number('run record', [r.path / RUN_FILE for r in runs])})", "")]
 
 
 def _quality_chart(path: Path, overall: list[tuple[str, Interval]], title: str) -> None:

@@ -148,6 +148,9 @@ def eval_run(
         options = runner.Options(concurrency=concurrency, seed=seed, thinking=thinking, timeout=timeout)
         with console.status(f"loading {task} and its datasets"):
             loaded = load_task(task, limit=limit)
+        if loaded.deviations:
+            console.print(f"note: not {loaded.deviations['from']}: {'; '.join(loaded.deviations['settings'])} "
+                          f"(the task says why: {loaded.deviations['reason']})", markup=False, highlight=False)
         if remote:
             from rigctl.evals.remote import run_remote
 

@@ -37,7 +37,7 @@ def job_spec(task: LoadedTask, target: Target, options: Options, questions_file:
         "api_key_file": target.inventory_server.key_file if target.endpoint.api_key else None,
         "concurrency": options.concurrency, "seed": options.seed, "thinking": options.thinking,
         "timeout_s": options.timeout, "retries": options.retry.attempts,
-        "max_tokens": getattr(task.spec, "max_tokens", None), "n_probs": getattr(task.spec, "n_probs", None),
+        "request": task.request, "n_probs": getattr(task.spec, "n_probs", None),
     }
     if target.artifacts:
         params["artifact"] = {"name": target.artifacts[0]["name"], "path": target.artifacts[0]["path"]}
@@ -46,7 +46,8 @@ def job_spec(task: LoadedTask, target: Target, options: Options, questions_file:
         "servers": [{k: target.server.get(k) for k in ("name", "host", "profile", "port", "artifact")}],
         "task": dataclasses.asdict(task_stamp(task)),
         "seed": options.seed, "concurrency": options.concurrency,
-        "extra": {"thinking": options.thinking, "limit": limit, "timeout_s": options.timeout, "remote": True},
+        "extra": {"thinking": options.thinking, "limit": limit, "timeout_s": options.timeout, "remote": True,
+                  **({"deviations": task.deviations} if task.deviations else {})},
     }
     return jobs.JobSpec(kind="eval", task="eval_task", params=params, lock="gpu", record=record,
                         files={"questions.jsonl": questions_file, "eval_scorers.py": Path(scorers.__file__)},

@@ -76,8 +76,8 @@ class _Asker:
         return {}
 
     async def ask(self, client: AsyncServerClient, question: Question) -> dict[str, Any]:
-        body = scorers.chat_request(self.task.scorer, question.data, max_tokens=self.task.spec.max_tokens,
-                                    seed=self.options.seed, thinking=self.options.thinking)
+        body = scorers.chat_request(self.task.scorer, question.data, self.task.request, seed=self.options.seed,
+                                    thinking=self.options.thinking)
         answer = await _answer(client, "/v1/chat/completions", body)
         record = scorers.gsm8k_record if self.task.scorer == "gsm8k" else scorers.bfcl_record
         return _scored(client, "POST /v1/chat/completions", record, question.data, answer)
@@ -223,7 +223,8 @@ def start_run(task: LoadedTask, endpoint: Endpoints, store: ResultsStore, host: 
     stamp.seed, stamp.concurrency, stamp.rigctl_version = options.seed, options.concurrency, rigctl_version()
     record = RunRecord.begin(
         "eval", stamp, host=host, commands=[" ".join(redact_argv(sys.argv))],
-        extra={"thinking": options.thinking, "limit": limit, "timeout_s": options.timeout, **dict(extra or {})})
+        extra={"thinking": options.thinking, "limit": limit, "timeout_s": options.timeout,
+               **({"deviations": task.deviations} if task.deviations else {}), **dict(extra or {})})
     run_dir = store.run_dir(host, record.id)
     run_dir.mkdir(parents=True, exist_ok=False)
     record.save(run_dir)

@@ -151,8 +151,23 @@ def score_gsm8k(reply: str, gold: str, answer: str, finish_reason: str) -> dict[
 
 _PYTHON_TYPES: dict[str, type] = {"string": str, "integer": int, "float": float, "boolean": bool, "array": list,
                                   "tuple": list, "dict": dict, "any": str}
-_OPENAI_TYPES = {"dict": "object", "float": "number", "tuple": "array", "any": "string"}
 _STRIP = re.compile(r"[ ,./\-_*^]")
+
+# BFCL's own request for an FC model through an OpenAI-compatible API (gorilla's berkeley-function-call-
+# leaderboard, bfcl_eval): each function's description gets the Python hint
+# (``func_doc_language_specific_pre_processing``), its types are cast by ``_cast_to_openai_type`` with
+# ``GORILLA_TO_OPENAPI`` (model_handler/utils.py, constants/type_mappings.py), and the query sends
+# ``temperature`` (the CLI's default, 0.001) and no token limit (``OpenAICompletionsHandler._query_FC``).
+BFCL_PYTHON_NOTE = " Note that the provided function is in Python 3 syntax."
+BFCL_FLOAT_NOTE = " This is a float type value."
+BFCL_TEMPERATURE = 0.001
+GORILLA_TO_OPENAPI = {
+    "integer": "integer", "number": "number", "float": "number", "string": "string", "boolean": "boolean",
+    "bool": "boolean", "array": "array", "list": "array", "dict": "object", "object": "object", "tuple": "array",
+    "any": "string", "byte": "integer", "short": "integer", "long": "integer", "double": "number",
+    "char": "string", "ArrayList": "array", "Array": "array", "HashMap": "object", "Hashtable": "object",
+    "Queue": "array", "Stack": "array", "Any": "string", "String": "string", "Bigint": "integer",
+}
 
 
 def bfcl_name(name: str) -> str:
@@ -160,28 +175,51 @@ def bfcl_name(name: str) -> str:
     return name.replace(".", "_")
 
 
-def _openai_schema(schema: Any) -> Any:
-    if isinstance(schema, Mapping):
-        out = {}
-        for key, value in schema.items():
-            if key == "type" and isinstance(value, str):
-                out[key] = _OPENAI_TYPES.get(value, value)
-            elif key == "properties" and isinstance(value, Mapping):
-                out[key] = {name: _openai_schema(prop) for name, prop in value.items()}
-            else:
-                out[key] = _openai_schema(value)
-        return out
-    if isinstance(schema, list):
-        return [_openai_schema(item) for item in schema]
-    return schema
+def _openapi(kind: Any) -> str:
+    return GORILLA_TO_OPENAPI.get(kind, "string") if isinstance(kind, str) else "string"
 
 
-def bfcl_tools(functions: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """BFCL function documents as OpenAI ``tools``: names with underscores, BFCL's type names mapped to JSON
-    Schema's (dict -> object, float -> number, tuple -> array, any -> string)."""
-    return [{"type": "function", "function": {"name": bfcl_name(f["name"]), "description": f.get("description", ""),
-                                              "parameters": _openai_schema(f.get("parameters", {}))}}
-            for f in functions]
+def _cast_properties(properties: Mapping[str, Any], notes: bool) -> dict[str, Any]:
+    """BFCL's ``_cast_to_openai_type``: types through GORILLA_TO_OPENAPI (anything else a string); a float
+    parameter also gets ``format: float`` and the float note (with ``notes``); nested properties are cast
+    alike, array items only have their type mapped (two levels deep) or, for objects, their properties cast."""
+    out: dict[str, Any] = {}
+    for key, value in properties.items():
+        prop = dict(value) if isinstance(value, Mapping) else {}
+        if "type" not in prop:
+            prop["type"] = "string"
+        else:
+            if prop["type"] == "float" and notes:
+                prop["format"] = "float"
+                prop["description"] = str(prop.get("description", "")) + BFCL_FLOAT_NOTE
+            prop["type"] = _openapi(prop["type"])
+        if prop["type"] in ("array", "object"):
+            if isinstance(prop.get("properties"), Mapping):
+                prop["properties"] = _cast_properties(prop["properties"], notes)
+            elif isinstance(prop.get("items"), Mapping):
+                items = prop["items"] = dict(prop["items"])
+                items["type"] = _openapi(items.get("type"))
+                if items["type"] == "array" and isinstance(items.get("items"), Mapping):
+                    items["items"] = {**items["items"], "type": _openapi(items["items"].get("type"))}
+                elif items["type"] == "object" and isinstance(items.get("properties"), Mapping):
+                    items["properties"] = _cast_properties(items["properties"], notes)
+        out[key] = prop
+    return out
+
+
+def bfcl_tools(functions: Sequence[Mapping[str, Any]], *, notes: bool = True) -> list[dict[str, Any]]:
+    """BFCL function documents as OpenAI ``tools``, as BFCL sends them: names with underscores, BFCL's types
+    cast to OpenAPI's, and (``notes``, BFCL's own request) the Python 3 note on each description and the float
+    note with ``format: float`` on each float parameter. The documents themselves are left as they are."""
+    tools = []
+    for function in functions:
+        parameters = dict(function.get("parameters") or {})
+        parameters["type"] = "object"
+        parameters["properties"] = _cast_properties(parameters.get("properties") or {}, notes)
+        description = str(function.get("description", "")) + (BFCL_PYTHON_NOTE if notes else "")
+        tools.append({"type": "function", "function": {"name": bfcl_name(function["name"]),
+                                                       "description": description, "parameters": parameters}})
+    return tools
 
 
 def standardise(text: str) -> str:
@@ -383,17 +421,21 @@ def messages(system: str | None, user: Sequence[Mapping[str, Any]] | str) -> lis
     return ([{"role": "system", "content": system}] if system else []) + turns
 
 
-def chat_request(scorer: str, data: Mapping[str, Any], *, max_tokens: int, seed: int = DEFAULT_SEED,
+def chat_request(scorer: str, data: Mapping[str, Any], request: Mapping[str, Any], *, seed: int = DEFAULT_SEED,
                  thinking: bool = False) -> dict[str, Any]:
-    """The ``/v1/chat/completions`` body for a gsm8k or bfcl_simple question: greedy, seeded, thinking off
-    unless asked (``chat_template_kwargs.enable_thinking``)."""
-    body: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 0.0, "seed": seed,
+    """The ``/v1/chat/completions`` body for a gsm8k or bfcl_simple question: seeded, thinking off unless asked
+    (``chat_template_kwargs.enable_thinking``), with the task's ``request`` settings
+    (:meth:`rigctl.evals.tasks.LoadedTask.request`): ``temperature``, ``max_tokens`` (None: no limit sent),
+    and for bfcl_simple ``bfcl_notes``."""
+    body: dict[str, Any] = {"temperature": request["temperature"], "seed": seed,
                             "chat_template_kwargs": {"enable_thinking": thinking}}
+    if request.get("max_tokens") is not None:
+        body["max_tokens"] = request["max_tokens"]
     if scorer == "gsm8k":
         body["messages"] = messages(data["system"], data["prompt"])
     elif scorer == "bfcl_simple":
         body["messages"] = messages(data["system"], data["messages"])
-        body["tools"] = bfcl_tools([data["function"]])
+        body["tools"] = bfcl_tools([data["function"]], notes=bool(request.get("bfcl_notes", True)))
     else:
         raise ValueError(f"scorer {scorer!r} does not chat")
     return body

@@ -39,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from rigctl.errors import EvalError
 from rigctl.evals import datasets
 from rigctl.evals.datasets import DatasetFile
+from rigctl.evals.scorers import BFCL_TEMPERATURE, gsm8k_gold
 from rigctl.inputs import decode_utf8, yaml_problem
 
 TASKS_DIR = Path(__file__).resolve().parent.parent / "tasks"
@@ -95,11 +96,40 @@ class Gsm8kTask(_TaskBase):
 
 
 class BfclTask(_TaskBase):
+    """BFCL's own request unless the task says otherwise: no system prompt, the description and float notes,
+    temperature 0.001 and no token limit. Any other setting is a deviation the task must explain in
+    ``deviation``; the run record and the report name it."""
+
     scorer: Literal["bfcl_simple"]
     dataset: Source
     answers: Source
     system: str | None = None
-    max_tokens: int = Field(default=512, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=BFCL_TEMPERATURE, ge=0)
+    bfcl_notes: bool = True
+    deviation: str | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _deviation_explained(self) -> BfclTask:
+        departures = self.deviations()
+        if departures and not self.deviation:
+            raise ValueError(f"departs from BFCL's own request ({'; '.join(departures)}): say why under deviation")
+        if self.deviation and not departures:
+            raise ValueError("deviation given, but the request is BFCL's own")
+        return self
+
+    def deviations(self) -> list[str]:
+        """How the request departs from BFCL's own, one phrase each."""
+        out = []
+        if self.system:
+            out.append("a system prompt (BFCL: none)")
+        if self.max_tokens is not None:
+            out.append(f"max_tokens {self.max_tokens} (BFCL: no limit)")
+        if self.temperature != BFCL_TEMPERATURE:
+            out.append(f"temperature {self.temperature:g} (BFCL: {BFCL_TEMPERATURE:g})")
+        if not self.bfcl_notes:
+            out.append("no Python 3 and float notes in the function documents (BFCL: both)")
+        return out
 
 
 class ChoiceSet(_Strict):
@@ -163,6 +193,24 @@ class LoadedTask:
     @property
     def dataset_sha256(self) -> dict[str, str]:
         return {f.key: f.sha256 for f in self.files}
+
+    @property
+    def request(self) -> dict[str, Any]:
+        """The chat request's settings (:func:`rigctl.evals.scorers.chat_request`); empty for choice tasks."""
+        spec = self.spec
+        if isinstance(spec, BfclTask):
+            return {"temperature": spec.temperature, "max_tokens": spec.max_tokens, "bfcl_notes": spec.bfcl_notes}
+        if isinstance(spec, Gsm8kTask):
+            return {"temperature": 0.0, "max_tokens": spec.max_tokens}
+        return {}
+
+    @property
+    def deviations(self) -> dict[str, Any] | None:
+        """What the run record keeps of a task that departs from its instrument's own request, or None."""
+        spec = self.spec
+        if isinstance(spec, BfclTask) and spec.deviations():
+            return {"from": "BFCL's own request", "settings": spec.deviations(), "reason": spec.deviation}
+        return None
 
 
 def find_task(ref: str) -> Path:
@@ -231,8 +279,6 @@ def _field(row: dict[str, Any], name: str, where: str) -> Any:
 
 
 def _build(loaded: LoadedTask, limit: int | None) -> None:
-    from rigctl.evals.scorers import gsm8k_gold
-
     spec, base = loaded.spec, loaded.path.parent
     questions: list[Question] = []
     if isinstance(spec, Gsm8kTask):

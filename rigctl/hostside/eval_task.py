@@ -8,8 +8,8 @@ urllib, ``concurrency`` requests at a time, and writes ``answers.jsonl`` in the 
 per answer, flushed as each completes (format: :mod:`rigctl.evals`).
 
 Params: ``scorer``, ``port``, ``api_key_file`` (the llama_server role's key file, or null),
-``concurrency``, ``seed``, ``thinking``, ``timeout_s``, ``max_tokens``, ``n_probs``, ``artifact``
-{name, path} (hashed into the record), ``retries``.
+``concurrency``, ``seed``, ``thinking``, ``timeout_s``, ``request`` (the chat request's settings), ``n_probs``,
+``artifact`` {name, path} (hashed into the record), ``retries``.
 """
 
 from __future__ import annotations
@@ -133,8 +133,7 @@ def run(job: Any) -> None:
                         rendered["prompt"], n_probs=int(params["n_probs"]), seed=seed))
                 record = scorers.choice_record(data, rendered, tokens)
             else:
-                body = scorers.chat_request(scorer, data, max_tokens=int(params["max_tokens"]), seed=seed,
-                                            thinking=thinking)
+                body = scorers.chat_request(scorer, data, params["request"], seed=seed, thinking=thinking)
                 record = (scorers.gsm8k_record if scorer == "gsm8k" else scorers.bfcl_record)(
                     data, answer("/v1/chat/completions", body))
         except scorers.NoAnswer as exc:

@@ -266,3 +266,17 @@ def test_gsm8k_quality_shows_each_score_by_name(tmp_path, results):
     (sensitivity,) = [rows for section, _, rows in tables(report.markdown) if section == "Sensitivity"]
     labels = [row["scoring"] for row in sensitivity]
     assert labels[-2:] == ["lm-eval strict-match", "lm-eval flexible-extract"]
+
+
+def test_a_run_that_departs_from_its_instruments_request_is_named(tmp_path, results):
+    path = results / "desktop" / "eval-q" / "run.json"
+    record = json.loads(path.read_text())
+    record["extra"]["deviations"] = {"from": "BFCL's own request", "settings": ["max_tokens 16 (BFCL: no limit)"],
+                                     "reason": "the lab rigs share two CPU cores"}
+    path.write_text(json.dumps(record))
+    report = build_report(load_campaign(_write_campaign(tmp_path)), ResultsStore(results), tmp_path / "out")
+    quality = report.markdown.split("## Quality", 1)[1].split("\n## ", 1)[0]
+    (line,) = [line for line in quality.splitlines() if line.startswith("**Not")]
+    assert line.startswith("**Not BFCL's own request**: max_tokens 16 (BFCL: no limit). "
+                           "Why: the lab rigs share two CPU cores. ([run record](")
+    assert "eval-g" not in line
