@@ -14,7 +14,9 @@ Run directory (``<results>/<host>/<run id>/``, see :mod:`rigctl.results`)::
 ``/props``), and for inventory servers name, host, profile, flags (the profile's settings)};
 ``artifacts`` = [{name, path, sha256, manifest}] from the host's model manifest; ``task`` = {name,
 scorer, file, file_sha256, dataset_sha256: {source key: sha256}, questions}; ``seed``; ``concurrency``;
-``extra`` = {thinking, limit, timeout_s, summary, label_tokens (choice), resumed: [times]}. ``summary`` is
+``extra`` = {thinking, limit, timeout_s, summary, label_tokens (choice), resumed: [times], and for
+bfcl_simple template_carries_tools ([bool] per server) and deviations ({from, settings, reason}, only when
+the task departs from BFCL's own request)}. ``summary`` is
 ``{"sets": {set: block}, "overall": block + {"macro"}}`` with block = {n, score, cutoffs, and
 lmeval_strict_match, lmeval_flexible_extract (gsm8k) or toolless, missed_calls (bfcl_simple)}.
 

@@ -216,6 +216,8 @@ def start_run(task: LoadedTask, endpoint: Endpoints, store: ResultsStore, host: 
         if other_props.build_info != props[0].build_info:
             raise EvalError(f"refusing a fan-out over different builds: {endpoints[0]} runs "
                             f"{props[0].build_info!r}, {other} runs {other_props.build_info!r}")
+    tools = [_check_tools(task, e, p, options.retry) for e, p in zip(endpoints, props, strict=True)] \
+        if task.scorer == "bfcl_simple" else []
     stamp = stamp or Provenance(host=host)
     servers = list(stamp.servers) + [Server() for _ in endpoints[len(stamp.servers):]]
     stamp.servers = [with_props(s, p, e) for s, p, e in zip(servers, props, endpoints, strict=False)]
@@ -224,11 +226,22 @@ def start_run(task: LoadedTask, endpoint: Endpoints, store: ResultsStore, host: 
     record = RunRecord.begin(
         "eval", stamp, host=host, commands=[" ".join(redact_argv(sys.argv))],
         extra={"thinking": options.thinking, "limit": limit, "timeout_s": options.timeout,
-               **({"deviations": task.deviations} if task.deviations else {}), **dict(extra or {})})
+               **({"deviations": task.deviations} if task.deviations else {}),
+               **({"template_carries_tools": tools} if tools else {}), **dict(extra or {})})
     run_dir = store.run_dir(host, record.id)
     run_dir.mkdir(parents=True, exist_ok=False)
     record.save(run_dir)
     return run_dir, record
+
+
+def _check_tools(task: LoadedTask, endpoint: Endpoint, props: Props, retry: Retry) -> bool:
+    """Whether ``endpoint``'s chat template carries tools: its ``/props`` says, else a probe through
+    ``/apply-template`` shows. EvalError (one line) when it cannot and the task does not allow that."""
+    with ServerClient(endpoint, timeouts=Timeouts(read=30.0), retry=retry) as client:
+        carries, how = scorers.tool_support(props.raw, lambda body: client.post_json("/apply-template", body))
+    if not carries and not getattr(task.spec, "allow_template_without_tools", False):
+        raise EvalError(f"{endpoint}: {scorers.no_tools_problem(task.name, how)}")
+    return carries
 
 
 def recorded_targets(run: StoredRun, inventory: Callable[[], Inventory], api_key: str | None = None) -> list[Target]:

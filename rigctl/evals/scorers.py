@@ -32,7 +32,7 @@ import json
 import math
 import re
 import unicodedata
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -220,6 +220,36 @@ def bfcl_tools(functions: Sequence[Mapping[str, Any]], *, notes: bool = True) ->
         tools.append({"type": "function", "function": {"name": bfcl_name(function["name"]),
                                                        "description": description, "parameters": parameters}})
     return tools
+
+
+# A chat template that never renders the tool documents (SmolLM2's, say) gives a model no tools to call:
+# llama-server drops them and every BFCL reply is tool-less. /props says so in chat_template_caps (llama.cpp
+# probes the template with a tool and reports supports_tools); a server that does not say is asked to render
+# a probe tool through /apply-template instead.
+PROBE_TOOL = "rigctl_probe_tool"
+
+
+def tool_support(props: Any, render: Callable[[dict[str, Any]], Any]) -> tuple[bool, str]:
+    """Whether the served chat template carries tools, and how that was told: ``/props``
+    ``chat_template_caps.supports_tools`` when the server reports it, else a probe tool rendered by
+    ``render`` (a POST to ``/apply-template``) and looked for in the prompt."""
+    caps = props.get("chat_template_caps") if isinstance(props, Mapping) else None
+    reported = caps.get("supports_tools") if isinstance(caps, Mapping) else None
+    if isinstance(reported, bool):
+        return reported, f"/props chat_template_caps.supports_tools is {str(reported).lower()}"
+    probe = {"name": PROBE_TOOL, "description": "Reports nothing.", "parameters": {"type": "dict", "properties": {}}}
+    answer = render({"messages": [{"role": "user", "content": "Which tools do you have?"}],
+                     "tools": bfcl_tools([probe])})
+    prompt = answer.get("prompt") if isinstance(answer, Mapping) else None
+    return isinstance(prompt, str) and PROBE_TOOL in prompt, \
+        "a tool sent to /apply-template does not appear in the prompt"
+
+
+def no_tools_problem(task: str, how: str) -> str:
+    """The one line that refuses a tool-calling task on a template without tools; ``how`` says how it was told."""
+    return (f"refusing {task}: the model's chat template cannot carry tools ({how}), so every reply would be "
+            f"tool-less; serve a template with tool support (llama-server --chat-template-file), or set "
+            f"allow_template_without_tools: true in the task to measure exactly that")
 
 
 def standardise(text: str) -> str:

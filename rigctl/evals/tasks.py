@@ -108,6 +108,8 @@ class BfclTask(_TaskBase):
     temperature: float = Field(default=BFCL_TEMPERATURE, ge=0)
     bfcl_notes: bool = True
     deviation: str | None = Field(default=None, min_length=1)
+    # A template that cannot carry tools is refused before the run, unless the task measures exactly that.
+    allow_template_without_tools: bool = False
 
     @model_validator(mode="after")
     def _deviation_explained(self) -> BfclTask:

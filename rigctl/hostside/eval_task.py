@@ -7,9 +7,9 @@ functions the controller's runner uses. This module only speaks HTTP to the loca
 urllib, ``concurrency`` requests at a time, and writes ``answers.jsonl`` in the run directory, one line
 per answer, flushed as each completes (format: :mod:`rigctl.evals`).
 
-Params: ``scorer``, ``port``, ``api_key_file`` (the llama_server role's key file, or null),
-``concurrency``, ``seed``, ``thinking``, ``timeout_s``, ``request`` (the chat request's settings), ``n_probs``,
-``artifact`` {name, path} (hashed into the record), ``retries``.
+Params: ``scorer``, ``task_name``, ``allow_template_without_tools``, ``port``, ``api_key_file`` (the
+llama_server role's key file, or null), ``concurrency``, ``seed``, ``thinking``, ``timeout_s``, ``request``
+(the chat request's settings), ``n_probs``, ``artifact`` {name, path} (hashed into the record), ``retries``.
 """
 
 from __future__ import annotations
@@ -93,7 +93,14 @@ def run(job: Any) -> None:
     questions = [json.loads(line) for line in (job.dir / "questions.jsonl").read_text().splitlines() if line]
     server = Server(int(params["port"]), _api_key(params.get("api_key_file"), job.TaskError),
                     float(params["timeout_s"]), int(params.get("retries", RETRY_ATTEMPTS)), job.TaskError)
-    props = props_fields(server.call("GET", "/props"))
+    raw_props = server.call("GET", "/props")
+    props = props_fields(raw_props)
+    if scorer == "bfcl_simple":
+        # As the controller's runner checks it: the served template must carry tools, or the task allow it.
+        carries, how = scorers.tool_support(raw_props, lambda body: server.call("POST", "/apply-template", body))
+        if not carries and not params.get("allow_template_without_tools"):
+            raise job.TaskError(scorers.no_tools_problem(params["task_name"], how))
+        job.record["extra"]["template_carries_tools"] = [carries]
     # The runtime put the server (its argv as deployed among it) in the record; /props adds the rest.
     job.record["servers"][0].update(endpoint=server.base,
                                     **{k: props[k] for k in ("build_info", "model_path", "total_slots", "n_ctx")})

@@ -41,12 +41,13 @@ HOSTILE = {
 
 
 class StandIn:
-    """/props, and /v1/chat/completions answering each question (found by its prompt) with ``body(q)``;
-    counts the questions asked."""
+    """GET /props (``props``); POST /v1/chat/completions answering each question (found by its prompt's first
+    word) with ``body(q)``; POST /apply-template with ``template``. Keeps every request body it was sent."""
 
-    def __init__(self, body: Callable[[str], bytes]):
-        self.body = body
+    def __init__(self, body: Callable[[str], bytes], props: dict | None = None, template: str = ""):
+        self.body, self.props, self.template = body, PROPS if props is None else props, template
         self.asked: Counter[str] = Counter()
+        self.requests: list[tuple[str, dict]] = []
         stand_in = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -61,10 +62,14 @@ class StandIn:
                 self.wfile.write(data)
 
             def do_GET(self) -> None:  # noqa: N802 (http.server's names)
-                self._send(json.dumps(PROPS).encode())
+                self._send(json.dumps(stand_in.props).encode())
 
             def do_POST(self) -> None:  # noqa: N802
                 request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                stand_in.requests.append((self.path, request))
+                if self.path == "/apply-template":
+                    self._send(json.dumps({"prompt": stand_in.template}).encode())
+                    return
                 question = request["messages"][-1]["content"].split()[0]
                 stand_in.asked[question] += 1
                 self._send(stand_in.body(question))
@@ -143,3 +148,80 @@ def test_a_200_without_choices_stops_the_run_and_resume_finishes_it(task_dir):
     assert all(n == 1 for n in fixed.asked.values())
     assert summary["overall"]["score"] == 1.0
     assert store.find(f"stand-in/{record.id}").record.status == "done"
+
+
+# ----------------------------------------------------------------------------------------------- BFCL: tools
+
+
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "evals" / "hf"
+CALL = json.dumps({"choices": [{"message": {"content": "", "tool_calls": [{"type": "function", "function": {
+    "name": "calculate_triangle_area", "arguments": '{"base": 10, "height": 5}'}}]}, "finish_reason": "tool_calls"}]})
+
+
+def _bfcl_task(tmp_path: Path, extra: str = "") -> object:
+    (tmp_path / "bfcl.yaml").write_text(
+        f"name: bfcl\nscorer: bfcl_simple\ndataset: {{path: {FIXTURES / 'bfcl_simple.json'}}}\n"
+        f"answers: {{path: {FIXTURES / 'possible_answer' / 'bfcl_simple.json'}}}\nlimit: 3\n{extra}")
+    return load_task(str(tmp_path / "bfcl.yaml"))
+
+
+CAPS = {**PROPS, "chat_template_caps": {"supports_tools": True, "supports_tool_calls": True}}
+NO_TOOLS = {**PROPS, "chat_template_caps": {"supports_tools": False, "supports_tool_calls": False}}
+
+
+def test_bfcl_sends_bfcls_own_request(tmp_path):
+    stand_in = StandIn(lambda q: CALL.encode(), props=CAPS)
+    store = ResultsStore(tmp_path / "results")
+    task = _bfcl_task(tmp_path)
+    try:
+        run_dir, record = runner.start_run(task, stand_in.endpoint, store, "stand-in", options=runner.Options())
+        runner.run(task, stand_in.endpoint, run_dir, record, runner.Options(retry=NO_RETRY))
+    finally:
+        stand_in.close()
+    chats = [body for path, body in stand_in.requests if path == "/v1/chat/completions"]
+    assert len(chats) == 3 and not any(path == "/apply-template" for path, _ in stand_in.requests)
+    for body in chats:
+        assert body["temperature"] == 0.001 and "max_tokens" not in body
+        function = body["tools"][0]["function"]
+        assert function["description"].endswith(" Note that the provided function is in Python 3 syntax.")
+    floats = [prop for body in chats for prop in body["tools"][0]["function"]["parameters"]["properties"].values()
+              if prop.get("format") == "float"]
+    assert floats and all(p["type"] == "number" and p["description"].endswith(" This is a float type value.")
+                          for p in floats)
+    assert record.extra["template_carries_tools"] == [True] and "deviations" not in record.extra
+
+
+@pytest.mark.parametrize(("props", "template", "how"), [
+    (NO_TOOLS, "", "/props chat_template_caps.supports_tools is false"),
+    (PROPS, "<|im_start|>user\nWhich tools do you have?<|im_end|>", "a tool sent to /apply-template does not appear"),
+])
+def test_a_template_without_tools_is_refused_in_one_line(tmp_path, props, template, how):
+    stand_in = StandIn(lambda q: CALL.encode(), props=props, template=template)
+    store = ResultsStore(tmp_path / "results")
+    try:
+        with pytest.raises(EvalError) as info:
+            runner.start_run(_bfcl_task(tmp_path), stand_in.endpoint, store, "stand-in", options=runner.Options())
+        message = str(info.value)
+        assert "\n" not in message and how in message
+        assert message.startswith(f"{stand_in.endpoint}: refusing bfcl: the model's chat template cannot carry tools")
+        assert "allow_template_without_tools: true" in message
+        assert not (tmp_path / "results").exists()  # refused before the run began
+        assert not stand_in.asked
+        # A task that measures exactly that runs, and its record says the template carried no tools.
+        task = _bfcl_task(tmp_path, "allow_template_without_tools: true\n")
+        _, record = runner.start_run(task, stand_in.endpoint, store, "stand-in", options=runner.Options())
+        assert record.extra["template_carries_tools"] == [False]
+    finally:
+        stand_in.close()
+
+
+def test_a_probe_that_shows_the_tool_lets_the_run_start(tmp_path):
+    stand_in = StandIn(lambda q: CALL.encode(), template="<tools>rigctl_probe_tool</tools>")
+    try:
+        _, record = runner.start_run(_bfcl_task(tmp_path), stand_in.endpoint, ResultsStore(tmp_path / "r"),
+                                     "stand-in", options=runner.Options())
+    finally:
+        stand_in.close()
+    assert record.extra["template_carries_tools"] == [True]
+    (probe,) = [body for path, body in stand_in.requests if path == "/apply-template"]
+    assert probe["tools"][0]["function"]["name"] == "rigctl_probe_tool"
