@@ -57,7 +57,7 @@ from rigctl.compare import (
 from rigctl.errors import RigctlError
 from rigctl.evals.scorers import GSM8K_SCORES
 from rigctl.files import write_atomically
-from rigctl.results.record import RUN_FILE
+from rigctl.results.record import ANSWERS_FILE, RUN_FILE
 from rigctl.results.store import ResultsStore, StoredRun, read_jsonl
 from rigctl.stats import Interval, holm, verdict_text
 
@@ -459,9 +459,13 @@ def _comparisons(loaded: LoadedCampaign, found: Located) -> tuple[list[_Compared
             run_b = found.evals.get((evaluation.name, comparison.b))
             if run_a is None or run_b is None:
                 continue
+            replicate = found.evals.get((evaluation.name, comparison.replicate)) if comparison.replicate else None
+            if comparison.replicate and replicate is None:
+                problems.append(f"{comparison.name} on {evaluation.name}: its replicate {comparison.replicate} "
+                                f"is not pulled yet (the gap is shown without it)")
             try:
                 pair = compare_pair(run_a, run_b, scoring=scoring, resamples=campaign.resamples, seed=campaign.seed,
-                                    margin=campaign.margin(comparison))
+                                    margin=campaign.margin(comparison), replicate=replicate)
             except RigctlError as exc:  # a refusal (different tasks) is reported, not fatal to the report
                 problems.append(f"{comparison.name} on {evaluation.name}: {exc}")
                 continue
@@ -484,19 +488,34 @@ def _comparison_sections(loaded: LoadedCampaign, compared: list[_Compared], prob
                   "(sign-flip permutation test for graded scores), and Holm-adjusted across all the campaign's "
                   "comparisons; verdict: TOST at 5 % against the equivalence margin, else the "
                   "Holm-adjusted test.", ""]
+        replicated = any(c.pair.replicate for c in items)
+        if replicated:
+            lines += ["A/B disagree, replicate disagrees: the share of questions scored differently by A and B, "
+                      "and by A and a second run of A (95% interval); replicate gap: that second run minus A. "
+                      "A gap whose interval overlaps the replicate gap's is flagged: not clearly larger than "
+                      "the noise of running twice.", ""]
         rows = []
         for c in items:
             gap = c.pair.recorded.overall
             files = list(c.pair.files)
             test = gap.test
             counts = f"{test.b} / {test.c}" if test and test.b is not None else "graded"
-            rows.append([c.name, c.evaluation, links.number(str(gap.n), files),
-                         links.number(f"{gap.score_a:.3f}", files[:1]), links.number(f"{gap.score_b:.3f}", files[1:]),
-                         links.number(points(gap.gap), files), links.number(counts, files),
-                         links.number(p_text(test.p) if test else "-", files), p_text(c.holm), c.verdict])
+            verdict = c.verdict + ("; within replicate noise" if c.pair.within_noise else "")
+            row = [c.name, c.evaluation, links.number(str(gap.n), files),
+                   links.number(f"{gap.score_a:.3f}", files[:1]), links.number(f"{gap.score_b:.3f}", files[1:]),
+                   links.number(points(gap.gap), files), links.number(counts, files),
+                   links.number(p_text(test.p) if test else "-", files), p_text(c.holm)]
+            if replicated:
+                noise = c.pair.replicate
+                replicate_files = [files[0], noise.run.path / ANSWERS_FILE] if noise else []
+                row += [links.number(ratio_text(c.pair.disagreement), files) if c.pair.disagreement else "-",
+                        links.number(ratio_text(noise.disagreement), replicate_files) if noise else "-",
+                        links.number(points(noise.gap), replicate_files) if noise else "-"]
+            rows.append([*row, verdict])
         holm_column = f"p (Holm, {len(compared)} comparison{'s' if len(compared) != 1 else ''})"
+        noise_columns = ["A/B disagree", "replicate disagrees", "replicate gap, points"] if replicated else []
         lines += _table(["comparison", "eval", "n", "A", "B", "B - A, points", "b / c", "p (exact)", holm_column,
-                         "verdict"], rows, align="ll")
+                         *noise_columns, "verdict"], rows, align="ll")
         lines.append("")
     if forest is not None:
         lines += [f"![every comparison's gap with its interval and equivalence band]({forest.name})", ""]

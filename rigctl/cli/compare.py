@@ -47,7 +47,7 @@ def _verdict_cell(gap, margin: float | None, p: float | None = None) -> str:
 
 
 def print_eval_comparison(result: Comparison) -> None:
-    from rigctl.compare import p_text, points
+    from rigctl.compare import p_text, points, ratio_text
 
     for index, pair in enumerate(result.pairs):
         title = f"{pair.b.name} ({pair.b.label}) - {pair.a.name} ({pair.a.label}): task {pair.task}"
@@ -68,6 +68,14 @@ def print_eval_comparison(result: Comparison) -> None:
             cells += [_verdict_cell(gap, pair.margin)] if pair.margin is not None else []
             table.add_row(*cells, style="bold" if gap.set == "overall" else None)
         console.print(table)
+        if pair.replicate is not None:
+            noise = pair.replicate
+            console.print(
+                f"replicate {noise.run.name}: disagrees with A on {ratio_text(noise.disagreement)} of {noise.n} "
+                f"questions (A and B: {ratio_text(pair.disagreement) if pair.disagreement else '-'}); its gap "
+                f"{points(noise.gap)} points: the A/B gap is " +
+                ("within replicate noise" if pair.within_noise else "clearly larger than replicate noise"),
+                markup=False, highlight=False)
         if len(result.pairs) > 1:
             console.print(f"overall p (Holm-adjusted across the {len(result.pairs)} pairs): "
                           f"{p_text(result.holm[index])}", markup=False, highlight=False)
@@ -187,6 +195,10 @@ def compare(
     plan: Annotated[bool, typer.Option("--plan", help="Also print the smallest gap detectable at 80 % power "
                                                       "with these runs' discordance, at n and more questions.")
                     ] = False,
+    replicate: Annotated[str | None, typer.Option(
+        "--replicate", metavar="RUN",
+        help="A second run of A's artifact: its disagreement with A is set beside the A/B difference, which is "
+             "flagged when not clearly larger than that noise.")] = None,
     results: ResultsOption = None,
     seed: SeedOption = None,
     resamples: ResamplesOption = None,
@@ -218,7 +230,7 @@ def compare(
     sets = tuple(s for item in exclude or [] for s in item.split(",") if s)
     result = compare_runs(stored, cutoff_as_right=cutoff_as_right, toolless_as_right=toolless_as_right,
                           exclude=sets, force=force, exclude_origin="--exclude", **bootstrap,
-                          margin=margin)
+                          margin=margin, replicate=store.find(replicate) if replicate else None)
     print_eval_comparison(result)
     if flips:
         print_flips(result)

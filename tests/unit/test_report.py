@@ -158,6 +158,14 @@ def test_bench_runs_with_another_matrix_do_not_answer_the_campaign(tmp_path):
     ({"benches": [{"name": "speed", "hosts": ["desktop"], "models": ["qwen-q4_0"], "matrix": {"r": 0}}]},
      "benches.0.matrix.r: Input should be greater than or equal to 1"),
     ({"colour": "blue"}, "colour: Extra inputs are not permitted"),
+    ({"evals": [{"name": "suite", "task": "suite.yaml", "runs": [
+        {"host": "desktop", "server": "qwen", "artifact": "qwen-q4_0"},
+        {"host": "desktop", "server": "qwen", "artifact": "qwen-q4_0"}]}], "comparisons": []},
+     "eval 'suite': target 'qwen-q4_0@desktop' is listed twice (a second run of it is a replicate: replicate: 2)"),
+    ({"comparisons": [{"name": "x", "a": "qwen-q4_0@desktop", "b": "gemma-qat@desktop",
+                       "replicate": "gemma-qat@desktop"}]},
+     "comparison 'x': replicate 'gemma-qat@desktop' is not another run of 'qwen-q4_0@desktop' "
+     "(give qwen-q4_0@desktop#2)"),
 ])
 def test_bad_campaign_files_name_the_culprit(tmp_path, change, message):
     path = _write_campaign(tmp_path, {**CAMPAIGN, **change})
@@ -280,3 +288,30 @@ def test_a_run_that_departs_from_its_instruments_request_is_named(tmp_path, resu
     assert line.startswith("**Not BFCL's own request**: max_tokens 16 (BFCL: no limit). "
                            "Why: the lab rigs share two CPU cores. ([run record](")
     assert "eval-g" not in line
+
+
+def test_a_replicate_pair_sets_its_disagreement_beside_the_ab_difference(tmp_path, results):
+    """The same artifact twice: locate gives each replicate its own run, and the head-to-head table sets
+    the replicate's disagreement and gap beside the A/B difference (recomputed here from the answers)."""
+    rows = [json.loads(line) for line in (results / "desktop" / "eval-q" / "answers.jsonl").read_text().splitlines()]
+    for row in rows[:4]:
+        row["score"] = 1 - row["score"]  # a second run of Qwen Q4_0 that differs on four questions
+    eval_run(results, "desktop", "eval-q2", "qwen-q4_0", rows, started="2026-11-29T11:00:00.000000Z")
+    second = {"host": "desktop", "server": "qwen", "artifact": "qwen-q4_0", "replicate": 2}
+    data = {**CAMPAIGN, "evals": [{**CAMPAIGN["evals"][0], "runs": [*CAMPAIGN["evals"][0]["runs"], second]}],
+            "comparisons": [{**CAMPAIGN["comparisons"][0], "replicate": "qwen-q4_0@desktop#2"}]}
+    loaded = load_campaign(_write_campaign(tmp_path, data))
+    found = locate(loaded, ResultsStore(results))
+    assert found.evals[("suite", "qwen-q4_0@desktop")].id == "eval-q2"  # the newest answers the first
+    assert found.evals[("suite", "qwen-q4_0@desktop#2")].id == "eval-q"
+    report = build_report(loaded, ResultsStore(results), tmp_path / "out")
+    (head,) = [rows for section, _, rows in tables(report.markdown) if section == "Head to head"]
+    row = head[0]
+    assert row["replicate disagrees"].startswith("[0.033 (")  # 4 of 120
+    gemma = {(r["set"], r["id"]): r["score"] for r in
+             (json.loads(line) for line in (results / "desktop" / "eval-g" / "answers.jsonl").read_text().splitlines())}
+    apart = sum(gemma[(r["set"], r["id"])] != r["score"] for r in rows) / len(rows)
+    assert row["A/B disagree"].startswith(f"[{apart:.3f} (")
+    assert row["replicate gap, points"].startswith("[")
+    assert "within replicate noise" not in row["verdict"]  # B is right on 36 more: far beyond
+    assert "Qwen Q4_0 replicate 2" in report.markdown
