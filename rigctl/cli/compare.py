@@ -48,9 +48,12 @@ def _verdict_cell(gap, margin: float | None, p: float | None = None) -> str:
 
 def print_eval_comparison(result: Comparison) -> None:
     from rigctl.compare import p_text, points, ratio_text
+    from rigctl.evals.scorers import GSM8K_SCORES
 
     for index, pair in enumerate(result.pairs):
         title = f"{pair.b.name} ({pair.b.label}) - {pair.a.name} ({pair.a.label}): task {pair.task}"
+        named = any(v.scoring.metric != "score" for v in pair.variants)
+        title += f", score {GSM8K_SCORES['score']}" if named else ""
         if pair.forced:
             err_console.print(f"warning: compared with --force: {pair.forced}", markup=False, highlight=False)
         if pair.only_a or pair.only_b:
@@ -80,7 +83,8 @@ def print_eval_comparison(result: Comparison) -> None:
             console.print(f"overall p (Holm-adjusted across the {len(result.pairs)} pairs): "
                           f"{p_text(result.holm[index])}", markup=False, highlight=False)
         if len(pair.variants) > 1:
-            sens = Table(title="sensitivity: the overall gap under each switch")
+            sens = Table(title="sensitivity: the overall gap under each switch" +
+                         (" and by lm-eval's scores" if named else ""))
             for column in ("scoring", "n", "A", "B", "B - A, points (95%)", "moved"):
                 sens.add_column(column, justify="left" if column == "scoring" else "right")
             base = recorded.overall.gap.estimate

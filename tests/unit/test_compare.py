@@ -362,3 +362,22 @@ def test_compare_cli_names_the_replicate_and_its_verdict(tmp_path):
     said = text[text.index("replicate desktop/eval-a2:"):]
     assert said.startswith("replicate desktop/eval-a2: disagrees with A on 0.020 (") and "of 200 questions" in said
     assert "the A/B gap is within replicate noise" in said
+
+
+def test_compare_cli_names_each_gsm8k_score(tmp_path):
+    import subprocess
+
+    from benchlab import RIGCTL
+
+    from rigctl.evals.scorers import score_gsm8k
+
+    answer = "4 * 250 = <<4*250=1000>>1000\n#### 1000"
+    for run, reply in (("eval-a", "#### 1000"), ("eval-b", "It costs $1000.")):
+        eval_run(tmp_path, "desktop", run, "q4", [{"id": f"q{i}", "set": "gsm8k",
+                                                   **score_gsm8k(reply, "1000", answer, "stop")} for i in range(10)])
+    done = subprocess.run([*RIGCTL, "compare", "eval-a", "eval-b", "--results", str(tmp_path)], capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    text = " ".join(done.stdout.split())
+    assert "score rigctl normalised" in text and "and by lm-eval's scores" in text
+    assert "lm-eval strict-match" in text and "lm-eval flexible-extract" in text
