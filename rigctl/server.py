@@ -330,7 +330,7 @@ def parse_sse_line(line: str) -> Mapping[str, Any] | None:
     payload = line[5:].strip()
     if not payload or payload == "[DONE]":
         return None
-    return json.loads(payload)
+    return decode_json(payload)  # nesting or numbers Python cannot hold: a ValueError like any bad chunk
 
 
 def _probability(entry: Mapping[str, Any]) -> float:

@@ -209,3 +209,12 @@ def test_json_python_cannot_hold_is_told_apart_from_text_that_is_no_json(body, r
     assert decode_json(b'["\\ud83d\\ude00", ' + b"1" * 4300 + b"]")[0] == "\U0001f600"
     with pytest.raises(json.JSONDecodeError):
         decode_json(b"<html>bad gateway</html>")
+
+
+def test_a_stream_chunk_python_cannot_hold_is_a_server_error_not_a_crash():
+    from rigctl.server import _Base, _Call
+
+    client = _Base("http://127.0.0.1:9")
+    deep = "data: " + "[" * 50_000 + "]" * 50_000
+    with pytest.raises(ServerError, match=r"POST /v1/chat/completions: unexpected answer: JSON nested too deep"):
+        client._parse(_Call("POST", "/v1/chat/completions"), parse_sse_line, deep)
