@@ -225,3 +225,74 @@ def test_a_probe_that_shows_the_tool_lets_the_run_start(tmp_path):
     assert record.extra["template_carries_tools"] == [True]
     (probe,) = [body for path, body in stand_in.requests if path == "/apply-template"]
     assert probe["tools"][0]["function"]["name"] == "rigctl_probe_tool"
+
+
+# ----------------------------------------------------------------------------------------------- the rig's job
+
+
+class _Job:
+    """What rigctl.hostside.jobrun hands an eval task: its directory (with the shipped scorers), params,
+    record and run directory."""
+
+    class TaskError(Exception):
+        pass
+
+    def __init__(self, tmp_path: Path, params: dict, questions: list[dict]):
+        import shutil
+
+        from rigctl.evals import scorers
+
+        self.dir = tmp_path / "job"
+        self.dir.mkdir(parents=True)
+        shutil.copy(scorers.__file__, self.dir / "eval_scorers.py")
+        (self.dir / "questions.jsonl").write_text("".join(json.dumps(q) + "\n" for q in questions))
+        self.params = params
+        self.record = {"servers": [{}], "extra": {}}
+        self.run_dir = tmp_path / "run"
+
+    def save_record(self) -> None:
+        pass
+
+    def progress(self, *args: object) -> None:
+        pass
+
+
+def _job(tmp_path: Path, stand_in: StandIn, task, **params) -> _Job:
+    port = int(stand_in.endpoint.url.rsplit(":", 1)[1])
+    questions = [{"id": q.id, "set": q.set, "data": q.data} for q in task.questions]
+    return _Job(tmp_path, {"scorer": task.scorer, "task_name": task.name, "port": port, "api_key_file": None,
+                           "concurrency": 2, "seed": 1, "thinking": False, "timeout_s": 30, "retries": 1,
+                           "request": task.request, "n_probs": None, **params}, questions)
+
+
+def test_the_rigs_job_scores_hostile_bodies_as_the_controller_does(task_dir):
+    from rigctl.hostside import eval_task
+
+    stand_in = StandIn(HOSTILE.__getitem__)
+    try:
+        job = _job(task_dir, stand_in, load_task("tasks/mini.yaml"))
+        eval_task.run(job)
+    finally:
+        stand_in.close()
+    rows = {row["id"].split("-")[-1]: row for row in read_jsonl(job.run_dir / "answers.jsonl")}
+    assert sorted(rows) == ["1", "2", "3", "4", "5"] and rows["1"]["score"] == 1
+    assert rows["3"]["error"] == "unreadable answer: JSON nested too deep to read"
+    assert rows["2"]["error"].startswith("unreadable answer: a string with a lone UTF-16 surrogate")
+
+
+def test_the_rigs_job_refuses_a_template_without_tools_and_stops_on_a_200_without_choices(tmp_path):
+    from rigctl.hostside import eval_task
+
+    task = _bfcl_task(tmp_path)
+    stand_in = StandIn(lambda q: b'{"error": {"message": "gone"}}', props=NO_TOOLS)
+    try:
+        with pytest.raises(_Job.TaskError, match="refusing bfcl: the model's chat template cannot carry tools "
+                                                 r"\(/props chat_template_caps.supports_tools is false\)"):
+            eval_task.run(_job(tmp_path / "strict", stand_in, task))
+        assert not stand_in.asked
+        with pytest.raises(_Job.TaskError, match=r"question simple_\d: no choices in the answer"):
+            eval_task.run(_job(tmp_path / "allowed", stand_in, task, allow_template_without_tools=True))
+    finally:
+        stand_in.close()
+    bodies = [body for path, body in stand_in.requests if path == "/v1/chat/completions"]
+    assert bodies and all(b["temperature"] == 0.001 and "max_tokens" not in b for b in bodies)
