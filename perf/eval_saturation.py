@@ -115,8 +115,8 @@ def main() -> int:
         wall, cpu, busy = measure(target.endpoint,
                                   lambda: runner.run(task, target.endpoint, run_dir, record, options))
         answers = len(read_jsonl(run_dir / "answers.jsonl"))
-        bodies = [scorers.chat_request("gsm8k", {**q.data, "prompt": f"[bare] {q.data['prompt']}"},
-                                       max_tokens=args.max_tokens) for q in task.questions]
+        bodies = [scorers.chat_request("gsm8k", {**q.data, "prompt": f"[bare] {q.data['prompt']}"}, task.request)
+                  for q in task.questions]
         bare_wall, bare_cpu, bare_busy = measure(
             target.endpoint, lambda: asyncio.run(bare_httpx(target.endpoint, bodies, args.concurrency)))
 

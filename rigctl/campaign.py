@@ -16,9 +16,11 @@ YAML file, the pulled runs that answer it, and running what is missing.
                # fan-out: one run over several servers of the same artifact and build
                {servers: [{host: desktop, server: smollm2}, {host: laptop, server: smollm2}],
                 artifact: smollm2-135m-q4_1}]
-    comparisons:                     # B - A per eval task (targets as "<artifact>@<host>[+<host>...]")
+    comparisons:                     # B - A per eval task (targets as "<artifact>@<host>[+<host>...][#n]")
       - {name: ..., section: quantisation, a: smollm2-135m-q4_1@desktop, b: smollm2-135m-q4_0@desktop,
-         equivalence_margin: 2}      # points; TOST says equivalent / different / not shown either way
+         equivalence_margin: 2,      # points; TOST says equivalent / different / not shown either way
+         replicate: smollm2-135m-q4_1@desktop#2}   # a second run of A (a target with replicate: 2): its
+                                     # disagreement with A is the noise the A/B difference is set against
     equivalence_margin: 2            # the default for every comparison (none: no equivalence test)
     sensitivity: {cutoff_as_right: true, toolless_as_right: true, exclude: [civil_comments]}
     drafting:                        # drafter races (rigctl bench spec) through running instances
@@ -85,6 +87,9 @@ class EvalTarget(_Strict):
     server: str
     artifact: str
     servers: list[ServerRef] = []
+    # A second (third...) run of the same servers and artifact: what two runs of one thing disagree on is the
+    # noise every A/B difference carries (batch order at several slots changes greedy replies).
+    replicate: int = Field(default=1, ge=1)
 
     @model_validator(mode="before")
     @classmethod
@@ -119,8 +124,13 @@ class EvalTarget(_Strict):
         return list(dict.fromkeys(s.host for s in self.members))
 
     @property
-    def id(self) -> str:
+    def base_id(self) -> str:
+        """The id of the first run of this target (replicates share it)."""
         return f"{self.artifact}@{'+'.join(self.hosts)}"
+
+    @property
+    def id(self) -> str:
+        return self.base_id + (f"#{self.replicate}" if self.replicate > 1 else "")
 
 
 class CampaignEval(_Strict):
@@ -138,6 +148,8 @@ class CampaignComparison(_Strict):
     b: str
     evals: list[str] = []  # none: every eval both targets ran
     equivalence_margin: float | None = Field(default=None, gt=0, le=100)  # points; none: the campaign's
+    # A replicate of ``a`` (``<a>#2``): the report sets their disagreement beside the A/B difference.
+    replicate: str | None = None
 
 
 class Sensitivity(_Strict):
@@ -189,12 +201,22 @@ class Campaign(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> Campaign:
-        targets = {t.id for e in self.evals for t in e.runs}
+        targets = {t.id: t for e in self.evals for t in e.runs}
+        for evaluation in self.evals:
+            ids = [t.id for t in evaluation.runs]
+            twice = sorted({i for i in ids if ids.count(i) > 1})
+            if twice:
+                raise ValueError(f"eval {evaluation.name!r}: target {twice[0]!r} is listed twice "
+                                 f"(a second run of it is a replicate: replicate: 2)")
         for comparison in self.comparisons:
-            for side in (comparison.a, comparison.b):
+            for side in (comparison.a, comparison.b, *([comparison.replicate] if comparison.replicate else [])):
                 if side not in targets:
                     raise ValueError(f"comparison {comparison.name!r}: {side!r} is no eval target "
                                      f"(targets: {', '.join(sorted(targets)) or 'none'})")
+            if comparison.replicate and (comparison.replicate == comparison.a or
+                                         targets[comparison.replicate].base_id != targets[comparison.a].base_id):
+                raise ValueError(f"comparison {comparison.name!r}: replicate {comparison.replicate!r} is not "
+                                 f"another run of {comparison.a!r} (give {targets[comparison.a].base_id}#2)")
             unknown = sorted(set(comparison.evals) - {e.name for e in self.evals})
             if unknown:
                 raise ValueError(f"comparison {comparison.name!r}: no eval named {', '.join(unknown)}")
@@ -225,9 +247,11 @@ class Campaign(_Strict):
             else self.equivalence_margin
 
     def target_label(self, target_id: str) -> str:
-        artifact, _, host = target_id.partition("@")
+        base, _, replicate = target_id.partition("#")
+        artifact, _, host = base.partition("@")
         hosts_of = {t.host for e in self.evals for t in e.runs if t.artifact == artifact}
-        return self.label(artifact) + (f" ({host})" if len(hosts_of) > 1 else "")
+        return self.label(artifact) + (f" ({host})" if len(hosts_of) > 1 else "") + \
+            (f" replicate {replicate}" if replicate else "")
 
 
 @dataclass(frozen=True)
@@ -350,13 +374,22 @@ def locate(loaded: LoadedCampaign, store: ResultsStore) -> Located:
     for evaluation in campaign.evals:
         name = task_name(loaded, evaluation)
         found.task_names[evaluation.name] = name
+        # Replicates of one target share its runs: the newest finished run answers the first, the next
+        # newest the second, and so on; a stopped run is resumed for the first one still without a run.
+        groups: dict[str, list[EvalTarget]] = {}
         for target in evaluation.runs:
-            matching = [r for r in runs if eval_matches(r, name, target)]
-            done = [r for r in matching if r.record.status == "done"]
-            found.evals[(evaluation.name, target.id)] = max(done, key=lambda r: r.record.started, default=None)
-            stopped = [r for r in matching if r.record.status in ("stopped", "failed", "lost")]
-            if not done and stopped:
-                found.unfinished[(evaluation.name, target.id)] = max(stopped, key=lambda r: r.record.started)
+            groups.setdefault(target.base_id, []).append(target)
+        for targets in groups.values():
+            matching = [r for r in runs if eval_matches(r, name, targets[0])]
+            done = sorted((r for r in matching if r.record.status == "done"), key=lambda r: r.record.started,
+                          reverse=True)
+            stopped = sorted((r for r in matching if r.record.status in ("stopped", "failed", "lost")),
+                             key=lambda r: r.record.started, reverse=True)
+            for index, target in enumerate(sorted(targets, key=lambda t: t.replicate)):
+                key = (evaluation.name, target.id)
+                found.evals[key] = done[index] if index < len(done) else None
+                if index == len(done) and stopped:
+                    found.unfinished[key] = stopped[0]
     return found
 
 

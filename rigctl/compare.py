@@ -38,6 +38,7 @@ from typing import Any
 
 from rigctl.bench.matrix import RAW_DIR, BenchSample, counted, load_run_samples
 from rigctl.errors import ConfigError
+from rigctl.evals.scorers import GSM8K_SCORES
 from rigctl.results.record import ANSWERS_FILE
 from rigctl.results.store import StoredRun, read_jsonl
 from rigctl.stats import (
@@ -154,15 +155,18 @@ def load_answers(run: StoredRun) -> list[dict[str, Any]]:
 
 @dataclass(frozen=True)
 class Scoring:
-    """How answers are scored before pairing: as recorded, or with a sceptic's switch."""
+    """How answers are scored before pairing: as recorded, with a sceptic's switch, or by another of the
+    named scores the answers carry (``metric``, a key of :data:`scorers.GSM8K_SCORES`: lm-eval's strict-match
+    or flexible-extract in place of rigctl's normalised GSM8K score)."""
 
     cutoff_as_right: bool = False
     toolless_as_right: bool = False
     exclude: tuple[str, ...] = ()
+    metric: str = "score"
 
     @property
     def label(self) -> str:
-        parts = []
+        parts = [GSM8K_SCORES[self.metric]] if self.metric != "score" else []
         if self.cutoff_as_right:
             parts.append("cut-off as right")
         if self.toolless_as_right:
@@ -171,8 +175,9 @@ class Scoring:
             parts.append("without " + ", ".join(self.exclude))
         return " + ".join(parts) or "as recorded"
 
-    def variants(self) -> list[Scoring]:
-        """As recorded, each switch on its own, and all of them together when more than one is on."""
+    def variants(self, metrics: Sequence[str] = ()) -> list[Scoring]:
+        """As recorded, each switch on its own, all of them together when more than one is on, then each of
+        ``metrics`` as recorded."""
         single = []
         if self.cutoff_as_right:
             single.append(Scoring(cutoff_as_right=True))
@@ -180,14 +185,14 @@ class Scoring:
             single.append(Scoring(toolless_as_right=True))
         if self.exclude:
             single.append(Scoring(exclude=self.exclude))
-        return [Scoring(), *single, *([self] if len(single) > 1 else [])]
+        return [Scoring(), *single, *([self] if len(single) > 1 else []), *(Scoring(metric=m) for m in metrics)]
 
     def scores(self, rows: Iterable[dict[str, Any]]) -> dict[tuple[str, str], float]:
         out: dict[tuple[str, str], float] = {}
         for row in rows:
             if row["set"] in self.exclude:
                 continue
-            score = float(row["score"])
+            score = float(row[self.metric])
             if (self.cutoff_as_right and row.get("cutoff")) or (self.toolless_as_right and row.get("toolless")):
                 score = 1.0
             out[(str(row["set"]), str(row["id"]))] = score
@@ -299,6 +304,45 @@ class VariantGap:
 
 
 @dataclass(frozen=True)
+class ReplicateNoise:
+    """Two runs of the same artifact and servers, question by question: the share of paired questions they
+    score differently (``disagreement``, with its interval) and their gap (replicate - first, with its
+    interval). Greedy replies at several slots differ between runs, so this is the noise an A/B difference of
+    the same task carries: one whose interval overlaps the replicate gap's is not clearly larger than it."""
+
+    run: RunRef
+    n: int
+    disagreement: Interval
+    gap: Interval
+
+    def covers(self, gap: Interval) -> bool:
+        """Whether ``gap`` (an A/B difference) is within this noise: the two intervals overlap."""
+        return gap.low <= self.gap.high and self.gap.low <= gap.high
+
+
+def disagreement(a: dict[tuple[str, str], float], b: dict[tuple[str, str], float], keys: Sequence[tuple[str, str]],
+                 *, resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED) -> Interval:
+    """The share of ``keys`` that ``a`` and ``b`` score differently, with its bootstrap interval."""
+    return bootstrap_mean([float(a[k] != b[k]) for k in keys], resamples=resamples, seed=seed)
+
+
+def replicate_noise(first: StoredRun, replicate: StoredRun, *, scoring: Scoring = Scoring(),
+                    resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED) -> ReplicateNoise:
+    """How two runs of one thing disagree; ConfigError when they are not runs of one task or share no question."""
+    mismatch = task_mismatch(first, replicate)
+    if mismatch:
+        raise ConfigError(f"refusing the replicate: {mismatch}")
+    a, b = scoring.scores(load_answers(first)), scoring.scores(load_answers(replicate))
+    keys = sorted(set(a) & set(b))
+    if not keys:
+        raise ConfigError(f"replicate {replicate.host}/{replicate.id} shares no question with {first.host}/{first.id}")
+    return ReplicateNoise(run=RunRef.of(replicate), n=len(keys),
+                          disagreement=disagreement(a, b, keys, resamples=resamples, seed=seed),
+                          gap=paired_bootstrap([a[k] for k in keys], [b[k] for k in keys], resamples=resamples,
+                                               seed=seed))
+
+
+@dataclass(frozen=True)
 class PairComparison:
     a: RunRef
     b: RunRef
@@ -309,6 +353,13 @@ class PairComparison:
     forced: str | None = None  # the mismatch that --force overrode
     flips: tuple[Flip, ...] = ()  # as recorded
     margin: float | None = None  # equivalence margin, points
+    replicate: ReplicateNoise | None = None  # a second run of A, as recorded
+    disagreement: Interval | None = None  # the share of paired questions A and B score differently
+
+    @property
+    def within_noise(self) -> bool:
+        """The overall gap (as recorded) is not clearly larger than the replicate's noise."""
+        return self.replicate is not None and self.replicate.covers(self.recorded.overall.gap)
 
     @property
     def recorded(self) -> VariantGap:
@@ -396,7 +447,9 @@ def _check_margin(margin: float | None) -> None:
 
 def compare_pair(run_a: StoredRun, run_b: StoredRun, *, scoring: Scoring = Scoring(), force: bool = False,
                  resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED,
-                 margin: float | None = None) -> PairComparison:
+                 margin: float | None = None, replicate: StoredRun | None = None) -> PairComparison:
+    """B - A under ``scoring`` and its variants; ``replicate`` (a second run of A) adds the noise of running
+    twice."""
     mismatch = task_mismatch(run_a, run_b)
     if mismatch and not force:
         raise ConfigError(f"refusing to compare: {mismatch} (--force compares anyway)")
@@ -408,33 +461,48 @@ def compare_pair(run_a: StoredRun, run_b: StoredRun, *, scoring: Scoring = Scori
                           f"({len(keys_b)} answers) share no question: nothing to pair")
     _check_margin(margin)
     variants = tuple(paired_gaps(rows_a, rows_b, s, resamples=resamples, seed=seed, margin=margin)
-                     for s in scoring.variants())
+                     for s in scoring.variants(other_scores(rows_a + rows_b)))
+    a, b = Scoring().scores(rows_a), Scoring().scores(rows_b)
+    shared = sorted(set(a) & set(b))
+    noise = replicate_noise(run_a, replicate, resamples=resamples, seed=seed) if replicate is not None else None
     return PairComparison(a=RunRef.of(run_a), b=RunRef.of(run_b), task=task_identity(run_a)[0], variants=variants,
                           only_a=len(keys_a - keys_b), only_b=len(keys_b - keys_a), forced=mismatch,
-                          flips=tuple(flips_of(rows_a, rows_b, Scoring())), margin=margin)
+                          flips=tuple(flips_of(rows_a, rows_b, Scoring())), margin=margin, replicate=noise,
+                          disagreement=disagreement(a, b, shared, resamples=resamples, seed=seed))
 
 
 def compare_runs(runs: Sequence[StoredRun], *, cutoff_as_right: bool = False, toolless_as_right: bool = False,
                  exclude: Sequence[str] = (), force: bool = False, resamples: int = DEFAULT_RESAMPLES,
-                 seed: int = DEFAULT_SEED, exclude_origin: str = "exclude", margin: float | None = None) -> Comparison:
+                 seed: int = DEFAULT_SEED, exclude_origin: str = "exclude", margin: float | None = None,
+                 replicate: StoredRun | None = None) -> Comparison:
     """Compare two or more eval runs of one task pairwise (B - A for every i < j in the given order).
     ``exclude`` must name sets the runs have (a misspelt set would leave everything in, silently);
     ``exclude_origin`` says where it came from in that error (an option, a campaign key). ``margin``
     (points) adds a TOST to every gap. With more than one pair, the overall p-values are also
-    Holm-adjusted across the pairs."""
+    Holm-adjusted across the pairs. ``replicate``, a second run of the first run's artifact, sets the noise
+    of running twice beside the gap (two runs only)."""
     if len(runs) < 2:
         raise ConfigError(f"compare needs at least two runs, got {len(runs)}")
+    if replicate is not None and len(runs) != 2:
+        raise ConfigError(f"a replicate goes with two runs (A and B), got {len(runs)}")
     names = [f"{r.host}/{r.id}" for r in runs]
     if len(set(names)) != len(names):
         raise ConfigError(f"a run is given twice: {', '.join(n for n in names if names.count(n) > 1)}")
     check_sets(exclude, runs, exclude_origin)
     scoring = Scoring(cutoff_as_right=cutoff_as_right, toolless_as_right=toolless_as_right, exclude=tuple(exclude))
     _check_margin(margin)
-    pairs = tuple(compare_pair(a, b, scoring=scoring, force=force, resamples=resamples, seed=seed, margin=margin)
-                  for a, b in itertools.combinations(runs, 2))
+    pairs = tuple(compare_pair(a, b, scoring=scoring, force=force, resamples=resamples, seed=seed, margin=margin,
+                               replicate=replicate) for a, b in itertools.combinations(runs, 2))
     adjusted = holm([p.recorded.overall.test.p if p.recorded.overall.test else math.nan for p in pairs])
     return Comparison(runs=tuple(RunRef.of(r) for r in runs), pairs=pairs, resamples=resamples, seed=seed,
                       holm=tuple(adjusted))
+
+
+def other_scores(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The named scores besides ``score`` that every row carries as a number (GSM8K runs since lm-eval's
+    scores were added); older runs carry none."""
+    return [key for key in GSM8K_SCORES if key != "score" and rows
+            and all(isinstance(row.get(key), int | float) for row in rows)]
 
 
 def check_sets(names: Sequence[str], runs: Sequence[StoredRun], origin: str) -> None:
@@ -448,13 +516,15 @@ def check_sets(names: Sequence[str], runs: Sequence[StoredRun], origin: str) -> 
                           f"(sets: {', '.join(present)})")
 
 
-def run_scores(run: StoredRun, *, resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED) -> list[SetGap]:
-    """One run's mean score per set and overall with intervals (``gap`` holds the mean's interval)."""
+def run_scores(run: StoredRun, *, resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED,
+               metric: str = "score") -> list[SetGap]:
+    """One run's mean score (or another named score, ``metric``) per set and overall with intervals (``gap``
+    holds the mean's interval)."""
     rows = load_answers(run)
     by_set: dict[str, list[float]] = {}
     for row in rows:
-        by_set.setdefault(str(row["set"]), []).append(float(row["score"]))
-    everything = [float(r["score"]) for r in rows]
+        by_set.setdefault(str(row["set"]), []).append(float(row[metric]))
+    everything = [float(r[metric]) for r in rows]
     out = []
     for name, values in [*sorted(by_set.items()), (OVERALL, everything)]:
         interval = bootstrap_mean(values, resamples=resamples, seed=seed)

@@ -88,6 +88,15 @@ class ServerError(RigctlError):
         super().__init__(f"{endpoint}: {what}: {reason}")
 
 
+class UnreadableAnswer(ServerError):
+    """A server answered with JSON that Python cannot hold (too deep, a number too long, a lone surrogate).
+    An eval scores it as a wrong answer with ``reason``; everything else treats it as any ServerError."""
+
+    def __init__(self, endpoint: str, what: str, reason: str):
+        self.reason = reason
+        super().__init__(endpoint, what, reason)
+
+
 class EvalError(RigctlError):
     """An eval task, its dataset or a run cannot be loaded, verified or resumed."""
 

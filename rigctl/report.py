@@ -27,7 +27,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -47,6 +47,7 @@ from rigctl.compare import (
     flip_counts,
     gap_points,
     load_answers,
+    other_scores,
     p_text,
     points,
     ratio_text,
@@ -54,8 +55,9 @@ from rigctl.compare import (
     sample_file,
 )
 from rigctl.errors import ConfigError, RigctlError, one_line
+from rigctl.evals.scorers import GSM8K_SCORES
 from rigctl.files import write_atomically
-from rigctl.results.record import RUN_FILE
+from rigctl.results.record import ANSWERS_FILE, RUN_FILE
 from rigctl.results.store import ResultsStore, StoredRun, read_jsonl
 from rigctl.stats import Interval, holm, verdict_text
 
@@ -364,9 +366,14 @@ def _quality_section(loaded: LoadedCampaign, found: Located, links: _Links, out_
         if not pulled:
             lines += ["Nothing pulled yet.", ""]
             continue
+        lines += _deviation_lines(pulled, links)
         scores = {t.id: run_scores(r, resamples=campaign.resamples, seed=campaign.seed) for t, r in pulled}
         sets = sorted({g.set for gaps in scores.values() for g in gaps if g.set != OVERALL})
-        header = ["model", "host", *(sets if len(sets) > 1 else []), "overall", "n"]
+        # GSM8K runs carry lm-eval's two scores beside rigctl's: each gets its own named column.
+        metrics = other_scores([row for _, r in pulled for row in load_answers(r)])
+        named = [f"overall ({GSM8K_SCORES['score']})"] if metrics else ["overall"]
+        header = ["model", "host", *(sets if len(sets) > 1 else []), *named,
+                  *(f"overall ({GSM8K_SCORES[m]})" for m in metrics), "n"]
         rows = []
         overall: list[tuple[str, Interval]] = []
         for target, run in pulled:
@@ -375,8 +382,11 @@ def _quality_section(loaded: LoadedCampaign, found: Located, links: _Links, out_
             cells = [links.number(ratio_text(by_set[s].gap), file) if s in by_set else "-"
                      for s in (sets if len(sets) > 1 else [])]
             total = by_set[OVERALL]
+            others = [run_scores(run, resamples=campaign.resamples, seed=campaign.seed, metric=m)[-1].gap
+                      for m in metrics]
             rows.append([campaign.label(target.artifact), target.host, *cells,
-                         links.number(ratio_text(total.gap), file), links.number(str(total.n), file)])
+                         links.number(ratio_text(total.gap), file),
+                         *(links.number(ratio_text(gap), file) for gap in others), links.number(str(total.n), file)])
             overall.append((campaign.target_label(target.id), total.gap))
         lines += _table(header, rows, align="ll")
         chart = out_dir / f"quality-{evaluation.name}.png"
@@ -384,6 +394,20 @@ def _quality_section(loaded: LoadedCampaign, found: Located, links: _Links, out_
         charts.append(chart)
         lines += ["", f"![{evaluation.name}]({chart.name})", ""]
     return lines
+
+
+def _deviation_lines(pulled: Sequence[tuple[Any, StoredRun]], links: _Links) -> list[str]:
+    """What the runs' records say departs from their instrument's own request (a BFCL task with a token limit,
+    say): its scores are then not the instrument's, and the report says so before showing them."""
+    seen: dict[str, list[StoredRun]] = {}
+    for _, run in pulled:
+        deviations = run.record.extra.get("deviations")
+        if isinstance(deviations, dict) and deviations.get("settings"):
+            text = (f"**Not {deviations.get('from', 'the instrument')}**: "
+                    f"{'; '.join(map(str, deviations['settings']))}. Why: {deviations.get('reason') or 'not said'}.")
+            seen.setdefault(text, []).append(run)
+    return [line for text, runs in seen.items()
+            for line in (f"{text} ({links.number('run record', [r.path / RUN_FILE for r in runs])})", "")]
 
 
 def _quality_chart(path: Path, overall: list[tuple[str, Interval]], title: str) -> None:
@@ -440,9 +464,13 @@ def _comparisons(loaded: LoadedCampaign, found: Located) -> tuple[list[_Compared
             run_b = found.evals.get((evaluation.name, comparison.b))
             if run_a is None or run_b is None:
                 continue
+            replicate = found.evals.get((evaluation.name, comparison.replicate)) if comparison.replicate else None
+            if comparison.replicate and replicate is None:
+                problems.append(f"{comparison.name} on {evaluation.name}: its replicate {comparison.replicate} "
+                                f"is not pulled yet (the gap is shown without it)")
             try:
                 pair = compare_pair(run_a, run_b, scoring=scoring, resamples=campaign.resamples, seed=campaign.seed,
-                                    margin=campaign.margin(comparison))
+                                    margin=campaign.margin(comparison), replicate=replicate)
             except RigctlError as exc:  # a refusal (different tasks) is reported, not fatal to the report
                 problems.append(f"{comparison.name} on {evaluation.name}: {exc}")
                 continue
@@ -458,24 +486,41 @@ def _comparison_sections(loaded: LoadedCampaign, compared: list[_Compared], prob
         items = [c for c in compared if c.section == section]
         if not items:
             continue
-        lines += [f"## {title}", "", "B - A in points (95% paired bootstrap interval), question by question; "
+        lines += [f"## {title}", "", "A, B: the recorded score (for GSM8K rigctl's normalised one; lm-eval's "
+                  "strict-match and flexible-extract gaps are under Sensitivity). "
+                  "B - A in points (95% paired bootstrap interval), question by question; "
                   "b / c: questions A got right and B wrong / A wrong and B right; p: McNemar's exact test "
                   "(sign-flip permutation test for graded scores), and Holm-adjusted across all the campaign's "
                   "comparisons; verdict: TOST at 5 % against the equivalence margin, else the "
                   "Holm-adjusted test.", ""]
+        replicated = any(c.pair.replicate for c in items)
+        if replicated:
+            lines += ["A/B disagree, replicate disagrees: the share of questions scored differently by A and B, "
+                      "and by A and a second run of A (95% interval); replicate gap: that second run minus A. "
+                      "A gap whose interval overlaps the replicate gap's is flagged: not clearly larger than "
+                      "the noise of running twice.", ""]
         rows = []
         for c in items:
             gap = c.pair.recorded.overall
             files = list(c.pair.files)
             test = gap.test
             counts = f"{test.b} / {test.c}" if test and test.b is not None else "graded"
-            rows.append([c.name, c.evaluation, links.number(str(gap.n), files),
-                         links.number(f"{gap.score_a:.3f}", files[:1]), links.number(f"{gap.score_b:.3f}", files[1:]),
-                         links.number(points(gap.gap), files), links.number(counts, files),
-                         links.number(p_text(test.p) if test else "-", files), p_text(c.holm), c.verdict])
+            verdict = c.verdict + ("; within replicate noise" if c.pair.within_noise else "")
+            row = [c.name, c.evaluation, links.number(str(gap.n), files),
+                   links.number(f"{gap.score_a:.3f}", files[:1]), links.number(f"{gap.score_b:.3f}", files[1:]),
+                   links.number(points(gap.gap), files), links.number(counts, files),
+                   links.number(p_text(test.p) if test else "-", files), p_text(c.holm)]
+            if replicated:
+                noise = c.pair.replicate
+                replicate_files = [files[0], noise.run.path / ANSWERS_FILE] if noise else []
+                row += [links.number(ratio_text(c.pair.disagreement), files) if c.pair.disagreement else "-",
+                        links.number(ratio_text(noise.disagreement), replicate_files) if noise else "-",
+                        links.number(points(noise.gap), replicate_files) if noise else "-"]
+            rows.append([*row, verdict])
         holm_column = f"p (Holm, {len(compared)} comparison{'s' if len(compared) != 1 else ''})"
+        noise_columns = ["A/B disagree", "replicate disagrees", "replicate gap, points"] if replicated else []
         lines += _table(["comparison", "eval", "n", "A", "B", "B - A, points", "b / c", "p (exact)", holm_column,
-                         "verdict"], rows, align="ll")
+                         *noise_columns, "verdict"], rows, align="ll")
         lines.append("")
     if forest is not None:
         lines += [f"![every comparison's gap with its interval and equivalence band]({forest.name})", ""]
@@ -703,7 +748,8 @@ def _sensitivity_section(compared: list[_Compared], links: _Links) -> list[str]:
                          links.number(points(gap.gap), files), moved])
     if not rows:
         return []
-    return ["## Sensitivity", "", "The overall gap when the sceptic's switches are applied (B - A, points).", "",
+    return ["## Sensitivity", "", "The overall gap when the sceptic's switches are applied, and for GSM8K under "
+            "lm-eval's strict-match and flexible-extract in place of rigctl's normalised score (B - A, points).", "",
             *_table(["comparison", "eval", "scoring", "n", "B - A, points", "moved"], rows, align="lll"), ""]
 
 

@@ -47,11 +47,13 @@ import certifi
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from rigctl.errors import ConfigError, ServerError
+from rigctl.errors import ConfigError, ServerError, UnreadableAnswer
 from rigctl.hostside.llama_server_http import (
     RETRY_ATTEMPTS,
     RETRY_BACKOFF,
     RETRY_MAX_WAIT,
+    UnreadableJSON,
+    decode_json,
     props_fields,
     retry_wait,
     retryable_status,
@@ -328,7 +330,7 @@ def parse_sse_line(line: str) -> Mapping[str, Any] | None:
     payload = line[5:].strip()
     if not payload or payload == "[DONE]":
         return None
-    return json.loads(payload)
+    return decode_json(payload)  # nesting or numbers Python cannot hold: a ValueError like any bad chunk
 
 
 def _probability(entry: Mapping[str, Any]) -> float:
@@ -518,7 +520,9 @@ class _Base:
 
     def _json(self, call: _Call, response: httpx.Response) -> Any:
         try:
-            return response.json()
+            return decode_json(response.content)
+        except UnreadableJSON as exc:
+            raise UnreadableAnswer(str(self.endpoint), call.what, str(exc)) from None
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise ServerError(str(self.endpoint), call.what, f"not JSON: {response.text[:120]!r}") from None
 

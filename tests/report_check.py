@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from rigctl.evals.scorers import GSM8K_SCORES
+
 LINK = re.compile(r"\[([^\]]+)\]\(([^)]+)\)")
 
 
@@ -72,9 +74,15 @@ def answers(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def mean_score(path: Path, set_name: str | None = None) -> float:
+def mean_score(path: Path, set_name: str | None = None, key: str = "score") -> float:
     rows = [r for r in answers(path) if set_name is None or r["set"] == set_name]
-    return float(np.mean([float(r["score"]) for r in rows]))
+    return float(np.mean([float(r[key]) for r in rows]))
+
+
+def _score_key(column: str) -> str:
+    """The answer key a quality column averages: ``overall (lm-eval strict-match)`` -> ``lmeval_strict_match``."""
+    named = {f"overall ({name})": key for key, name in GSM8K_SCORES.items()}
+    return named.get(column, "score")
 
 
 def paired_gap(path_a: Path, path_b: Path) -> tuple[int, float]:
@@ -144,7 +152,8 @@ def check_report(report: Path) -> dict[str, int]:
                 elif section == "Quality" and column == "n":
                     assert int(text) == len(answers(files[0]))
                 elif section == "Quality":
-                    expected = mean_score(files[0], None if column == "overall" else column)
+                    overall = column == "overall" or column.startswith("overall (")
+                    expected = mean_score(files[0], None if overall else column, _score_key(column))
                     assert leading_number(text) == round(expected, 3), (heading, column, text)
                     checked["quality"] += 1
                 elif column == "B - A, points" and section != "Sensitivity":

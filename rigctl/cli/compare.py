@@ -48,10 +48,13 @@ def _verdict_cell(gap, margin: float | None, p: float | None = None) -> str:
 
 
 def print_eval_comparison(result: Comparison) -> None:
-    from rigctl.compare import p_text, points
+    from rigctl.compare import p_text, points, ratio_text
+    from rigctl.evals.scorers import GSM8K_SCORES
 
     for index, pair in enumerate(result.pairs):
         title = f"{pair.b.name} ({pair.b.label}) - {pair.a.name} ({pair.a.label}): task {pair.task}"
+        named = any(v.scoring.metric != "score" for v in pair.variants)
+        title += f", score {GSM8K_SCORES['score']}" if named else ""
         if pair.forced:
             err_console.print(f"warning: compared with --force: {pair.forced}", markup=False, highlight=False)
         if pair.only_a or pair.only_b:
@@ -69,11 +72,20 @@ def print_eval_comparison(result: Comparison) -> None:
             cells += [_verdict_cell(gap, pair.margin)] if pair.margin is not None else []
             table.add_row(*cells, style="bold" if gap.set == "overall" else None)
         console.print(table)
+        if pair.replicate is not None:
+            noise = pair.replicate
+            console.print(
+                f"replicate {noise.run.name}: disagrees with A on {ratio_text(noise.disagreement)} of {noise.n} "
+                f"questions (A and B: {ratio_text(pair.disagreement) if pair.disagreement else '-'}); its gap "
+                f"{points(noise.gap)} points: the A/B gap is " +
+                ("within replicate noise" if pair.within_noise else "clearly larger than replicate noise"),
+                markup=False, highlight=False)
         if len(result.pairs) > 1:
             console.print(f"overall p (Holm-adjusted across the {len(result.pairs)} pairs): "
                           f"{p_text(result.holm[index])}", markup=False, highlight=False)
         if len(pair.variants) > 1:
-            sens = Table(title="sensitivity: the overall gap under each switch")
+            sens = Table(title="sensitivity: the overall gap under each switch" +
+                         (" and by lm-eval's scores" if named else ""))
             for column in ("scoring", "n", "A", "B", "B - A, points (95%)", "moved"):
                 sens.add_column(column, justify="left" if column == "scoring" else "right")
             base = recorded.overall.gap.estimate
@@ -189,6 +201,10 @@ def compare(
     plan: Annotated[bool, typer.Option("--plan", help="Also print the smallest gap detectable at 80 % power "
                                                       "with these runs' discordance, at n and more questions.")
                     ] = False,
+    replicate: Annotated[str | None, typer.Option(
+        "--replicate", metavar="RUN",
+        help="A second run of A's artifact: its disagreement with A is set beside the A/B difference, which is "
+             "flagged when not clearly larger than that noise.")] = None,
     results: ResultsOption = None,
     seed: SeedOption = None,
     resamples: ResamplesOption = None,
@@ -220,7 +236,7 @@ def compare(
     sets = tuple(s for item in exclude or [] for s in item.split(",") if s)
     result = compare_runs(stored, cutoff_as_right=cutoff_as_right, toolless_as_right=toolless_as_right,
                           exclude=sets, force=force, exclude_origin="--exclude", **bootstrap,
-                          margin=margin)
+                          margin=margin, replicate=store.find(replicate) if replicate else None)
     print_eval_comparison(result)
     if flips:
         print_flips(result)

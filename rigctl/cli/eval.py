@@ -13,6 +13,7 @@ from rich.table import Table
 
 from rigctl.cli.common import console, load_inventory
 from rigctl.errors import ConfigError
+from rigctl.evals.scorers import GSM8K_SCORES
 
 app = typer.Typer(no_args_is_help=True, help="Quality evals (GSM8K, BFCL simple, choice suites) against a server.")
 
@@ -23,14 +24,14 @@ def _fmt(value: Any) -> str:
 
 def print_summary(summary: dict[str, Any], scorer: str, title: str) -> None:
     table = Table(title=title)
-    columns = ["set", "n", "score"] + (["strict"] if scorer == "gsm8k" else []) + ["cut-offs"]
+    scores = list(GSM8K_SCORES) if scorer == "gsm8k" else ["score"]
+    columns = ["set", "n", *(GSM8K_SCORES[key] if scorer == "gsm8k" else key for key in scores), "cut-offs"]
     columns += ["tool-less", "missed calls"] if scorer == "bfcl_simple" else []
     for column in columns:
         table.add_column(column, justify="left" if column == "set" else "right")
 
     def row(name: str, block: dict[str, Any]) -> list[str]:
-        cells = [name, str(block["n"]), _fmt(block["score"])]
-        cells += [_fmt(block.get("strict_score"))] if scorer == "gsm8k" else []
+        cells = [name, str(block["n"]), *(_fmt(block.get(key)) for key in scores)]
         cells += [str(block["cutoffs"])]
         cells += [str(block.get("toolless", 0)), str(block.get("missed_calls", 0))] if scorer == "bfcl_simple" else []
         return cells
@@ -147,6 +148,9 @@ def eval_run(
         options = runner.Options(concurrency=concurrency, seed=seed, thinking=thinking, timeout=timeout)
         with console.status(f"loading {task} and its datasets"):
             loaded = load_task(task, limit=limit)
+        if loaded.deviations:
+            console.print(f"note: not {loaded.deviations['from']}: {'; '.join(loaded.deviations['settings'])} "
+                          f"(the task says why: {loaded.deviations['reason']})", markup=False, highlight=False)
         if remote:
             from rigctl.evals.remote import run_remote
 

@@ -14,9 +14,11 @@ Run directory (``<results>/<host>/<run id>/``, see :mod:`rigctl.results`)::
 ``/props``), and for inventory servers name, host, profile, flags (the profile's settings)};
 ``artifacts`` = [{name, path, sha256, manifest}] from the host's model manifest; ``task`` = {name,
 scorer, file, file_sha256, dataset_sha256: {source key: sha256}, questions}; ``seed``; ``concurrency``;
-``extra`` = {thinking, limit, timeout_s, summary, label_tokens (choice), resumed: [times]}. ``summary`` is
+``extra`` = {thinking, limit, timeout_s, summary, label_tokens (choice), resumed: [times], and for
+bfcl_simple template_carries_tools ([bool] per server) and deviations ({from, settings, reason}, only when
+the task departs from BFCL's own request)}. ``summary`` is
 ``{"sets": {set: block}, "overall": block + {"macro"}}`` with block = {n, score, cutoffs, and
-strict_score (gsm8k) or toolless, missed_calls (bfcl_simple)}.
+lmeval_strict_match, lmeval_flexible_extract (gsm8k) or toolless, missed_calls (bfcl_simple)}.
 
 ``answers.jsonl`` keys, every scorer:
 
@@ -26,8 +28,10 @@ strict_score (gsm8k) or toolless, missed_calls (bfcl_simple)}.
     cutoff    true when the reply stopped on the token limit (finish_reason "length")
 
 gsm8k adds: reply, reasoning (only with thinking on), finish_reason, tokens (completion tokens), gold,
-strict (number after ``####`` or null), flexible (last number or null), strict_score (0/1; ``score`` is
-the flexible match).
+number (the reply's last number, normalised, or null; ``score`` is rigctl's normalised match of it against
+gold), and lm-eval 0.4's two scores as its gsm8k task computes them: lmeval_strict (the strict-match filter's
+output, ``[invalid]`` when nothing matched) with lmeval_strict_match (0/1), lmeval_flexible with
+lmeval_flexible_extract (0/1) (:data:`rigctl.evals.scorers.GSM8K_SCORES` names the three).
 
 bfcl_simple adds: reply (text content), reasoning, finish_reason, tokens, tool_calls ([{name, arguments}],
 arguments parsed to an object when they are JSON), error and error_type (BFCL's checker; empty when

@@ -33,11 +33,12 @@ def job_spec(task: LoadedTask, target: Target, options: Options, questions_file:
         raise ConfigError("--remote needs an inventory server (--host and --server), not a bare --url")
     params: dict[str, Any] = {
         # The key never travels in the job: the job reads the one the llama_server role installed.
-        "scorer": task.scorer, "port": target.inventory_server.port,
+        "scorer": task.scorer, "task_name": task.name, "port": target.inventory_server.port,
         "api_key_file": target.inventory_server.key_file if target.endpoint.api_key else None,
         "concurrency": options.concurrency, "seed": options.seed, "thinking": options.thinking,
         "timeout_s": options.timeout, "retries": options.retry.attempts,
-        "max_tokens": getattr(task.spec, "max_tokens", None), "n_probs": getattr(task.spec, "n_probs", None),
+        "request": task.request, "n_probs": getattr(task.spec, "n_probs", None),
+        "allow_template_without_tools": getattr(task.spec, "allow_template_without_tools", False),
     }
     if target.artifacts:
         params["artifact"] = {"name": target.artifacts[0]["name"], "path": target.artifacts[0]["path"]}
@@ -46,7 +47,8 @@ def job_spec(task: LoadedTask, target: Target, options: Options, questions_file:
         "servers": [{k: target.server.get(k) for k in ("name", "host", "profile", "port", "artifact")}],
         "task": dataclasses.asdict(task_stamp(task)),
         "seed": options.seed, "concurrency": options.concurrency,
-        "extra": {"thinking": options.thinking, "limit": limit, "timeout_s": options.timeout, "remote": True},
+        "extra": {"thinking": options.thinking, "limit": limit, "timeout_s": options.timeout, "remote": True,
+                  **({"deviations": task.deviations} if task.deviations else {})},
     }
     return jobs.JobSpec(kind="eval", task="eval_task", params=params, lock="gpu", record=record,
                         files={"questions.jsonl": questions_file, "eval_scorers.py": Path(scorers.__file__)},

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rigctl.errors import ConfigError, EvalError, RigctlError, ServerError
+from rigctl.errors import ConfigError, EvalError, RigctlError, ServerError, UnreadableAnswer
 from rigctl.evals import scorers
 from rigctl.evals.scorers import summarise
 from rigctl.evals.target import Target
@@ -76,9 +76,9 @@ class _Asker:
         return {}
 
     async def ask(self, client: AsyncServerClient, question: Question) -> dict[str, Any]:
-        body = scorers.chat_request(self.task.scorer, question.data, max_tokens=self.task.spec.max_tokens,
-                                    seed=self.options.seed, thinking=self.options.thinking)
-        answer = await client.post_json("/v1/chat/completions", body)
+        body = scorers.chat_request(self.task.scorer, question.data, self.task.request, seed=self.options.seed,
+                                    thinking=self.options.thinking)
+        answer = await _answer(client, "/v1/chat/completions", body)
         record = scorers.gsm8k_record if self.task.scorer == "gsm8k" else scorers.bfcl_record
         return _scored(client, "POST /v1/chat/completions", record, question.data, answer)
 
@@ -106,13 +106,26 @@ class _Choice(_Asker):
         return {"label_tokens": self.label_tokens}
 
     async def ask(self, client: AsyncServerClient, question: Question) -> dict[str, Any]:
-        rendered = await client.post_json("/apply-template", scorers.template_request(question.data))
-        if not isinstance(rendered, dict) or not isinstance(rendered.get("prompt"), str):
+        rendered = await _answer(client, "/apply-template", scorers.template_request(question.data))
+        if isinstance(rendered, scorers.Unreadable):
+            answer: Any = rendered
+        elif not isinstance(rendered, dict) or not isinstance(rendered.get("prompt"), str):
             raise ServerError(str(client.endpoint), "POST /apply-template", "no prompt in the answer")
-        body = scorers.completion_request(rendered["prompt"], n_probs=self.task.spec.n_probs, seed=self.options.seed)
-        answer = await client.post_json("/completion", body)
+        else:
+            body = scorers.completion_request(rendered["prompt"], n_probs=self.task.spec.n_probs,
+                                              seed=self.options.seed)
+            answer = await _answer(client, "/completion", body)
         return _scored(client, "POST /completion", lambda d, a: scorers.choice_record(d, a, self.label_tokens),
                        question.data, answer)
+
+
+async def _answer(client: AsyncServerClient, path: str, body: Any) -> Any:
+    """The server's answer, or :class:`scorers.Unreadable` when its body is JSON that Python cannot hold (the
+    question is then a wrong answer with the reason, and the run goes on)."""
+    try:
+        return await client.post_json(path, body)
+    except UnreadableAnswer as exc:
+        return scorers.Unreadable(exc.reason)
 
 
 def _scored(client: AsyncServerClient, what: str, record: Callable[[Any, Any], dict[str, Any]],
@@ -203,6 +216,8 @@ def start_run(task: LoadedTask, endpoint: Endpoints, store: ResultsStore, host: 
         if other_props.build_info != props[0].build_info:
             raise EvalError(f"refusing a fan-out over different builds: {endpoints[0]} runs "
                             f"{props[0].build_info!r}, {other} runs {other_props.build_info!r}")
+    tools = [_check_tools(task, e, p, options.retry) for e, p in zip(endpoints, props, strict=True)] \
+        if task.scorer == "bfcl_simple" else []
     stamp = stamp or Provenance(host=host)
     servers = list(stamp.servers) + [Server() for _ in endpoints[len(stamp.servers):]]
     stamp.servers = [with_props(s, p, e) for s, p, e in zip(servers, props, endpoints, strict=False)]
@@ -210,11 +225,23 @@ def start_run(task: LoadedTask, endpoint: Endpoints, store: ResultsStore, host: 
     stamp.seed, stamp.concurrency, stamp.rigctl_version = options.seed, options.concurrency, rigctl_version()
     record = RunRecord.begin(
         "eval", stamp, host=host, commands=[" ".join(redact_argv(sys.argv))],
-        extra={"thinking": options.thinking, "limit": limit, "timeout_s": options.timeout, **dict(extra or {})})
+        extra={"thinking": options.thinking, "limit": limit, "timeout_s": options.timeout,
+               **({"deviations": task.deviations} if task.deviations else {}),
+               **({"template_carries_tools": tools} if tools else {}), **dict(extra or {})})
     run_dir = store.run_dir(host, record.id)
     run_dir.mkdir(parents=True, exist_ok=False)
     record.save(run_dir)
     return run_dir, record
+
+
+def _check_tools(task: LoadedTask, endpoint: Endpoint, props: Props, retry: Retry) -> bool:
+    """Whether ``endpoint``'s chat template carries tools: its ``/props`` says, else a probe through
+    ``/apply-template`` shows. EvalError (one line) when it cannot and the task does not allow that."""
+    with ServerClient(endpoint, timeouts=Timeouts(read=30.0), retry=retry) as client:
+        carries, how = scorers.tool_support(props.raw, lambda body: client.post_json("/apply-template", body))
+    if not carries and not getattr(task.spec, "allow_template_without_tools", False):
+        raise EvalError(f"{endpoint}: {scorers.no_tools_problem(task.name, how)}")
+    return carries
 
 
 def recorded_targets(run: StoredRun, inventory: Callable[[], Inventory], api_key: str | None = None) -> list[Target]:
@@ -254,7 +281,8 @@ def resume_run(store: ResultsStore, ref: str, endpoint: Endpoints) -> tuple[Path
     task = load_task(record.task.file, limit=limit)
     if task.file_sha256 != record.task.file_sha256:
         raise EvalError(f"run {run.id}: task file {task.path} changed since the run started (sha256 differs)")
-    if task.dataset_sha256 != record.task.dataset_sha256:
+    # By content: the keys name local files by the path they were read under, relative or not.
+    if sorted(task.dataset_sha256.values()) != sorted(record.task.dataset_sha256.values()):
         raise EvalError(f"run {run.id}: the task's datasets differ from the ones the run started with")
     started_with = record.servers or [Server()]
     for current in endpoint_list(endpoint):

@@ -17,10 +17,13 @@ BFCL's rules (its ``ast_checker``, simple category, Python), restated:
 * a parameter in the possible answer that the call omits is only fine when ``""`` is among its answers
   (optional).
 
-Whatever a server sends back, the record functions (``gsm8k_record``, ``bfcl_record``, ``choice_record``)
-return a record: a reply that cannot be read (no choices, a message that is no object, tool calls that
-are no list, arguments that are no JSON, numbers too long to convert, nesting too deep to parse) is a
-wrong answer with the reason in ``error``, never an exception that stops the run.
+Whatever a server answers, the record functions (``gsm8k_record``, ``bfcl_record``, ``choice_record``)
+return a record: a reply that cannot be read (a body the client could not hold, given as
+:class:`Unreadable`; a message that is no object, tool calls that are no list, arguments that are no JSON,
+numbers too long to convert, nesting too deep to parse) is a wrong answer with the reason in ``error``.
+The one exception is an answer that is no answer at all, a 200 without ``choices`` (or without
+``completion_probabilities``): :class:`NoAnswer`, which stops the run (resumable), since scoring it would
+count a server fault as the model's mistake.
 """
 
 from __future__ import annotations
@@ -29,15 +32,36 @@ import json
 import math
 import re
 import unicodedata
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 # ----------------------------------------------------------------------------------------------- GSM8K
+# Three scores per reply. ``score`` is rigctl's own: the last number in the reply, normalised (commas, ``$``,
+# trailing zeros, unicode digits), against the gold number. The other two are lm-eval 0.4's, computed the way
+# lm-eval's ``gsm8k`` task computes them (lm_eval/tasks/gsm8k/gsm8k.yaml, metadata version 3.0), so they can
+# be set beside published numbers: the reply cut at the task's stop sequences (``generation_kwargs.until``;
+# lm-eval sends them as ``stop``, and a greedy reply cut after the fact is the same text), each filter of
+# ``filter_list`` (``RegexFilter.apply`` in lm_eval/filters/extraction.py, then ``take_first``), and
+# ``exact_match`` with the task's ``regexes_to_ignore`` and ``ignore_case`` applied to the filtered reply and to
+# the dataset's whole answer field alike (``exact_match_hf_evaluate`` in lm_eval/api/metrics.py).
 
-_NUMBER = r"-?\$?\s?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
-_STRICT = re.compile(r"####\s*(" + _NUMBER + r")")
+#: The scores a GSM8K answer row carries, by key, with the names every table prints.
+GSM8K_SCORES = {"score": "rigctl normalised", "lmeval_strict_match": "lm-eval strict-match",
+                "lmeval_flexible_extract": "lm-eval flexible-extract"}
+
+LMEVAL_STOP = ("Question:", "</s>", "<|im_end|>")
+LMEVAL_STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")  # group_select 0: the first match
+LMEVAL_FLEXIBLE = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")  # group_select -1: the last match
+LMEVAL_IGNORE = (",", r"\$", "(?s).*#### ", r"\.$")
+LMEVAL_FALLBACK = "[invalid]"
+
+# A minus right after a letter or digit is a hyphen or an operator ("x-5", "20-2"), and one followed by a
+# space is a dash ("- 18", "Answer - 18"): neither is a sign. Commas between digits group them, wherever
+# they stand ("1,8" is 18, as lm-eval and the gold's own normalisation read it).
+_NUMBER = r"(?:(?<!\w)-)?(?:\$\s?)?\d+(?:,\d+)*(?:\.\d+)?"
 _ANY_NUMBER = re.compile(_NUMBER)
+_AFTER_HASHES = re.compile(r"####\s*(-?\$?\s?\d+(?:,\d+)*(?:\.\d+)?)")
 _PLAIN = re.compile(r"(-?)(\d+)(?:\.(\d+))?")
 
 
@@ -65,35 +89,61 @@ def normalise_number(text: str) -> str | None:
     return f"{sign}{whole}" + (f".{fraction}" if fraction else "")
 
 
-def extract_strict(reply: str) -> str | None:
-    """The number after the first ``####`` (GSM8K's own answer format), normalised."""
-    match = _STRICT.search(reply)
-    return normalise_number(match.group(1)) if match else None
-
-
-def extract_flexible(reply: str) -> str | None:
-    """The last number anywhere in the reply, normalised."""
+def last_number(reply: str) -> str | None:
+    """The last number anywhere in the reply, normalised: what rigctl's own score compares."""
     matches = _ANY_NUMBER.findall(reply)
     return normalise_number(matches[-1]) if matches else None
 
 
 def gsm8k_gold(answer: str) -> str:
     """The gold number of a GSM8K answer field (``... #### 72``), or the field itself when it is a bare number."""
-    gold = extract_strict(answer) if "####" in answer else normalise_number(answer)
+    match = _AFTER_HASHES.search(answer) if "####" in answer else None
+    gold = normalise_number(match.group(1) if match else answer)
     if gold is None:
         raise ValueError(f"no gold number in {answer[-60:]!r}")
     return gold
 
 
-def score_gsm8k(reply: str, gold: str, finish_reason: str) -> dict[str, Any]:
-    """``score`` is the flexible match (last number); ``strict_score`` the ``#### n`` match. A wrong answer
-    says why in ``error``."""
-    strict = extract_strict(reply)
-    flexible = extract_flexible(reply)
-    out = {"strict": strict, "flexible": flexible, "gold": gold, "strict_score": int(strict == gold),
-           "score": int(flexible == gold), "cutoff": finish_reason == "length", "finish_reason": finish_reason}
-    if flexible != gold:
-        out["error"] = "no number in the reply" if flexible is None else f"last number {flexible}, gold {gold}"
+def lmeval_cut(reply: str) -> str:
+    """The reply as lm-eval's gsm8k task sees it: up to the first of its stop sequences."""
+    for stop in LMEVAL_STOP:
+        reply = reply.split(stop)[0]
+    return reply
+
+
+def lmeval_filter(pattern: re.Pattern[str], group_select: int, reply: str) -> str:
+    """lm-eval's ``RegexFilter`` on one reply: the selected match, its first non-empty group when the pattern
+    has several, stripped; ``[invalid]`` when nothing matches."""
+    matches = pattern.findall(reply)
+    if not matches:
+        return LMEVAL_FALLBACK
+    match = matches[group_select]
+    if isinstance(match, tuple):
+        match = next((group for group in match if group), LMEVAL_FALLBACK)
+    return match.strip()
+
+
+def lmeval_ignore(text: str) -> str:
+    """What lm-eval's ``exact_match`` compares: the task's ``regexes_to_ignore`` removed in order, lower case."""
+    for pattern in LMEVAL_IGNORE:
+        text = re.sub(pattern, "", text)
+    return text.lower()
+
+
+def score_gsm8k(reply: str, gold: str, answer: str, finish_reason: str) -> dict[str, Any]:
+    """rigctl's ``score`` (the reply's last number, normalised, against ``gold``) and lm-eval's strict-match and
+    flexible-extract (against the dataset's whole ``answer`` field). A wrong answer says why in ``error``."""
+    number = last_number(reply)
+    cut = lmeval_cut(reply)
+    strict = lmeval_filter(LMEVAL_STRICT, 0, cut)
+    flexible = lmeval_filter(LMEVAL_FLEXIBLE, -1, cut)
+    reference = lmeval_ignore(answer)
+    out = {"number": number, "gold": gold, "score": int(number == gold),
+           "lmeval_strict": strict, "lmeval_strict_match": int(lmeval_ignore(strict) == reference),
+           "lmeval_flexible": flexible, "lmeval_flexible_extract": int(lmeval_ignore(flexible) == reference),
+           "cutoff": finish_reason == "length", "finish_reason": finish_reason}
+    if number != gold:
+        out["error"] = "no number in the reply" if number is None else f"last number {number}, gold {gold}"
     return out
 
 
@@ -101,8 +151,23 @@ def score_gsm8k(reply: str, gold: str, finish_reason: str) -> dict[str, Any]:
 
 _PYTHON_TYPES: dict[str, type] = {"string": str, "integer": int, "float": float, "boolean": bool, "array": list,
                                   "tuple": list, "dict": dict, "any": str}
-_OPENAI_TYPES = {"dict": "object", "float": "number", "tuple": "array", "any": "string"}
 _STRIP = re.compile(r"[ ,./\-_*^]")
+
+# BFCL's own request for an FC model through an OpenAI-compatible API (gorilla's berkeley-function-call-
+# leaderboard, bfcl_eval): each function's description gets the Python hint
+# (``func_doc_language_specific_pre_processing``), its types are cast by ``_cast_to_openai_type`` with
+# ``GORILLA_TO_OPENAPI`` (model_handler/utils.py, constants/type_mappings.py), and the query sends
+# ``temperature`` (the CLI's default, 0.001) and no token limit (``OpenAICompletionsHandler._query_FC``).
+BFCL_PYTHON_NOTE = " Note that the provided function is in Python 3 syntax."
+BFCL_FLOAT_NOTE = " This is a float type value."
+BFCL_TEMPERATURE = 0.001
+GORILLA_TO_OPENAPI = {
+    "integer": "integer", "number": "number", "float": "number", "string": "string", "boolean": "boolean",
+    "bool": "boolean", "array": "array", "list": "array", "dict": "object", "object": "object", "tuple": "array",
+    "any": "string", "byte": "integer", "short": "integer", "long": "integer", "double": "number",
+    "char": "string", "ArrayList": "array", "Array": "array", "HashMap": "object", "Hashtable": "object",
+    "Queue": "array", "Stack": "array", "Any": "string", "String": "string", "Bigint": "integer",
+}
 
 
 def bfcl_name(name: str) -> str:
@@ -110,28 +175,81 @@ def bfcl_name(name: str) -> str:
     return name.replace(".", "_")
 
 
-def _openai_schema(schema: Any) -> Any:
-    if isinstance(schema, Mapping):
-        out = {}
-        for key, value in schema.items():
-            if key == "type" and isinstance(value, str):
-                out[key] = _OPENAI_TYPES.get(value, value)
-            elif key == "properties" and isinstance(value, Mapping):
-                out[key] = {name: _openai_schema(prop) for name, prop in value.items()}
-            else:
-                out[key] = _openai_schema(value)
-        return out
-    if isinstance(schema, list):
-        return [_openai_schema(item) for item in schema]
-    return schema
+def _openapi(kind: Any) -> str:
+    return GORILLA_TO_OPENAPI.get(kind, "string") if isinstance(kind, str) else "string"
 
 
-def bfcl_tools(functions: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """BFCL function documents as OpenAI ``tools``: names with underscores, BFCL's type names mapped to JSON
-    Schema's (dict -> object, float -> number, tuple -> array, any -> string)."""
-    return [{"type": "function", "function": {"name": bfcl_name(f["name"]), "description": f.get("description", ""),
-                                              "parameters": _openai_schema(f.get("parameters", {}))}}
-            for f in functions]
+def _cast_properties(properties: Mapping[str, Any], notes: bool) -> dict[str, Any]:
+    """BFCL's ``_cast_to_openai_type``: types through GORILLA_TO_OPENAPI (anything else a string); a float
+    parameter also gets ``format: float`` and the float note (with ``notes``); nested properties are cast
+    alike, array items only have their type mapped (two levels deep) or, for objects, their properties cast."""
+    out: dict[str, Any] = {}
+    for key, value in properties.items():
+        prop = dict(value) if isinstance(value, Mapping) else {}
+        if "type" not in prop:
+            prop["type"] = "string"
+        else:
+            if prop["type"] == "float" and notes:
+                prop["format"] = "float"
+                prop["description"] = str(prop.get("description", "")) + BFCL_FLOAT_NOTE
+            prop["type"] = _openapi(prop["type"])
+        if prop["type"] in ("array", "object"):
+            if isinstance(prop.get("properties"), Mapping):
+                prop["properties"] = _cast_properties(prop["properties"], notes)
+            elif isinstance(prop.get("items"), Mapping):
+                items = prop["items"] = dict(prop["items"])
+                items["type"] = _openapi(items.get("type"))
+                if items["type"] == "array" and isinstance(items.get("items"), Mapping):
+                    items["items"] = {**items["items"], "type": _openapi(items["items"].get("type"))}
+                elif items["type"] == "object" and isinstance(items.get("properties"), Mapping):
+                    items["properties"] = _cast_properties(items["properties"], notes)
+        out[key] = prop
+    return out
+
+
+def bfcl_tools(functions: Sequence[Mapping[str, Any]], *, notes: bool = True) -> list[dict[str, Any]]:
+    """BFCL function documents as OpenAI ``tools``, as BFCL sends them: names with underscores, BFCL's types
+    cast to OpenAPI's, and (``notes``, BFCL's own request) the Python 3 note on each description and the float
+    note with ``format: float`` on each float parameter. The documents themselves are left as they are."""
+    tools = []
+    for function in functions:
+        parameters = dict(function.get("parameters") or {})
+        parameters["type"] = "object"
+        parameters["properties"] = _cast_properties(parameters.get("properties") or {}, notes)
+        description = str(function.get("description", "")) + (BFCL_PYTHON_NOTE if notes else "")
+        tools.append({"type": "function", "function": {"name": bfcl_name(function["name"]),
+                                                       "description": description, "parameters": parameters}})
+    return tools
+
+
+# A chat template that never renders the tool documents (SmolLM2's, say) gives a model no tools to call:
+# llama-server drops them and every BFCL reply is tool-less. /props says so in chat_template_caps (llama.cpp
+# probes the template with a tool and reports supports_tools); a server that does not say is asked to render
+# a probe tool through /apply-template instead.
+PROBE_TOOL = "rigctl_probe_tool"
+
+
+def tool_support(props: Any, render: Callable[[dict[str, Any]], Any]) -> tuple[bool, str]:
+    """Whether the served chat template carries tools, and how that was told: ``/props``
+    ``chat_template_caps.supports_tools`` when the server reports it, else a probe tool rendered by
+    ``render`` (a POST to ``/apply-template``) and looked for in the prompt."""
+    caps = props.get("chat_template_caps") if isinstance(props, Mapping) else None
+    reported = caps.get("supports_tools") if isinstance(caps, Mapping) else None
+    if isinstance(reported, bool):
+        return reported, f"/props chat_template_caps.supports_tools is {str(reported).lower()}"
+    probe = {"name": PROBE_TOOL, "description": "Reports nothing.", "parameters": {"type": "dict", "properties": {}}}
+    answer = render({"messages": [{"role": "user", "content": "Which tools do you have?"}],
+                     "tools": bfcl_tools([probe])})
+    prompt = answer.get("prompt") if isinstance(answer, Mapping) else None
+    return isinstance(prompt, str) and PROBE_TOOL in prompt, \
+        "a tool sent to /apply-template does not appear in the prompt"
+
+
+def no_tools_problem(task: str, how: str) -> str:
+    """The one line that refuses a tool-calling task on a template without tools; ``how`` says how it was told."""
+    return (f"refusing {task}: the model's chat template cannot carry tools ({how}), so every reply would be "
+            f"tool-less; serve a template with tool support (llama-server --chat-template-file), or set "
+            f"allow_template_without_tools: true in the task to measure exactly that")
 
 
 def standardise(text: str) -> str:
@@ -333,27 +451,46 @@ def messages(system: str | None, user: Sequence[Mapping[str, Any]] | str) -> lis
     return ([{"role": "system", "content": system}] if system else []) + turns
 
 
-def chat_request(scorer: str, data: Mapping[str, Any], *, max_tokens: int, seed: int = DEFAULT_SEED,
+def chat_request(scorer: str, data: Mapping[str, Any], request: Mapping[str, Any], *, seed: int = DEFAULT_SEED,
                  thinking: bool = False) -> dict[str, Any]:
-    """The ``/v1/chat/completions`` body for a gsm8k or bfcl_simple question: greedy, seeded, thinking off
-    unless asked (``chat_template_kwargs.enable_thinking``)."""
-    body: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 0.0, "seed": seed,
+    """The ``/v1/chat/completions`` body for a gsm8k or bfcl_simple question: seeded, thinking off unless asked
+    (``chat_template_kwargs.enable_thinking``), with the task's ``request`` settings
+    (:meth:`rigctl.evals.tasks.LoadedTask.request`): ``temperature``, ``max_tokens`` (None: no limit sent),
+    and for bfcl_simple ``bfcl_notes``."""
+    body: dict[str, Any] = {"temperature": request["temperature"], "seed": seed,
                             "chat_template_kwargs": {"enable_thinking": thinking}}
+    if request.get("max_tokens") is not None:
+        body["max_tokens"] = request["max_tokens"]
     if scorer == "gsm8k":
         body["messages"] = messages(data["system"], data["prompt"])
     elif scorer == "bfcl_simple":
         body["messages"] = messages(data["system"], data["messages"])
-        body["tools"] = bfcl_tools([data["function"]])
+        body["tools"] = bfcl_tools([data["function"]], notes=bool(request.get("bfcl_notes", True)))
     else:
         raise ValueError(f"scorer {scorer!r} does not chat")
     return body
 
 
+@dataclass(frozen=True)
+class Unreadable:
+    """Stands in for an answer whose body the client could not hold (see
+    :func:`rigctl.hostside.llama_server_http.decode_json`): scored as a wrong answer with ``reason``."""
+
+    reason: str
+
+
+class NoAnswer(ValueError):
+    """A 200 that carries no answer to score: the run stops on it, to be resumed."""
+
+
 def _message(answer: Any) -> tuple[Mapping[str, Any], Mapping[str, Any], str]:
-    """The first choice, its message and what was wrong with the answer's shape ("" when nothing)."""
+    """The first choice, its message and what was wrong with the answer's shape ("" when nothing).
+    NoAnswer when there are no choices at all."""
+    if isinstance(answer, Unreadable):
+        return {}, {}, f"unreadable answer: {answer.reason}"
     choices = answer.get("choices") if isinstance(answer, Mapping) else None
     if not isinstance(choices, list) or not choices:
-        return {}, {}, f"no choices in the answer: {_excerpt(answer)}"
+        raise NoAnswer(f"no choices in the answer: {_excerpt(answer)}")
     choice = choices[0]
     if not isinstance(choice, Mapping):
         return {}, {}, f"the first choice is no object: {_excerpt(choice)}"
@@ -397,13 +534,16 @@ def _chat_reply(answer: Any) -> dict[str, Any]:
 
 
 def _arguments(raw: Any) -> Any:
-    """Tool-call arguments: JSON text decoded; text that is not JSON is kept as text (the checker says so)."""
+    """Tool-call arguments: JSON text decoded; text that is not JSON, or that decodes to a lone surrogate
+    (which the answers file could not hold), is kept as text (the checker says so)."""
     if not isinstance(raw, str):
         return raw
     try:
-        return json.loads(raw)
-    except (ValueError, RecursionError):  # not JSON, an integer past Python's digit limit, nesting too deep
-        return raw
+        value = json.loads(raw)
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except (ValueError, RecursionError):  # not JSON, an integer past Python's digit limit, nesting too deep,
+        return raw                        # a lone surrogate (UnicodeEncodeError is a ValueError)
+    return value
 
 
 def _calls(message: Mapping[str, Any]) -> tuple[list[tuple[str, Any]], str]:
@@ -425,7 +565,7 @@ def _calls(message: Mapping[str, Any]) -> tuple[list[tuple[str, Any]], str]:
 
 def gsm8k_record(data: Mapping[str, Any], answer: Any) -> dict[str, Any]:
     reply = _chat_reply(answer)
-    scored = score_gsm8k(reply["reply"], data["gold"], reply["finish_reason"])
+    scored = score_gsm8k(reply["reply"], data["gold"], data["answer"], reply["finish_reason"])
     return {**reply, **scored, **({"error": reply["error"]} if "error" in reply else {})}
 
 
@@ -465,10 +605,14 @@ def _probability(entry: Mapping[str, Any]) -> float:
 def first_token_probs(answer: Any) -> tuple[dict[int, float], str]:
     """Token id -> probability of the first generated position's top candidates, and the most probable
     token's text. Candidates that cannot be read (no id, a probability that is no number) are left out;
-    no readable position at all raises ValueError."""
+    no readable position raises ValueError; no positions at all, NoAnswer."""
+    if isinstance(answer, Unreadable):
+        raise ValueError(f"unreadable answer: {answer.reason}")
     positions = answer.get("completion_probabilities") if isinstance(answer, Mapping) else None
-    if not isinstance(positions, list) or not positions or not isinstance(positions[0], Mapping):
-        raise ValueError("no completion_probabilities in the answer (was n_probs sent?)")
+    if not isinstance(positions, list) or not positions:
+        raise NoAnswer(f"no completion_probabilities in the answer (was n_probs sent?): {_excerpt(answer)}")
+    if not isinstance(positions[0], Mapping):
+        raise ValueError(f"the first position is no object: {_excerpt(positions[0])}")
     first = positions[0]
     entries = first.get("top_logprobs") or first.get("top_probs") or first.get("probs") or []
     probs: dict[int, float] = {}
@@ -514,6 +658,8 @@ def choice_record(data: Mapping[str, Any], answer: Any,
                   tokens: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     try:
         probs, best = first_token_probs(answer)
+    except NoAnswer:
+        raise
     except ValueError as exc:
         probs, best, problem = {}, "", str(exc)
     else:
@@ -537,13 +683,13 @@ def _mean(values: Iterable[float]) -> float | None:
 
 def summarise(rows: Sequence[Mapping[str, Any]], scorer: str) -> dict[str, Any]:
     """Per set and overall: n, score (mean), cut-offs; tool-less and missed calls for bfcl_simple;
-    strict score for gsm8k. ``overall.score`` averages questions, ``overall.macro`` averages sets."""
+    lm-eval's two scores for gsm8k. ``overall.score`` averages questions, ``overall.macro`` averages sets."""
 
     def block(items: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {"n": len(items), "score": _mean(float(r["score"]) for r in items),
                                "cutoffs": sum(1 for r in items if r.get("cutoff"))}
         if scorer == "gsm8k":
-            out["strict_score"] = _mean(float(r.get("strict_score", 0)) for r in items)
+            out.update({key: _mean(float(r.get(key, 0)) for r in items) for key in GSM8K_SCORES if key != "score"})
         if scorer == "bfcl_simple":
             out["toolless"] = sum(1 for r in items if r.get("toolless"))
             out["missed_calls"] = sum(1 for r in items if r.get("missed_call"))

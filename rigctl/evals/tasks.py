@@ -39,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from rigctl.errors import EvalError
 from rigctl.evals import datasets
 from rigctl.evals.datasets import DatasetFile
+from rigctl.evals.scorers import BFCL_TEMPERATURE, gsm8k_gold
 from rigctl.inputs import decode_utf8, yaml_problem
 
 TASKS_DIR = Path(__file__).resolve().parent.parent / "tasks"
@@ -73,7 +74,8 @@ class Source(_Strict):
         if self.url:
             return datasets.fetch_url(self.url, sha256=self.sha256)
         path = Path(self.path or "")
-        return datasets.local_file(path if path.is_absolute() else base / path, sha256=self.sha256)
+        # Resolved, so a run started from a relative task path records the file a resume finds again.
+        return datasets.local_file((path if path.is_absolute() else base / path).resolve(), sha256=self.sha256)
 
 
 class _TaskBase(_Strict):
@@ -94,11 +96,42 @@ class Gsm8kTask(_TaskBase):
 
 
 class BfclTask(_TaskBase):
+    """BFCL's own request unless the task says otherwise: no system prompt, the description and float notes,
+    temperature 0.001 and no token limit. Any other setting is a deviation the task must explain in
+    ``deviation``; the run record and the report name it."""
+
     scorer: Literal["bfcl_simple"]
     dataset: Source
     answers: Source
     system: str | None = None
-    max_tokens: int = Field(default=512, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=BFCL_TEMPERATURE, ge=0)
+    bfcl_notes: bool = True
+    deviation: str | None = Field(default=None, min_length=1)
+    # A template that cannot carry tools is refused before the run, unless the task measures exactly that.
+    allow_template_without_tools: bool = False
+
+    @model_validator(mode="after")
+    def _deviation_explained(self) -> BfclTask:
+        departures = self.deviations()
+        if departures and not self.deviation:
+            raise ValueError(f"departs from BFCL's own request ({'; '.join(departures)}): say why under deviation")
+        if self.deviation and not departures:
+            raise ValueError("deviation given, but the request is BFCL's own")
+        return self
+
+    def deviations(self) -> list[str]:
+        """How the request departs from BFCL's own, one phrase each."""
+        out = []
+        if self.system:
+            out.append("a system prompt (BFCL: none)")
+        if self.max_tokens is not None:
+            out.append(f"max_tokens {self.max_tokens} (BFCL: no limit)")
+        if self.temperature != BFCL_TEMPERATURE:
+            out.append(f"temperature {self.temperature:g} (BFCL: {BFCL_TEMPERATURE:g})")
+        if not self.bfcl_notes:
+            out.append("no Python 3 and float notes in the function documents (BFCL: both)")
+        return out
 
 
 class ChoiceSet(_Strict):
@@ -162,6 +195,24 @@ class LoadedTask:
     @property
     def dataset_sha256(self) -> dict[str, str]:
         return {f.key: f.sha256 for f in self.files}
+
+    @property
+    def request(self) -> dict[str, Any]:
+        """The chat request's settings (:func:`rigctl.evals.scorers.chat_request`); empty for choice tasks."""
+        spec = self.spec
+        if isinstance(spec, BfclTask):
+            return {"temperature": spec.temperature, "max_tokens": spec.max_tokens, "bfcl_notes": spec.bfcl_notes}
+        if isinstance(spec, Gsm8kTask):
+            return {"temperature": 0.0, "max_tokens": spec.max_tokens}
+        return {}
+
+    @property
+    def deviations(self) -> dict[str, Any] | None:
+        """What the run record keeps of a task that departs from its instrument's own request, or None."""
+        spec = self.spec
+        if isinstance(spec, BfclTask) and spec.deviations():
+            return {"from": "BFCL's own request", "settings": spec.deviations(), "reason": spec.deviation}
+        return None
 
 
 def find_task(ref: str) -> Path:
@@ -230,8 +281,6 @@ def _field(row: dict[str, Any], name: str, where: str) -> Any:
 
 
 def _build(loaded: LoadedTask, limit: int | None) -> None:
-    from rigctl.evals.scorers import gsm8k_gold
-
     spec, base = loaded.spec, loaded.path.parent
     questions: list[Question] = []
     if isinstance(spec, Gsm8kTask):
@@ -241,12 +290,13 @@ def _build(loaded: LoadedTask, limit: int | None) -> None:
         for number, row in _cap(list(enumerate(rows, 1)), spec.limit, limit):
             where = f"{file.path}:{number}"
             qid = str(_field(row, spec.id_field, where)) if spec.id_field else f"{spec.name}-{number}"
+            answer = str(_field(row, spec.answer_field, where))
             try:
-                gold = gsm8k_gold(str(_field(row, spec.answer_field, where)))
+                gold = gsm8k_gold(answer)
             except ValueError as exc:
                 raise EvalError(f"{where}: {exc}") from None
             questions.append(Question(qid, spec.name, {"prompt": _format(spec.prompt, row, where),
-                                                       "system": spec.system, "gold": gold}))
+                                                       "system": spec.system, "gold": gold, "answer": answer}))
     elif isinstance(spec, BfclTask):
         file = spec.dataset.fetch(base)
         answers_file = spec.answers.fetch(base)

@@ -7,9 +7,9 @@ functions the controller's runner uses. This module only speaks HTTP to the loca
 urllib, ``concurrency`` requests at a time, and writes ``answers.jsonl`` in the run directory, one line
 per answer, flushed as each completes (format: :mod:`rigctl.evals`).
 
-Params: ``scorer``, ``port``, ``api_key_file`` (the llama_server role's key file, or null),
-``concurrency``, ``seed``, ``thinking``, ``timeout_s``, ``max_tokens``, ``n_probs``, ``artifact``
-{name, path} (hashed into the record), ``retries``.
+Params: ``scorer``, ``task_name``, ``allow_template_without_tools``, ``port``, ``api_key_file`` (the
+llama_server role's key file, or null), ``concurrency``, ``seed``, ``thinking``, ``timeout_s``, ``request``
+(the chat request's settings), ``n_probs``, ``artifact`` {name, path} (hashed into the record), ``retries``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,14 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from rigctl.hostside.llama_server_http import RETRY_ATTEMPTS, props_fields, retry_wait, retryable_status
+from rigctl.hostside.llama_server_http import (
+    RETRY_ATTEMPTS,
+    UnreadableJSON,
+    decode_json,
+    props_fields,
+    retry_wait,
+    retryable_status,
+)
 
 ANSWERS_FILE = "answers.jsonl"
 
@@ -47,7 +54,11 @@ class Server:
             request = urllib.request.Request(self.base + path, data=data, headers=self.headers, method=method)
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    return json.loads(response.read())
+                    body = response.read()
+                try:
+                    return decode_json(body)
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    raise self.error(f"{method} {path}: not JSON: {body[:120]!r}") from None
             except urllib.error.HTTPError as exc:
                 if not retryable_status(exc.code) or attempt == self.retries - 1:
                     text = exc.read().decode(errors="replace").strip().splitlines()
@@ -82,7 +93,14 @@ def run(job: Any) -> None:
     questions = [json.loads(line) for line in (job.dir / "questions.jsonl").read_text().splitlines() if line]
     server = Server(int(params["port"]), _api_key(params.get("api_key_file"), job.TaskError),
                     float(params["timeout_s"]), int(params.get("retries", RETRY_ATTEMPTS)), job.TaskError)
-    props = props_fields(server.call("GET", "/props"))
+    raw_props = server.call("GET", "/props")
+    props = props_fields(raw_props)
+    if scorer == "bfcl_simple":
+        # As the controller's runner checks it: the served template must carry tools, or the task allow it.
+        carries, how = scorers.tool_support(raw_props, lambda body: server.call("POST", "/apply-template", body))
+        if not carries and not params.get("allow_template_without_tools"):
+            raise job.TaskError(scorers.no_tools_problem(params["task_name"], how))
+        job.record["extra"]["template_carries_tools"] = [carries]
     # The runtime put the server (its argv as deployed among it) in the record; /props adds the rest.
     job.record["servers"][0].update(endpoint=server.base,
                                     **{k: props[k] for k in ("build_info", "model_path", "total_slots", "n_ctx")})
@@ -103,18 +121,30 @@ def run(job: Any) -> None:
         job.record["extra"]["label_tokens"] = tokens
     job.save_record()
 
+    def answer(path: str, body: Any) -> Any:
+        """As the controller's runner: a body Python cannot hold is a wrong answer with the reason."""
+        try:
+            return server.call("POST", path, body)
+        except UnreadableJSON as exc:
+            return scorers.Unreadable(str(exc))
+
     def ask(question: dict[str, Any]) -> dict[str, Any]:
         data = question["data"]
-        if scorer == "choice":
-            prompt = server.call("POST", "/apply-template", scorers.template_request(data))["prompt"]
-            answer = server.call("POST", "/completion",
-                                 scorers.completion_request(prompt, n_probs=int(params["n_probs"]), seed=seed))
-            record = scorers.choice_record(data, answer, tokens)
-        else:
-            body = scorers.chat_request(scorer, data, max_tokens=int(params["max_tokens"]), seed=seed,
-                                        thinking=thinking)
-            answer = server.call("POST", "/v1/chat/completions", body)
-            record = (scorers.gsm8k_record if scorer == "gsm8k" else scorers.bfcl_record)(data, answer)
+        try:
+            if scorer == "choice":
+                rendered = answer("/apply-template", scorers.template_request(data))
+                if not isinstance(rendered, scorers.Unreadable):
+                    if not isinstance(rendered, dict) or not isinstance(rendered.get("prompt"), str):
+                        raise job.TaskError("POST /apply-template: no prompt in the answer")
+                    rendered = answer("/completion", scorers.completion_request(
+                        rendered["prompt"], n_probs=int(params["n_probs"]), seed=seed))
+                record = scorers.choice_record(data, rendered, tokens)
+            else:
+                body = scorers.chat_request(scorer, data, params["request"], seed=seed, thinking=thinking)
+                record = (scorers.gsm8k_record if scorer == "gsm8k" else scorers.bfcl_record)(
+                    data, answer("/v1/chat/completions", body))
+        except scorers.NoAnswer as exc:
+            raise job.TaskError(f"question {question['id']}: {exc}") from None
         return {"id": question["id"], "set": question["set"], **record}
 
     job.run_dir.mkdir(parents=True, exist_ok=True)

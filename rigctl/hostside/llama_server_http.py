@@ -5,11 +5,14 @@ the host) share the retry policy and the reading of ``/props``:
 
 * a connection error or a 5xx answer (503 while the model loads) is retried with exponential backoff
   and jitter; a 4xx answer or a read timeout is not, since retrying cannot change it;
-* ``/props`` gives the build, the model path, the slots and the context size.
+* ``/props`` gives the build, the model path, the slots and the context size;
+* an answer's body is read by :func:`decode_json`, which tells JSON that Python cannot hold apart from text
+  that is no JSON at all.
 """
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Mapping
 from typing import Any
@@ -35,3 +38,29 @@ def props_fields(data: Mapping[str, Any]) -> dict[str, Any]:
             "total_slots": int(data.get("total_slots", 1)),
             "n_ctx": settings.get("n_ctx") if isinstance(settings, Mapping) else None,
             "chat_template": str(data.get("chat_template", ""))}
+
+
+class UnreadableJSON(ValueError):
+    """Well-formed JSON that Python cannot hold as it is: nesting past the recursion limit, an integer past
+    the digit limit, or a string with a lone UTF-16 surrogate (which no UTF-8 text can carry, so no answers
+    file could either)."""
+
+
+def decode_json(data: bytes | str) -> Any:
+    """An answer's body decoded. Text that is no JSON raises ``json.JSONDecodeError`` (or
+    ``UnicodeDecodeError``); JSON that cannot be held raises :class:`UnreadableJSON` with the reason."""
+    try:
+        value = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise
+    except RecursionError:
+        raise UnreadableJSON("JSON nested too deep to read") from None
+    except ValueError as exc:  # the only other: an integer past sys.get_int_max_str_digits()
+        raise UnreadableJSON(f"a number too long to read ({exc})") from None
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise UnreadableJSON("a string with a lone UTF-16 surrogate, which UTF-8 cannot carry") from None
+    except RecursionError:
+        raise UnreadableJSON("JSON nested too deep to read") from None
+    return value

@@ -77,7 +77,7 @@ def test_lab_campaign_end_to_end(lab_served: Inventory, tmp_path: Path):
     store = ResultsStore(tmp_path / "results")
     steps: list[str] = []
     outcomes = run_campaign(loaded, lab_served, store, on_step=steps.append)
-    assert [o.status for o in outcomes] == ["ran"] * 8, [(o.step, o.status, o.error) for o in outcomes]
+    assert [o.status for o in outcomes] == ["ran"] * 11, [(o.step, o.status, o.error) for o in outcomes]
     # The load curve gave its instance back healthy: the evals found it serving and left it so.
     from rigctl.ssh import SshClient, SshTarget
 
@@ -86,7 +86,7 @@ def test_lab_campaign_end_to_end(lab_served: Inventory, tmp_path: Path):
 
     # Compare and habits on the pulled runs: Q4_0 against Q4_1 per eval, question by question.
     runs = {(r.record.task.name if r.record.task else r.record.kind) + "/"
-            + ",".join(a.name for a in r.record.artifacts): r for r in store.runs()}
+            + ",".join(a.name for a in r.record.artifacts): r for r in sorted(store.runs(), key=lambda r: r.id)}
     for task in ("lab-suite", "lab-gsm8k", "lab-bfcl"):
         a, b = runs[f"{task}/smollm2-135m-q4_1"], runs[f"{task}/smollm2-135m-q4_0"]
         pair = compare_runs([a, b], cutoff_as_right=True).pairs[0]
@@ -103,10 +103,18 @@ def test_lab_campaign_end_to_end(lab_served: Inventory, tmp_path: Path):
     report = build_report(loaded, store, tmp_path / "report")
     checked = check_report(report.path)
     assert checked["speed"] == 8 and checked["ratio"] == 4  # pp16 and tg4 at depths 0 and 32, two models
-    assert checked["quality"] == 2 * (3 + 1) + 2 + 2  # suite: 3 sets + overall; gsm8k, bfcl: overall
-    assert checked["gap"] == 3 and checked["habits"] == 2 * (3 + 1 + 2)
+    # Three runs per eval (Q4_1, Q4_0, Q4_1's replicate); suite: 3 sets + overall; gsm8k: rigctl's and lm-eval's
+    # two overall scores; bfcl: overall.
+    assert checked["quality"] == 3 * (3 + 1) + 3 * 3 + 3
+    assert checked["gap"] == 3 and checked["habits"] == 3 * (3 + 1 + 2)
     # b / c with McNemar's p and Holm over the 3 comparisons; flips of 3 + 1 + 1 sets and 3 overall rows, 2 ways.
     assert checked["tests"] == 3 and checked["holm"] == 3 and checked["flips"] == 2 * (5 + 3)
+    # The replicate's disagreement and gap stand beside each A/B difference.
+    (quantisation,) = [rows for section, _, rows in tables(report.markdown) if section == "Quantisation cost"]
+    assert len(quantisation) == 3
+    for row in quantisation:
+        assert row["replicate disagrees"].startswith("[") and row["A/B disagree"].startswith("[")
+        assert row["replicate gap, points"].startswith("[")
     sections = {section for section, _, _ in tables(report.markdown)}
     assert {"Speed", "Quality", "Quantisation cost", "Load", "Sensitivity", "Answer habits", "Runs"} <= sections
     assert "Not pulled yet" not in report.markdown and len(report.charts) == 7  # speed, depth, 3 quality, load, forest
@@ -128,4 +136,4 @@ def test_lab_campaign_end_to_end(lab_served: Inventory, tmp_path: Path):
 
     # Resumable: a second run finds everything pulled and runs nothing.
     again = run_campaign(loaded, lab_served, store)
-    assert [o.status for o in again] == ["pulled"] * 8
+    assert [o.status for o in again] == ["pulled"] * 11

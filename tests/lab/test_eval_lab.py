@@ -111,11 +111,13 @@ def test_scores_follow_from_the_raw_replies(lab, env, name, n):
     for row in rows:
         assert row["cutoff"] == (row["finish_reason"] == "length")
         if name == "fixture-gsm8k":
-            # An independent reading of "the last number": thousands separators in groups of three.
-            numbers = re.findall(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?", row["reply"].replace("$", ""))
+            # An independent reading of "the last number": commas between digits group them, and a minus is
+            # a sign only where no letter or digit stands before it.
+            numbers = re.findall(r"(?:(?<!\w)-)?\d+(?:,\d+)*(?:\.\d+)?", row["reply"].replace("$", ""))
             last = numbers[-1].replace(",", "") if numbers else None
             expected = last is not None and float(last) == float(row["gold"])
             assert row["score"] == int(expected), row
+            assert row["lmeval_strict_match"] in (0, 1) and row["lmeval_flexible_extract"] in (0, 1), row
         else:
             calls = [(c["name"], c["arguments"]) for c in row["tool_calls"]]
             question = next(json.loads(line) for line in (FIXTURES / "hf" / "bfcl_simple.json").open()
@@ -127,10 +129,31 @@ def test_scores_follow_from_the_raw_replies(lab, env, name, n):
             assert row["missed_call"] == (not calls and scorers.looks_like_missed_call(row["reply"]))
             if not calls:
                 assert row["score"] == 0
+    if name == "fixture-bfcl":
+        # SmolLM2's template carries no tools, which the task allows; its token limit is a stated deviation.
+        assert record.extra["template_carries_tools"] == [False]
+        assert record.extra["deviations"]["settings"] == ["max_tokens 24 (BFCL: no limit)"]
     overall = record.extra["summary"]["overall"]
     assert overall["n"] == n
     assert overall["score"] == pytest.approx(sum(r["score"] for r in rows) / n)
     assert overall["cutoffs"] == sum(r["cutoff"] for r in rows)
+
+
+def test_bfcl_on_a_template_without_tools_is_refused_in_one_line(lab, env, tmp_path):
+    """SmolLM2's template renders no tools: its /props says so, and a BFCL task that does not allow that is
+    refused before a run begins, in one line naming how the server told."""
+    props = httpx.get(f"{base_url(lab)}/props", headers=auth(lab), timeout=30).json()
+    assert props["chat_template_caps"]["supports_tools"] is False
+    task = tmp_path / "bfcl-strict.yaml"
+    task.write_text((TASKS / "fixture-bfcl.yaml").read_text().replace("allow_template_without_tools: true", ""))
+    before = set((env[0] / HOST).glob("eval-*"))
+    done = rigctl(env, "eval", "run", "--host", HOST, "--server", SERVER, "--task", str(task), timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith("error: ") and "Traceback" not in done.stderr, done.stderr
+    assert "refusing fixture-bfcl: the model's chat template cannot carry tools (/props " \
+           "chat_template_caps.supports_tools is false)" in errors[0]
+    assert set((env[0] / HOST).glob("eval-*")) == before
 
 
 def test_choice_labels_come_from_the_servers_tokenizer(lab, env):
@@ -241,5 +264,18 @@ def test_remote_run_is_a_job_on_the_rig_pulled_home(lab, env):
     rows = read_jsonl(path / "answers.jsonl")
     assert sorted(r["id"] for r in rows) == ["simple_0", "simple_1", "simple_2", "simple_3"]
     assert record.extra["summary"]["overall"]["n"] == 4
+    # The job checked the template on the rig as the controller would, and the record names the deviation.
+    assert record.extra["template_carries_tools"] == [False]
+    assert record.extra["deviations"]["settings"] == ["max_tokens 24 (BFCL: no limit)"]
     store = ResultsStore(env[0])
     assert store.verify(store.find(str(path))) == []
+
+
+def test_remote_bfcl_on_a_template_without_tools_is_refused_on_the_rig(lab, env, tmp_path):
+    task = tmp_path / "bfcl-strict.yaml"
+    task.write_text((TASKS / "fixture-bfcl.yaml").read_text().replace("allow_template_without_tools: true", ""))
+    done = rigctl(env, "eval", "run", "--host", HOST, "--server", SERVER, "--task", str(task), "--limit", "1",
+                  "--remote")
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stdout + done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "refusing fixture-bfcl: the model's chat template cannot carry tools" in errors[0]

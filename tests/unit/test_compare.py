@@ -303,3 +303,98 @@ def test_flipped_replies_are_shown_as_text(tmp_path):
     assert "[/] closes nothing [bold]" in done.stdout and ":skull: 41" in done.stdout
     assert "\x1b" not in done.stdout and "\x07" not in done.stdout
     assert "clear \\x1b[2J\\x1b]0;owned\\x07 done" in done.stdout
+
+
+def test_gsm8k_pairs_carry_lm_evals_scores_by_name(tmp_path):
+    from rigctl.evals.scorers import score_gsm8k
+
+    answer = "4 * 250 = <<4*250=1000>>1000\n#### 1000"
+    # A writes "#### 1,000" (every score reads it); B writes "$1000" in prose (lm-eval's strict-match does not).
+    a = [{"id": f"q{i}", "set": "gsm8k", **score_gsm8k("#### 1,000", "1000", answer, "stop")} for i in range(30)]
+    b = [{"id": f"q{i}", "set": "gsm8k", **score_gsm8k("It costs $1000.", "1000", answer, "stop")}
+         for i in range(30)]
+    eval_run(tmp_path, "desktop", "eval-a", "q4", a)
+    eval_run(tmp_path, "desktop", "eval-b", "q8", b)
+    store = ResultsStore(tmp_path)
+    pair = compare_runs([store.find("eval-a"), store.find("eval-b")], seed=1).pairs[0]
+    gaps = {variant.label: variant.overall.gap.estimate for variant in pair.variants}
+    assert gaps == {"as recorded": 0.0, "lm-eval strict-match": -1.0, "lm-eval flexible-extract": 0.0}
+    # Rows written before lm-eval's scores were added get no such variants.
+    for row in a:
+        del row["lmeval_strict_match"]
+    eval_run(tmp_path, "desktop", "eval-c", "q4", a)
+    old = compare_runs([store.find("eval-c"), store.find("eval-b")], seed=1).pairs[0]
+    assert [v.label for v in old.variants] == ["as recorded", "lm-eval flexible-extract"]
+
+
+def _right_wrong(n: int, wrong: set[int]) -> list[dict]:
+    return [{"id": f"q{i}", "set": "math", "score": int(i not in wrong), "cutoff": False} for i in range(n)]
+
+
+def test_a_replicate_sets_the_noise_of_running_twice_beside_the_gap(tmp_path):
+    # A and its replicate disagree on 6 of 200 questions, 3 each way; B is wrong on 37 more than A.
+    eval_run(tmp_path, "desktop", "eval-a", "q4_1", _right_wrong(200, set(range(50)) | {60, 61, 62}))
+    eval_run(tmp_path, "desktop", "eval-a2", "q4_1", _right_wrong(200, set(range(3, 50)) | {60, 61, 62, 70, 71, 72}))
+    eval_run(tmp_path, "desktop", "eval-b", "q4_0", _right_wrong(200, set(range(90)) | {60, 61, 62}))
+    eval_run(tmp_path, "desktop", "eval-c", "q4_0", _right_wrong(200, set(range(51)) | {60, 61, 62}))
+    store = ResultsStore(tmp_path)
+    a, a2 = store.find("eval-a"), store.find("eval-a2")
+    far = compare_runs([a, store.find("eval-b")], seed=1, replicate=a2).pairs[0]
+    noise = far.replicate
+    assert noise.run.id == "eval-a2" and noise.n == 200
+    assert noise.disagreement.estimate == pytest.approx(6 / 200)
+    assert noise.disagreement.low < 6 / 200 < noise.disagreement.high
+    assert noise.gap.estimate == pytest.approx(0.0) and noise.gap.low < 0 < noise.gap.high
+    assert far.disagreement.estimate == pytest.approx(37 / 200)
+    assert far.recorded.overall.gap.estimate == pytest.approx(-37 / 200) and not far.within_noise
+    # One question apart: no larger than two runs of A differ.
+    near = compare_runs([a, store.find("eval-c")], seed=1, replicate=a2).pairs[0]
+    assert near.within_noise and near.recorded.overall.gap.estimate == pytest.approx(-0.005)
+    assert compare_runs([a, store.find("eval-c")], seed=1).pairs[0].replicate is None
+    with pytest.raises(ConfigError, match="a replicate goes with two runs"):
+        compare_runs([a, store.find("eval-b"), store.find("eval-c")], replicate=a2)
+
+
+def test_a_replicate_of_another_task_is_refused(tmp_path):
+    eval_run(tmp_path, "desktop", "eval-a", "q4_1", _right_wrong(20, set()))
+    eval_run(tmp_path, "desktop", "eval-b", "q4_0", _right_wrong(20, {1}))
+    eval_run(tmp_path, "desktop", "eval-x", "q4_1", _right_wrong(20, set()), file_sha256="9" * 64)
+    store = ResultsStore(tmp_path)
+    with pytest.raises(ConfigError, match="refusing the replicate: different task files"):
+        compare_runs([store.find("eval-a"), store.find("eval-b")], replicate=store.find("eval-x"))
+
+
+def test_compare_cli_names_the_replicate_and_its_verdict(tmp_path):
+    import subprocess
+
+    from benchlab import RIGCTL
+
+    eval_run(tmp_path, "desktop", "eval-a", "q4_1", _right_wrong(200, set(range(50))))
+    eval_run(tmp_path, "desktop", "eval-a2", "q4_1", _right_wrong(200, set(range(2, 52))))
+    eval_run(tmp_path, "desktop", "eval-b", "q4_0", _right_wrong(200, set(range(51))))
+    done = subprocess.run([*RIGCTL, "compare", "eval-a", "eval-b", "--replicate", "eval-a2", "--results",
+                           str(tmp_path)], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    text = " ".join(done.stdout.split())  # the console wraps long lines
+    said = text[text.index("replicate desktop/eval-a2:"):]
+    assert said.startswith("replicate desktop/eval-a2: disagrees with A on 0.020 (") and "of 200 questions" in said
+    assert "the A/B gap is within replicate noise" in said
+
+
+def test_compare_cli_names_each_gsm8k_score(tmp_path):
+    import subprocess
+
+    from benchlab import RIGCTL
+
+    from rigctl.evals.scorers import score_gsm8k
+
+    answer = "4 * 250 = <<4*250=1000>>1000\n#### 1000"
+    for run, reply in (("eval-a", "#### 1000"), ("eval-b", "It costs $1000.")):
+        eval_run(tmp_path, "desktop", run, "q4", [{"id": f"q{i}", "set": "gsm8k",
+                                                   **score_gsm8k(reply, "1000", answer, "stop")} for i in range(10)])
+    done = subprocess.run([*RIGCTL, "compare", "eval-a", "eval-b", "--results", str(tmp_path)], capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    text = " ".join(done.stdout.split())
+    assert "score rigctl normalised" in text and "and by lm-eval's scores" in text
+    assert "lm-eval strict-match" in text and "lm-eval flexible-extract" in text

@@ -27,35 +27,63 @@ def test_normalise_number(text, expected):
     assert scorers.normalise_number(text) == expected
 
 
-@pytest.mark.parametrize(("reply", "strict", "flexible"), [
-    ("She pays 3 * $4 = $12.\n#### 12", "12", "12"),
-    ("The total is $1,234.", None, "1234"),
-    ("It drops to -7 degrees.", None, "-7"),
-    ("#### -7\nSo the answer is -7.", "-7", "-7"),
-    ("#### $1,000", "1000", "1000"),
-    ("So 37.50 dollars.", None, "37.5"),
-    ("First 5, then 10, finally 15.", None, "15"),
-    ("#### 42\nCheck: 40 + 2 = 42, plus 1 spare", "42", "1"),
-    ("No numbers here.", None, None),
-    ("", None, None),
+@pytest.mark.parametrize(("reply", "number"), [
+    ("She pays 3 * $4 = $12.\n#### 12", "12"),
+    ("The total is $1,234.", "1234"),
+    ("It drops to -7 degrees.", "-7"),
+    ("#### -7\nSo the answer is -7.", "-7"),
+    ("#### $1,000", "1000"),
+    ("So 37.50 dollars.", "37.5"),
+    ("First 5, then 10, finally 15.", "15"),
+    ("#### 42\nCheck: 40 + 2 = 42, plus 1 spare", "1"),
+    # A dash before a number is no sign: a bullet, "Answer - 18", a hyphen or an operator.
+    ("The answer:\n- 18", "18"),
+    ("Answer - 18", "18"),
+    ("ages 7-18", "18"),
+    ("x-5", "5"),
+    ("It owes -$5", "-5"),
+    ("(-3)", "-3"),
+    # Commas between digits group them, however many digits stand between.
+    ("1,8", "18"),
+    ("#### 1,8", "18"),
+    ("12,34,567", "1234567"),
+    ("1, 8", "8"),
+    ("No numbers here.", None),
+    ("", None),
 ])
-def test_gsm8k_extraction(reply, strict, flexible):
-    assert scorers.extract_strict(reply) == strict
-    assert scorers.extract_flexible(reply) == flexible
+def test_gsm8k_last_number(reply, number):
+    assert scorers.last_number(reply) == number
+
+
+ANSWER = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips.\n#### 72"
 
 
 def test_gsm8k_gold_and_score_with_cutoff():
-    gold = scorers.gsm8k_gold("Natalia sold 48/2 = 24 clips in May.\n#### 72")
+    gold = scorers.gsm8k_gold(ANSWER)
     assert gold == "72"
     assert scorers.gsm8k_gold("1,200") == "1200"
+    assert scorers.gsm8k_gold("... #### -1,000") == "-1000"
     with pytest.raises(ValueError, match="no gold number"):
         scorers.gsm8k_gold("#### many")
-    right = scorers.score_gsm8k("48 + 24 = 72 clips.", gold, "stop")
-    assert (right["score"], right["strict_score"], right["cutoff"]) == (1, 0, False)
-    cut = scorers.score_gsm8k("First, 48 divided by 2 is", gold, "length")
-    assert (cut["score"], cut["cutoff"], cut["flexible"]) == (0, True, "2")
-    strict = scorers.score_gsm8k("#### 72.", gold, "stop")
-    assert (strict["score"], strict["strict_score"]) == (1, 1)
+    right = scorers.score_gsm8k("48 + 24 = 72 clips.", gold, ANSWER, "stop")
+    assert (right["score"], right["lmeval_strict_match"], right["lmeval_flexible_extract"], right["cutoff"]) == \
+        (1, 0, 1, False)
+    assert right["lmeval_strict"] == "[invalid]" and "error" not in right
+    cut = scorers.score_gsm8k("First, 48 divided by 2 is", gold, ANSWER, "length")
+    assert (cut["score"], cut["cutoff"], cut["number"], cut["error"]) == (0, True, "2", "last number 2, gold 72")
+    strict = scorers.score_gsm8k("#### 72.", gold, ANSWER, "stop")
+    assert (strict["score"], strict["lmeval_strict_match"], strict["lmeval_strict"]) == (1, 1, "72.")
+    # lm-eval reads the reply only up to its stop sequences: a made-up next question does not count.
+    stopped = scorers.score_gsm8k("It is 72.\n\nQuestion: and 5?\nAnswer: 5", gold, ANSWER, "stop")
+    assert (stopped["score"], stopped["lmeval_flexible_extract"], stopped["lmeval_flexible"]) == (0, 1, "72.")
+
+
+def test_gsm8k_summary_names_all_three_scores():
+    rows = [{"set": "gsm8k", **scorers.score_gsm8k(reply, "72", ANSWER, "stop")}
+            for reply in ("#### 72", "so 72", "#### $72", "none")]
+    overall = summarise(rows, "gsm8k")["overall"]
+    assert set(scorers.GSM8K_SCORES) <= set(overall)
+    assert (overall["score"], overall["lmeval_strict_match"], overall["lmeval_flexible_extract"]) == (0.75, 0.25, 0.75)
 
 
 # ----------------------------------------------------------------------------------------------- BFCL

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 import numpy as np
@@ -158,6 +159,14 @@ def test_bench_runs_with_another_matrix_do_not_answer_the_campaign(tmp_path):
     ({"benches": [{"name": "speed", "hosts": ["desktop"], "models": ["qwen-q4_0"], "matrix": {"r": 0}}]},
      "benches.0.matrix.r: Input should be greater than or equal to 1"),
     ({"colour": "blue"}, "colour: Extra inputs are not permitted"),
+    ({"evals": [{"name": "suite", "task": "suite.yaml", "runs": [
+        {"host": "desktop", "server": "qwen", "artifact": "qwen-q4_0"},
+        {"host": "desktop", "server": "qwen", "artifact": "qwen-q4_0"}]}], "comparisons": []},
+     "eval 'suite': target 'qwen-q4_0@desktop' is listed twice (a second run of it is a replicate: replicate: 2)"),
+    ({"comparisons": [{"name": "x", "a": "qwen-q4_0@desktop", "b": "gemma-qat@desktop",
+                       "replicate": "gemma-qat@desktop"}]},
+     "comparison 'x': replicate 'gemma-qat@desktop' is not another run of 'qwen-q4_0@desktop' "
+     "(give qwen-q4_0@desktop#2)"),
 ])
 def test_bad_campaign_files_name_the_culprit(tmp_path, change, message):
     path = _write_campaign(tmp_path, {**CAMPAIGN, **change})
@@ -278,3 +287,65 @@ def test_a_run_whose_files_cannot_be_read_is_left_out_and_named(tmp_path, result
     assert own in report.markdown
     if victim != "eval":
         assert report.markdown.split(own)[1].lstrip().startswith("Nothing pulled yet.")
+
+
+def test_gsm8k_quality_shows_each_score_by_name(tmp_path, results):
+    """A GSM8K run's rows carry lm-eval's two scores: the quality table has a named column for each (their
+    numbers recomputed from the answers), and the sensitivity table their gaps."""
+    for run in ("eval-q", "eval-g"):
+        path = results / "desktop" / run / "answers.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        for i, row in enumerate(rows):
+            row["lmeval_strict_match"] = row["score"] if i % 3 else 0
+            row["lmeval_flexible_extract"] = row["score"]
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    report = build_report(load_campaign(_write_campaign(tmp_path)), ResultsStore(results), tmp_path / "out")
+    checked = check_report(report.path)
+    assert checked["quality"] == 2 * (3 + 3)  # per run: three sets and the three named overall scores
+    (quality,) = [rows for section, _, rows in tables(report.markdown) if section == "Quality"]
+    assert {"overall (rigctl normalised)", "overall (lm-eval strict-match)",
+            "overall (lm-eval flexible-extract)"} <= set(quality[0])
+    (sensitivity,) = [rows for section, _, rows in tables(report.markdown) if section == "Sensitivity"]
+    labels = [row["scoring"] for row in sensitivity]
+    assert labels[-2:] == ["lm-eval strict-match", "lm-eval flexible-extract"]
+
+
+def test_a_run_that_departs_from_its_instruments_request_is_named(tmp_path, results):
+    path = results / "desktop" / "eval-q" / "run.json"
+    record = json.loads(path.read_text())
+    record["extra"]["deviations"] = {"from": "BFCL's own request", "settings": ["max_tokens 16 (BFCL: no limit)"],
+                                     "reason": "the lab rigs share two CPU cores"}
+    path.write_text(json.dumps(record))
+    report = build_report(load_campaign(_write_campaign(tmp_path)), ResultsStore(results), tmp_path / "out")
+    quality = report.markdown.split("## Quality", 1)[1].split("\n## ", 1)[0]
+    (line,) = [line for line in quality.splitlines() if line.startswith("**Not")]
+    assert line.startswith("**Not BFCL's own request**: max_tokens 16 (BFCL: no limit). "
+                           "Why: the lab rigs share two CPU cores. ([run record](")
+    assert "eval-g" not in line
+
+
+def test_a_replicate_pair_sets_its_disagreement_beside_the_ab_difference(tmp_path, results):
+    """The same artifact twice: locate gives each replicate its own run, and the head-to-head table sets
+    the replicate's disagreement and gap beside the A/B difference (recomputed here from the answers)."""
+    rows = [json.loads(line) for line in (results / "desktop" / "eval-q" / "answers.jsonl").read_text().splitlines()]
+    for row in rows[:4]:
+        row["score"] = 1 - row["score"]  # a second run of Qwen Q4_0 that differs on four questions
+    eval_run(results, "desktop", "eval-q2", "qwen-q4_0", rows, started="2026-11-29T11:00:00.000000Z")
+    second = {"host": "desktop", "server": "qwen", "artifact": "qwen-q4_0", "replicate": 2}
+    data = {**CAMPAIGN, "evals": [{**CAMPAIGN["evals"][0], "runs": [*CAMPAIGN["evals"][0]["runs"], second]}],
+            "comparisons": [{**CAMPAIGN["comparisons"][0], "replicate": "qwen-q4_0@desktop#2"}]}
+    loaded = load_campaign(_write_campaign(tmp_path, data))
+    found = locate(loaded, ResultsStore(results))
+    assert found.evals[("suite", "qwen-q4_0@desktop")].id == "eval-q2"  # the newest answers the first
+    assert found.evals[("suite", "qwen-q4_0@desktop#2")].id == "eval-q"
+    report = build_report(loaded, ResultsStore(results), tmp_path / "out")
+    (head,) = [rows for section, _, rows in tables(report.markdown) if section == "Head to head"]
+    row = head[0]
+    assert row["replicate disagrees"].startswith("[0.033 (")  # 4 of 120
+    gemma = {(r["set"], r["id"]): r["score"] for r in
+             (json.loads(line) for line in (results / "desktop" / "eval-g" / "answers.jsonl").read_text().splitlines())}
+    apart = sum(gemma[(r["set"], r["id"])] != r["score"] for r in rows) / len(rows)
+    assert row["A/B disagree"].startswith(f"[{apart:.3f} (")
+    assert row["replicate gap, points"].startswith("[")
+    assert "within replicate noise" not in row["verdict"]  # B is right on 36 more: far beyond
+    assert "Qwen Q4_0 replicate 2" in report.markdown

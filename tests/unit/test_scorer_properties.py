@@ -14,7 +14,7 @@ from rigctl.evals import scorers
 
 SETTINGS = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-GSM8K = {"system": None, "prompt": "q", "gold": "72"}
+GSM8K = {"system": None, "prompt": "q", "gold": "72", "answer": "48 + 24 = 72\n#### 72"}
 BFCL = {"system": None, "messages": [{"role": "user", "content": "q"}],
         "function": {"name": "math.gcd", "parameters": {"type": "dict", "properties": {
             "a": {"type": "integer"}, "b": {"type": "float"}, "names": {"type": "array", "items": {"type": "string"}},
@@ -63,11 +63,24 @@ completion_answers = st.one_of(json_values, st.fixed_dictionaries({"completion_p
 
 
 def _survives(row: dict) -> None:
-    """A scored row: 0 or 1, a reason when wrong, and JSON the runner can write."""
+    """A scored row: 0 or 1, a reason when wrong, and JSON the runner can write as UTF-8."""
     assert row["score"] in (0, 1), row
     if row["score"] == 0:
         assert isinstance(row.get("error"), str) and row["error"], row
-    json.dumps(row, ensure_ascii=False)
+    json.dumps(row, ensure_ascii=False).encode("utf-8")
+
+
+def _scored(record, answer, key: str = "choices"):
+    """The record of ``answer``, which raises NoAnswer exactly when ``key`` holds no non-empty list."""
+    holds = isinstance(answer, dict) and isinstance(answer.get(key), list) and bool(answer[key])
+    try:
+        row = record(answer)
+    except scorers.NoAnswer:
+        assert not holds, answer
+        return None
+    assert holds, answer
+    _survives(row)
+    return row
 
 
 @SETTINGS
@@ -95,9 +108,9 @@ def test_numbers_of_any_length_keep_every_digit(number):
 @SETTINGS
 @given(replies, st.sampled_from(["stop", "length", ""]))
 def test_gsm8k_scoring_never_raises(reply, finish):
-    row = scorers.score_gsm8k(reply, "72", finish)
+    row = scorers.score_gsm8k(reply, "72", GSM8K["answer"], finish)
     _survives(row)
-    assert row["score"] == int(row["flexible"] == "72")
+    assert row["score"] == int(row["number"] == "72")
 
 
 @SETTINGS
@@ -106,7 +119,15 @@ def test_gsm8k_scoring_never_raises(reply, finish):
 @example({"choices": [{"message": "a string"}]})
 @example({"error": {"message": "bad request"}})
 def test_gsm8k_record_survives_any_answer(answer):
-    _survives(scorers.gsm8k_record(GSM8K, answer))
+    _scored(lambda a: scorers.gsm8k_record(GSM8K, a), answer)
+
+
+def test_an_unreadable_body_is_a_wrong_answer_with_its_reason():
+    for record in (lambda a: scorers.gsm8k_record(GSM8K, a), lambda a: scorers.bfcl_record(BFCL, a),
+                   lambda a: scorers.choice_record(CHOICE, a, TOKENS)):
+        row = record(scorers.Unreadable("JSON nested too deep to read"))
+        _survives(row)
+        assert row["score"] == 0 and row["error"] == "unreadable answer: JSON nested too deep to read"
 
 
 @SETTINGS
@@ -118,10 +139,11 @@ def test_gsm8k_record_survives_any_answer(answer):
 @example({"choices": [{"message": {"content": "", "tool_calls": [
     {"function": {"name": "math_gcd", "arguments": {"a": 12, "b": 10 ** 400}}}]}}]})
 @example({"choices": [{"message": {"content": "", "tool_calls": "math_gcd(12)"}}]})
+@example({"choices": [{"message": {"content": "", "tool_calls": [
+    {"function": {"name": "math_gcd", "arguments": '{"a": "\\ud800"}'}}]}}]})
 def test_bfcl_record_survives_any_answer(answer):
-    row = scorers.bfcl_record(BFCL, answer)
-    _survives(row)
-    assert row["toolless"] == (not row["tool_calls"])
+    row = _scored(lambda a: scorers.bfcl_record(BFCL, a), answer)
+    assert row is None or row["toolless"] == (not row["tool_calls"])
 
 
 def test_a_right_bfcl_call_still_scores():
@@ -136,9 +158,8 @@ def test_a_right_bfcl_call_still_scores():
 @example({"completion_probabilities": [{"top_logprobs": [{"id": 1, "logprob": "high"}, {"id": 2, "logprob": 1e999}]}]})
 @example({"completion_probabilities": "none"})
 def test_choice_record_survives_any_answer(answer):
-    row = scorers.choice_record(CHOICE, answer, TOKENS)
-    _survives(row)
-    assert all(p is None or 0.0 <= p <= 1.0 for p in row["label_probs"].values())
+    row = _scored(lambda a: scorers.choice_record(CHOICE, a, TOKENS), answer, "completion_probabilities")
+    assert row is None or all(p is None or 0.0 <= p <= 1.0 for p in row["label_probs"].values())
 
 
 @SETTINGS
@@ -150,7 +171,8 @@ def test_missed_call_detector_survives_any_text(text):
 @SETTINGS
 @given(st.lists(chat_answers, min_size=1, max_size=5))
 def test_summaries_of_whatever_was_scored(answers):
-    rows = [{"id": str(i), "set": "s", **scorers.bfcl_record(BFCL, a)} for i, a in enumerate(answers)]
+    scored = [_scored(lambda a: scorers.bfcl_record(BFCL, a), answer) for answer in answers]
+    rows = [{"id": str(i), "set": "s", **row} for i, row in enumerate(scored) if row is not None]
     summary = scorers.summarise(rows, "bfcl_simple")
     assert summary["overall"]["n"] == len(rows)
     assert summary["overall"]["toolless"] == sum(r["toolless"] for r in rows)

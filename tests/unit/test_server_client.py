@@ -253,3 +253,29 @@ def test_the_key_from_the_environment_loses_its_line_break(tmp_path):
     assert seen and all(b"\r\nauthorization: bearer sk-4f1c9e\r\n" in head.lower() for head in seen), \
         seen + [done.stderr.encode()]
     assert "4f1c9e" not in done.stdout + done.stderr
+
+
+@pytest.mark.parametrize(("body", "reason"), [
+    (b'{"content": "\\udc00"}', "a string with a lone UTF-16 surrogate, which UTF-8 cannot carry"),
+    (b"[" * 50_000 + b"]" * 50_000, "JSON nested too deep to read"),
+    (b'{"n": ' + b"1" * 4301 + b"}", "a number too long to read (Exceeds the limit (4300 digits)"),
+])
+def test_json_python_cannot_hold_is_told_apart_from_text_that_is_no_json(body, reason):
+    from rigctl.hostside.llama_server_http import UnreadableJSON, decode_json
+
+    with pytest.raises(UnreadableJSON) as info:
+        decode_json(body)
+    assert str(info.value).startswith(reason)
+    # A surrogate pair is one character, and 4,300 digits still an integer: both read.
+    assert decode_json(b'["\\ud83d\\ude00", ' + b"1" * 4300 + b"]")[0] == "\U0001f600"
+    with pytest.raises(json.JSONDecodeError):
+        decode_json(b"<html>bad gateway</html>")
+
+
+def test_a_stream_chunk_python_cannot_hold_is_a_server_error_not_a_crash():
+    from rigctl.server import _Base, _Call
+
+    client = _Base("http://127.0.0.1:9")
+    deep = "data: " + "[" * 50_000 + "]" * 50_000
+    with pytest.raises(ServerError, match=r"POST /v1/chat/completions: unexpected answer: JSON nested too deep"):
+        client._parse(_Call("POST", "/v1/chat/completions"), parse_sse_line, deep)
