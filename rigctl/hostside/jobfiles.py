@@ -5,7 +5,8 @@ library only.
 The tree is root's; a job writes only its run directory::
 
     <jobs>/<id>/            root 0755: spec.json, the shipped code and files, output.log (systemd's),
-                            finished.json (root's ExecStopPost= step, once the unit's end is handled)
+                            finished.json (root's ExecStopPost= step, once the unit's end is handled),
+                            not-started.json (root's ExecStartPre= step, when it kept the job from running)
     <jobs>/locks/           root: <lock>.json, the holder's job and unit
     <results>/<host>/       root 0755
     <results>/<host>/<id>/  the service account's: run.json, the raw files, .state.json (progress)
@@ -31,6 +32,8 @@ STATE_FILE = ".state.json"
 #: Where jobs started before the tree was root's kept their progress: the job directory.
 OLD_STATE_FILE = "state.json"
 FINISHED_FILE = "finished.json"
+#: Why root's step before the job refused to let it run (a server that would not stop).
+NOT_STARTED_FILE = "not-started.json"
 #: The most a progress or record file is read to (a job can write a file of any size).
 READ_LIMIT = 16 << 20
 #: ``systemctl is-active`` states of a unit that is still there: starting (ExecStartPre=), running, or

@@ -40,6 +40,7 @@ from rigctl.hostside import stamp
 from rigctl.hostside.jobfiles import (
     FINAL_STATES,
     FINISHED_FILE,
+    NOT_STARTED_FILE,
     SPEC_FILE,
     read_json,
     read_state,
@@ -187,8 +188,13 @@ def start(files: dict[str, str]) -> dict[str, Any]:
 
 def job_state(job_dir: str, spec: dict[str, Any], state: dict[str, Any] | None) -> dict[str, Any]:
     """The job's progress as its state file says (``state``), ``finishing`` while a final state waits on the
-    unit's ExecStopPost= (servers started again, lock freed), ``starting`` before the job wrote any."""
+    unit's ExecStopPost= (servers started again, lock freed), ``starting`` before the job wrote any, and
+    ``failed`` when root's step before it kept it from running (:func:`rigctl.hostside.jobrun.prepare`)."""
     if not isinstance(state, dict):
+        refused = _load(os.path.join(job_dir, NOT_STARTED_FILE))
+        if isinstance(refused, dict) and os.path.exists(os.path.join(job_dir, FINISHED_FILE)):
+            return {"state": "failed", "message": "not started", "error": str(refused.get("error")),
+                    "ended": refused.get("ended")}
         return {"state": "starting", "message": "starting"}
     if (state.get("state") in FINAL_STATES and sandboxed(spec)
             and not os.path.exists(os.path.join(job_dir, FINISHED_FILE))):

@@ -334,7 +334,9 @@ def prepare(job_dir: Path) -> int:
         print(f"{utc_now()} stopping {unit} for the job", flush=True)
         problem = _systemctl("stop", unit)
         if problem:
-            print(f"{utc_now()} cannot stop {unit}: {problem}", flush=True)
+            error = f"cannot stop {unit}: {problem}"
+            print(f"{utc_now()} {error}", flush=True)
+            write_json_atomically(job_dir / jobfiles.NOT_STARTED_FILE, {"error": error, "ended": utc_now()})
             return 1
     return 0
 

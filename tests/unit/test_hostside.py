@@ -378,7 +378,10 @@ def test_root_reads_what_a_job_wrote_without_following_links_or_waiting(tmp_path
 
 FAKE_SYSTEMCTL = """#!/bin/sh
 echo "$*" >> "$SYSTEMCTL_LOG"
-case "$1 $2" in "start llama-server@broken.service") echo "Job failed" >&2; exit 1 ;; esac
+case "$1 $2" in
+    "start llama-server@broken.service") echo "Job failed" >&2; exit 1 ;;
+    "stop llama-server@wedged.service") echo "Timed out" >&2; exit 1 ;;
+esac
 """
 
 
@@ -418,3 +421,16 @@ def test_roots_steps_hash_stop_and_start_only_what_the_spec_names(tmp_path: Path
     # Another job's lock stays.
     (locks / "gpu.json").write_text(json.dumps({"job": "bench-2", "unit": "rigctl-bench-2"}))
     assert step("--finish").returncode == 0 and (locks / "gpu.json").exists()
+
+    # A server that will not stop keeps the job from running: it fails, saying why, once root's last step ran.
+    spec["stop_units"] = ["llama-server@wedged.service", "llama-server@a.service"]
+    (job_dir / "spec.json").write_text(json.dumps(spec))
+    log.unlink()
+    assert step("--prepare").returncode == 1
+    assert log.read_text().splitlines() == ["stop llama-server@wedged.service"]
+    assert jobhost.job_state(str(job_dir), spec, None)["state"] == "failed"  # finished.json is there
+    (job_dir / jobfiles.FINISHED_FILE).unlink()
+    assert jobhost.job_state(str(job_dir), spec, None)["state"] == "starting"
+    assert step("--finish").returncode == 0
+    failed = jobhost.job_state(str(job_dir), spec, None)
+    assert (failed["state"], failed["error"]) == ("failed", "cannot stop llama-server@wedged.service: Timed out")
