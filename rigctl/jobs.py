@@ -82,6 +82,7 @@ from typing import Any
 
 from rigctl.errors import ConfigError, ConnectError, JobBusyError, JobError, RigctlError, TransferError, TrustError
 from rigctl.hostside import ship
+from rigctl.hostside.jobfiles import FINAL_STATES
 from rigctl.inventory import Host, Inventory
 from rigctl.results.record import RUN_FILE, RUN_ID, RunKind, RunRecord, new_run_id, rigctl_version
 from rigctl.results.store import ResultsStore, read_jsonl
@@ -93,7 +94,6 @@ log = logging.getLogger(__name__)
 JOBS_DIR = "/var/lib/rigctl/jobs"
 RESULTS_DIR = "/var/lib/rigctl/results"
 UNIT_PREFIX = "rigctl-"
-FINAL_STATES = frozenset({"done", "failed", "stopped", "lost"})
 COMMAND_TIMEOUT = 60.0
 # Pulled files and directories get these modes, whatever the host's say.
 FILE_MODE = 0o644
@@ -127,7 +127,7 @@ class JobInfo:
     id: str
     kind: str
     unit: str
-    state: str  # starting, running, done, failed, stopped; lost: running per its state but no unit
+    state: str  # starting, running, finishing (root's last step), done, failed, stopped; lost: no unit, not ended
     done: int = 0
     total: int = 0
     message: str = ""
