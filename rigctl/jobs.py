@@ -21,9 +21,9 @@ which the job cannot change (:func:`rigctl.hostside.jobhost.unit_argv`); they al
 The host's half of starting, listing, following and pulling is :mod:`rigctl.hostside.jobhost`, sent
 as a one-shot command. The job id is the run id (:func:`rigctl.results.record.new_run_id`,
 ``bench-20261130T051200Z-3f9a``), so
-the unit is ``rigctl-<kind>-<timestamp>-<hex>``. The runtime writes ``state.json`` in the job
-run directory (state, done/total, message: what :func:`status` and ``rigctl jobs`` show) and the run
-directory ``/var/lib/rigctl/results/<host>/<id>/`` (``run.json`` + raw files), sealed with every
+the unit is ``rigctl-<kind>-<timestamp>-<hex>``. The runtime writes the run directory
+``/var/lib/rigctl/results/<host>/<id>/``: ``.state.json`` (state, done/total, message: what :func:`status`
+and ``rigctl jobs`` show), ``run.json`` and the raw files, sealed with every
 raw file's sha256 when the job ends. :func:`pull` copies finished run directories into the
 controller's :class:`rigctl.results.store.ResultsStore` (same layout), each file checked against the
 sha256 in ``run.json``, a run directory appearing only once complete; runs the store already has
@@ -51,7 +51,7 @@ and ``job.now()``. Then::
     spec = jobs.JobSpec(kind="eval", task="eval_task", params={...}, lock=None,
                         record={"task": {...}, "seed": 0}, files={"questions.jsonl": path})
     info = jobs.start(host, spec)              # JobInfo; JobBusyError if the lock is held
-    info = jobs.wait(host, info.id, on_progress=print)   # follows state.json, survives SSH drops
+    info = jobs.wait(host, info.id, on_progress=print)   # follows .state.json, survives SSH drops
     result = jobs.pull(host)                   # PullResult: copied / skipped run ids
 
 ``start``, ``wait`` and ``pull`` take ``client=`` (an open :class:`rigctl.ssh.SshClient`) to share one

@@ -8,7 +8,8 @@ command one round trip that prints one JSON document:
   then, under a mutex, refuses while the lock's holder is active, else takes the lock and starts the unit
   (:func:`unit_argv`). Prints ``{"started": unit}``, ``{"refused": holder}`` or ``{"error": text}``.
 * ``list ROOT [ID]``: every job directory's state (its spec while the runtime has not written
-  ``state.json`` yet) and whether its unit is active.
+  ``.state.json`` yet, ``finishing`` until the unit's root step after it is done) and whether its unit is
+  active.
 * ``wait ROOT ID LAST HOLD EVERY``: waits on the host until the job's state file shows other progress
   than ``LAST`` (:func:`progress_key`), or ``HOLD`` seconds pass, then lists that job: one round trip
   and one process per change of progress, instead of a process (and a systemctl) per poll competing
