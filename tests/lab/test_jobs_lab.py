@@ -252,5 +252,6 @@ def test_a_bench_job_and_a_probe_server_are_no_more_exposed_than_the_server_unit
         instance = host.server("smollm2")
         with probe_server(ssh, instance, {"ctx_size": 512}, instance.port + 150, "ctx 512") as probe:
             probed = _exposure(ssh, probe.unit)
+    print(f"systemd-analyze security: llama-server@ {server}, bench job {bench}, probe {probed}")  # shown with -rP
     assert 0 < server <= 6.0
     assert bench <= server and probed <= server, (bench, probed, server)
