@@ -7,14 +7,23 @@ runtime :mod:`rigctl.hostside.jobrun` and one task module from :mod:`rigctl.host
 ``rigctl/hostside/`` there (:func:`rigctl.hostside.ship.package_files`), ``spec.json`` (the task's
 parameters and the run record's first fields) and any extra files (in one round trip), and starts::
 
-    systemd-run --unit rigctl-<id> --collect -p RuntimeMaxSec=... python3 jobrun.py /var/lib/rigctl/jobs/<id>
+    systemd-run --unit rigctl-<id> --collect -p User=llama -p ProtectSystem=strict ... \
+        -p ReadWritePaths=/var/lib/rigctl/results/<host>/<id> python3 jobrun.py /var/lib/rigctl/jobs/<id>
+
+**Privileges.** The job runs as the host's service account (:attr:`rigctl.inventory.Host.service_account`,
+the account llama-server runs as) with the ``llama-server@`` unit's sandbox (:mod:`rigctl.hostside.sandbox`):
+what llama.cpp code it runs (llama-bench on a hostile model) may write its run directory and nothing else.
+The job tree and the code in it are root's (:mod:`rigctl.hostside.jobfiles`). The one privileged thing a
+job needs, the host's llama-server units stopped for a bench and started again after, is granted to no
+account: root's steps of the unit (ExecStartPre=+, ExecStopPost=+) do it for the units the start named,
+which the job cannot change (:func:`rigctl.hostside.jobhost.unit_argv`); they also free the lock.
 
 The host's half of starting, listing, following and pulling is :mod:`rigctl.hostside.jobhost`, sent
 as a one-shot command. The job id is the run id (:func:`rigctl.results.record.new_run_id`,
 ``bench-20261130T051200Z-3f9a``), so
-the unit is ``rigctl-<kind>-<timestamp>-<hex>``. The runtime writes ``state.json`` in the job
-directory (state, done/total, message: what :func:`status` and ``rigctl jobs`` show) and the run
-directory ``/var/lib/rigctl/results/<host>/<id>/`` (``run.json`` + raw files), sealed with every
+the unit is ``rigctl-<kind>-<timestamp>-<hex>``. The runtime writes the run directory
+``/var/lib/rigctl/results/<host>/<id>/``: ``.state.json`` (state, done/total, message: what :func:`status`
+and ``rigctl jobs`` show), ``run.json`` and the raw files, sealed with every
 raw file's sha256 when the job ends. :func:`pull` copies finished run directories into the
 controller's :class:`rigctl.results.store.ResultsStore` (same layout), each file checked against the
 sha256 in ``run.json``, a run directory appearing only once complete; runs the store already has
@@ -24,8 +33,8 @@ sealed as ``lost`` on the host first, so what it wrote comes home too (an eval r
 **Locks.** A job may name a lock (bench jobs: ``"gpu"``). Starting takes
 ``/var/lib/rigctl/jobs/locks/<lock>.json`` under a mutex: if the job named there still has an
 active unit the start is refused with :class:`rigctl.errors.JobBusyError` naming it, otherwise the
-new job becomes the holder. The runtime releases the lock when it ends, whatever the outcome; a
-holder whose unit is gone (host rebooted, unit killed) does not block.
+new job becomes the holder. The unit's last step releases the lock, whatever the outcome; a
+holder whose unit is gone (host rebooted) does not block.
 
 **Writing a task** (how ``rigctl eval --remote`` runs through this module): put a stdlib-only
 module in ``rigctl/hostside/<name>.py`` with ``run(job) -> None``. ``job`` (:class:`rigctl.hostside.
@@ -42,7 +51,7 @@ and ``job.now()``. Then::
     spec = jobs.JobSpec(kind="eval", task="eval_task", params={...}, lock=None,
                         record={"task": {...}, "seed": 0}, files={"questions.jsonl": path})
     info = jobs.start(host, spec)              # JobInfo; JobBusyError if the lock is held
-    info = jobs.wait(host, info.id, on_progress=print)   # follows state.json, survives SSH drops
+    info = jobs.wait(host, info.id, on_progress=print)   # follows .state.json, survives SSH drops
     result = jobs.pull(host)                   # PullResult: copied / skipped run ids
 
 ``start``, ``wait`` and ``pull`` take ``client=`` (an open :class:`rigctl.ssh.SshClient`) to share one
@@ -82,6 +91,7 @@ from rigctl.errors import (
     one_line,
 )
 from rigctl.hostside import ship
+from rigctl.hostside.jobfiles import FINAL_STATES
 from rigctl.inventory import Host, Inventory
 from rigctl.results.record import (
     RUN_FILE,
@@ -101,7 +111,6 @@ log = logging.getLogger(__name__)
 JOBS_DIR = "/var/lib/rigctl/jobs"
 RESULTS_DIR = "/var/lib/rigctl/results"
 UNIT_PREFIX = "rigctl-"
-FINAL_STATES = frozenset({"done", "failed", "stopped", "lost"})
 COMMAND_TIMEOUT = 60.0
 # Pulled files and directories get these modes, whatever the host's say.
 FILE_MODE = 0o644
@@ -121,6 +130,10 @@ class JobSpec:
     record: Mapping[str, Any] = field(default_factory=dict)  # first run-record fields (matrix, task, server, ...)
     files: Mapping[str, Path] = field(default_factory=dict)  # shipped into the job dir: name -> local path
     max_runtime_s: int = 24 * 3600
+    #: Stop the host's running llama-server units for the job (their argv stamped first) and start them after.
+    stop_servers: bool = False
+    #: Model files on the host the job records: hashed into the host's cache by root before the job runs.
+    artifacts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -131,7 +144,7 @@ class JobInfo:
     id: str
     kind: str
     unit: str
-    state: str  # starting, running, done, failed, stopped; lost: running per its state but no unit
+    state: str  # starting, running, finishing (root's last step), done, failed, stopped; lost: no unit, not ended
     done: int = 0
     total: int = 0
     message: str = ""
@@ -195,6 +208,24 @@ def task_sources(task: str) -> Mapping[str, str]:
                              **ship.package_files(["jobrun", task])})
 
 
+def job_host_spec(host: Host, spec: JobSpec, job_id: str) -> dict[str, Any]:
+    """``spec.json`` of job ``job_id`` on ``host``: what the host's side starts the unit from
+    (:func:`rigctl.hostside.jobhost.unit_argv`), with the service account's sandbox writable only the run
+    directory."""
+    job_dir = f"{JOBS_DIR}/{job_id}"
+    lock_file = f"{JOBS_DIR}/locks/{spec.lock}.json" if spec.lock else None
+    account = host.service_account
+    return {
+        "id": job_id, "kind": spec.kind, "host": host.name, "unit": unit_name(job_id), "task": spec.task,
+        "params": dict(spec.params), "lock": spec.lock, "lock_file": lock_file, "job_dir": job_dir,
+        "results_dir": RESULTS_DIR, "record": dict(spec.record), "rigctl_version": rigctl_version(),
+        "max_runtime_s": int(spec.max_runtime_s), "stop_servers": spec.stop_servers,
+        "artifacts": list(spec.artifacts), "account": {"user": account.user, "group": account.group},
+        # Writable: the run directory, nothing else.
+        "unit_properties": account.unit_properties([f"{RESULTS_DIR}/{host.name}/{job_id}"]),
+    }
+
+
 def start(host: Host, spec: JobSpec, *, job_id: str | None = None, client: SshClient | None = None) -> JobInfo:
     """Ship the runtime, the task and its files to ``host`` and start the job's unit.
 
@@ -203,18 +234,13 @@ def start(host: Host, spec: JobSpec, *, job_id: str | None = None, client: SshCl
     """
     job_id = job_id or new_run_id(spec.kind)
     job_dir = f"{JOBS_DIR}/{job_id}"
-    lock_file = f"{JOBS_DIR}/locks/{spec.lock}.json" if spec.lock else None
     for name, path in spec.files.items():
-        if "/" in name or name in ("spec.json", "state.json", "jobrun.py", f"{spec.task}.py", "rigctl"):
+        if "/" in name or name in ("spec.json", "state.json", "finished.json", "output.log", "jobrun.py",
+                                   f"{spec.task}.py", "rigctl"):
             raise ConfigError(f"job file name {name!r}: must be a plain name not used by the job itself")
         if not Path(path).is_file():
             raise ConfigError(f"job file {name}: {path} does not exist")
-    remote_spec = {
-        "id": job_id, "kind": spec.kind, "host": host.name, "unit": unit_name(job_id), "task": spec.task,
-        "params": dict(spec.params), "lock": spec.lock, "lock_file": lock_file, "job_dir": job_dir,
-        "results_dir": RESULTS_DIR, "record": dict(spec.record), "rigctl_version": rigctl_version(),
-        "max_runtime_s": int(spec.max_runtime_s),
-    }
+    remote_spec = job_host_spec(host, spec, job_id)
     sources = {**task_sources(spec.task), "spec.json": json.dumps(remote_spec, indent=2, sort_keys=True) + "\n"}
     with session(host, client) as ssh:
         if spec.files:  # data files (datasets) may be large or binary: SFTP, before the unit can start
@@ -435,10 +461,10 @@ def _check_references(run_dir: Path, record: RunRecord) -> None:
 
 
 def _seal_lost(ssh: SshClient, job_id: str) -> dict[str, Any]:
-    """Have the job's own runtime seal its unsealed run as ``lost`` (what it wrote is kept); the record."""
-    job_dir = f"{JOBS_DIR}/{job_id}"
-    done = ssh.run(f"python3 {shlex.quote(job_dir + '/jobrun.py')} --seal-lost {shlex.quote(job_dir)}",
-                   timeout=COMMAND_TIMEOUT, check=False)
+    """Have the job's own runtime seal its unsealed run as ``lost`` (what it wrote is kept), in the job's
+    sandbox (:func:`rigctl.hostside.jobhost.seal_lost`); the record."""
+    done = ssh.run(ship.python_command("jobhost", "seal-lost", JOBS_DIR, job_id), timeout=COMMAND_TIMEOUT,
+                   check=False)
     if not done.ok:
         # The last line says why (a traceback's last line is its exception); the rest is for -v.
         output = [line for line in (done.stderr.strip() or done.stdout.strip()).splitlines() if line.strip()]

@@ -174,12 +174,12 @@ def bench_job_spec(host: Host, spec: BenchSpec) -> jobs.JobSpec:
         "cooldown": spec.cooldown.model_dump(),
         "clocks": spec.clocks.model_dump(),
         "bandwidth_gbs": host.gpu.bandwidth_gbs if host.gpu else None,
-        "stop_servers": spec.stop_servers,
         "cell_timeout_s": spec.cell_timeout_s,
     }
     cells = len(plan_cells(models, spec.rounds, spec.order))
     budget = cells * (spec.cell_timeout_s + spec.cooldown.timeout_s) + 600
-    return jobs.JobSpec(kind="bench", task=BENCH_TASK, params=params, lock="gpu", max_runtime_s=int(budget))
+    return jobs.JobSpec(kind="bench", task=BENCH_TASK, params=params, lock="gpu", max_runtime_s=int(budget),
+                        stop_servers=spec.stop_servers, artifacts=tuple(m["path"] for m in models))
 
 
 def start_bench(inventory: Inventory, spec: BenchSpec) -> dict[str, jobs.JobInfo | RigctlError]:

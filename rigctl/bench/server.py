@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from rigctl.errors import ConfigError, ServerError
+from rigctl.hostside.sandbox import run_options
 from rigctl.inventory import Host, Server
 from rigctl.inventory.profiles import args_lines_to_argv
 from rigctl.results.record import RunRecord
@@ -189,12 +190,20 @@ def deployed_argv(ssh: SshClient, server: Server) -> list[str]:
     return args_lines_to_argv(text.splitlines())
 
 
+def probe_command(server: Server, unit: str, argv: Sequence[str]) -> list[str]:
+    """The ``systemd-run`` command line of a probe of ``server``: its llama-server with ``argv`` as the transient
+    unit ``unit``, with the ``llama-server@`` unit's account, sandbox and GPU pin (the probe sees the card the
+    instance sees), writable nothing but a private /tmp (the instance's state directory is its own)."""
+    properties = [*server.account.unit_properties(), f"EnvironmentFile={server.env_file}", "UMask=0077"]
+    return ["systemd-run", "--unit", unit, "--collect", "--quiet", *run_options(properties), server.binary, *argv]
+
+
 @contextmanager
 def probe_server(ssh: SshClient, server: Server, settings: Mapping[str, Any], port: int,
                  purpose: str) -> Iterator[Probe]:
     """A probe of ``server`` with ``settings`` over its profile (``{"ctx_size": 4096}``) on ``port``, as the
-    transient unit ``rigctl-<purpose>probe-<instance>`` as the unit's user and GPU pin, once it is healthy;
-    stopped on exit. Refused when the host's arguments file is not what the inventory plans (the probe
+    transient unit ``rigctl-<purpose>probe-<instance>`` as the unit's user, with its sandbox and GPU pin, once
+    it is healthy; stopped on exit. Refused when the host's arguments file is not what the inventory plans (the probe
     would measure flags the instance does not run): deploy first."""
     deployed = deployed_argv(ssh, server)
     if deployed != server.argv:
@@ -204,10 +213,7 @@ def probe_server(ssh: SshClient, server: Server, settings: Mapping[str, Any], po
     argv = server.argv_with(port=port, **settings)
     probe = f"rigctl-{purpose.split()[0]}probe-{server.name}"
     endpoint = Endpoint(f"http://{server.address}:{port}", api_key=server.api_key, label=f"{server.host}/{probe}")
-    # The unit's account and GPU pin: the probe sees the card the instance sees.
-    command = ["systemd-run", "--unit", probe, "--collect", "--quiet", "-p", f"User={server.user}",
-               "-p", f"Group={server.group}", "-p", f"EnvironmentFile={server.env_file}", server.binary, *argv]
-    ssh.run(shlex.join(command), timeout=60, check=True)
+    ssh.run(shlex.join(probe_command(server, probe, argv)), timeout=60, check=True)
     try:
         try:
             with ServerClient(endpoint) as client:

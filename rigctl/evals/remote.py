@@ -52,7 +52,8 @@ def job_spec(task: LoadedTask, target: Target, options: Options, questions_file:
     }
     return jobs.JobSpec(kind="eval", task="eval_task", params=params, lock="gpu", record=record,
                         files={"questions.jsonl": questions_file, "eval_scorers.py": Path(scorers.__file__)},
-                        max_runtime_s=int(options.timeout * max(1, len(task.questions))))
+                        max_runtime_s=int(options.timeout * max(1, len(task.questions))),
+                        artifacts=(params["artifact"]["path"],) if "artifact" in params else ())
 
 
 def run_remote(task: LoadedTask, target: Target, options: Options, store: ResultsStore, *,

@@ -34,8 +34,12 @@ Raw files in the run directory (what summaries and reports read):
 Params (from :func:`rigctl.bench.bench_job_spec`): ``llama_bench`` (binary), ``models`` [{name,
 path}], ``matrix`` {p, n, r, fa, ngl, t, ctk, ctv, d}, ``rounds``, ``order``, ``cooldown``
 {threshold_c (null: no gating), timeout_s, poll_s}, ``clocks`` {sample_s, min_sm_fraction},
-``bandwidth_gbs`` (the inventory's figure for the GPU, recorded), ``stop_servers`` (true: stop every
-running ``llama-server@`` unit for the run and start them again after), ``cell_timeout_s``.
+``bandwidth_gbs`` (the inventory's figure for the GPU, recorded), ``cell_timeout_s``.
+
+A bench that takes the card from the host's servers (:class:`rigctl.jobs.JobSpec` ``stop_servers``) finds
+them stopped: the job's unit stopped them, as root, before this task began, and starts them again after it
+ends (:func:`rigctl.hostside.jobrun.prepare` and ``finish``); the record's ``extra.servers_stopped`` names
+them, and its ``servers`` carry their argv as deployed, read just before.
 """
 
 from __future__ import annotations
@@ -52,7 +56,6 @@ from rigctl.hostside import gguf
 #: Matrix keys in llama-bench's flag order; list values become comma lists.
 MATRIX_FLAGS = (("p", "-p"), ("n", "-n"), ("r", "-r"), ("fa", "-fa"), ("ngl", "-ngl"), ("t", "-t"),
                 ("ctk", "-ctk"), ("ctv", "-ctv"), ("d", "-d"))
-SERVER_UNIT = "llama-server@{}.service"
 
 
 def llama_bench_argv(binary: str, model_path: str, matrix: dict[str, Any]) -> list[str]:
@@ -276,34 +279,6 @@ def gguf_shape(path: str) -> dict[str, Any] | None:
     return shape
 
 
-def stop_servers(job: Any, names: list[str]) -> list[str]:
-    """Stop the named llama-server units; the ones stopped, to start again after."""
-    stopped = []
-    for name in names:
-        unit = SERVER_UNIT.format(name)
-        job.log(f"stopping {unit} for the bench")
-        done = job.run(["systemctl", "stop", unit], timeout=120, record=False)
-        if done.returncode != 0:
-            raise job.TaskError(f"cannot stop {unit}: {done.stderr.decode(errors='replace').strip()}")
-        stopped.append(name)
-    return stopped
-
-
-def restore_servers(job: Any, names: list[str]) -> list[str]:
-    """Start again what :func:`stop_servers` stopped (plain subprocess: this runs while stopping too)."""
-    problems = []
-    for name in names:
-        unit = SERVER_UNIT.format(name)
-        job.log(f"starting {unit} again")
-        # Not a crash loop: clear the unit's start-limit counter, which counts every start.
-        subprocess.run(["systemctl", "reset-failed", unit], capture_output=True, timeout=60, check=False)
-        done = subprocess.run(["systemctl", "start", unit], capture_output=True, text=True, timeout=120,
-                              check=False)
-        if done.returncode != 0:
-            problems.append(f"{unit}: {done.stderr.strip()}")
-    return problems
-
-
 def _has_results(path: Path) -> bool:
     """Whether llama-bench's ``-o json`` output is a non-empty JSON array."""
     try:
@@ -332,49 +307,42 @@ def run(job: Any) -> None:
     raw_dir = job.run_dir / "llama-bench"
     raw_dir.mkdir(parents=True, exist_ok=True)
     gpu = GpuReader(job)
-    # The servers running now, their argv read by the runtime before this task began.
-    stopped = stop_servers(job, [s["name"] for s in job.record["servers"]] if p.get("stop_servers") else [])
-    job.record["extra"]["servers_stopped"] = stopped
-    try:
-        for index, (round_no, model) in enumerate(cells, 1):
-            name = model["name"]
-            job.progress(index - 1, len(cells), f"cell {index}/{len(cells)} {name}: cooling down")
-            wait = cool_down(gpu, job, threshold, float(cooldown.get("timeout_s", 600)),
-                             float(cooldown.get("poll_s", 2)))
-            argv = llama_bench_argv(p["llama_bench"], model["path"], matrix)
-            stem = f"cell-{index:03d}-{name}"
-            job.progress(index - 1, len(cells), f"cell {index}/{len(cells)} {name}: running llama-bench")
-            started = job.now()
-            with ClockPoller(gpu, raw_dir / f"{stem}.clocks.jsonl", float(clocks.get("sample_s", 1.0))) as poller:
-                began = time.monotonic()
-                done = job.run(argv, timeout=float(p.get("cell_timeout_s", 3600)),
-                               stdout=raw_dir / f"{stem}.json", stderr=raw_dir / f"{stem}.log")
-                llama_bench_s = round(time.monotonic() - began, 3)
-            ended = job.now()
-            verdict = throttle_verdict(poller.readings, min_fraction)
-            temps = [r["temp_c"] for r in poller.readings if r.get("temp_c") is not None]
-            line = {"index": index, "round": round_no, "artifact": name, "path": model["path"],
-                    "command": job.record["commands"][-1], "started": started, "ended": ended, "cooldown": wait,
-                    "llama_bench_s": llama_bench_s,
-                    "temp_start_c": wait["readings"][-1] if wait["readings"] else None,
-                    "temp_end_c": temps[-1] if temps else None,
-                    "clocks": f"llama-bench/{stem}.clocks.jsonl" if poller.readings else None, "throttle": verdict,
-                    "rc": done.returncode, "raw": f"llama-bench/{stem}.json", "log": f"llama-bench/{stem}.log"}
-            empty = done.returncode == 0 and not _has_results(raw_dir / f"{stem}.json")
-            if empty:  # exit 0 and no results: llama-bench could not write them (a full disk, say)
-                line["error"] = "llama-bench exited 0 but wrote no results"
-            with open(job.run_dir / "cells.jsonl", "a") as out:
-                out.write(json.dumps(line, sort_keys=True) + "\n")
-            if empty:
-                raise job.TaskError(f"cell {index} ({name}): llama-bench exited 0 but {stem}.json holds no results")
-            if done.returncode != 0:
-                tail = (raw_dir / f"{stem}.log").read_text(errors="replace").strip().splitlines()
-                raise job.TaskError(f"cell {index} ({name}): llama-bench exited {done.returncode}: "
-                                    f"{tail[-1] if tail else 'no output'}")
-            note = f"; THROTTLED: {'; '.join(verdict['why'])}" if verdict["throttled"] else ""
-            job.progress(index, len(cells), f"cell {index}/{len(cells)} {name}: done "
-                                            f"({line['temp_start_c']} -> {line['temp_end_c']} °C{note})")
-    finally:
-        problems = restore_servers(job, stopped)
-        if problems:
-            job.record["extra"]["restore_problems"] = problems
+    job.record["extra"].setdefault("servers_stopped", [])
+    for index, (round_no, model) in enumerate(cells, 1):
+        name = model["name"]
+        job.progress(index - 1, len(cells), f"cell {index}/{len(cells)} {name}: cooling down")
+        wait = cool_down(gpu, job, threshold, float(cooldown.get("timeout_s", 600)),
+                         float(cooldown.get("poll_s", 2)))
+        argv = llama_bench_argv(p["llama_bench"], model["path"], matrix)
+        stem = f"cell-{index:03d}-{name}"
+        job.progress(index - 1, len(cells), f"cell {index}/{len(cells)} {name}: running llama-bench")
+        started = job.now()
+        with ClockPoller(gpu, raw_dir / f"{stem}.clocks.jsonl", float(clocks.get("sample_s", 1.0))) as poller:
+            began = time.monotonic()
+            done = job.run(argv, timeout=float(p.get("cell_timeout_s", 3600)),
+                           stdout=raw_dir / f"{stem}.json", stderr=raw_dir / f"{stem}.log")
+            llama_bench_s = round(time.monotonic() - began, 3)
+        ended = job.now()
+        verdict = throttle_verdict(poller.readings, min_fraction)
+        temps = [r["temp_c"] for r in poller.readings if r.get("temp_c") is not None]
+        line = {"index": index, "round": round_no, "artifact": name, "path": model["path"],
+                "command": job.record["commands"][-1], "started": started, "ended": ended, "cooldown": wait,
+                "llama_bench_s": llama_bench_s,
+                "temp_start_c": wait["readings"][-1] if wait["readings"] else None,
+                "temp_end_c": temps[-1] if temps else None,
+                "clocks": f"llama-bench/{stem}.clocks.jsonl" if poller.readings else None, "throttle": verdict,
+                "rc": done.returncode, "raw": f"llama-bench/{stem}.json", "log": f"llama-bench/{stem}.log"}
+        empty = done.returncode == 0 and not _has_results(raw_dir / f"{stem}.json")
+        if empty:  # exit 0 and no results: llama-bench could not write them (a full disk, say)
+            line["error"] = "llama-bench exited 0 but wrote no results"
+        with open(job.run_dir / "cells.jsonl", "a") as out:
+            out.write(json.dumps(line, sort_keys=True) + "\n")
+        if empty:
+            raise job.TaskError(f"cell {index} ({name}): llama-bench exited 0 but {stem}.json holds no results")
+        if done.returncode != 0:
+            tail = (raw_dir / f"{stem}.log").read_text(errors="replace").strip().splitlines()
+            raise job.TaskError(f"cell {index} ({name}): llama-bench exited {done.returncode}: "
+                                f"{tail[-1] if tail else 'no output'}")
+        note = f"; THROTTLED: {'; '.join(verdict['why'])}" if verdict["throttled"] else ""
+        job.progress(index, len(cells), f"cell {index}/{len(cells)} {name}: done "
+                                        f"({line['temp_start_c']} -> {line['temp_end_c']} °C{note})")

@@ -1,7 +1,9 @@
 """The job runtime: runs one task module on a host, inside the transient systemd unit that
 :func:`rigctl.jobs.start` made. Standard library only (the hosts have Python 3.11, no rigctl).
 
-Invoked as ``python3 jobrun.py JOB_DIR``. ``JOB_DIR`` holds what the controller shipped::
+Invoked as ``python3 jobrun.py JOB_DIR`` by the unit, as the service account in the ``llama-server@`` unit's
+sandbox, which may write its run directory and nothing else (:mod:`rigctl.hostside.jobfiles`). ``JOB_DIR``
+(root's, read-only to the job) holds what the controller shipped::
 
     spec.json      id, kind, host, task (module name), params, lock, lock_file, results_dir, record
     jobrun.py      this file
@@ -10,10 +12,9 @@ Invoked as ``python3 jobrun.py JOB_DIR``. ``JOB_DIR`` holds what the controller 
                    script's directory comes first on ``sys.path``, so they import as on the controller
     <extra files>  whatever the JobSpec shipped (datasets, prompts)
 
-and what this runtime writes::
-
-    state.json     progress: state running|done|failed|stopped|lost, done/total, message, run_dir, error
-    output.log     stdout and stderr of the unit (systemd appends; also in the journal)
+and ``output.log``, stdout and stderr of the unit (systemd appends; also in the journal). The runtime
+writes ``.state.json`` (progress: state running|done|failed|stopped|lost, done/total, message, run_dir,
+error) in the run directory.
 
 The run directory ``<results_dir>/<host>/<id>/`` gets ``run.json`` (the run record, the layout of
 :class:`rigctl.results.record.RunRecord`) as soon as the job starts (status ``running``) and again, sealed
@@ -22,13 +23,20 @@ llama.cpp build (from the llama_cpp role's fact file) and each server's argv as 
 main process, by :mod:`rigctl.hostside.stamp`) are filled in before the task runs.
 
 On SIGTERM (``systemctl stop``, RuntimeMaxSec) the running child is terminated, the task's
-``finally`` blocks run (a bench restores the llama-server units it stopped) and the run is sealed
-as ``stopped``. The lock file is released whatever the outcome.
+``finally`` blocks run and the run is sealed as ``stopped``.
+
+Two steps of the unit run as root, from the root-owned job directory, on the spec alone (never on what the
+job wrote): ``--prepare JOB_DIR`` before the job (ExecStartPre=+): hash the spec's ``artifacts`` into the
+host's hash cache, which the job reads and cannot write, and stop the spec's ``stop_units`` (the llama-server
+units a bench takes the card from; :mod:`rigctl.hostside.jobhost` stamped them at the start); and
+``--finish JOB_DIR`` after it, however it ended, SIGKILL included (ExecStopPost=+): start those units again,
+release the lock, and write ``finished.json`` (what :mod:`rigctl.hostside.jobhost` waits for before it shows
+the job's final state). The job itself is granted nothing.
 
 A unit that dies without sealing (SIGKILL, out of memory, the host rebooting) leaves its run
 ``running``. ``python3 jobrun.py --seal-lost JOB_DIR`` (what :func:`rigctl.jobs.pull` runs for such
-a run) seals it as ``lost`` with the raw files it did write, and releases its lock; it refuses while
-the unit is active.
+a run, through ``jobhost seal-lost``: in the job's sandbox) seals it as ``lost`` with the raw files it did
+write; it refuses while the unit is active.
 """
 
 from __future__ import annotations
@@ -49,7 +57,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from rigctl.hostside import llama_cpp_fact, model_files, stamp
+from rigctl.hostside import jobfiles, llama_cpp_fact, model_files, stamp
 from rigctl.hostside.model_files import file_sha256
 
 #: Space set aside in the run directory when the job starts and freed to seal it: a disk that fills up
@@ -63,8 +71,7 @@ RUN_FILE = "run.json"
 RECORD_VERSION = 2
 #: sha256 of model files by path and file identity, beside the jobs directory.
 HASH_CACHE_FILE = "sha256-cache.json"
-STATE_FILE = "state.json"
-SPEC_FILE = "spec.json"
+SPEC_FILE = jobfiles.SPEC_FILE
 
 
 class Stopped(Exception):
@@ -136,7 +143,8 @@ class Job:
         self.spec: dict[str, Any] = json.loads((job_dir / SPEC_FILE).read_text())
         self.id: str = self.spec["id"]
         self.params: dict[str, Any] = self.spec.get("params") or {}
-        self.run_dir = Path(self.spec["results_dir"]) / self.spec["host"] / self.id
+        self.run_dir = Path(jobfiles.run_dir(self.spec))
+        self.state_file = Path(jobfiles.state_path(self.spec))
         self.record: dict[str, Any] = {
             "id": self.id, "kind": self.spec["kind"], "host": self.spec["host"], "started": utc_now(),
             "version": RECORD_VERSION, "ended": None, "status": "running", "gpu": {}, "llama_cpp": {},
@@ -161,7 +169,7 @@ class Job:
 
     def progress(self, done: int, total: int, message: str) -> None:
         self._state.update(done=done, total=total, message=message, updated=utc_now())
-        write_json_atomically(self.dir / STATE_FILE, self._state)
+        write_json_atomically(self.state_file, self._state)
         self.log(f"[{done}/{total}] {message}")
 
     def log(self, message: str) -> None:
@@ -191,7 +199,7 @@ class Job:
         if status == "done":
             self._state["done"] = self._state["total"]
             self._state["message"] = "done"
-        write_json_atomically(self.dir / STATE_FILE, self._state)
+        write_json_atomically(self.state_file, self._state)
 
     # ------------------------------------------------------------------ commands and facts
 
@@ -245,30 +253,18 @@ class Job:
         return entry
 
     def _cached_sha256(self, path: str) -> tuple[str, str]:
-        cache_path = Path(self.spec["job_dir"]).parent.parent / HASH_CACHE_FILE
-        identity = model_files.identity(path)
-        try:
-            cache = json.loads(cache_path.read_text())
-        except (OSError, ValueError):
-            cache = {}
-        hit = cache.get(path) if isinstance(cache, dict) else None
-        if isinstance(hit, dict) and hit.get("identity") == identity and isinstance(hit.get("sha256"), str):
-            return hit["sha256"], f"cache (hashed {hit.get('hashed', '?')}, file unchanged since)"
-        digest = file_sha256(path)
-        if not isinstance(cache, dict):
-            cache = {}
-        cache[path] = {"identity": identity, "sha256": digest, "hashed": utc_now()}
-        with contextlib.suppress(OSError):
-            write_json_atomically(cache_path, cache)
-        return digest, "hashed now"
+        return cached_sha256(hash_cache_path(self.spec), path)
 
     def collect_facts(self) -> None:
         """Host, GPU, llama.cpp build and the servers' argv as deployed: the servers the spec's record
         names (an eval's), else every llama-server running now (what a bench found, and stops)."""
         self.record["extra"]["host_facts"] = host_facts()
-        servers = self.record["servers"] or [{"name": name, "host": self.spec["host"]} for name in active_servers()]
+        servers = self.record["servers"] or [{"name": name, "host": self.spec["host"]}
+                                             for name in stamp.active_servers()]
         for server in servers:
-            server.setdefault("unit", f"llama-server@{server['name']}.service")
+            server.setdefault("unit", stamp.SERVER_UNIT.format(server["name"]))
+            if server.get("argv"):  # stamped as root at the start, before the job stopped it
+                continue
             found = stamp.deployed(server["unit"])
             if found["argv"]:
                 server.update(argv=found["argv"], argv_from=found["argv_from"], pid=found["pid"])
@@ -293,27 +289,74 @@ class Job:
             self._child.terminate()
         raise Stopped()
 
-    def release_lock(self) -> None:
-        lock_file = self.spec.get("lock_file")
-        if not lock_file:
-            return
-        try:
-            holder = json.loads(Path(lock_file).read_text())
-        except (OSError, ValueError):
-            return
-        if holder.get("job") == self.id:
-            Path(lock_file).unlink(missing_ok=True)
+
+def hash_cache_path(spec: dict[str, Any]) -> Path:
+    """The host's hash cache, beside the jobs directory (root's: :func:`prepare` writes it, jobs read it)."""
+    return Path(spec["job_dir"]).parent.parent / HASH_CACHE_FILE
 
 
-def active_servers() -> list[str]:
-    """Instance names of the llama-server units running now (enabled or started by hand)."""
+def cached_sha256(cache_path: Path, path: str) -> tuple[str, str]:
+    """``path``'s sha256 and where it came from: the cache when the file's identity is the one it was hashed
+    with, else hashed now (and kept in the cache, where the caller may write it)."""
+    identity = model_files.identity(path)
+    cache = jobfiles.read_json(str(cache_path))
+    hit = cache.get(path) if isinstance(cache, dict) else None
+    if isinstance(hit, dict) and hit.get("identity") == identity and isinstance(hit.get("sha256"), str):
+        return hit["sha256"], f"cache (hashed {hit.get('hashed', '?')}, file unchanged since)"
+    digest = file_sha256(path)
+    if not isinstance(cache, dict):
+        cache = {}
+    cache[path] = {"identity": identity, "sha256": digest, "hashed": utc_now()}
+    with contextlib.suppress(OSError):  # read-only to a job: hashed now, again next time
+        write_json_atomically(cache_path, cache)
+    return digest, "hashed now"
+
+
+def _systemctl(*args: str) -> str | None:
+    """``systemctl ARGS``; None when it worked, else its one-line complaint."""
     try:
-        listing = subprocess.run(["systemctl", "list-units", "llama-server@*.service", "--state=active", "--plain",
-                                  "--no-legend"], capture_output=True, text=True, check=False, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    units = [line.split()[0] for line in listing.splitlines() if line.strip()]
-    return sorted(u.removeprefix("llama-server@").removesuffix(".service") for u in units)
+        done = subprocess.run(["systemctl", *args], capture_output=True, text=True, timeout=300, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return str(exc)
+    return None if done.returncode == 0 else (done.stderr.strip() or f"exit {done.returncode}")
+
+
+def prepare(job_dir: Path) -> int:
+    """Root's step before the job (ExecStartPre=+): the spec's model files hashed into the host's cache,
+    then the llama-server units the spec names stopped. Non-zero (the job does not run) when one will not
+    stop."""
+    spec = json.loads((job_dir / SPEC_FILE).read_text())
+    for path in spec.get("artifacts") or []:
+        if os.path.isfile(path):
+            digest, source = cached_sha256(hash_cache_path(spec), str(path))
+            print(f"{utc_now()} {path}: sha256 {digest} ({source})", flush=True)
+    for unit in spec.get("stop_units") or []:
+        print(f"{utc_now()} stopping {unit} for the job", flush=True)
+        problem = _systemctl("stop", unit)
+        if problem:
+            error = f"cannot stop {unit}: {problem}"
+            print(f"{utc_now()} {error}", flush=True)
+            write_json_atomically(job_dir / jobfiles.NOT_STARTED_FILE, {"error": error, "ended": utc_now()})
+            return 1
+    return 0
+
+
+def finish(job_dir: Path) -> int:
+    """Root's step after the job, however it ended (ExecStopPost=+): the units :func:`prepare` stopped started
+    again, the lock released, ``finished.json`` written."""
+    spec = json.loads((job_dir / SPEC_FILE).read_text())
+    problems = []
+    for unit in spec.get("stop_units") or []:
+        print(f"{utc_now()} starting {unit} again", flush=True)
+        # Not a crash loop: clear the unit's start-limit counter, which counts every start.
+        _systemctl("reset-failed", unit)
+        problem = _systemctl("start", unit)
+        if problem:
+            problems.append(f"{unit}: {problem}")
+            print(f"{utc_now()} cannot start {unit}: {problem}", flush=True)
+    jobfiles.release_lock(spec)
+    write_json_atomically(job_dir / jobfiles.FINISHED_FILE, {"ended": utc_now(), "restore_problems": problems})
+    return 0
 
 
 def load_task(job_dir: Path, name: str) -> Any:
@@ -353,10 +396,7 @@ def main(job_dir: Path) -> int:
         error = f"{type(exc).__name__}: {exc}"
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        try:
-            job.seal(status, error)
-        finally:
-            job.release_lock()
+        job.seal(status, error)
     job.log(f"job {job.id}: {status}" + (f": {error}" if error else ""))
     return 0 if status == "done" else 1
 
@@ -367,16 +407,16 @@ LOST_ERROR = "the job's unit ended without sealing its run (killed, or the host 
 def seal_lost(job_dir: Path) -> int:
     """Seal the run of a job whose unit is gone but never sealed it, as ``lost``; prints the record."""
     job = Job(job_dir)
-    if subprocess.run(["systemctl", "is-active", "--quiet", job.spec["unit"]]).returncode == 0:
+    if jobfiles.unit_active(job.spec["unit"]):
         print(f"job {job.id}: unit {job.spec['unit']} is still active", file=sys.stderr)
         return 1
     # A file the unit died before writing leaves the fresh one standing.
-    for path, into in ((job.run_dir / RUN_FILE, job.record), (job_dir / STATE_FILE, job._state)):
-        with contextlib.suppress(OSError, ValueError):
-            into.update(json.loads(path.read_text()))
+    for path, into in ((job.run_dir / RUN_FILE, job.record), (job.state_file, job._state)):
+        found = jobfiles.read_json(str(path))
+        if isinstance(found, dict):
+            into.update(found)
     if job.record["status"] == "running":
         job.seal("lost", LOST_ERROR)
-        job.release_lock()
     print(json.dumps(job.record))
     return 0
 
@@ -385,6 +425,10 @@ if __name__ == "__main__":
     try:
         if sys.argv[1] == "--seal-lost":
             sys.exit(seal_lost(Path(sys.argv[2]).resolve()))
+        if sys.argv[1] == "--prepare":
+            sys.exit(prepare(Path(sys.argv[2]).resolve()))
+        if sys.argv[1] == "--finish":
+            sys.exit(finish(Path(sys.argv[2]).resolve()))
         sys.exit(main(Path(sys.argv[1]).resolve()))
     except OSError as exc:  # the controller shows this line: one line, not a traceback
         print(f"jobrun: {describe_os_error(exc)}", file=sys.stderr)

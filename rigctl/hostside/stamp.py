@@ -28,6 +28,7 @@ GPU_FIELDS = "name,driver_version,memory.total,compute_cap"
 MASK = "***"
 #: Option names whose value is a secret (the key itself; a key *file* path is not).
 SECRET_OPTIONS = ("--api-key", "--hf-token", "-hft")
+SERVER_UNIT = "llama-server@{}.service"
 
 
 def mask_secrets(argv: list[str]) -> list[str]:
@@ -75,6 +76,17 @@ def deployed(unit: str) -> dict[str, Any]:
         return entry
     entry.update(pid=pid, argv=mask_secrets(argv), argv_from=path)
     return entry
+
+
+def active_servers() -> list[str]:
+    """Instance names of the llama-server units running now (enabled or started by hand)."""
+    try:
+        listing = subprocess.run(["systemctl", "list-units", SERVER_UNIT.format("*"), "--state=active", "--plain",
+                                  "--no-legend"], capture_output=True, text=True, check=False, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    units = [line.split()[0] for line in listing.splitlines() if line.strip()]
+    return sorted(u.removeprefix("llama-server@").removesuffix(".service") for u in units)
 
 
 def _read(path: str) -> str | None:

@@ -23,6 +23,7 @@ import yaml
 
 import rigctl.inventory.profiles as profiles
 from rigctl.errors import ConfigError
+from rigctl.hostside import sandbox
 from rigctl.probe import PROBED_KEYS
 
 if TYPE_CHECKING:
@@ -100,6 +101,27 @@ class Artifact:
 
 
 @dataclass(frozen=True)
+class ServiceAccount:
+    """The account llama-server, rigctl's jobs and the bench's probes run as on one host, with the GPU access
+    its units get: the llama_server role's ``llama_server_user``/``_group`` (the gpu_host role's
+    ``gpu_host_user``/``_group`` by default), ``llama_server_supplementary_groups`` and
+    ``llama_server_device_allow``."""
+
+    user: str
+    group: str
+    supplementary_groups: tuple[str, ...] = sandbox.SUPPLEMENTARY_GROUPS
+    device_allow: tuple[str, ...] = sandbox.DEVICE_ALLOW
+
+    def unit_properties(self, read_write: Iterable[str] = ()) -> list[str]:
+        """The ``llama-server@`` unit's account and hardening as ``Key=value`` lines (what ``systemd-run -p``
+        takes), writable only ``read_write``."""
+        account = [f"User={self.user}", f"Group={self.group}"]
+        if self.supplementary_groups:
+            account.append("SupplementaryGroups=" + " ".join(self.supplementary_groups))
+        return account + sandbox.properties(list(read_write), self.device_allow)
+
+
+@dataclass(frozen=True)
 class Server:
     """One llama_server instance of one host, with everything the role derives for it (the plan of
     :func:`rigctl.inventory.profiles.instance_plan`): the one view every consumer takes."""
@@ -118,14 +140,21 @@ class Server:
     flags: tuple[str, ...]  # the arguments file's lines, as the role writes them
     config_dir: str
     models_dir: str
-    user: str  # the account the unit runs as
-    group: str
+    account: ServiceAccount  # the account the unit runs as, with its GPU access
     bind_address: str = ""  # the host's llama_server_bind_address ("" keeps the profile's host)
     api_key: str | None = field(default=None, repr=False)
 
     @property
     def unit(self) -> str:
         return profiles.unit_name(self.name)
+
+    @property
+    def user(self) -> str:
+        return self.account.user
+
+    @property
+    def group(self) -> str:
+        return self.account.group
 
     @property
     def args_file(self) -> str:
@@ -233,8 +262,7 @@ class Host:
         except profiles.ProfileError as exc:
             raise ConfigError(f"host {self.name}: {exc}") from None
         pins = self.pins
-        user = str(self.vars.get("llama_server_user") or self.vars.get("gpu_host_user") or SERVICE_USER)
-        group = str(self.vars.get("llama_server_group") or self.vars.get("gpu_host_group") or SERVICE_USER)
+        account = self.service_account
         out = []
         for plan in plans:
             spec = plan["profile"].get("spec") or {}
@@ -246,8 +274,23 @@ class Host:
                 model=Artifact(plan["artifact"], plan["model"], pins.get(plan["artifact"])),
                 draft_model=Artifact(draft, plan["draft_model"], pins.get(draft)) if draft else None,
                 address=self.address, bind=plan["bind"], flags=tuple(plan["flags"]), config_dir=config_dir,
-                models_dir=models_dir, user=user, group=group, bind_address=bind_address, api_key=api_key))
+                models_dir=models_dir, account=account, bind_address=bind_address, api_key=api_key))
         return out
+
+    @property
+    def service_account(self) -> ServiceAccount:
+        """The account this host's servers, jobs and probes run as, with their GPU access."""
+        user = str(self.vars.get("llama_server_user") or self.vars.get("gpu_host_user") or SERVICE_USER)
+        group = str(self.vars.get("llama_server_group") or self.vars.get("gpu_host_group") or SERVICE_USER)
+        groups = self.vars.get("llama_server_supplementary_groups", sandbox.SUPPLEMENTARY_GROUPS)
+        devices = self.vars.get("llama_server_device_allow", sandbox.DEVICE_ALLOW)
+        for key, value in (("llama_server_supplementary_groups", groups), ("llama_server_device_allow", devices)):
+            if not isinstance(value, list | tuple) or not all(isinstance(v, str) and v.strip() for v in value):
+                raise ConfigError(f"host {self.name}: {key}: expected a list of strings")
+        for name in (user, group, *groups):
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}", name):
+                raise ConfigError(f"host {self.name}: {name!r} is not a user or group name")
+        return ServiceAccount(user, group, tuple(groups), tuple(d.strip() for d in devices))
 
     def server(self, name: str) -> Server:
         """Instance ``name``; ConfigError naming the host and its instances when there is none."""

@@ -12,6 +12,8 @@ import shlex
 import stat
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,7 @@ import role_modules
 
 from rigctl import build, jobs, server
 from rigctl.errors import BuildError, ConfigError, TransferError
-from rigctl.hostside import gguf, jobhost, llama_cpp_fact, llama_server_http, model_files, ship
+from rigctl.hostside import gguf, jobfiles, jobhost, llama_cpp_fact, llama_server_http, model_files, ship
 
 HOSTSIDE = Path(ship.__file__).parent
 REPO = HOSTSIDE.parents[1]
@@ -85,8 +87,8 @@ def test_the_roles_modules_use_the_one_gguf_reader_and_model_file_helpers() -> N
 
 def test_the_import_closure_is_what_a_module_imports(tmp_path: Path) -> None:
     assert ship.closure(["fleet_probe"]) == ["model_files", "fleet_probe"]
-    assert set(ship.closure(["jobrun", "eval_task"])) == {"jobrun", "eval_task", "model_files", "llama_cpp_fact",
-                                                         "llama_server_http", "stamp"}
+    assert set(ship.closure(["jobrun", "eval_task"])) == {"jobrun", "eval_task", "jobfiles", "model_files",
+                                                         "llama_cpp_fact", "llama_server_http", "stamp"}
     with pytest.raises(ConfigError, match="no rigctl/hostside/nope.py"):
         ship.closure(["nope"])
 
@@ -317,3 +319,118 @@ def test_gguf_reader_skips_a_long_string_array_and_reads_on(tmp_path: Path) -> N
         (tmp_path / "cut.gguf").write_bytes(data[:cut])
         with pytest.raises(gguf.GGUFError, match="truncated|past the end"):
             gguf.read_header(str(tmp_path / "cut.gguf"), tensors=False)
+
+
+# ----------------------------------------------------------------------------------------------- the job tree
+
+
+def _job_tree(tmp_path: Path, **spec: object) -> tuple[Path, dict]:
+    """A job directory as jobhost start leaves it (the shipped bench job, its spec) and its run directory."""
+    job_dir = tmp_path / "jobs" / "bench-1"
+    full = {"id": "bench-1", "kind": "bench", "host": "desktop", "unit": "rigctl-bench-1", "job_dir": str(job_dir),
+            "results_dir": str(tmp_path / "results"), "lock_file": str(tmp_path / "jobs" / "locks" / "gpu.json"),
+            "unit_properties": ["User=llama"], **spec}
+    jobhost.write_job_dir(str(job_dir), {**jobs.task_sources("bench_task"), "spec.json": json.dumps(full)})
+    Path(jobfiles.run_dir(full)).mkdir(parents=True)
+    return job_dir, full
+
+
+def test_a_job_shows_its_final_state_only_once_roots_last_step_is_done(tmp_path: Path) -> None:
+    job_dir, spec = _job_tree(tmp_path)
+    assert jobhost.job_state(str(job_dir), spec, None)["state"] == "starting"
+    done = {"state": "done", "done": 2, "total": 2, "message": "done"}
+    Path(jobfiles.state_path(spec)).write_text(json.dumps(done))
+    state = jobfiles.read_state(str(job_dir), spec)
+    assert state == done and jobfiles.state_path(spec).startswith(jobfiles.run_dir(spec) + "/")
+    # Done, but the servers it stopped are not started again yet: finishing, which wait does not end on.
+    finishing = jobhost.job_state(str(job_dir), spec, state)
+    assert finishing["state"] == "finishing" and not jobs.parse_job("desktop", {
+        "spec": spec, "state": finishing, "active": True}).finished
+    (job_dir / jobfiles.FINISHED_FILE).write_text("{}")
+    assert jobhost.job_state(str(job_dir), spec, state) == done
+    # The host's wait answers as soon as root's step is done, not after its hold.
+    (job_dir / jobfiles.FINISHED_FILE).unlink()
+    timer = threading.Timer(0.3, lambda: (job_dir / jobfiles.FINISHED_FILE).write_text("{}"))
+    timer.start()
+    began = time.monotonic()
+    jobhost.wait_for_change(str(job_dir), jobhost.progress_key(finishing), 20, 0.05)
+    assert 0.25 < time.monotonic() - began < 5
+    # A job started before the tree was root's: its state in its job directory, final as it says.
+    old = {k: v for k, v in spec.items() if k != "unit_properties"}
+    Path(jobfiles.state_path(spec)).unlink()
+    (job_dir / jobfiles.OLD_STATE_FILE).write_text(json.dumps(done))
+    (job_dir / jobfiles.FINISHED_FILE).unlink()
+    assert jobhost.job_state(str(job_dir), old, jobfiles.read_state(str(job_dir), old)) == done
+
+
+def test_root_reads_what_a_job_wrote_without_following_links_or_waiting(tmp_path: Path) -> None:
+    (tmp_path / "secret").write_text('{"root": "only"}')
+    (tmp_path / "link").symlink_to(tmp_path / "secret")
+    os.mkfifo(tmp_path / "fifo")  # opened plainly, this would block the listing forever
+    (tmp_path / "big").write_text(json.dumps({"x": "y" * 100}))
+    assert jobfiles.read_json(str(tmp_path / "secret")) == {"root": "only"}
+    assert jobfiles.read_json(str(tmp_path / "link")) is None
+    assert jobfiles.read_json(str(tmp_path / "fifo")) is None
+    assert jobfiles.read_json(str(tmp_path / "big"), limit=50) is None
+    (tmp_path / "deep").write_text("[" * 100000 + "]" * 100000)
+    assert jobfiles.read_json(str(tmp_path / "deep")) is None
+
+
+FAKE_SYSTEMCTL = """#!/bin/sh
+echo "$*" >> "$SYSTEMCTL_LOG"
+case "$1 $2" in
+    "start llama-server@broken.service") echo "Job failed" >&2; exit 1 ;;
+    "stop llama-server@wedged.service") echo "Timed out" >&2; exit 1 ;;
+esac
+"""
+
+
+def test_roots_steps_hash_stop_and_start_only_what_the_spec_names(tmp_path: Path) -> None:
+    model = tmp_path / "m.gguf"
+    model.write_bytes(os.urandom(4096))
+    units = ["llama-server@a.service", "llama-server@broken.service"]
+    job_dir, spec = _job_tree(tmp_path, artifacts=[str(model), str(tmp_path / "gone.gguf")], stop_units=units)
+    locks = tmp_path / "jobs" / "locks"
+    locks.mkdir()
+    (locks / "gpu.json").write_text(json.dumps({"job": "bench-1", "unit": "rigctl-bench-1"}))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "systemctl").write_text(FAKE_SYSTEMCTL)
+    (bin_dir / "systemctl").chmod(0o755)
+    log = tmp_path / "systemctl.log"
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SYSTEMCTL_LOG": str(log)}
+
+    def step(name: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*jobhost.PYTHON, str(job_dir / "jobrun.py"), name, str(job_dir)], env=env,
+                              capture_output=True, text=True, timeout=60, check=False, cwd=job_dir)
+
+    prepared = step("--prepare")
+    assert prepared.returncode == 0, prepared.stderr
+    cache = json.loads((tmp_path / "sha256-cache.json").read_text())
+    assert list(cache) == [str(model)] and cache[str(model)]["sha256"] == hashlib.sha256(model.read_bytes()).hexdigest()
+    assert log.read_text().splitlines() == [f"stop {u}" for u in units]
+    assert not (job_dir / jobfiles.FINISHED_FILE).exists()
+
+    log.unlink()
+    finished = step("--finish")
+    assert finished.returncode == 0, finished.stderr
+    assert log.read_text().splitlines() == [line for u in units for line in (f"reset-failed {u}", f"start {u}")]
+    assert json.loads((job_dir / jobfiles.FINISHED_FILE).read_text())["restore_problems"] == [
+        "llama-server@broken.service: Job failed"]
+    assert not (locks / "gpu.json").exists()
+    # Another job's lock stays.
+    (locks / "gpu.json").write_text(json.dumps({"job": "bench-2", "unit": "rigctl-bench-2"}))
+    assert step("--finish").returncode == 0 and (locks / "gpu.json").exists()
+
+    # A server that will not stop keeps the job from running: it fails, saying why, once root's last step ran.
+    spec["stop_units"] = ["llama-server@wedged.service", "llama-server@a.service"]
+    (job_dir / "spec.json").write_text(json.dumps(spec))
+    log.unlink()
+    assert step("--prepare").returncode == 1
+    assert log.read_text().splitlines() == ["stop llama-server@wedged.service"]
+    assert jobhost.job_state(str(job_dir), spec, None)["state"] == "failed"  # finished.json is there
+    (job_dir / jobfiles.FINISHED_FILE).unlink()
+    assert jobhost.job_state(str(job_dir), spec, None)["state"] == "starting"
+    assert step("--finish").returncode == 0
+    failed = jobhost.job_state(str(job_dir), spec, None)
+    assert (failed["state"], failed["error"]) == ("failed", "cannot stop llama-server@wedged.service: Timed out")

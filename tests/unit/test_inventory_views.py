@@ -75,9 +75,15 @@ PLAY = """
       loop: "{{{{ _llama_server_plan }}}}"
       loop_control:
         label: "{{{{ item.name }}}}"
+    - name: Render the llama-server@ unit with the role's template
+      ansible.builtin.template:
+        src: "{role}/templates/etc/systemd/system/llama-server@.service.j2"
+        dest: "{{{{ out }}}}/{{{{ inventory_hostname }}}}.service"
+        mode: "0600"
     - name: Write what the role derives
       ansible.builtin.copy:
         content: "{{{{ {{'user': llama_server_user, 'group': llama_server_group, 'config_dir': llama_server_config_dir,
+                     'state_dir': llama_server_state_dir,
                      'models_dir': llama_server_models_dir, 'key_file': _llama_server_key_file,
                      'plan': _llama_server_plan}} | to_json }}}}"
         dest: "{{{{ out }}}}/{{{{ inventory_hostname }}}}.json"
@@ -154,6 +160,24 @@ def test_servers_are_what_the_role_renders(fleet: tuple[Inventory, Path]) -> Non
     assert (laptop.user, laptop.key_file, laptop.model.path) == \
            ("svc", "/etc/ls/api-key", "/srv/models/smollm2-q4_1.gguf")
     assert laptop.endpoint.url == "http://192.0.2.12:8080" and laptop.endpoint.api_key == "test-key-1"
+
+
+def test_jobs_and_probes_get_the_account_and_sandbox_the_role_gives_the_unit(fleet: tuple[Inventory, Path]) -> None:
+    """The rendered unit's User=, Group=, SupplementaryGroups= and every hardening line, in its order, are what
+    a job and a probe server run with (their one home, rigctl/hostside/sandbox.py): the laptop's own user too."""
+    inventory, out = fleet
+    for host in inventory.hosts.values():
+        role = json.loads((out / f"{host.name}.json").read_text())
+        unit = (out / f"{host.name}.service").read_text().splitlines()
+        service = [line for line in unit[unit.index("[Service]") + 1: unit.index("[Install]")]
+                   if line and not line.startswith("#")]
+        expected = host.service_account.unit_properties([role["state_dir"]])
+        account = [line for line in service if line.split("=")[0] in ("User", "Group", "SupplementaryGroups")]
+        assert account == expected[:3] == [f"User={role['user']}", f"Group={role['group']}",
+                                           "SupplementaryGroups=video"]
+        assert service[service.index("DevicePolicy=closed"):] == expected[3:]
+        assert all(server.account == host.service_account for server in host.servers)
+    assert inventory.host("laptop").service_account.user == "svc"
 
 
 def test_a_host_override_of_ctx_size_reaches_every_consumer(fleet: tuple[Inventory, Path]) -> None:

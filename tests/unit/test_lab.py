@@ -461,6 +461,35 @@ def test_stand_in_temperature_sequence_is_consumed_and_the_last_value_sticks(gpu
     assert (after["temperature"], after["temperature_sequence"]) == (44, [])
 
 
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv")
+def test_stand_in_sequences_move_on_for_a_reader_who_cannot_write_the_state(gpu_state: Path,
+                                                                           request: pytest.FixtureRequest) -> None:
+    """rigctl's jobs read the card as the service account in a read-only sandbox: their readings move on
+    through the sequences too (a cursor in the reader's own /tmp), the state itself stays as root left it."""
+    state = json.loads(gpu_state.read_text())
+    shared = Path(tempfile.mkdtemp(prefix="rigctl-lab-smi-", dir="/tmp"))  # pytest's tmp_path is root's only
+    request.addfinalizer(lambda: shutil.rmtree(shared))
+    shared.chmod(0o755)
+    gpu_state = shared / "gpu.json"
+    gpu_state.write_text(json.dumps({**state, "temperature_sequence": [83, 62, 44]}))
+    reader_tmp = shared / "reader-tmp"
+    reader_tmp.mkdir()
+    reader_tmp.chmod(0o777)
+
+    def read() -> str:
+        done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
+                               str(NVIDIA_SMI), "--query-gpu=temperature.gpu", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=30, check=False,
+                              env={**os.environ, "RIGCTL_LAB_GPU_STATE": str(gpu_state), "TMPDIR": str(reader_tmp)})
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    assert [read() for _ in range(4)] == ["83", "62", "44", "44"]
+    assert json.loads(gpu_state.read_text())["temperature_sequence"] == [83, 62, 44]  # root's to move on
+    gpu_state.write_text(json.dumps({**state, "temperature_sequence": [90, 70]}))  # a test sets another
+    assert [read() for _ in range(3)] == ["90", "70", "70"]
+
+
 def test_stand_in_persistence_mode_and_summary_table(gpu_state: Path) -> None:
     on = smi(gpu_state, "-pm", "1")
     assert on.stdout == "Enabled persistence mode for GPU 00000000:01:00.0.\nAll done.\n"

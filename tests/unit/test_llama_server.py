@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 import role_modules
+import yaml
 
+from rigctl.hostside import sandbox
 from rigctl.inventory.profiles import ProfileError, host_plan, resolve_profile, server_flags
 from rigctl.servers import operator_start, parse_unit_show
 
@@ -47,6 +49,18 @@ def test_the_filter_plugin_plans_with_rigctls_resolver() -> None:
     assert filters.FilterModule().filters()["llama_server_key_file"]("/etc/ls") == "/etc/ls/api-key"
     with pytest.raises(filters.AnsibleFilterError, match="profile 'child' extends 'gone', which is not defined"):
         filters.llama_server_plan({"b": instances["b"]}, {"child": {"extends": "gone"}}, **paths)
+
+
+def test_the_sandboxs_defaults_are_the_roles() -> None:
+    """rigctl's fallbacks for a host that sets neither (jobs and probes) are the role's defaults."""
+    defaults = yaml.safe_load((ROLE / "defaults" / "main.yml").read_text())
+    assert defaults["llama_server_device_allow"] == list(sandbox.DEVICE_ALLOW)
+    assert defaults["llama_server_supplementary_groups"] == list(sandbox.SUPPLEMENTARY_GROUPS)
+    lines = filters.FilterModule().filters()["llama_server_sandbox"](["char-x rw"], ["/var/lib/llama-server"])
+    assert lines == sandbox.properties(["/var/lib/llama-server"], ["char-x rw"])
+    assert "PrivateDevices=yes" not in lines and "NoNewPrivileges=yes" in lines and "CapabilityBoundingSet=" in lines
+    with pytest.raises(filters.AnsibleFilterError, match="must be absolute"):
+        filters.llama_server_sandbox([], ["state"])
 
 
 def test_flags_one_per_line_as_the_study_serves() -> None:

@@ -1,10 +1,11 @@
 # Part of rigctl's llama_server role.
-"""Jinja filters over rigctl's one profile resolver (rigctl/inventory/profiles.py).
+"""Jinja filters over rigctl's one profile resolver (rigctl/inventory/profiles.py) and its one list of the
+unit's hardening (rigctl/hostside/sandbox.py, which rigctl's jobs and probe servers run under too).
 
-The resolver is loaded from this checkout by its path, not imported from an installed rigctl: plain
+Both files are loaded from this checkout by its path, not imported from an installed rigctl: plain
 ``ansible-playbook`` from the repository may run under any Python (a system Ansible has no rigctl), and
-an installed rigctl of another version could resolve differently from the role beside it. The file is
-standard library only, so loading it needs nothing else of rigctl.
+an installed rigctl of another version could resolve differently from the role beside it. The files are
+standard library only, so loading them needs nothing else of rigctl.
 """
 
 from __future__ import annotations
@@ -24,19 +25,26 @@ except ImportError:  # imported outside Ansible (tests)
 #: roles/llama_server/filter_plugins/ -> the repository root -> the resolver.
 RESOLVER = Path(__file__).resolve().parents[3] / "rigctl" / "inventory" / "profiles.py"
 _MODULE = "_rigctl_llama_server_profiles"
+#: The same root -> the sandbox's properties.
+SANDBOX = Path(__file__).resolve().parents[3] / "rigctl" / "hostside" / "sandbox.py"
+_SANDBOX_MODULE = "_rigctl_llama_server_sandbox"
+
+
+def _load(name: str, path: Path, what: str) -> ModuleType:
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None or not path.is_file():
+        raise AnsibleFilterError(f"llama_server: rigctl's {what} {path} is missing "
+                                 "(the role runs from a rigctl checkout)")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and typing look the module up by name
+    spec.loader.exec_module(module)
+    return module
 
 
 def _resolver() -> ModuleType:
-    if _MODULE in sys.modules:
-        return sys.modules[_MODULE]
-    spec = importlib.util.spec_from_file_location(_MODULE, RESOLVER)
-    if spec is None or spec.loader is None or not RESOLVER.is_file():
-        raise AnsibleFilterError(f"llama_server: rigctl's profile resolver {RESOLVER} is missing "
-                                 "(the role runs from a rigctl checkout)")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[_MODULE] = module  # dataclasses and typing look the module up by name
-    spec.loader.exec_module(module)
-    return module
+    return _load(_MODULE, RESOLVER, "profile resolver")
 
 
 def llama_server_plan(instances: Mapping[str, Any] | None, profiles: Mapping[str, Any],
@@ -55,6 +63,17 @@ def llama_server_key_file(config_dir: str) -> str:
     return str(_resolver().key_file(config_dir))
 
 
+def llama_server_sandbox(device_allow: list[str], read_write: list[str]) -> list[str]:
+    """Jinja: ``llama_server_device_allow | llama_server_sandbox([llama_server_state_dir])``: the unit's
+    hardening lines (rigctl/hostside/sandbox.py's ``properties``)."""
+    try:
+        return list(_load(_SANDBOX_MODULE, SANDBOX, "sandbox").properties([str(p) for p in read_write],
+                                                                          [str(d) for d in device_allow]))
+    except ValueError as exc:
+        raise AnsibleFilterError(f"llama_server: {exc}") from None
+
+
 class FilterModule:
     def filters(self) -> dict[str, Any]:
-        return {"llama_server_plan": llama_server_plan, "llama_server_key_file": llama_server_key_file}
+        return {"llama_server_plan": llama_server_plan, "llama_server_key_file": llama_server_key_file,
+                "llama_server_sandbox": llama_server_sandbox}
