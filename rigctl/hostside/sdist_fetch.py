@@ -25,7 +25,9 @@ import json
 import os
 import re
 import ssl
+import sys
 import tempfile
+import types
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -65,29 +67,36 @@ def pip_index_urls() -> list[str]:
     """The index pip uses, then its extra indexes, read by pip itself: ``PIP_INDEX_URL`` /
     ``PIP_EXTRA_INDEX_URL``, then ``[download]`` and ``[global]`` of pip's configuration files, else
     pip's built-in default index."""
-    # pip is imported here, not at the top: only this function needs it, and the role's module and
-    # rigctl both run it under a Python that has pip (the playbook's own, rigctl's venv).
-    from pip._internal.models.index import PyPI
-
-    index = _pip_setting("index-url") or PyPI.simple_url
+    index = _pip_setting("index-url") or _pip().PyPI.simple_url
     return [index, *(_pip_setting("extra-index-url") or "").split()]
 
 
 def _pip_setting(name: str) -> str:
     """A setting as ``pip download`` sees it: the environment over [download] over [global]."""
-    from pip._internal.configuration import Configuration
-    from pip._internal.exceptions import ConfigurationError
-
-    config = Configuration(isolated=False)
+    pip = _pip()
+    config = pip.Configuration(isolated=False)
     config.load()
     for section in (":env:", "download", "global"):
         try:
             value = config.get_value(f"{section}.{name}")
-        except ConfigurationError:
+        except pip.ConfigurationError:
             continue
         if value:
             return str(value)
     return ""
+
+
+def _pip() -> types.SimpleNamespace:
+    """The parts of pip that know its settings and its default index."""
+    # Imported here, not at the top: only the settings need pip, and the role's module and rigctl run
+    # this under a Python that has it (the playbook's own, rigctl's venv).
+    try:
+        from pip._internal.configuration import Configuration
+        from pip._internal.exceptions import ConfigurationError
+        from pip._internal.models.index import PyPI
+    except ImportError:
+        raise SdistFetchError(f"{sys.executable} has no pip to read the package index settings from") from None
+    return types.SimpleNamespace(Configuration=Configuration, ConfigurationError=ConfigurationError, PyPI=PyPI)
 
 
 def shown(url: str) -> str:

@@ -9,11 +9,13 @@ import os
 import subprocess
 import sys
 import textwrap
+import venv
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from rigctl.deploy import mitogen_strategy_dir
 from rigctl.hostside import sdist_fetch
 from rigctl.hostside.sdist_fetch import SdistFetchError, fetch_sdist, pip_index_urls
 
@@ -219,20 +221,27 @@ _PLAY = textwrap.dedent("""\
     """)
 
 
-def _role_run(tmp_path: Path, index: PackageIndex, pin: str) -> subprocess.CompletedProcess[str]:
+def _role_run(tmp_path: Path, index: PackageIndex, pin: str,
+              strategy: str = "linear") -> subprocess.CompletedProcess[str]:
     (tmp_path / "play.yml").write_text(_PLAY)
     (tmp_path / "work" / "src").mkdir(parents=True)  # the role's install tasks make it before these run
-    # Ansible's defaults (no mitogen, no lab inventory) but for the project's roles and module_utils.
+    # The host's Python has no pip (as the rigs' inventories say /usr/bin/python3): the fetch, delegated to
+    # the controller, must run under the playbook's own Python, the one with pip.
+    venv.create(tmp_path / "no-pip", with_pip=False)
+    (tmp_path / "hosts.ini").write_text(f"localhost ansible_connection=local "
+                                        f"ansible_python_interpreter={tmp_path / 'no-pip' / 'bin' / 'python'}\n")
+    # Ansible's defaults (no lab inventory) but for the project's roles and module_utils, and the strategy.
     (tmp_path / "ansible.cfg").write_text(f"[defaults]\nroles_path = {REPO / 'roles'}\n"
-                                          f"module_utils = {REPO / 'rigctl/hostside'}\n")
+                                          f"module_utils = {REPO / 'rigctl/hostside'}\nstrategy = {strategy}\n")
     extravars = {"llama_cpp_source": "archive", "llama_cpp_version": "b1",
                  "llama_cpp_work_root": str(tmp_path / "work"),
                  "llama_cpp_archive": {"path": str(tmp_path / "sources" / SDIST), "sha256": pin,
                                        "subdir": "llama.cpp"},
-                 "llama_cpp_archive_sdist": REQUIREMENT, "ansible_python_interpreter": sys.executable}
-    env = {**os.environ, "ANSIBLE_CONFIG": str(tmp_path / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",
+                 "llama_cpp_archive_sdist": REQUIREMENT}
+    env = {**os.environ, **({"ANSIBLE_STRATEGY_PLUGINS": mitogen_strategy_dir() or ""} if strategy != "linear" else {}),
+           "ANSIBLE_CONFIG": str(tmp_path / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",
            "ANSIBLE_LOCALHOST_WARNING": "0", "PIP_CONFIG_FILE": os.devnull, "PIP_INDEX_URL": index.url}
-    return subprocess.run([str(Path(sys.executable).with_name("ansible-playbook")), "-i", "localhost,", "-c", "local",
+    return subprocess.run([str(Path(sys.executable).with_name("ansible-playbook")), "-i", str(tmp_path / "hosts.ini"),
                            str(tmp_path / "play.yml"), "-e", json.dumps(extravars)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
 
@@ -241,9 +250,13 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the role's tasks make
 
 
 @needs_root
+@pytest.mark.parametrize("strategy", ["linear", "mitogen_linear"])
 def test_the_role_fetches_verifies_and_unpacks_without_running_the_sdist(index: PackageIndex, archive: bytes,
-                                                                          marker: Path, tmp_path: Path) -> None:
-    done = _role_run(tmp_path, index, _sha(archive))
+                                                                          marker: Path, tmp_path: Path,
+                                                                          strategy: str) -> None:
+    """Under Ansible's own strategy and mitogen's (the project's), which runs the delegated module with the
+    task's interpreter too."""
+    done = _role_run(tmp_path, index, _sha(archive), strategy)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert (tmp_path / "sources" / SDIST).read_bytes() == archive
     assert (tmp_path / "work" / "src" / f"b1-{_sha(archive)[:12]}" / "llama.cpp" / "CMakeLists.txt").is_file()

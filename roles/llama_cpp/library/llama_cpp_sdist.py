@@ -1,5 +1,6 @@
-#!/usr/bin/python3
-# Part of rigctl's llama_cpp role.
+#!/usr/bin/python
+# Part of rigctl's llama_cpp role. "python", not "python3": Ansible (and mitogen) put the task's
+# ansible_python_interpreter (the playbook's own Python, with pip) only in place of this shebang.
 """Fetch the llama.cpp source distribution onto the controller from the package index, verified, never run."""
 
 from __future__ import annotations
