@@ -220,11 +220,23 @@ def find_sdist(requirement: str, index_urls: list[str], timeout: float = 60,
         if urllib.parse.urlsplit(entry["url"]).scheme not in allowed:
             raise SdistFetchError(f"sdist {requirement}: {shown(page_url)} points at {shown(entry['url'])}, "
                                   f"not an {' or '.join(sorted(allowed))} URL")
+        entry["url"] = _with_credentials(entry["url"], index)
         if entry["sha256"] and not _SHA256.match(entry["sha256"]):
             raise SdistFetchError(f"sdist {requirement}: {shown(page_url)} gives sha256 {entry['sha256']!r}, "
                                   "not 64 hex digits")
         return entry
     raise SdistFetchError(f"sdist {requirement}: not found on {', '.join(tried) or 'no index'}")
+
+
+def _with_credentials(url: str, index: str) -> str:
+    """``url`` carrying the index URL's credentials when it is on the index's own scheme, host and port (as
+    pip sends them to the index's files); a file elsewhere never gets them."""
+    target, base = urllib.parse.urlsplit(url), urllib.parse.urlsplit(index)
+    if base.username is None or target.username is not None:
+        return url
+    if (target.scheme, target.hostname, target.port) != (base.scheme, base.hostname, base.port):
+        return url
+    return urllib.parse.urlunsplit(target._replace(netloc=base.netloc))
 
 
 def _file_sha256(path: Path) -> str:

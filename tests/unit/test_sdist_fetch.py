@@ -3,6 +3,7 @@ on loopback whose sdist's build code leaves a marker file when anything runs it.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -162,11 +163,18 @@ def test_an_index_page_pointing_outside_http_is_refused(archive: bytes, tmp_path
             fetch_sdist(REQUIREMENT, tmp_path / "a.tar.gz", _sha(archive), index_urls=[index.url])
 
 
-def test_a_password_in_the_index_url_is_sent_as_basic_auth_and_never_shown(archive: bytes, tmp_path: Path) -> None:
-    with PackageIndex(PROJECT, {}) as index:
+def test_a_password_in_the_index_url_goes_to_its_origin_only_and_is_never_shown(archive: bytes,
+                                                                               tmp_path: Path) -> None:
+    basic = "Basic " + base64.b64encode(b"user:s3cret").decode()
+    with PackageIndex(PROJECT, {SDIST: archive}) as index:
         url = index.url.replace("http://", "http://user:s3cret@")
+        fetch_sdist(REQUIREMENT, tmp_path / "a.tar.gz", _sha(archive), index_urls=[url])
+        assert index.authorization == {f"/simple/{PROJECT}/": basic, f"/files/{SDIST}": basic}
+        # A file on another origin (a CDN, or an index that points anywhere) never gets them.
+        elsewhere = sdist_fetch._with_credentials("http://127.0.0.2:1/f.tar.gz", url)
+        assert elsewhere == "http://127.0.0.2:1/f.tar.gz"
         with pytest.raises(SdistFetchError) as raised:
-            fetch_sdist(REQUIREMENT, tmp_path / "a.tar.gz", _sha(archive), index_urls=[url])
+            fetch_sdist(f"{PROJECT}==9", tmp_path / "b.tar.gz", _sha(archive), index_urls=[url])
     assert "s3cret" not in str(raised.value) and "user:***@127.0.0.1" in str(raised.value)
 
 
