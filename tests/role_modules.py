@@ -6,6 +6,9 @@ from __future__ import annotations
 import configparser
 import importlib
 import importlib.util
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -33,3 +36,17 @@ def load(path: Path, name: str) -> ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def run(library: Path, name: str, args: dict, workdir: Path, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run the role module ``name`` of ``library`` as Ansible runs it on localhost (``ansible -m``, the
+    module_utils dir of ansible.cfg, Ansible's defaults otherwise); (exit status, its output)."""
+    (workdir / "ansible.cfg").write_text(f"[defaults]\nmodule_utils = {_module_utils_dir()}\n")
+    ansible = str(Path(sys.executable).parent / "ansible")
+    done = subprocess.run(
+        [ansible, "localhost", "-c", "local", "-M", str(library), "-m", name, "-a", json.dumps(args),
+         "-e", f"ansible_python_interpreter={sys.executable}"],
+        capture_output=True, text=True, timeout=120, cwd=workdir, check=False,
+        env={**os.environ, "ANSIBLE_CONFIG": str(workdir / "ansible.cfg"), "ANSIBLE_LOCALHOST_WARNING": "0",
+             "ANSIBLE_NOCOLOR": "1", **(env or {})})
+    return done.returncode, done.stdout + done.stderr

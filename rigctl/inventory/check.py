@@ -20,6 +20,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
     TypeAdapter,
     ValidationError,
     field_validator,
@@ -183,6 +184,9 @@ class QuantizeArtifact(_Strict):
 
 class ModelSpec(_Strict):
     source: Annotated[HfSource | UrlSource | ControllerSource, Field(discriminator="type")]
+    # The converter loads a checkout with transformers' trust_remote_code=True: a checkout carrying
+    # Python files or an auto_map is refused unless its entry says, by this name, to run that code.
+    trust_remote_code: StrictBool = False
     artifacts: dict[Name, Annotated[FileArtifact | ConvertArtifact | QuantizeArtifact,
                                    Field(discriminator="type")]] = Field(min_length=1)
 
@@ -551,9 +555,14 @@ def _check_catalog(where: str, catalog: dict[str, ModelSpec] | None) -> list[Pro
     owner: dict[str, str] = {}
     for model_name, model in catalog.items():
         base = f"models_catalog.{model_name}"
+        converted = any(isinstance(art, ConvertArtifact) for art in model.artifacts.values())
         if isinstance(model.source, HfSource) and not FULL_COMMIT.match(model.source.revision):
+            # A warning, so the rest of the inventory stays usable; the models role refuses to convert it
+            # (the converter runs over the checkout: it must be the commit that was looked at).
             out.append(Problem(where, f"{base}.source.revision",
-                               f"{model.source.revision!r} is a branch or tag, not a pinned commit",
+                               f"{model.source.revision!r} is a branch or tag, not a pinned commit"
+                               + ("; the models role refuses to convert it until it is one (40 hex digits)"
+                                  if converted else ""),
                                "warning"))
         for art_name, art in model.artifacts.items():
             if art_name in owner:

@@ -202,3 +202,59 @@ def test_build_once_gives_identical_files(inv_dir, checkout):
     by_host = {h: {s.artifact: s.sha256 for s in r} for h, r in results.items()}  # type: ignore[union-attr]
     assert by_host["desktop"] == by_host["laptop"]
     assert all(by_host["desktop"].values())
+
+
+HOSTILE = "fedcba9876543210fedcba9876543210fedcba01"
+#: Written on a rig if anything imports the repository's own tokenizer code.
+CODE_MARKER = "/tmp/rigctl-remote-code-ran"
+
+
+def _with_code(checkout: Path, root: Path) -> Path:
+    """A copy of the checkout whose tokenizer is the repository's own Python (auto_map), which leaves a marker."""
+    shutil.copytree(checkout, root)
+    (root / "tokenization_evil.py").write_text(f"open({CODE_MARKER!r}, 'w').write('ran')\n")
+    config = json.loads((root / "tokenizer_config.json").read_text())
+    config["auto_map"] = {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}
+    (root / "tokenizer_config.json").write_text(json.dumps(config))
+    return root
+
+
+@pytest.mark.lab
+def test_a_hostile_mirror_and_checkouts_with_code_are_refused(inv_dir, checkout, tmp_path):
+    work = "/var/cache/rigctl/models-hostile"
+    escape = f"/tmp/rigctl-escape-{os.getpid()}.txt"
+    repo = HfRepo("HuggingFaceTB/SmolLM2-135M-Instruct", HOSTILE, checkout,
+                  hostile={"../escape.txt": b"escaped\n", escape: b"escaped\n"})
+    hf = {"smollm2-hf": {"source": {"type": "hf", "repo": repo.repo, "revision": HOSTILE},
+                         "artifacts": {"hostile-bf16": {"type": "convert", "outtype": "bf16"}}}}
+    with HfServer(repo, BRIDGE) as server:
+        names = provision(inv_dir, server.endpoint, models_catalog=hf, models_work_dir=work)
+        repo.hostile.clear()
+        coded = _with_code(checkout, tmp_path / "coded")
+        repo.root = coded
+        code = provision(inv_dir, server.endpoint, models_catalog=hf, models_work_dir=work)
+    controller = {"smollm2-ckpt": {"source": {"type": "controller", "path": str(coded)},
+                                   "artifacts": {"coded-bf16": {"type": "convert", "outtype": "bf16"}}}}
+    copied = provision(inv_dir, "http://127.0.0.1:9", models_catalog=controller, models_work_dir=work)
+    for host in ("desktop", "laptop"):
+        assert names.hosts[host].failure == (
+            f"{host}: model smollm2-hf: {repo.repo}@{HOSTILE}: listed file '../escape.txt' leaves the directory or "
+            "has an empty component; refused"), names.hosts[host].failure
+        assert code.hosts[host].failure == (
+            f"{host}: model smollm2-hf: {repo.repo}@{HOSTILE} carries Python the converter would run "
+            "(tokenization_evil.py); refused (models_catalog.smollm2-hf.trust_remote_code: true accepts it)")
+        assert copied.hosts[host].failure == (
+            f"{host}: coded-bf16: checkout {work}/sources/smollm2-ckpt carries code the converter would run "
+            "(tokenization_evil.py, tokenizer_config.json auto_map); refused "
+            "(models_catalog.smollm2-ckpt.trust_remote_code: true accepts it)")
+    inv = Inventory.load(inv_dir)
+    for host in inv.hosts.values():
+        with SshClient(SshTarget.from_host(host)) as ssh:
+            left = ssh.run(f"ls -A {work}/sources; ls {escape} {work}/escape.txt {CODE_MARKER} /var/lib/rigctl/models "
+                           "2>&1 | grep -v 'No such file' || true", timeout=60).stdout.split()
+            # The converter's venv stays for the next run; the sources go.
+            ssh.run(f"rm -rf {work}/sources", timeout=300)
+        # The controller checkout was copied (then refused); nothing of the mirror's, nothing outside.
+        assert "smollm2-ckpt" in left and "smollm2-hf" not in left and "smollm2-hf.partial" not in left, left
+        assert escape not in left and f"{work}/escape.txt" not in left and CODE_MARKER not in left, left
+        assert not any(name.startswith(("coded-bf16", "hostile-bf16")) for name in left), left

@@ -54,7 +54,9 @@ def test_unpinned_model_revision_is_a_warning_not_an_error() -> None:
     problems = check(Inventory.load(REPO / "inventory" / "rigs"), ROLES)
     warnings = [str(p) for p in problems if p.severity == "warning"]
     assert "group all: models_catalog.qwen3.5-2b.source.revision: warning: 'main' is a branch or tag, " \
-           "not a pinned commit" in warnings
+           "not a pinned commit; the models role refuses to convert it until it is one (40 hex digits)" in warnings
+    assert "group all: models_catalog.gemma-4-e2b-qat.source.revision: warning: 'main' is a branch or tag, " \
+           "not a pinned commit" in warnings  # a ready GGUF file, not converted
 
 
 def test_misspelled_variable_names_the_group_and_suggests(rigs: Path) -> None:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -10,12 +13,20 @@ import pytest
 import role_modules
 import yaml
 
+from rigctl.hostside.model_checkout import CheckoutError, confined_name, remote_code
+from rigctl.inventory import Inventory
+from rigctl.inventory.check import check
 from rigctl.models import parse_manifest, set_pins_text
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
+from hf_server import HfRepo, HfServer  # noqa: E402
 from make_hf_checkout import gguf_file  # noqa: E402
 from models_support import gguf_reader_summary  # noqa: E402
+
+LIBRARY = REPO / "roles" / "models" / "library"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+REPO_ID = "owner/model"
 
 
 def _artifact_module():
@@ -57,3 +68,188 @@ def test_parse_manifest_quant_mix():
         "types": {"Q4_0": {"tensors": 194, "bytes": 806_400_000}, "Q6_K": {"tensors": 1, "bytes": 417_200_000},
                   "F32": {"tensors": 140, "bytes": 300_000}}}))
     assert m.quant_mix == "194 Q4_0 (806.4 MB), 1 Q6_K (417.2 MB), 140 F32"
+
+
+# ------------------------------------------------------------------------------------------- what a checkout holds
+
+
+def _checkout(root: Path, **extra: str) -> Path:
+    """A small checkout in the Hugging Face layout: configs, a tokenizer, weights; ``extra`` files on top."""
+    root.mkdir(parents=True)
+    (root / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    (root / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    (root / "model.safetensors").write_bytes(os.urandom(4096))
+    for name, text in extra.items():
+        (root / name).write_text(text)
+    return root
+
+
+def _fetch(tmp_path: Path, server: HfServer, **args) -> tuple[int, str, Path]:
+    dest = tmp_path / "sources" / "m"
+    dest.parent.mkdir(exist_ok=True)
+    rc, out = role_modules.run(LIBRARY, "models_fetch", {
+        "type": "hf", "dest": str(dest), "host": "rig", "name": "m", "endpoint": server.endpoint,
+        "repo": REPO_ID, "revision": COMMIT, **args}, tmp_path)
+    return rc, out, dest
+
+
+def _failure(out: str) -> str:
+    """The module's msg: the one line Ansible shows for a failed task."""
+    return json.JSONDecoder().raw_decode(out, out.index("FAILED! => ") + len("FAILED! => "))[0]["msg"]
+
+
+@pytest.mark.parametrize(("name", "why"), [
+    ("../escape.txt", "leaves the directory or has an empty component"),
+    ("{tmp}/absolute-escape.txt", "is absolute"),
+    ("a//b", "leaves the directory or has an empty component"),
+    ("./x", "leaves the directory or has an empty component"),
+    ("a\\b", "has a control character or a backslash"),
+    ("x\ny", "has a control character or a backslash"),
+])
+def test_fetch_refuses_a_listed_name_that_leaves_the_checkout(tmp_path: Path, name: str, why: str) -> None:
+    name = name.format(tmp=tmp_path)
+    repo = HfRepo(REPO_ID, COMMIT, _checkout(tmp_path / "served"), hostile={name: b"escaped\n"})
+    with HfServer(repo) as server:
+        rc, out, dest = _fetch(tmp_path, server)
+    assert rc != 0
+    assert _failure(out) == f"rig: model m: {REPO_ID}@{COMMIT}: listed file {name!r} {why}; refused"
+    assert [r.split("?")[0] for r in server.requests] == [f"/api/models/{REPO_ID}/revision/{COMMIT}"]
+    assert sorted(p.name for p in (tmp_path / "sources").iterdir()) == []
+    assert not (tmp_path / "absolute-escape.txt").exists() and not (tmp_path / "escape.txt").exists()
+
+
+def test_fetch_refuses_python_in_the_listing_before_downloading_anything(tmp_path: Path) -> None:
+    served = _checkout(tmp_path / "served", **{"tokenization_evil.py": "open('/tmp/pwned', 'w')\n"})
+    with HfServer(HfRepo(REPO_ID, COMMIT, served)) as server:
+        rc, out, dest = _fetch(tmp_path, server)
+    assert rc != 0
+    assert _failure(out) == (f"rig: model m: {REPO_ID}@{COMMIT} carries Python the converter would run "
+                             "(tokenization_evil.py); refused (models_catalog.m.trust_remote_code: true accepts it)")
+    assert len(server.requests) == 1 and not (tmp_path / "sources" / "m").exists()
+
+
+def test_fetch_refuses_an_auto_map_before_fetching_the_weights(tmp_path: Path) -> None:
+    served = _checkout(tmp_path / "served")
+    auto_map = {"auto_map": {"AutoTokenizer": ["other/repo--t.T", None]}}
+    (served / "tokenizer_config.json").write_text(json.dumps(auto_map))
+    with HfServer(HfRepo(REPO_ID, COMMIT, served)) as server:
+        rc, out, dest = _fetch(tmp_path, server)
+    assert rc != 0
+    assert _failure(out) == (f"rig: model m: {REPO_ID} carries code the converter would run "
+                             "(tokenizer_config.json auto_map); refused "
+                             "(models_catalog.m.trust_remote_code: true accepts it)")
+    assert not any(r.endswith("model.safetensors") for r in server.requests)
+    assert sorted(p.name for p in (tmp_path / "sources").iterdir()) == []  # no checkout, no .partial
+
+
+def test_fetch_takes_code_the_catalog_entry_trusts(tmp_path: Path) -> None:
+    served = _checkout(tmp_path / "served", **{"modeling_x.py": "pass\n"})
+    (served / "config.json").write_text(json.dumps({"auto_map": {"AutoModel": "modeling_x.X"}}))
+    with HfServer(HfRepo(REPO_ID, COMMIT, served)) as server:
+        rc, out, dest = _fetch(tmp_path, server, trust_remote_code=True)
+    assert rc == 0, out
+    assert sorted(p.name for p in dest.iterdir()) == [".rigctl-source.json", "config.json", "model.safetensors",
+                                                      "modeling_x.py", "tokenizer_config.json"]
+
+
+class _OtherCommitRepo(HfRepo):
+    """Answers for the pinned commit with the listing of another one (a mirror serving what it likes)."""
+
+    def listing(self) -> dict:
+        return {**super().listing(), "sha": "f" * 40}
+
+
+def test_fetch_refuses_a_listing_for_another_commit(tmp_path: Path) -> None:
+    with HfServer(_OtherCommitRepo(REPO_ID, COMMIT, _checkout(tmp_path / "served"))) as server:
+        rc, out, _ = _fetch(tmp_path, server)
+    assert rc != 0
+    assert _failure(out) == f"rig: model m: the listing of {REPO_ID}@{COMMIT} is for commit {'f' * 40}; refused"
+
+
+@pytest.mark.parametrize("name", ["a.gguf", "sub/dir/model-00001-of-00002.safetensors", ".gitattributes"])
+def test_plain_names_stay_as_they_are(name: str) -> None:
+    assert confined_name(name) == name
+
+
+@pytest.mark.parametrize("name", [None, 3, "", "..", "a/..", "a/../../b", "/etc/passwd", "a/", "a\0b", "\x7f"])
+def test_names_that_are_not_plain_relative_paths_are_refused(name: object) -> None:
+    with pytest.raises(CheckoutError):
+        confined_name(name)
+
+
+def test_remote_code_finds_python_and_any_json_auto_map(tmp_path: Path) -> None:
+    root = _checkout(tmp_path / "c")
+    assert remote_code(str(root)) == []
+    (root / "processor").mkdir()
+    (root / "processor" / "preprocessor_config.json").write_text(json.dumps({"auto_map": {"AutoProcessor": "p.P"}}))
+    (root / "custom.PY").write_text("")
+    (root / "broken.json").write_text("{not json")
+    assert remote_code(str(root)) == ["custom.PY", "processor/preprocessor_config.json auto_map"]
+
+
+def test_convert_refuses_a_checkout_with_code_before_the_converter_runs(tmp_path: Path) -> None:
+    """A controller checkout (or one fetched before the rule) meets the same refusal at the last step."""
+    checkout = _checkout(tmp_path / "ckpt")
+    (checkout / "config.json").write_text(json.dumps({"auto_map": {"AutoConfig": "configuration_x.C"}}))
+    marker = tmp_path / "converter-ran"
+    args = {"name": "m-bf16", "model": "m", "path": str(tmp_path / "out" / "m-bf16.gguf"), "kind": "convert",
+            "input": str(checkout), "argv": ["/bin/sh", "-c", f"touch {marker}"], "host": "rig"}
+    rc, out = role_modules.run(LIBRARY, "models_artifact", args, tmp_path)
+    assert rc != 0
+    assert _failure(out) == (f"rig: m-bf16: checkout {checkout} carries code the converter would run "
+                             "(config.json auto_map); refused (models_catalog.m.trust_remote_code: true accepts it)")
+    assert not marker.exists()
+    rc, out = role_modules.run(LIBRARY, "models_artifact", {**args, "trust_remote_code": True}, tmp_path)
+    assert marker.exists()  # trusted: the converter ran (and wrote no GGUF, which fails the artifact)
+    assert rc != 0 and "wrote no file" in _failure(out)
+
+
+# ------------------------------------------------------------------------------------------- the catalog
+
+
+def _catalog_inventory(tmp_path: Path, entry: dict) -> Inventory:
+    inv = tmp_path / "inventory"
+    shutil.copytree(REPO / "inventory" / "lab", inv)
+    (inv / "group_vars" / "all" / "models_test.yml").write_text(yaml.safe_dump({"models_catalog": {"m": entry}}))
+    return Inventory.load(inv)
+
+
+_CONVERTED = {"source": {"type": "hf", "repo": REPO_ID, "revision": COMMIT},
+              "artifacts": {"m-bf16": {"type": "convert", "outtype": "bf16"}}}
+
+
+def test_trust_remote_code_is_a_boolean_in_the_schema(tmp_path: Path) -> None:
+    ok = check(_catalog_inventory(tmp_path / "a", {**_CONVERTED, "trust_remote_code": True}), [REPO / "roles"])
+    assert [p for p in ok if p.severity == "error" and "models_catalog" in p.key] == []
+    bad = check(_catalog_inventory(tmp_path / "b", {**_CONVERTED, "trust_remote_code": "sure"}), [REPO / "roles"])
+    assert [str(p) for p in bad if "models_catalog" in p.key] == [
+        "group all: models_catalog.m.trust_remote_code: Input should be a valid boolean (got 'sure')"]
+
+
+def test_a_converted_source_at_a_branch_is_flagged_for_the_role_to_refuse(tmp_path: Path) -> None:
+    entry = {**_CONVERTED, "source": {**_CONVERTED["source"], "revision": "main"}}
+    problems = check(_catalog_inventory(tmp_path, entry), [REPO / "roles"])
+    problems = [str(p) for p in problems if "models_catalog" in p.key]
+    assert problems == ["group all: models_catalog.m.source.revision: warning: 'main' is a branch or tag, not a pinned "
+                        "commit; the models role refuses to convert it until it is one (40 hex digits)"]
+
+
+def test_the_role_refuses_to_convert_a_source_at_a_branch_in_one_line(tmp_path: Path) -> None:
+    """The models role's preflight, run by ansible-playbook on localhost: the refusal comes before anything."""
+    catalog = {"m": {**_CONVERTED, "source": {**_CONVERTED["source"], "revision": "main"}},
+               "pinned": {**_CONVERTED, "artifacts": {"p-bf16": {"type": "convert", "outtype": "bf16"}}}}
+    (tmp_path / "play.yml").write_text(
+        "- hosts: localhost\n  gather_facts: false\n  tasks:\n"
+        "    - ansible.builtin.include_role: {name: models, tasks_from: preflight}\n")
+    (tmp_path / "ansible.cfg").write_text(f"[defaults]\nroles_path = {REPO / 'roles'}\n")
+    done = subprocess.run(
+        [str(Path(sys.executable).with_name("ansible-playbook")), "-i", "localhost,", "-c", "local",
+         str(tmp_path / "play.yml"), "-e", json.dumps({"models_catalog": catalog, "models_work_dir": str(tmp_path),
+                                                       "ansible_python_interpreter": sys.executable})],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "ANSIBLE_CONFIG": str(tmp_path / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",
+             "ANSIBLE_LOCALHOST_WARNING": "0"})
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out
+    assert ('"msg": "localhost: models_catalog.m.source.revision is \\"main\\", a branch or tag: a source that is '
+            'converted must pin a commit (40 hex digits)"') in out, out

@@ -4,7 +4,6 @@ loopback), what a pull accepts from a rig's records, MCP run and task references
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import logging
 import threading
@@ -13,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+import role_modules
 
 from rigctl import jobs
 from rigctl.deploy import ansible_env
@@ -230,11 +230,7 @@ def test_dataset_token_dropped_on_a_cross_origin_redirect(pair, tmp_path, monkey
 
 
 def _models_fetch():
-    path = REPO / "roles" / "models" / "library" / "models_fetch.py"
-    spec = importlib.util.spec_from_file_location("models_fetch", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
+    return role_modules.load(REPO / "roles" / "models" / "library" / "models_fetch.py", "models_fetch")
 
 
 def test_models_downloader_token_only_to_its_endpoint(lookalike, pair, tmp_path) -> None:

@@ -41,6 +41,12 @@ options:
   pin: {description: Pinned sha256 for this host, empty for none., type: str, default: ""}
   pin_policy: {description: What a pin mismatch does., type: str, default: fail, choices: [fail, warn]}
   expect_sha256: {description: For copy, the sha256 the file must have (the builder's)., type: str, default: ""}
+  trust_remote_code:
+    description:
+      - For convert - run the converter on a checkout that carries Python files or an auto_map (the catalog
+        entry's trust_remote_code). Without it such a checkout is refused before the converter starts.
+    type: bool
+    default: false
   imatrix:
     description:
       - For quantize with an importance matrix - argv (llama-imatrix; {input}, {calibration} and {output}
@@ -62,6 +68,7 @@ import time
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.gguf import GGUFError, read_header, type_summary
+from ansible.module_utils.model_checkout import describe, remote_code
 from ansible.module_utils.model_files import file_sha256, manifest_path
 
 MANIFEST_VERSION = 1
@@ -169,6 +176,7 @@ def main() -> None:
             "pin_policy": {"type": "str", "default": "fail", "choices": ["fail", "warn"]},
             "expect_sha256": {"type": "str", "default": ""},
             "imatrix": {"type": "dict", "default": {}},
+            "trust_remote_code": {"type": "bool", "default": False},
         },
         supports_check_mode=True,
     )
@@ -188,6 +196,12 @@ def main() -> None:
     if manifest is not None:
         _check_pin(module, manifest, p, staged=False)
         module.exit_json(changed=False, manifest=manifest, path=path)
+    # Whatever fetched or copied the checkout, this is the last look before the converter loads it.
+    code = remote_code(p["input"]) if p["kind"] == "convert" and not p["trust_remote_code"] else []
+    if code:
+        module.fail_json(msg=f"{host}: {name}: checkout {p['input']} carries code the converter would run "
+                             f"({describe(code)}); refused (models_catalog.{p['model']}.trust_remote_code: true "
+                             "accepts it)")
     if module.check_mode:
         module.exit_json(changed=True, manifest={}, path=path, msg=f"would make {name} ({p['kind']})")
     directory = os.path.dirname(path)

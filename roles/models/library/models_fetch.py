@@ -12,6 +12,12 @@ description:
     downloads each file from C({endpoint}/{repo}/resolve/{commit}/{file}) (the Hugging Face URL layout,
     so C(HF_ENDPOINT) mirrors work) and checks each file's size and, where the listing gives one, its
     LFS sha256. C(url) downloads one file and checks its sha256.
+  - Every name the listing gives must be a plain relative path inside the checkout (no C(..), not
+    absolute, no empty component, backslash or control character); one that is not fails the module
+    before anything is written.
+  - A checkout that carries code the converter would run (Python files, an C(auto_map) in a JSON config)
+    is refused unless I(trust_remote_code) is set - Python files by their names in the listing, before
+    any download; the JSON files are fetched first and read before anything else is.
   - Files land in I(dest).partial and the directory is renamed to I(dest) only when complete; a
     marker (.rigctl-source.json) records what was fetched. Present and complete: changed is false.
   - With I(list_only) nothing is written; the listing (files, sizes, commit) is returned, for the
@@ -31,6 +37,7 @@ options:
   filename: {description: Name of the downloaded file (type url)., type: str, default: ""}
   timeout: {description: Seconds without progress before a request fails., type: int, default: 60}
   list_only: {description: Only list what would be fetched., type: bool, default: false}
+  trust_remote_code: {description: "Accept a checkout with Python files or an auto_map (the catalog's trust_remote_code).", type: bool, default: false}
 """
 
 import hashlib
@@ -43,9 +50,11 @@ import urllib.parse
 import urllib.request
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.model_checkout import CheckoutError, confined_name, describe, is_code, remote_code
 
 MARKER = ".rigctl-source.json"
 _FULL_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+_SHA256 = re.compile(r"^[0-9a-fA-F]{64}$")
 
 
 class FetchError(Exception):
@@ -94,11 +103,24 @@ def hf_listing(endpoint: str, repo: str, revision: str, token: str, timeout: int
             info = json.load(resp)
     except (urllib.error.URLError, OSError, ValueError) as exc:
         raise FetchError(f"cannot list {repo}@{revision} at {url}: {exc}") from None
+    if not isinstance(info, dict) or not isinstance(info.get("siblings", []), list):
+        raise FetchError(f"{url}: not a Hugging Face listing")
+    commit = info.get("sha") or revision
+    if not isinstance(commit, str) or not _FULL_COMMIT.match(commit):
+        raise FetchError(f"{url}: the listing's commit {commit!r} is not 40 hex digits")
     files = {}
     for sibling in info.get("siblings", []):
+        try:
+            name = confined_name(sibling.get("rfilename") if isinstance(sibling, dict) else sibling)
+        except CheckoutError as exc:
+            raise FetchError(f"{repo}@{revision}: listed file {exc}; refused") from None
         lfs = sibling.get("lfs") or {}
-        files[sibling["rfilename"]] = {"size": sibling.get("size", lfs.get("size")), "sha256": lfs.get("sha256", "")}
-    return {"commit": info.get("sha") or revision, "files": files}
+        size, sha256 = sibling.get("size", lfs.get("size")), lfs.get("sha256", "")
+        if not (size is None or type(size) is int) or not (sha256 == "" or _SHA256.match(str(sha256))):
+            raise FetchError(f"{repo}@{revision}: listed file {name!r} has size {size!r} and sha256 {sha256!r}; "
+                             "refused")
+        files[name] = {"size": size, "sha256": sha256}
+    return {"commit": commit, "files": files}
 
 
 def download(url: str, target: str, token: str, endpoint: str, timeout: int, size: int | None, sha256: str) -> str:
@@ -123,6 +145,28 @@ def download(url: str, target: str, token: str, endpoint: str, timeout: int, siz
     if sha256 and hexdigest != sha256.lower():
         raise FetchError(f"{url}: sha256 is {hexdigest}, expected {sha256.lower()}")
     return hexdigest
+
+
+_OPT_IN = "models_catalog.{name}.trust_remote_code: true accepts it"
+
+
+def _download_checkout(p: dict, files: dict, urls: dict, partial: str) -> dict:
+    """Every file into ``partial``, the JSON configs first: a checkout whose auto_map would have the
+    converter import the repository's code is refused before its weights are fetched."""
+    configs = [rel for rel in files if rel.lower().endswith(".json")]
+    weights = [rel for rel in files if rel not in configs]
+    fetched = {}
+    for batch in (configs, weights):
+        for rel in batch:
+            meta = files[rel]
+            digest = download(urls[rel], os.path.join(partial, rel), p["token"], p["endpoint"], p["timeout"],
+                              meta["size"], meta["sha256"])
+            fetched[rel] = {"size": os.path.getsize(os.path.join(partial, rel)), "sha256": digest}
+        code = remote_code(partial) if batch is configs and p["type"] == "hf" and not p["trust_remote_code"] else []
+        if code:
+            raise FetchError(f"{p['repo']} carries code the converter would run ({describe(code)}); "
+                             f"refused ({_OPT_IN.format(name=p['name'])})")
+    return fetched
 
 
 def read_marker(dest: str) -> dict | None:
@@ -157,6 +201,7 @@ def main() -> None:
             "filename": {"type": "str", "default": ""},
             "timeout": {"type": "int", "default": 60},
             "list_only": {"type": "bool", "default": False},
+            "trust_remote_code": {"type": "bool", "default": False},
         },
         supports_check_mode=True,
     )
@@ -180,11 +225,20 @@ def main() -> None:
                 raise FetchError(f"{p['repo']}@{p['revision']} has no file {', '.join(missing)}")
             files = {f: listing["files"][f] for f in wanted}
             commit = listing["commit"]
+            if _FULL_COMMIT.match(p["revision"]) and commit != p["revision"]:
+                raise FetchError(f"the listing of {p['repo']}@{p['revision']} is for commit {commit}; refused")
+            code = [f for f in files if is_code(f)]
+            if code and not p["trust_remote_code"]:
+                raise FetchError(f"{p['repo']}@{commit} carries Python the converter would run ({describe(code)}); "
+                                 f"refused ({_OPT_IN.format(name=p['name'])})")
             base = f"{p['endpoint'].rstrip('/')}/{p['repo']}/resolve/{commit}/"
             urls = {f: base + urllib.parse.quote(f) for f in files}
             identity = f"hf:{p['repo']}@{commit}"
         else:
-            name = p["filename"] or os.path.basename(urllib.parse.urlparse(p["url"]).path)
+            try:
+                name = confined_name(p["filename"] or os.path.basename(urllib.parse.urlparse(p["url"]).path))
+            except CheckoutError as exc:
+                raise FetchError(f"{p['url']}: {exc}") from None
             files = {name: {"size": None, "sha256": p["sha256"].lower()}}
             urls = {name: p["url"]}
             commit = ""
@@ -198,11 +252,11 @@ def main() -> None:
             module.exit_json(changed=True, dest=dest, id=identity, commit=commit, files=files)
         partial = dest + ".partial"
         shutil.rmtree(partial, ignore_errors=True)
-        fetched = {}
-        for rel, meta in files.items():
-            digest = download(urls[rel], os.path.join(partial, rel), p["token"], p["endpoint"], p["timeout"],
-                              meta["size"], meta["sha256"])
-            fetched[rel] = {"size": os.path.getsize(os.path.join(partial, rel)), "sha256": digest}
+        try:
+            fetched = _download_checkout(p, files, urls, partial)
+        except FetchError:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
     except FetchError as exc:
         module.fail_json(msg=f"{where}: {exc}")
     marker = {"id": identity, "commit": commit, "files": fetched}

