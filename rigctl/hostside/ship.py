@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import functools
 import shlex
+import threading
 from importlib import resources
 
 from rigctl.errors import ConfigError
@@ -51,12 +52,20 @@ def source(name: str) -> str:
         raise ConfigError(f"task {name!r}: no rigctl/hostside/{name}.py") from None
 
 
+#: CPython 3.11 keeps ast's recursion bookkeeping per interpreter, not per thread: two threads parsing at
+#: once (a fan-out shipping code to several hosts) can fail with "SystemError: AST constructor recursion
+#: depth mismatch". One parse at a time.
+_PARSE_LOCK = threading.Lock()
+
+
 @functools.cache
 def imported_siblings(text: str) -> tuple[str, ...]:
     """The host-side modules a module's source imports (``from rigctl.hostside import x``,
     ``from rigctl.hostside.x import y``, ``import rigctl.hostside.x``), in source order."""
     found: list[str] = []
-    for node in ast.walk(ast.parse(text)):
+    with _PARSE_LOCK:
+        tree = ast.parse(text)
+    for node in ast.walk(tree):
         names: list[str] = []
         if isinstance(node, ast.ImportFrom) and node.module == PACKAGE:
             names = [alias.name for alias in node.names]

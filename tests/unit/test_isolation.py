@@ -257,6 +257,7 @@ def test_one_bad_run_or_host_costs_only_itself_in_pull(tmp_path: Path, monkeypat
     outcome = jobs.pull_hosts([_host(name) for name in answers], store)
 
     assert list(outcome) == list(answers)
+    assert not isinstance(outcome["good"], Exception), repr(outcome["good"])
     assert outcome["good"].copied == [run(1, 1)]
     assert outcome["mixed"].copied == [run(1, 1)]
     refused = dict(zip(sorted(mixed)[1:], outcome["mixed"].refused, strict=True))
