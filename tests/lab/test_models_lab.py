@@ -258,3 +258,40 @@ def test_a_hostile_mirror_and_checkouts_with_code_are_refused(inv_dir, checkout,
         assert "smollm2-ckpt" in left and "smollm2-hf" not in left and "smollm2-hf.partial" not in left, left
         assert escape not in left and f"{work}/escape.txt" not in left and CODE_MARKER not in left, left
         assert not any(name.startswith(("coded-bf16", "hostile-bf16")) for name in left), left
+
+
+_ESCAPES = ("/root/rigctl-sandbox-escape", "/etc/rigctl-sandbox-escape", "/var/lib/rigctl/rigctl-sandbox-escape",
+            "/var/cache/rigctl/models/rigctl-sandbox-escape")
+# What a hostile converter would try: say who it is, write outside its output, reach the network (the
+# rig's own sshd: reachable from anything not cut off). It reports on its last line and fails.
+_PROBE = ("out=$1; wrote=; for f in " + " ".join(_ESCAPES) + "; do touch $f 2>/dev/null && wrote=\"$wrote $f\"; done; "
+          "echo ok > $out && own=yes; (exec 3<>/dev/tcp/$2/22) 2>/dev/null && net=reached || net=none; "
+          "echo \"uid=$(id -u) own=${own:-no} wrote=[${wrote# }] net=$net\"; exit 3")
+
+
+@pytest.mark.lab
+def test_a_models_command_runs_unprivileged_offline_and_writes_only_its_output(lab_up, tmp_path):
+    """The models role's module running a command as it runs the converter and llama-quantize."""
+    project = tmp_path / "project"
+    (project / "playbooks").mkdir(parents=True)
+    config = (REPO / "ansible.cfg").read_text()
+    config = config.replace("roles_path = roles", f"roles_path = {REPO / 'roles'}\n"
+                                                  f"library = {REPO / 'roles/models/library'}")
+    (project / "ansible.cfg").write_text(config.replace("module_utils = rigctl/hostside",
+                                                        f"module_utils = {REPO / 'rigctl/hostside'}"))
+    (project / "playbooks" / "probe.yml").write_text(yaml.safe_dump([{
+        "hosts": "desktop", "gather_facts": False, "become": True, "tasks": [{
+            "name": "Run the probe as a models command", "models_artifact": {
+                "name": "sandbox-probe", "model": "probe", "host": "{{ inventory_hostname }}", "kind": "quantize",
+                "input": "/etc/hostname", "path": "/var/lib/rigctl/models-sandbox/probe.gguf",
+                "argv": ["/bin/bash", "-c", _PROBE, "probe", "{output}", "{{ ansible_host }}"]}}]}]))
+    result = run_playbook(lab_up, "probe.yml", project=project, timeout=600)
+    failure = result.hosts["desktop"].failure or ""
+    last = failure.rsplit(": ", 1)[-1]
+    assert re.fullmatch(r"uid=(\d+) own=yes wrote=\[\] net=none", last), failure
+    assert int(last.split()[0].removeprefix("uid=")) != 0
+    with SshClient(SshTarget.from_host(lab_up.host("desktop"))) as ssh:
+        left = ssh.run(f"ls -d {' '.join(_ESCAPES)} /var/lib/private/rigctl-models-* /var/lib/rigctl-models-* "
+                       "/var/lib/rigctl/models-sandbox/* 2>/dev/null; true", timeout=30).stdout.split()
+        ssh.run("rm -rf /var/lib/rigctl/models-sandbox", timeout=60)
+    assert left == []  # nothing escaped; the unit's state directory and the partial output are gone

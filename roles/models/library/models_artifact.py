@@ -16,6 +16,9 @@ description:
     input identity, recipe, llama.cpp build); with the same key and a file of the recorded size,
     nothing runs and changed is false.
   - Supports check mode (reports whether it would make the artifact).
+  - The command (the converter, llama-quantize, llama-imatrix) runs sandboxed as a transient systemd
+    service - a dynamic unprivileged user, no network, the file system read-only but for the unit's own
+    state directory, where it writes its output; root then moves that file beside I(path).
   - The GGUF reader (module_utils gguf, rigctl/hostside/gguf.py) is standard library only, so the module
     runs with the host's system python3; rigctl's tests check it against the gguf package's reader.
 options:
@@ -155,6 +158,64 @@ def disk_note(directory: str) -> str:
     return f"; disk full: {free // 1024} KiB free on the file system of {directory}" if free < DISK_FULL_BYTES else ""
 
 
+#: What the command runs under: it reads the checkout, the venv and the build, and writes only its output.
+#: A model's code (trust_remote_code), a converter bug or a llama.cpp exploit gets an unprivileged user
+#: with no network and nothing to write to but that file.
+SANDBOX = (
+    "DynamicUser=yes", "PrivateNetwork=yes", "ProtectSystem=strict", "ProtectHome=yes", "PrivateTmp=yes",
+    "NoNewPrivileges=yes", "ProtectKernelTunables=yes", "ProtectKernelModules=yes", "ProtectKernelLogs=yes",
+    "ProtectControlGroups=yes", "ProtectClock=yes", "ProtectHostname=yes", "RestrictNamespaces=yes",
+    "RestrictRealtime=yes", "RestrictSUIDSGID=yes", "LockPersonality=yes", "CapabilityBoundingSet=",
+    "UMask=0022",
+)
+#: Seconds systemd gets to stop a command that ran past its time.
+_STOP_GRACE = 60
+
+
+class Sandbox:
+    """One command's transient unit and its state directory (``/var/lib/<state>``, the one place it may
+    write). ``output(name)`` is a path inside it as the command sees it; :meth:`take` moves such a file
+    out, owned by root; :meth:`remove` leaves nothing of the unit behind."""
+
+    def __init__(self, unit: str):
+        self.unit = unit
+        self.state = unit
+        self.dir = os.path.join("/var/lib", self.state)
+
+    def output(self, name: str) -> str:
+        return os.path.join(self.dir, name)
+
+    def argv(self, argv: list, env: dict, timeout: int) -> list:
+        return ["systemd-run", f"--unit={self.unit}", "--wait", "--pipe", "--collect", "--quiet",
+                "--service-type=exec", *[f"--property={prop}" for prop in SANDBOX],
+                f"--property=StateDirectory={self.state}", f"--property=RuntimeMaxSec={timeout}",
+                "--setenv=HOME=/tmp", "--setenv=HF_HUB_OFFLINE=1",
+                *[f"--setenv={k}={v}" for k, v in env.items()], "--", *argv]
+
+    def run(self, argv: list, env: dict, timeout: int) -> subprocess.CompletedProcess:
+        self.remove()  # a run that died before cleaning up
+        try:
+            return subprocess.run(self.argv(argv, env, timeout), capture_output=True, text=True,
+                                  stdin=subprocess.DEVNULL, timeout=timeout + _STOP_GRACE, check=False)
+        except subprocess.TimeoutExpired as exc:
+            subprocess.run(["systemctl", "stop", f"{self.unit}.service"], capture_output=True, timeout=60, check=False)
+            return subprocess.CompletedProcess(exc.cmd, 124, exc.stdout or "", f"timed out after {timeout} s")
+
+    def take(self, name: str, dest: str) -> None:
+        """The command's output ``name`` to ``dest`` (same directory as the final file), root's, 0644."""
+        shutil.move(self.output(name), dest)
+        os.chown(dest, 0, 0)
+        os.chmod(dest, 0o644)
+
+    def remove(self) -> None:
+        # With DynamicUser the state lives in /var/lib/private/<state>; /var/lib/<state> links to it.
+        shutil.rmtree(os.path.join("/var/lib/private", self.state), ignore_errors=True)
+        if os.path.islink(self.dir):
+            os.unlink(self.dir)
+        else:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
 def main() -> None:
     module = AnsibleModule(
         argument_spec={
@@ -216,13 +277,7 @@ def main() -> None:
             _make_imatrix(module, p, imatrix)
         started = time.monotonic()
         if argv:
-            env = dict(os.environ, **{k: str(v) for k, v in p["env"].items()})
-            proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=p["timeout"], check=False)
-            if proc.returncode != 0:
-                tail = [ln for ln in (proc.stderr + proc.stdout).strip().splitlines() if ln.strip()]
-                module.fail_json(msg=f"{host}: {name}: `{shlex.join(argv)}` exited {proc.returncode}: "
-                                     f"{tail[-1] if tail else 'no output'}{disk_note(directory)}",
-                                 stdout=proc.stdout[-4000:], stderr=proc.stderr[-4000:])
+            _run_sandboxed(module, Sandbox(f"rigctl-models-{name}-{key[:8]}"), argv, tmp, directory)
         else:
             try:
                 _place_input(p["input"], tmp)
@@ -300,19 +355,38 @@ def _make_imatrix(module: AnsibleModule, p: dict, imatrix: dict) -> None:
     if not os.path.isfile(path):
         os.makedirs(imatrix["dir"], exist_ok=True)
         started = time.monotonic()
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=p["timeout"], check=False)
-        if proc.returncode != 0 or not os.path.isfile(path + ".partial"):
-            tail = [ln for ln in (proc.stderr + proc.stdout).strip().splitlines() if ln.strip()]
+        try:
+            _run_sandboxed(module, Sandbox(f"rigctl-models-{name}-imatrix"), argv, path + ".partial", imatrix["dir"])
+            if not os.path.isfile(path + ".partial"):
+                module.fail_json(msg=f"{host}: {name}: `{shlex.join(argv)}` wrote no file")
+            imatrix["wall_s"] = round(time.monotonic() - started, 3)
+            os.rename(path + ".partial", path)
+        finally:
             if os.path.exists(path + ".partial"):
                 os.unlink(path + ".partial")
-            module.fail_json(msg=f"{host}: {name}: `{shlex.join(argv)}` exited {proc.returncode}: "
-                                 f"{tail[-1] if tail else 'no output'}", stderr=proc.stderr[-4000:])
-        imatrix["wall_s"] = round(time.monotonic() - started, 3)
-        os.rename(path + ".partial", path)
     own = re.compile(rf"^{re.escape(name)}-[0-9a-f]{{16}}\.imatrix\.gguf$")
     for entry in os.listdir(imatrix["dir"]):
         if own.match(entry) and entry != os.path.basename(path):
             os.unlink(os.path.join(imatrix["dir"], entry))
+
+
+def _run_sandboxed(module: AnsibleModule, sandbox: Sandbox, argv: list, output: str, directory: str) -> None:
+    """``argv``, which writes ``output``, run in ``sandbox`` writing into its state directory instead; the
+    file it wrote is then moved to ``output``. A failure is one line naming the command as recorded."""
+    p = module.params
+    inside = sandbox.output(os.path.basename(output))
+    try:
+        proc = sandbox.run([a.replace(output, inside) for a in argv], {k: str(v) for k, v in p["env"].items()},
+                           p["timeout"])
+        if proc.returncode != 0:
+            tail = [ln for ln in (proc.stderr + proc.stdout).strip().splitlines() if ln.strip()]
+            module.fail_json(msg=f"{p['host']}: {p['name']}: `{shlex.join(argv)}` exited {proc.returncode}: "
+                                 f"{tail[-1] if tail else 'no output'}{disk_note(directory)}",
+                             stdout=proc.stdout[-4000:], stderr=proc.stderr[-4000:])
+        if os.path.isfile(inside):
+            sandbox.take(os.path.basename(output), output)
+    finally:
+        sandbox.remove()
 
 
 def _check_pin(module: AnsibleModule, manifest: dict, p: dict, *, staged: bool) -> None:
