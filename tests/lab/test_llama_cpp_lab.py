@@ -397,12 +397,21 @@ def test_cuda_configure_accepts_the_flags(tmp_path: Path) -> None:
     # The wheels travel through a directory of this test's own, not the host path the role uses on a rig.
     extravars["_gpu_host_cuda_wheels_transfer"] = str(tmp_path / "transfer")
     env = {**os.environ, **ansible_env(REPO), "ANSIBLE_ROLES_PATH": str(REPO / "roles"), "ANSIBLE_STRATEGY": "linear"}
-    proc = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,", str(playbook),
-                           "-e", f"ansible_python_interpreter={sys.executable}", "-e", json.dumps(extravars)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=1800, check=False)
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    root = toolkit.resolve()
-    assert root.name.startswith("cuda-13.0-wheels-") and (toolkit / "bin" / "nvcc").is_file()
+    try:
+        proc = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,",
+                               str(playbook), "-e", f"ansible_python_interpreter={sys.executable}",
+                               "-e", json.dumps(extravars)],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=1800, check=False)
+        assert proc.returncode == 0, proc.stdout[-4000:]
+        root = toolkit.resolve()
+        assert root.name.startswith("cuda-13.0-wheels-") and (toolkit / "bin" / "nvcc").is_file()
+        _check_cuda_configure(work, root)
+    finally:  # the toolkit is 840 MB; the wheels stay in the controller's cache
+        for path in tmp_path.glob("cuda-*-wheels-*"):
+            shutil.rmtree(path)
+
+
+def _check_cuda_configure(work: Path, root: Path) -> None:
     caches = list((work / "build").glob("*/CMakeCache.txt"))
     assert len(caches) == 1
     text = caches[0].read_text()
