@@ -48,7 +48,7 @@ test: check prepare
 # from NVIDIA's CUDA wheels, then refused there by the smoke test for lack of a GPU (the README has the
 # compile's cost). It leaves the build in the cache, where `make test` then checks it without compiling.
 cuda-check: prepare
-	RIGCTL_CUDA_CHECK=1 PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/pytest -v tests/lab/test_cuda_lab.py \
+	RIGCTL_CUDA_CHECK=1 PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/pytest -v -rA tests/lab/test_cuda_lab.py \
 	  tests/lab/test_llama_cpp_lab.py::test_cuda_configure_accepts_the_flags
 
 demo: prepare

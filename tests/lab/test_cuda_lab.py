@@ -52,6 +52,7 @@ CUDA_VARS: dict[str, Any] = {"gpu_host_cuda": True, "llama_cpp_cuda": True, "lla
 #: to support the toolkit). No driver library exists on the rig all the same: llama.cpp finds no device.
 DRIVER = {"driver_version": "580.95.05", "cuda_version": "13.0"}
 TOOLKIT_HOME = "/usr/local/cuda"
+INSTALL_ROOT = "/opt/llama.cpp"
 
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(CUDA_BUILD_TIMEOUT)]
 
@@ -125,7 +126,17 @@ def cuda_lab(lab_served: Inventory) -> Iterator[Inventory]:
             pytest.skip(f"the CUDA build is not in the controller's cache ({plan}); `make cuda-check` compiles it")
         yield inv
     finally:
+        # The desktop as the other modules know it: no toolkit (a bad-input test wants none), no CUDA artifact,
+        # the stand-in's driver, the gpu_host fact rewritten without CUDA.
+        desktop = inv.host("desktop")
+        keep = {ssh(desktop, f"readlink {INSTALL_ROOT}/{link} || true").strip() for link in ("current", "previous")}
+        ssh(desktop, f"rm -rf {TOOLKIT_HOME} {TOOLKIT_HOME}-*-wheels-* /var/cache/rigctl-cuda-wheels", timeout=300)
+        for artifact in ssh(desktop, "ls /var/cache/llama.cpp/artifacts").split():
+            if artifact.removesuffix(".tar.gz") not in keep:
+                ssh(desktop, f"rm -f /var/cache/llama.cpp/artifacts/{artifact}")
         lab.set_gpu("desktop", driver_version=original.driver_version, cuda_version=original.cuda_version)
+        restored = run_playbook(inv, "site.yml", limit="desktop", tags=("gpu_host",), timeout=600)
+        assert restored.succeeded, restored.failures()
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +198,7 @@ def test_the_cuda_build_is_refused_in_one_line_and_the_cpu_build_stays(refused: 
     row = next(line for line in status.splitlines() if "desktop" in line)
     assert " off " in row, row
     # Nothing of the refused build is left to run by mistake.
-    assert match.group(1) not in ssh(desktop, "ls -A /opt/llama.cpp")
+    assert match.group(1) not in ssh(desktop, f"ls -A {INSTALL_ROOT}")
     # The servers answer, on the CPU build.
     wait_healthy(inv, timeout=120)
     assert serves(desktop)
@@ -223,7 +234,7 @@ def test_the_cuda_build_is_cached_for_75_and_86_with_the_cuda_backend_and_cublas
             assert re.search(rf"{re.escape(library)} => \S*(/usr/local/cuda|{re.escape(root)})/", ldd), ldd
         assert "not found" not in ldd and "libcuda.so" not in ldd, ldd
         version = ssh(desktop, f"{unpacked}/bin/llama-server --version 2>&1")
-        assert "version: 11434 (b11434)" in version, version
+        assert "build 11434, commit b11434)" in version, version
         devices = ssh(desktop, f"{unpacked}/bin/llama-server --list-devices 2>&1 || true")
         assert "ggml_cuda_init: failed to initialize CUDA" in devices, devices
     finally:
