@@ -65,6 +65,8 @@ class CudaRun:
     seconds: float
     compilations: int
     messages: list[str]
+    #: Wall seconds of the role's compile task (None: nothing was compiled).
+    compile_seconds: float | None
 
 
 def wheel_pins(inv: Inventory) -> list[dict[str, str]]:
@@ -97,11 +99,15 @@ def provision_cuda(inv: Inventory, tags: tuple[str, ...]) -> CudaRun:
     desktop = inv.host("desktop")
     before = compilations(ccache_counters(desktop))
     messages: list[str] = []
+    tasks: list[tuple[float, str]] = []
     started = time.monotonic()
     result = run_playbook(inv, "site.yml", limit="desktop", tags=tags, extravars=CUDA_VARS,
-                          timeout=CUDA_BUILD_TIMEOUT, on_event=lambda event: messages.append(event.message or ""))
+                          timeout=CUDA_BUILD_TIMEOUT, on_event=lambda event: messages.append(event.message or ""),
+                          on_task=lambda name: tasks.append((time.monotonic(), name)))
     seconds = time.monotonic() - started
-    return CudaRun(result, seconds, compilations(ccache_counters(desktop)) - before, messages)
+    compile_seconds = next((tasks[i + 1][0] - at for i, (at, name) in enumerate(tasks[:-1])
+                            if name.endswith("Compile the fleet's binaries")), None)
+    return CudaRun(result, seconds, compilations(ccache_counters(desktop)) - before, messages, compile_seconds)
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +151,8 @@ def refused(cuda_lab: Inventory) -> Iterator[tuple[Inventory, CudaRun, str]]:
     desktop = cuda_lab.host("desktop")
     before = current_target(desktop)
     run = provision_cuda(cuda_lab, ("gpu_host", "llama_cpp"))
-    print(f"\nCUDA provision of desktop: {run.seconds:.0f} s, {run.compilations} compilations through ccache")
+    print(f"\nCUDA provision of desktop: {run.seconds:.0f} s, compile {run.compile_seconds or 0:.0f} s, "
+          f"{run.compilations} compilations through ccache ({os.cpu_count()} cores)")
     yield cuda_lab, run, before
 
 
@@ -246,7 +253,7 @@ def test_a_rerun_takes_the_cached_build_compiles_nothing_and_refuses_again(
     inv, first, before = refused
     rerun = provision_cuda(inv, ("gpu_host", "llama_cpp"))
     print(f"\nCUDA provision rerun of desktop: {rerun.seconds:.0f} s, {rerun.compilations} compilations")
-    assert rerun.compilations == 0
+    assert rerun.compilations == 0 and rerun.compile_seconds is None
     assert any("copy from the controller cache llama.cpp" in m for m in rerun.messages), rerun.messages
     assert rerun.result.hosts["desktop"].failure == first.result.hosts["desktop"].failure
     assert current_target(inv.host("desktop")) == before
