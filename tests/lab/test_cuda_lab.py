@@ -257,3 +257,30 @@ def test_a_rerun_takes_the_cached_build_compiles_nothing_and_refuses_again(
     assert any("copy from the controller cache llama.cpp" in m for m in rerun.messages), rerun.messages
     assert rerun.result.hosts["desktop"].failure == first.result.hosts["desktop"].failure
     assert current_target(inv.host("desktop")) == before
+
+
+def test_a_rebuild_with_a_new_stamp_is_ccache_warm(refused: tuple[Inventory, CudaRun, str]) -> None:
+    """A new build key whose flags are the same (a new stamp): every CUDA object comes from the compiler cache
+    under the cache dir; only what the stamp touches is compiled. Opt-in only: on a machine whose lab slot
+    has a cold compiler cache this is a whole CUDA compile again."""
+    if not OPTED_IN:
+        pytest.skip("a CUDA rebuild compiles (ccache-warm where this lab slot compiled it before): `make cuda-check`")
+    inv, first, before = refused
+    desktop = inv.host("desktop")
+    misses_before = ccache_counters(desktop).get("cache_miss", 0)
+    started = time.monotonic()
+    tasks: list[tuple[float, str]] = []
+    result = run_playbook(inv, "site.yml", limit="desktop", tags=("llama_cpp",),
+                          extravars={**CUDA_VARS, "llama_cpp_build_commit": "cudawarm"}, timeout=CUDA_BUILD_TIMEOUT,
+                          on_task=lambda name: tasks.append((time.monotonic(), name)))
+    compile_seconds = next(tasks[i + 1][0] - at for i, (at, name) in enumerate(tasks[:-1])
+                           if name.endswith("Compile the fleet's binaries"))
+    misses = ccache_counters(desktop).get("cache_miss", 0) - misses_before
+    print(f"\nCUDA rebuild with a new stamp: {time.monotonic() - started:.0f} s, compile {compile_seconds:.0f} s, "
+          f"{misses} ccache misses (the cold compile: {first.compile_seconds or 0:.0f} s)")
+    failure = result.hosts["desktop"].failure or ""
+    assert "refused, current stays" in failure and "no CUDA device" in failure, failure
+    assert misses <= 5, misses
+    assert current_target(desktop) == before
+    stamped = re.search(r"llama\.cpp (b11434-[0-9a-f]{12}) refused", failure).group(1)
+    (CONTROLLER_CACHE / "builds" / f"{stamped}.tar.gz").unlink(missing_ok=True)  # this test's alone
