@@ -35,8 +35,8 @@ from rigctl.evals.datasets import read_records
 from rigctl.evals.target import inventory_target, url_target
 from rigctl.evals.tasks import load_task
 from rigctl.inventory import Inventory
+from rigctl.llama_http import AsyncServerClient, Endpoint, ServerClient
 from rigctl.results.store import ResultsStore, read_jsonl
-from rigctl.server import AsyncServerClient, Endpoint, ServerClient
 
 REPO = Path(__file__).resolve().parent.parent
 QUESTIONS = REPO / "tests" / "fixtures" / "evals" / "hf" / "gsm8k.jsonl"

@@ -432,7 +432,7 @@ def _run_bench(inventory: Inventory, bench: CampaignBench, host_name: str, store
 
 def _ensure_server(inventory: Inventory, member: ServerRef, on_step: OnStep) -> bool:
     """Start a llama-server unit when it is not answering; True when this call started it."""
-    from rigctl.server import ServerClient
+    from rigctl.llama_http import ServerClient
     from rigctl.servers import operator_start
     from rigctl.ssh import session
 

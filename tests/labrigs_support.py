@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 from rigctl.inventory import Inventory
-from rigctl.lab import (
+from rigctl.lab.rigs import (
     GpuState,
     RigSpec,
 )

@@ -37,10 +37,10 @@ from rigctl.errors import ConfigError, RemoteCommandError
 from rigctl.inputs import read_text, yaml_problem
 from rigctl.inventory import Host, Server
 from rigctl.inventory.profiles import unit_name
+from rigctl.llama_http import ServerClient, Timeouts
 from rigctl.results.record import RunRecord
 from rigctl.results.stamp import collect_stamp, inventory_server, with_props
 from rigctl.results.store import ResultsStore
-from rigctl.server import ServerClient, Timeouts
 from rigctl.servers import operator_start
 from rigctl.ssh import session
 

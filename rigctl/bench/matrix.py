@@ -57,7 +57,7 @@ from rigctl.results.record import parse_json
 from rigctl.results.store import StoredRun, read_jsonl
 from rigctl.trust import inside
 
-if TYPE_CHECKING:  # rigctl.jobs brings paramiko; summaries (and rigctl.compare) do not need it
+if TYPE_CHECKING:  # rigctl.jobs brings paramiko; summaries (and rigctl.analysis.compare) do not need it
     from rigctl import jobs
 
 log = logging.getLogger(__name__)

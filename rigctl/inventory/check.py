@@ -28,9 +28,9 @@ from pydantic import (
 )
 
 from rigctl.errors import ConfigError
+from rigctl.fleet.host_facts import HOST_TEXT_MAX, PROBED_KEYS
 from rigctl.inventory.model import FULL_COMMIT, HEX_COMMIT, SHA256, Host, Inventory
 from rigctl.inventory.profiles import ProfileError, resolve_profile
-from rigctl.probe import HOST_TEXT_MAX, PROBED_KEYS
 from rigctl.trust import MASK, data_text_problem, is_secret_name, mask_secret_values
 
 #: Variable prefixes owned by the roles and rigctl: an unknown key with one of these is a typo.

@@ -137,7 +137,7 @@ def test_fan_out_over_different_artifacts_is_refused(lab, env):
 
 
 def test_compare_fan_out_against_one_server(lab, env):
-    from rigctl.compare import compare_runs
+    from rigctl.analysis.compare import compare_runs
 
     store = ResultsStore(env[0])
     before = set(env[0].glob("*/eval-*"))

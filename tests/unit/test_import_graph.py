@@ -23,7 +23,7 @@ def module_name(path: Path) -> str:
 
 
 def modules() -> dict[str, Path]:
-    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py")) if "lab_assets" not in p.parts}
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py")) if "assets" not in p.parts}
 
 
 def _import_nodes(tree: ast.Module, deferred: bool) -> list[ast.Import | ast.ImportFrom]:

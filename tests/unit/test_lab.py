@@ -18,7 +18,7 @@ from labrigs_support import REPO, TEST_NETWORK, lab_skip_reason, make_test_inven
 
 from rigctl.errors import ConfigError, LabError
 from rigctl.inventory import Inventory
-from rigctl.lab import (
+from rigctl.lab.rigs import (
     BASE_PACKAGES,
     IMAGE_RECIPE_REVISION,
     GpuState,
@@ -39,7 +39,7 @@ from rigctl.lab import (
     veth_name,
 )
 
-NVIDIA_SMI = REPO / "rigctl" / "lab_assets" / "nvidia-smi"
+NVIDIA_SMI = REPO / "rigctl" / "lab" / "assets" / "nvidia-smi"
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 
 
@@ -316,7 +316,7 @@ def test_up_refuses_when_not_root() -> None:
     home.mkdir()
     os.chown(home, 65534, 65534)
     code = (
-        "from rigctl.inventory import Inventory\nfrom rigctl.lab import Lab\nfrom rigctl.errors import LabError\n"
+        "from rigctl.inventory import Inventory\nfrom rigctl.lab.rigs import Lab\nfrom rigctl.errors import LabError\n"
         f"lab = Lab.from_inventory(Inventory.load({str(inv)!r}))\n"
         "try:\n    lab.up()\nexcept LabError as exc:\n    print(exc)\n"
     )

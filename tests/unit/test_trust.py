@@ -15,13 +15,13 @@ import pytest
 import role_modules
 
 from rigctl import jobs
-from rigctl.deploy import ansible_env
 from rigctl.errors import ConfigError, TrustError
 from rigctl.evals import datasets
+from rigctl.fleet.deploy import ansible_env
 from rigctl.inventory import Inventory
 from rigctl.inventory.check import SCHEMA, check_host
+from rigctl.llama_http import Endpoint
 from rigctl.results.record import RUN_ID, RawFile, RunRecord, new_run_id
-from rigctl.server import Endpoint
 from rigctl.trust import (
     RedactingFilter,
     inside,
@@ -286,7 +286,7 @@ def test_cells_pointing_outside_the_run_are_refused(tmp_path: Path) -> None:
 
 
 def test_mcp_run_and_task_references_stay_inside(tmp_path: Path) -> None:
-    from rigctl.mcp_server import FleetTools
+    from rigctl.services.mcp_server import FleetTools
 
     store = tmp_path / "results"
     run_id = "eval-20261201T101500Z-0a1b"

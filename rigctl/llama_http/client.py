@@ -5,7 +5,7 @@ exporter and the MCP tools. One :class:`Endpoint` names the server (base URL, AP
 messages); :class:`ServerClient` (httpx.Client) and :class:`AsyncServerClient` (httpx.AsyncClient) have
 the same methods, the async ones awaited::
 
-    from rigctl.server import Endpoint, ServerClient
+    from rigctl.llama_http import Endpoint, ServerClient
 
     endpoint = inv.host("desktop").server("smollm2").endpoint   # or Endpoint("http://h:8080")
     with ServerClient(endpoint) as server:

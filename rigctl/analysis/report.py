@@ -31,10 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rigctl.bench.bandwidth import NO_FIGURE, DecodeBound, decode_bound
-from rigctl.bench.matrix import BenchSample, cold_and_steady, counted, load_run_samples, throttled_cells
-from rigctl.campaign import CampaignBench, LoadedCampaign, Located, locate
-from rigctl.compare import (
+from rigctl.analysis.compare import (
     OVERALL,
     PairComparison,
     Scoring,
@@ -54,6 +51,9 @@ from rigctl.compare import (
     run_scores,
     sample_file,
 )
+from rigctl.bench.bandwidth import NO_FIGURE, DecodeBound, decode_bound
+from rigctl.bench.matrix import BenchSample, cold_and_steady, counted, load_run_samples, throttled_cells
+from rigctl.campaign import CampaignBench, LoadedCampaign, Located, locate
 from rigctl.errors import ConfigError, RigctlError, one_line
 from rigctl.evals.scorers import GSM8K_SCORES
 from rigctl.files import write_atomically

@@ -13,11 +13,11 @@ A background loop collects from every host concurrently, each host bounded by it
 dead host costs one timeout and never stalls the others; a scrape only renders the last completed
 collection (with its age), so it never waits on SSH.
 
-Each host is read with one SSH command (:mod:`rigctl.hostside.fleet_probe`) whose raw outputs are parsed by
-pure functions (:func:`parse_nvidia_smi` here, :func:`rigctl.servers.parse_unit_show`, :func:`rigctl.build.parse_fact`,
-:func:`rigctl.models.parse_manifest`). Model files are re-hashed only when their size, mtime, ctime or
-inode change (:func:`rigctl.hostside.model_files.identity`), on a slower lane of their own
-(:func:`rigctl.hostside.model_files.hash_unchanged`), so a 4 GB file never holds up a collection.
+Each host is read with one SSH command (:mod:`rigctl.hostside.fleet_state`) whose raw outputs are parsed by
+pure functions (:func:`parse_nvidia_smi` here, :func:`rigctl.servers.parse_unit_show`,
+:func:`rigctl.fleet.build.parse_fact`, :func:`rigctl.fleet.models.parse_manifest`). Model files are re-hashed
+only when their size, mtime, ctime or inode change (:func:`rigctl.hostside.model_files.identity`), on a slower
+lane of their own (:func:`rigctl.hostside.model_files.hash_unchanged`), so a 4 GB file never holds up a collection.
 """
 
 from __future__ import annotations
@@ -40,13 +40,13 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
-from rigctl.build import Builds, parse_fact
 from rigctl.errors import ConfigError, RigctlError, one_line
+from rigctl.fleet.build import Builds, parse_fact
+from rigctl.fleet.models import expected_sha256, parse_manifest
 from rigctl.hostside import ship
 from rigctl.hostside.llama_cpp_fact import FACT_PATH
 from rigctl.inventory import Host, Inventory
 from rigctl.inventory.profiles import unit_name
-from rigctl.models import expected_sha256, parse_manifest
 from rigctl.results.record import ANSWERS_FILE, parse_json
 from rigctl.results.store import ResultsStore, StoredRun, read_jsonl
 from rigctl.servers import UNIT_PROPERTIES, UnitState, parse_unit_show
@@ -633,7 +633,7 @@ class Exporter:
             "models": models,
             "timeout": max(1.0, self.host_timeout / 2),
         }
-        cmd = ship.python_command("fleet_probe", json.dumps(args))
+        cmd = ship.python_command("fleet_state", json.dumps(args))
         try:
             # One connection per collection: reachability means a new SSH session can be opened now.
             with SshClient.for_host(host, connect_timeout=self.host_timeout, retries=0,

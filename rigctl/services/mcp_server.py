@@ -128,7 +128,7 @@ class FleetTools:
         return {"inventory": str(self.inventory.source), "hosts": hosts}
 
     def fleet_status(self, limit: str | None = None) -> dict[str, Any]:
-        from rigctl.exporter import Exporter, unit_instance
+        from rigctl.services.exporter import Exporter, unit_instance
 
         exporter = Exporter(self.inventory, limit=limit, results=self.store, host_timeout=STATUS_HOST_TIMEOUT)
         try:
@@ -195,7 +195,7 @@ class FleetTools:
         return {"healthy": healthy, "status": status}
 
     def server_health(self, host_name: str, server: str) -> dict[str, Any]:
-        from rigctl.server import NO_RETRY, ServerClient, Timeouts
+        from rigctl.llama_http import NO_RETRY, ServerClient, Timeouts
 
         host, instance = self.server(host_name, server)
         endpoint = instance.endpoint
@@ -233,7 +233,7 @@ class FleetTools:
         return {"results_root": str(self.store.root), "runs": [_run_summary(run) for run in runs]}
 
     def compare_runs(self, run_a: str, run_b: str) -> dict[str, Any]:
-        from rigctl import compare
+        from rigctl.analysis import compare
 
         a, b = self.run(run_a), self.run(run_b)
         if a.record.kind != b.record.kind:
@@ -343,7 +343,7 @@ def _gap(gap: Any) -> dict[str, Any]:
 
 
 def _run_summary(run: StoredRun) -> dict[str, Any]:
-    from rigctl.exporter import bench_results, eval_score
+    from rigctl.services.exporter import bench_results, eval_score
 
     record = run.record
     summary: dict[str, Any] = {

@@ -4,10 +4,10 @@ Each rig named in the lab inventory (the hosts that set ``rigctl_lab``) is a sys
 booting systemd as PID 1, with sshd, python3 and the build tools, in its own network namespace whose
 ``eth0`` is a veth on a private bridge. The bridge has no NAT and each rig's default route points at a
 gateway that does not exist, so a rig reaches this machine's bridge address and the other rigs, nothing
-else. A stand-in ``nvidia-smi`` (``lab_assets/nvidia-smi``) answers from a state file in each rig.
+else. A stand-in ``nvidia-smi`` (``assets/nvidia-smi``) answers from a state file in each rig.
 
 The machine may not run systemd as PID 1, so nspawn runs unregistered (``--register=no --keep-unit``)
-in cgroups of its own, under a small supervisor (``lab_assets/rig-supervisor``) that starts nspawn
+in cgroups of its own, under a small supervisor (``assets/rig-supervisor``) that starts nspawn
 again when the guest reboots.
 
 Everything ``up`` makes is named after the rig and marked as the lab's, so ``down`` (and a failed
@@ -1589,7 +1589,7 @@ def _write_file(path: Path, text: str, mode: int) -> None:
 
 
 def _asset_text(name: str) -> str:
-    return resources.files("rigctl").joinpath("lab_assets", name).read_text()
+    return resources.files("rigctl.lab").joinpath("assets", name).read_text()
 
 
 @contextlib.contextmanager
