@@ -12,20 +12,15 @@ import pytest
 
 from rigctl.errors import ConfigError, ServerError
 from rigctl.inventory import Host
-from rigctl.llama_http.client import (
-    NO_RETRY,
-    AsyncServerClient,
+from rigctl.llama_http.api import (
     ChatStreamAssembler,
-    Endpoint,
-    Retry,
-    ServerClient,
-    Timeouts,
     chat_body,
     parse_chat,
     parse_completion,
     parse_metrics,
     parse_sse_line,
 )
+from rigctl.llama_http.client import NO_RETRY, AsyncServerClient, Endpoint, Retry, ServerClient, Timeouts
 
 FAST = Retry(attempts=3, backoff=0.01, max_wait=0.02)
 
