@@ -1,4 +1,4 @@
-"""One host's state as the fleet state collector (:mod:`rigctl.services.exporter`) reads it: every raw output it
+"""One host's state as :class:`rigctl.fleet.state.FleetState` reads it: every raw output it
 parses, as one JSON object, in one round trip. Standard library only; run as a one-shot command. It changes
 nothing on the host.
 

@@ -9,28 +9,20 @@ the state the inventory pins, and what the latest pulled results are:
 * from the controller's results store: the latest bench t/s per test and model, the latest eval score
   per task and artifact.
 
-A background loop collects from every host concurrently, each host bounded by its own timeout, so a
-dead host costs one timeout and never stalls the others; a scrape only renders the last completed
-collection (with its age), so it never waits on SSH.
-
-Each host is read with one SSH command (:mod:`rigctl.hostside.fleet_state`) whose raw outputs are parsed by
-pure functions (:func:`parse_nvidia_smi` here, :func:`rigctl.servers.parse_unit_show`,
-:func:`rigctl.fleet.build.parse_fact`, :func:`rigctl.fleet.models.parse_manifest`). Model files are re-hashed
-only when their size, mtime, ctime or inode change (:func:`rigctl.hostside.model_files.identity`), on a slower
-lane of their own (:func:`rigctl.hostside.model_files.hash_unchanged`), so a 4 GB file never holds up a collection.
+A background loop collects the fleet's state (:class:`rigctl.fleet.state.FleetState`: every host
+concurrently, each bounded by its own timeout, so a dead host costs one timeout and never stalls the others)
+and the latest results (:mod:`rigctl.analysis.latest`); a scrape only renders the last completed collection
+(with its age), so it never waits on SSH.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import socket
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -40,102 +32,28 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
-from rigctl.errors import ConfigError, RigctlError, one_line
-from rigctl.fleet.build import Builds, parse_fact
-from rigctl.fleet.models import expected_sha256, parse_manifest
-from rigctl.hostside import ship
-from rigctl.hostside.llama_cpp_fact import FACT_PATH
-from rigctl.inventory import Host, Inventory
-from rigctl.inventory.profiles import unit_name
-from rigctl.results.record import ANSWERS_FILE, parse_json
-from rigctl.results.store import ResultsStore, StoredRun, read_jsonl
-from rigctl.servers import UNIT_PROPERTIES, UnitState, parse_unit_show
+from rigctl.analysis.latest import BenchResult, EvalScore, ResultsReader
+from rigctl.errors import ConfigError, one_line
+from rigctl.fleet.state import (
+    DEFAULT_HASH_TIMEOUT,
+    DEFAULT_HOST_TIMEOUT,
+    FleetState,
+    HostPlan,
+    HostState,
+    unit_instance,
+)
+from rigctl.inventory import Inventory
+from rigctl.results.store import ResultsStore
 
 log = logging.getLogger(__name__)
 
 DEFAULT_LISTEN = "127.0.0.1:9840"
 DEFAULT_INTERVAL = 15.0
-DEFAULT_HOST_TIMEOUT = 10.0
-DEFAULT_HASH_TIMEOUT = 900.0  # sha256 of a few GB on a slow disk
 #: The states systemd reports as ActiveState; one series each, 1 for the current one.
 UNIT_STATES = ("active", "reloading", "inactive", "failed", "activating", "deactivating")
-UNIT_PATTERN = "llama-server@*.service"
-NVIDIA_SMI_FIELDS = ("index", "uuid", "name", "temperature.gpu", "memory.used", "memory.total", "utilization.gpu")
-_MIB = 1024 * 1024
+
 
 # ----------------------------------------------------------------------------------------------- records
-
-
-@dataclass(frozen=True)
-class GpuSample:
-    index: str
-    uuid: str
-    name: str
-    temperature_celsius: float | None
-    memory_used_bytes: float | None
-    memory_total_bytes: float | None
-    utilization_ratio: float | None
-
-
-@dataclass(frozen=True)
-class ModelFact:
-    artifact: str
-    path: str
-    present: bool
-    sha256: str | None  # of the file now; None: missing or not hashed yet
-    pin: str | None  # the inventory's models_pins entry
-    manifest_sha256: str | None  # what the models role recorded when it made the file
-    bytes: int | None
-
-    @property
-    def expected(self) -> tuple[str | None, str]:
-        """The hash the file should have, and where that comes from (inventory pin, else manifest)."""
-        return expected_sha256(self.pin, self.manifest_sha256)
-
-    @property
-    def drift(self) -> bool | None:
-        """True: missing or differs from its pin; False: matches; None: not known (yet)."""
-        expected, _ = self.expected
-        if not self.present:
-            return True
-        if self.sha256 is None or expected is None:
-            return None
-        return self.sha256 != expected
-
-
-@dataclass
-class HostFacts:
-    host: str
-    up: bool
-    error: str | None = None
-    duration_seconds: float = 0.0
-    builds: Builds | None = None
-    gpus: list[GpuSample] = field(default_factory=list)
-    gpu_error: str | None = None
-    units: list[UnitState] = field(default_factory=list)
-    models: list[ModelFact] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class BenchResult:
-    host: str
-    artifact: str
-    test: str
-    config: str  # llama-bench settings besides the model: ngl, threads, cache types, flash attention
-    tokens_per_second: float
-    run_id: str
-    ended: float  # unix time
-
-
-@dataclass(frozen=True)
-class EvalScore:
-    host: str
-    task: str
-    artifact: str
-    score: float
-    questions: int
-    run_id: str
-    ended: float
 
 
 @dataclass
@@ -144,84 +62,13 @@ class Snapshot:
 
     completed_at: float  # unix time
     duration_seconds: float
-    hosts: dict[str, HostFacts]
+    hosts: dict[str, HostState]
     bench: list[BenchResult] = field(default_factory=list)
     evals: list[EvalScore] = field(default_factory=list)
     results_error: str | None = None
 
 
-@dataclass(frozen=True)
-class HostPlan:
-    """What the inventory says a host should run: the pins the facts are compared against."""
-
-    host: str
-    pinned_version: str
-    pinned_source: str
-    servers: Mapping[str, Mapping[str, Any]]  # name -> artifact, profile, port, enabled
-
-    @classmethod
-    def from_host(cls, host: Host) -> HostPlan:
-        pin = host.llama_cpp if "llama_cpp_source" in host.vars else None
-        return cls(
-            host=host.name,
-            pinned_version=pin.version if pin else "",
-            pinned_source=pin.source if pin else "",
-            servers={s.name: {"artifact": s.artifact, "profile": s.profile.name, "port": s.port, "enabled": s.enabled}
-                     for s in host.servers},
-        )
-
-    def build_drift(self, builds: Builds | None) -> bool | None:
-        """Whether the running build is not the pinned one (None: nothing to compare)."""
-        if builds is None or builds.current is None or not self.pinned_version:
-            return None if builds is None else True
-        current = builds.current
-        if self.pinned_source == "git":
-            commit, pin = current.commit.lower(), self.pinned_version.lower()
-            return not (commit and (commit.startswith(pin) or pin.startswith(commit)))
-        return current.version != self.pinned_version
-
-
 # ----------------------------------------------------------------------------------------------- parsers
-
-
-def _number(text: str) -> float | None:
-    text = text.strip()
-    if not text or text.startswith("[") or text.upper() in {"N/A", "NOT SUPPORTED"}:
-        return None  # nvidia-smi's [N/A], [Not Supported], [Unknown Error]
-    try:
-        value = float(text)
-    except ValueError:
-        return None
-    return value if math.isfinite(value) else None
-
-
-def parse_nvidia_smi(text: str) -> list[GpuSample]:
-    """``nvidia-smi --query-gpu=<NVIDIA_SMI_FIELDS> --format=csv,noheader,nounits`` as samples."""
-    samples = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        cells = [c.strip() for c in line.split(",")]
-        if len(cells) != len(NVIDIA_SMI_FIELDS):
-            raise ValueError(f"nvidia-smi line {number}: {len(cells)} fields, expected {len(NVIDIA_SMI_FIELDS)}")
-        index, uuid, name, temperature, used, total, utilization = cells
-        used_mib, total_mib, util = _number(used), _number(total), _number(utilization)
-        samples.append(GpuSample(
-            index=index,
-            uuid=uuid,
-            name=name,
-            temperature_celsius=_number(temperature),
-            memory_used_bytes=used_mib * _MIB if used_mib is not None else None,
-            memory_total_bytes=total_mib * _MIB if total_mib is not None else None,
-            utilization_ratio=util / 100.0 if util is not None else None,
-        ))
-    return samples
-
-
-def unit_instance(unit: str) -> str:
-    """``smollm2`` for ``llama-server@smollm2.service``."""
-    stem = unit.removesuffix(".service")
-    return stem.split("@", 1)[1] if "@" in stem else stem
 
 
 def parse_listen(listen: str) -> tuple[str, int]:
@@ -231,100 +78,6 @@ def parse_listen(listen: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(f"--listen {listen!r}: expected ADDRESS:PORT, e.g. {DEFAULT_LISTEN}")
     return address.strip("[]") or "127.0.0.1", int(port)
-
-
-# ----------------------------------------------------------------------------------------------- results
-
-
-def _unix(stamp: str | None) -> float:
-    from datetime import datetime
-
-    if not stamp:
-        return 0.0
-    try:
-        return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return 0.0
-
-
-def _artifact_of(run: StoredRun) -> str:
-    """The artifact an eval run asked: the record's first artifact, else its server's."""
-    for artifact in run.record.artifacts:
-        if artifact.name:
-            return artifact.name
-    return str(run.record.server.artifact if run.record.server and run.record.server.artifact else "unknown")
-
-
-def bench_results(run: StoredRun) -> list[BenchResult]:
-    """Mean t/s per model, test and configuration of a bench run, over every repetition of every cell."""
-    from rigctl.bench.matrix import load_run_samples
-
-    pooled: dict[tuple[str, str, str], list[float]] = {}
-    for sample in load_run_samples(run):
-        key = (sample.model, sample.test, f"{sample.config} fa{sample.flash_attn}")
-        pooled.setdefault(key, []).extend(sample.samples_ts)
-    ended = _unix(run.record.ended)
-    return [BenchResult(run.host, model, test, config, sum(values) / len(values), run.id, ended)
-            for (model, test, config), values in sorted(pooled.items()) if values]
-
-
-def eval_score(run: StoredRun) -> EvalScore | None:
-    """Mean score over the questions of an eval run's answers file (None without one)."""
-    path = run.path / ANSWERS_FILE
-    if not path.is_file():
-        return None
-    rows = read_jsonl(path)
-    scores = [float(r["score"]) for r in rows if isinstance(r.get("score"), int | float)]
-    if not scores:
-        return None
-    task = run.record.task.name if run.record.task else "unknown"
-    return EvalScore(run.host, task, _artifact_of(run), sum(scores) / len(scores), len(scores), run.id,
-                     _unix(run.record.ended))
-
-
-class ResultsReader:
-    """The latest bench and eval results of a results store; finished runs are parsed once, and a run
-    whose files cannot be read (whatever they hold) is left out with a warning naming it."""
-
-    def __init__(self, store: ResultsStore):
-        self.store = store
-        self._bench: dict[str, list[BenchResult]] = {}
-        self._evals: dict[str, EvalScore | None] = {}
-
-    def latest(self) -> tuple[list[BenchResult], list[EvalScore]]:
-        bench: dict[tuple[str, str, str, str], BenchResult] = {}
-        evals: dict[tuple[str, str, str], EvalScore] = {}
-        if not self.store.root.is_dir():
-            return [], []
-        for run in self.store.runs():
-            if run.record.status != "done":
-                continue
-            key = f"{run.host}/{run.id}"
-            if run.record.kind == "bench":
-                if key not in self._bench:
-                    try:
-                        self._bench[key] = bench_results(run)
-                    except Exception as exc:  # one run's files, whatever they hold, cost only that run
-                        log.warning("skipping bench run %s: %s", key, one_line(exc))
-                        self._bench[key] = []
-                for result in self._bench[key]:
-                    slot = (result.host, result.artifact, result.test, result.config)
-                    if slot not in bench or bench[slot].ended <= result.ended:
-                        bench[slot] = result
-            elif run.record.kind == "eval":
-                if key not in self._evals:
-                    try:
-                        self._evals[key] = eval_score(run)
-                    except Exception as exc:  # one run's files, whatever they hold, cost only that run
-                        log.warning("skipping eval run %s: %s", key, one_line(exc))
-                        self._evals[key] = None
-                score = self._evals[key]
-                if score is not None:
-                    slot = (score.host, score.task, score.artifact)
-                    if slot not in evals or evals[slot].ended <= score.ended:
-                        evals[slot] = score
-        return sorted(bench.values(), key=lambda b: (b.host, b.artifact, b.test, b.config)), sorted(
-            evals.values(), key=lambda e: (e.host, e.task, e.artifact))
 
 
 # ----------------------------------------------------------------------------------------------- metrics
@@ -452,18 +205,12 @@ def exposition(families: Iterable[Metric]) -> bytes:
     return generate_latest(registry)
 
 
-# ----------------------------------------------------------------------------------------------- collection
-
-
-_STAT_BYTES = 2  # the size in rigctl.hostside.model_files.identity's list
-
-
-def _stat_key(stat: Sequence[int] | None) -> tuple[int, ...] | None:
-    return tuple(int(v) for v in stat) if stat else None
+# ----------------------------------------------------------------------------------------------- the exporter
 
 
 class Exporter:
-    """Collects the fleet's facts in the background and serves the last collection to Prometheus."""
+    """Collects the fleet's state (:class:`~rigctl.fleet.state.FleetState`) and the latest results in the
+    background, and serves the last collection to Prometheus."""
 
     def __init__(
         self,
@@ -477,23 +224,15 @@ class Exporter:
     ):
         if interval <= 0 or host_timeout <= 0:
             raise ConfigError("exporter: --interval and the host timeout must be positive")
-        self.hosts = inventory.select(limit)
-        self.plans = {h.name: HostPlan.from_host(h) for h in self.hosts}
+        self.fleet = FleetState(inventory, limit=limit, host_timeout=host_timeout, hash_timeout=hash_timeout)
+        self.hosts, self.plans, self.host_timeout = self.fleet.hosts, self.fleet.plans, host_timeout
         self.results = ResultsReader(results or ResultsStore())
         self.interval = interval
-        self.host_timeout = host_timeout
-        self.hash_timeout = hash_timeout
         self._snapshot: Snapshot | None = None
         self._static = exposition(metric_families(None, self.plans))
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        # A hung host keeps its worker until its own SSH timeouts fire; the next collection then skips it.
-        self._pool = ThreadPoolExecutor(max_workers=max(2, 2 * len(self.hosts)), thread_name_prefix="rigctl-probe")
-        self._hash_pool = ThreadPoolExecutor(max_workers=max(1, len(self.hosts)), thread_name_prefix="rigctl-hash")
-        self._inflight: dict[str, Future[HostFacts]] = {}
-        self._hashing: dict[str, Future[None]] = {}
-        self._hashes: dict[tuple[str, str], tuple[tuple[int, ...], str]] = {}  # (host, path) -> (stat, sha256)
         self.collections = 0
 
     # -------------------------------------------------------------------------------- serving
@@ -558,8 +297,7 @@ class Exporter:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.host_timeout + 5)
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        self._hash_pool.shutdown(wait=False, cancel_futures=True)
+        self.fleet.close()
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -573,31 +311,17 @@ class Exporter:
     # -------------------------------------------------------------------------------- collecting
 
     def collect_once(self) -> Snapshot:
-        """Collect from every host at once, each bounded by the host timeout; publish and return it."""
+        """Read every host at once, each bounded by the host timeout, and the results store; publish and return
+        the snapshot."""
         started = time.monotonic()
-        futures: dict[str, Future[HostFacts]] = {}
-        for host in self.hosts:
-            running = self._inflight.get(host.name)
-            if running is None or running.done():
-                running = self._pool.submit(self._probe_host, host)
-                self._inflight[host.name] = running
-            futures[host.name] = running
+        reading = self.fleet.start_reading()
         results_error = None
         try:
             bench, evals = self.results.latest()
         except Exception as exc:  # the store unreadable costs its results, never the hosts' metrics
             bench, evals, results_error = [], [], one_line(exc)
             log.warning("results store %s: %s", self.results.store.root, results_error)
-        remaining = max(0.0, self.host_timeout + 1.0 - (time.monotonic() - started))
-        wait_futures(futures.values(), timeout=remaining)
-        hosts: dict[str, HostFacts] = {}
-        for name, future in futures.items():
-            if future.done():
-                hosts[name] = self._answered(name, future, started)
-            else:
-                hosts[name] = HostFacts(name, up=False, error=f"no answer within {self.host_timeout:g}s",
-                                        duration_seconds=time.monotonic() - started)
-                log.warning("%s: no answer within %gs", name, self.host_timeout)
+        hosts = self.fleet.finish_reading(reading, started)
         snapshot = Snapshot(completed_at=time.time(), duration_seconds=time.monotonic() - started, hosts=hosts,
                             bench=bench, evals=evals, results_error=results_error)
         static = exposition(metric_families(snapshot, self.plans))
@@ -606,118 +330,6 @@ class Exporter:
             self.collections += 1
         return snapshot
 
-    @staticmethod
-    def _answered(name: str, future: Future[HostFacts], started: float) -> HostFacts:
-        """A finished probe's facts; whatever a host's answer provoked in reading it blanks that host only."""
-        try:
-            return future.result()
-        except Exception as exc:
-            error = one_line(exc)
-            if not isinstance(exc, RigctlError):
-                error = f"its probe answer cannot be read: {error}"
-            log.warning("%s: %s", name, error)
-            return HostFacts(name, up=False, error=error, duration_seconds=time.monotonic() - started)
-
-    def _probe_host(self, host: Host) -> HostFacts:
-        from rigctl.ssh import SshClient
-
-        started = time.monotonic()
-        plan = self.plans[host.name]
-        models = {a.name: a.path for a in host.artifacts}
-        args = {
-            "fact": FACT_PATH,
-            "gpu_fields": ",".join(NVIDIA_SMI_FIELDS),
-            "unit_pattern": UNIT_PATTERN,
-            "unit_properties": ",".join(UNIT_PROPERTIES),
-            "units": [unit_name(name) for name in plan.servers],
-            "models": models,
-            "timeout": max(1.0, self.host_timeout / 2),
-        }
-        cmd = ship.python_command("fleet_state", json.dumps(args))
-        try:
-            # One connection per collection: reachability means a new SSH session can be opened now.
-            with SshClient.for_host(host, connect_timeout=self.host_timeout, retries=0,
-                                    channel_timeout=self.host_timeout) as ssh:
-                result = ssh.run(cmd, timeout=self.host_timeout)
-        except (RigctlError, OSError) as exc:
-            log.info("%s: down: %s", host.name, exc)
-            return HostFacts(host.name, up=False, error=str(exc), duration_seconds=time.monotonic() - started)
-        # An answer that cannot be read raises: collect_once makes it this host's error (_answered).
-        raw = parse_json(result.stdout, "its probe answer")
-        if not isinstance(raw, dict):
-            raise ConfigError(f"its probe answer is a JSON {type(raw).__name__}, not an object")
-        facts = self._facts(host, raw)
-        facts.duration_seconds = time.monotonic() - started
-        return facts
-
-    def _facts(self, host: Host, raw: Mapping[str, Any]) -> HostFacts:
-        facts = HostFacts(host.name, up=True)
-        try:
-            facts.builds = parse_fact(raw["fact"], host.name) if raw.get("fact") else Builds(host.name, None, None)
-        except RigctlError as exc:
-            log.warning("%s", exc)
-        smi = raw.get("nvidia_smi") or {}
-        if smi.get("rc") == 0:
-            try:
-                facts.gpus = parse_nvidia_smi(smi.get("out", ""))
-            except ValueError as exc:
-                facts.gpu_error = str(exc)
-        else:
-            facts.gpu_error = (smi.get("err") or "").strip() or f"nvidia-smi exited {smi.get('rc')}"
-        if facts.gpu_error:
-            log.info("%s: no GPU sample: %s", host.name, facts.gpu_error)
-        facts.units = list(parse_unit_show((raw.get("units") or {}).get("out", "")).values())
-        pins = host.pins
-        to_hash: dict[str, list[int]] = {}
-        for name, entry in sorted((raw.get("models") or {}).items()):
-            path, stat = str(entry["path"]), _stat_key(entry.get("stat"))
-            manifest_sha = None
-            if entry.get("manifest"):
-                try:
-                    manifest_sha = parse_manifest(entry["manifest"], host.name).sha256
-                except RigctlError as exc:
-                    log.warning("%s", exc)
-            sha = None
-            cached = self._hashes.get((host.name, path))
-            if stat is not None:
-                if cached and cached[0] == stat:
-                    sha = cached[1]
-                else:
-                    to_hash[path] = list(stat)
-            facts.models.append(ModelFact(name, path, stat is not None, sha, pins.get(name), manifest_sha,
-                                          stat[_STAT_BYTES] if stat and len(stat) > _STAT_BYTES else None))
-        if to_hash:
-            self._schedule_hash(host, to_hash)
-        return facts
-
     def settle_hashes(self, timeout: float) -> bool:
         """Wait up to ``timeout`` for the model hashes being computed; True if any were pending."""
-        pending = [f for f in self._hashing.values() if not f.done()]
-        if pending:
-            wait_futures(pending, timeout=timeout)
-        return bool(pending)
-
-    def _schedule_hash(self, host: Host, files: Mapping[str, list[int]]) -> None:
-        running = self._hashing.get(host.name)
-        if running is not None and not running.done():
-            return
-        self._hashing[host.name] = self._hash_pool.submit(self._hash_files, host, dict(files))
-
-    def _hash_files(self, host: Host, files: Mapping[str, list[int]]) -> None:
-        from rigctl.ssh import SshClient
-
-        cmd = ship.python_command("model_files", "hash", json.dumps(files))
-        try:
-            with SshClient.for_host(host, connect_timeout=self.host_timeout, retries=0) as ssh:
-                hashed = parse_json(ssh.run(cmd, timeout=self.hash_timeout).stdout, f"{host.name}: its model hashes")
-        except (RigctlError, ValueError, OSError) as exc:
-            log.info("%s: model hashes not read: %s", host.name, exc)
-            return
-        if not isinstance(hashed, dict):
-            log.warning("%s: its model hashes are a JSON %s, not an object", host.name, type(hashed).__name__)
-            return
-        for path, sha in hashed.items():
-            if path in files and isinstance(sha, str):  # only what was asked, as the one shape it has
-                self._hashes[(host.name, path)] = (_stat_key(files[path]) or (), sha)
-        log.debug("%s: hashed %d model files", host.name, len(hashed))
-
+        return self.fleet.settle_hashes(timeout)

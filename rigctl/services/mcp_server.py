@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -128,24 +129,27 @@ class FleetTools:
         return {"inventory": str(self.inventory.source), "hosts": hosts}
 
     def fleet_status(self, limit: str | None = None) -> dict[str, Any]:
-        from rigctl.services.exporter import Exporter, unit_instance
+        from rigctl.fleet.state import FleetState, unit_instance
 
-        exporter = Exporter(self.inventory, limit=limit, results=self.store, host_timeout=STATUS_HOST_TIMEOUT)
+        fleet = FleetState(self.inventory, limit=limit, host_timeout=STATUS_HOST_TIMEOUT)
         try:
-            snapshot = exporter.collect_once()
-            if exporter.settle_hashes(timeout=120.0):
-                snapshot = exporter.collect_once()  # model hashes now cached: drift is known
+            started = time.monotonic()
+            states = fleet.read()
+            if fleet.settle_hashes(timeout=120.0):
+                started = time.monotonic()
+                states = fleet.read()  # model hashes now cached: drift is known
+            took = time.monotonic() - started
         finally:
-            exporter.stop()
+            fleet.close()
         with ThreadPoolExecutor(max_workers=8) as pool:
             health = {
                 (h.name, s.name): pool.submit(self._health, h, s)
-                for h in exporter.hosts if snapshot.hosts[h.name].up for s in h.servers
+                for h in fleet.hosts if states[h.name].up for s in h.servers
             }
         out: dict[str, Any] = {}
-        for host in exporter.hosts:
-            facts = snapshot.hosts[host.name]
-            plan = exporter.plans[host.name]
+        for host in fleet.hosts:
+            facts = states[host.name]
+            plan = fleet.plans[host.name]
             entry: dict[str, Any] = {"up": facts.up}
             if not facts.up:
                 entry["error"] = untrusted(facts.error)
@@ -181,7 +185,7 @@ class FleetTools:
                 }
             entry["servers"] = servers
             out[host.name] = entry
-        return {"collected_in_seconds": round(snapshot.duration_seconds, 3), "hosts": out}
+        return {"collected_in_seconds": round(took, 3), "hosts": out}
 
     def _health(self, host: Host, instance: Any) -> dict[str, Any]:
         """One server's health; whatever its reply provokes is that server's status, not the fleet's error."""
@@ -343,7 +347,7 @@ def _gap(gap: Any) -> dict[str, Any]:
 
 
 def _run_summary(run: StoredRun) -> dict[str, Any]:
-    from rigctl.services.exporter import bench_results, eval_score
+    from rigctl.analysis.latest import bench_results, eval_score
 
     record = run.record
     summary: dict[str, Any] = {

@@ -48,13 +48,13 @@ from hypothesis import strategies as st
 from inventory_support import edit_yaml
 
 from rigctl.analysis.compare import compare_pair, compare_runs, load_answers
+from rigctl.analysis.latest import ResultsReader
 from rigctl.errors import ConfigError, EvalError, RigctlError
 from rigctl.evals.tasks import load_task
 from rigctl.inventory import Host, Inventory
 from rigctl.inventory.check import SCHEMA, check_host
 from rigctl.results.record import RUN_FILE, RunRecord
 from rigctl.results.store import ResultsStore
-from rigctl.services.exporter import ResultsReader
 
 REPO = Path(__file__).resolve().parents[2]
 #: The installed command, as users run it.

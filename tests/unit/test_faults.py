@@ -21,8 +21,8 @@ from rigctl.bench.matrix import load_run_samples
 from rigctl.errors import ConfigError
 from rigctl.fleet.deploy_lock import inventory_lock
 from rigctl.fleet.models import ArtifactStatus, Manifest
+from rigctl.fleet.state import ModelFact
 from rigctl.results.store import ResultsStore
-from rigctl.services.exporter import ModelFact
 
 REPO = Path(__file__).resolve().parents[2]
 LAB = REPO / "inventory" / "lab"

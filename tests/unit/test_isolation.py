@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 from rigctl import jobs
 from rigctl.analysis.compare import compare_runs, load_answers
+from rigctl.analysis.latest import ResultsReader
 from rigctl.errors import ConfigError, RigctlError, one_line
 from rigctl.inventory import Host, Inventory
 from rigctl.results.record import (
@@ -43,7 +44,7 @@ from rigctl.results.record import (
     parse_json,
 )
 from rigctl.results.store import ResultsStore, read_jsonl
-from rigctl.services.exporter import Exporter, ResultsReader
+from rigctl.services.exporter import Exporter
 from rigctl.services.mcp_server import FleetTools
 from rigctl.ssh import on_each_host
 
@@ -356,16 +357,16 @@ def test_a_hostile_probe_answer_and_hostile_runs_leave_every_other_hosts_metrics
 def test_results_reader_leaves_out_a_run_whose_files_provoke_anything(tmp_path: Path, monkeypatch, caplog) -> None:
     root = tmp_path / "results"
     seed_results(root)
-    import rigctl.services.exporter as exporter_module
+    import rigctl.analysis.latest as latest_module
 
-    real = exporter_module.bench_results
+    real = latest_module.bench_results
 
     def bench_results(run):
         if run.id == "bench-a":
             raise ZeroDivisionError("what a run's numbers could do")
         return real(run)
 
-    monkeypatch.setattr(exporter_module, "bench_results", bench_results)
+    monkeypatch.setattr(latest_module, "bench_results", bench_results)
     with caplog.at_level(logging.WARNING):
         bench, evals = ResultsReader(ResultsStore(root)).latest()
     assert [b.run_id for b in bench] == ["bench-b"] and [e.run_id for e in evals] == ["eval-a"]
