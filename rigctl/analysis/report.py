@@ -36,21 +36,17 @@ from rigctl.analysis.compare import (
     PairComparison,
     Scoring,
     SetGap,
-    answer_habits,
     answers_path,
     check_sets,
-    compare_bench,
     compare_pair,
     flip_counts,
-    gap_points,
     load_answers,
     other_scores,
-    p_text,
-    points,
-    ratio_text,
     run_scores,
-    sample_file,
 )
+from rigctl.analysis.format import gap_points, p_text, points, ratio_text
+from rigctl.analysis.habits import answer_habits
+from rigctl.analysis.speed import compare_bench, sample_file
 from rigctl.bench.bandwidth import NO_FIGURE, DecodeBound, decode_bound
 from rigctl.bench.matrix import BenchSample, cold_and_steady, counted, load_run_samples, throttled_cells
 from rigctl.campaign import CampaignBench, LoadedCampaign, Located, locate
@@ -65,7 +61,6 @@ if TYPE_CHECKING:
     from rigctl.bench.drafting import RaceRequest
 
 log = logging.getLogger(__name__)
-
 SECTION_TITLES = {"headline": "Head to head", "quantisation": "Quantisation cost", "qat": "What QAT is worth",
                   "other": "Other comparisons"}
 

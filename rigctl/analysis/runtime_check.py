@@ -34,7 +34,6 @@ from rigctl.errors import CheckError, ConfigError, ServerError
 from rigctl.llama_http import ServerClient
 
 log = logging.getLogger(__name__)
-
 _HELPER = Path(__file__).with_name("hf_reference.py")
 _MISSING = 3
 DEFAULT_TOP_K = 20
@@ -64,7 +63,6 @@ _AREA = _tool("triangle_area", "Area of a triangle from its base and height.",
 _CONVERT = _tool("convert_currency", "Convert an amount between currencies.",
                  {"amount": {"type": "number"}, "from": {"type": "string"}, "to": {"type": "string"}},
                  ["amount", "from", "to"])
-
 #: Written for these checks: math word problems (with and without a system prompt, one multi-turn)
 #: and tool-calling requests with their tools.
 BUILTIN_PROMPTS: tuple[Conversation, ...] = (

@@ -237,7 +237,7 @@ class FleetTools:
         return {"results_root": str(self.store.root), "runs": [_run_summary(run) for run in runs]}
 
     def compare_runs(self, run_a: str, run_b: str) -> dict[str, Any]:
-        from rigctl.analysis import compare
+        from rigctl.analysis import compare, speed
 
         a, b = self.run(run_a), self.run(run_b)
         if a.record.kind != b.record.kind:
@@ -249,7 +249,7 @@ class FleetTools:
             return {"kind": "eval", "a": f"{a.host}/{a.id}", "b": f"{b.host}/{b.id}", "task": pair.task,
                     "overall": _gap(gaps.overall), "sets": [_gap(s) for s in gaps.sets],
                     "only_a": pair.only_a, "only_b": pair.only_b}
-        result = compare.compare_bench_runs([a, b], by="run")
+        result = speed.compare_bench_runs([a, b], by="run")
         return {"kind": "bench", "a": f"{a.host}/{a.id}", "b": f"{b.host}/{b.id}",
                 "ratios": [{"test": r.test, "a": r.a, "b": r.b, "mean_a": r.mean_a, "mean_b": r.mean_b,
                             "ratio_b_over_a": r.ratio.estimate, "low": r.ratio.low, "high": r.ratio.high}

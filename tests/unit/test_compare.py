@@ -8,7 +8,10 @@ import numpy as np
 import pytest
 from handmade_runs import bench_record, bench_run, eval_run
 
-from rigctl.analysis.compare import answer_habits, compare_bench_runs, compare_runs, points
+from rigctl.analysis.compare import compare_runs
+from rigctl.analysis.format import points
+from rigctl.analysis.habits import answer_habits
+from rigctl.analysis.speed import compare_bench_runs
 from rigctl.errors import ConfigError
 from rigctl.results.store import ResultsStore
 
