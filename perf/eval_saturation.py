@@ -30,10 +30,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from rigctl.evals import runner, scorers
+from rigctl.evals import runner
 from rigctl.evals.datasets import read_records
 from rigctl.evals.target import inventory_target, url_target
 from rigctl.evals.tasks import load_task
+from rigctl.hostside import scorers
 from rigctl.inventory import Inventory
 from rigctl.llama_http import AsyncServerClient, Endpoint, ServerClient
 from rigctl.results.store import ResultsStore, read_jsonl

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from rigctl.errors import ConfigError
-from rigctl.evals.scorers import GSM8K_SCORES
+from rigctl.hostside.scorers import GSM8K_SCORES
 from rigctl.results.record import ANSWERS_FILE
 from rigctl.results.store import StoredRun, read_jsonl
 from rigctl.stats import (

@@ -50,7 +50,7 @@ def _verdict_cell(gap, margin: float | None, p: float | None = None) -> str:
 
 def print_eval_comparison(result: Comparison) -> None:
     from rigctl.analysis.format import p_text, points, ratio_text
-    from rigctl.evals.scorers import GSM8K_SCORES
+    from rigctl.hostside.scorers import GSM8K_SCORES
 
     for index, pair in enumerate(result.pairs):
         title = f"{pair.b.name} ({pair.b.label}) - {pair.a.name} ({pair.a.label}): task {pair.task}"

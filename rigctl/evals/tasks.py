@@ -39,7 +39,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from rigctl.errors import EvalError
 from rigctl.evals import datasets
 from rigctl.evals.datasets import DatasetFile
-from rigctl.evals.scorers import BFCL_TEMPERATURE, gsm8k_gold
+from rigctl.hostside.bfcl import BFCL_TEMPERATURE
+from rigctl.hostside.scorers import gsm8k_gold
 from rigctl.inputs import decode_utf8, yaml_problem
 
 TASKS_DIR = Path(__file__).resolve().parent.parent / "tasks"
@@ -198,7 +199,7 @@ class LoadedTask:
 
     @property
     def request(self) -> dict[str, Any]:
-        """The chat request's settings (:func:`rigctl.evals.scorers.chat_request`); empty for choice tasks."""
+        """The chat request's settings (:func:`rigctl.hostside.scorers.chat_request`); empty for choice tasks."""
         spec = self.spec
         if isinstance(spec, BfclTask):
             return {"temperature": spec.temperature, "max_tokens": spec.max_tokens, "bfcl_notes": spec.bfcl_notes}

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rigctl.evals import scorers
+from rigctl.hostside import bfcl
 from rigctl.results.record import RunRecord
 from rigctl.results.store import ResultsStore, read_jsonl
 from rigctl.ssh import SshClient, SshTarget
@@ -124,9 +124,9 @@ def test_scores_follow_from_the_raw_replies(lab, env, name, n):
                             if json.loads(line)["id"] == row["id"])
             truth = next(json.loads(line) for line in (FIXTURES / "hf" / "possible_answer" / "bfcl_simple.json")
                          .open() if json.loads(line)["id"] == row["id"])["ground_truth"][0]
-            assert row["score"] == int(scorers.check_simple_call(question["function"][0], calls, truth).valid)
+            assert row["score"] == int(bfcl.check_simple_call(question["function"][0], calls, truth).valid)
             assert row["toolless"] == (not calls)
-            assert row["missed_call"] == (not calls and scorers.looks_like_missed_call(row["reply"]))
+            assert row["missed_call"] == (not calls and bfcl.looks_like_missed_call(row["reply"]))
             if not calls:
                 assert row["score"] == 0
     if name == "fixture-bfcl":

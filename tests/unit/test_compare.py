@@ -309,7 +309,7 @@ def test_flipped_replies_are_shown_as_text(tmp_path):
 
 
 def test_gsm8k_pairs_carry_lm_evals_scores_by_name(tmp_path):
-    from rigctl.evals.scorers import score_gsm8k
+    from rigctl.hostside.scorers import score_gsm8k
 
     answer = "4 * 250 = <<4*250=1000>>1000\n#### 1000"
     # A writes "#### 1,000" (every score reads it); B writes "$1000" in prose (lm-eval's strict-match does not).
@@ -389,7 +389,7 @@ def test_compare_cli_names_each_gsm8k_score(tmp_path):
 
     from benchlab import RIGCTL
 
-    from rigctl.evals.scorers import score_gsm8k
+    from rigctl.hostside.scorers import score_gsm8k
 
     answer = "4 * 250 = <<4*250=1000>>1000\n#### 1000"
     for run, reply in (("eval-a", "#### 1000"), ("eval-b", "It costs $1000.")):

@@ -30,8 +30,6 @@ REPO = HOSTSIDE.parents[1]
 SYSTEM_PYTHON = "/usr/bin/python3"
 # Controller-only: it reads the package's files to ship them.
 CONTROLLER_ONLY = {"ship"}
-# rigctl.evals.scorers (stdlib only too), shipped into the eval job's directory by rigctl.evals.remote.
-JOB_FILES = {"eval_scorers"}
 # sdist_fetch runs on the controller (the llama_cpp role delegates it to localhost under the playbook's
 # Python) and reads pip's configuration with pip; the rest of it is standard library like the others.
 CONTROLLER_IMPORTS = {"sdist_fetch": {"pip"}}
@@ -67,7 +65,7 @@ def test_host_side_modules_import_only_the_standard_library_and_each_other(path:
             continue
         for name in names:
             top = name.split(".")[0]
-            allowed = sys.stdlib_module_names | JOB_FILES | CONTROLLER_IMPORTS.get(path.stem, set()) | {"__future__"}
+            allowed = sys.stdlib_module_names | CONTROLLER_IMPORTS.get(path.stem, set()) | {"__future__"}
             assert top in allowed or name.startswith("rigctl.hostside"), \
                 f"{path.name} imports {name}"
 
@@ -94,7 +92,7 @@ def test_the_roles_modules_use_the_one_gguf_reader_and_model_file_helpers() -> N
 def test_the_import_closure_is_what_a_module_imports(tmp_path: Path) -> None:
     assert ship.closure(["fleet_state"]) == ["model_files", "fleet_state"]
     assert set(ship.closure(["jobrun", "eval_task"])) == {"jobrun", "eval_task", "jobfiles", "model_files",
-                                                         "llama_cpp_fact", "llama_server_http", "stamp"}
+                                                         "llama_cpp_fact", "llama_server_http", "stamp", "scorers", "bfcl"}
     with pytest.raises(ConfigError, match="no rigctl/hostside/nope.py"):
         ship.closure(["nope"])
 

@@ -28,7 +28,7 @@ from rigctl.analysis.habits import answer_habits
 from rigctl.analysis.report.markdown import Links, md_table, quoted
 from rigctl.campaign import LoadedCampaign, Located
 from rigctl.errors import RigctlError
-from rigctl.evals.scorers import GSM8K_SCORES
+from rigctl.hostside.scorers import GSM8K_SCORES
 from rigctl.results.record import ANSWERS_FILE, RUN_FILE
 from rigctl.results.store import StoredRun
 from rigctl.stats import Interval, holm, verdict_text
