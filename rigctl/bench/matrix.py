@@ -42,7 +42,7 @@ import json
 import logging
 import math
 import statistics  # not numpy: starting a bench imports this module, and numpy costs a tenth of a second
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -51,6 +51,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rigctl.errors import ConfigError, RigctlError
+from rigctl.hostside.bench_cells import CELLS_FILE
 from rigctl.hostside.bench_task import plan_cells
 from rigctl.inventory import Host, Inventory
 from rigctl.results.record import parse_json
@@ -62,7 +63,6 @@ if TYPE_CHECKING:  # rigctl.jobs brings paramiko; summaries (and rigctl.analysis
 
 log = logging.getLogger(__name__)
 
-CELLS_FILE = "cells.jsonl"
 #: The host-side module a bench job runs (rigctl/hostside/bench_task.py).
 BENCH_TASK = "bench_task"
 RAW_DIR = "llama-bench"
@@ -290,14 +290,6 @@ def samples_from_cell(
             throttled=bool(throttle.get("throttled")), throttle_why=tuple(throttle.get("why") or ()),
         ))
     return out
-
-
-def cell_files(cells: Sequence[Mapping[str, Any]]) -> Iterator[tuple[str, Any]]:
-    """(where, path) of every raw file the lines of a ``cells.jsonl`` name (pure)."""
-    for number, cell in enumerate(cells, 1):
-        for key in ("raw", "log"):
-            if cell.get(key) is not None:
-                yield f"line {number} {key}", cell[key]
 
 
 def load_run_samples(run: StoredRun) -> list[BenchSample]:

@@ -52,7 +52,8 @@ from rigctl.analysis.latest import ResultsReader
 from rigctl.errors import ConfigError, EvalError, RigctlError
 from rigctl.evals.tasks import load_task
 from rigctl.inventory import Host, Inventory
-from rigctl.inventory.check import SCHEMA, check_host
+from rigctl.inventory.check import check_host
+from rigctl.inventory.schema import SCHEMA
 from rigctl.results.record import RUN_FILE, RunRecord
 from rigctl.results.store import ResultsStore
 

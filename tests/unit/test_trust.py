@@ -19,7 +19,8 @@ from rigctl.errors import ConfigError, TrustError
 from rigctl.evals import datasets
 from rigctl.fleet.deploy import ansible_env
 from rigctl.inventory import Inventory
-from rigctl.inventory.check import SCHEMA, check_host
+from rigctl.inventory.check import check_host
+from rigctl.inventory.schema import SCHEMA
 from rigctl.llama_http import Endpoint
 from rigctl.results.record import RUN_ID, RawFile, RunRecord, new_run_id
 from rigctl.trust import (
