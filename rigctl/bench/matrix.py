@@ -47,12 +47,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rigctl.errors import ConfigError, RigctlError
 from rigctl.hostside.bench_cells import CELLS_FILE
 from rigctl.hostside.bench_task import plan_cells
+from rigctl.inputs import read_mapping
 from rigctl.inventory import Host, Inventory
 from rigctl.results.record import parse_json
 from rigctl.results.store import StoredRun, read_jsonl
@@ -132,14 +132,7 @@ def parse_spec(data: Mapping[str, Any], origin: str) -> BenchSpec:
 
 def load_spec(path: Path, overrides: Mapping[str, Any] | None = None) -> BenchSpec:
     """A YAML bench spec, with ``overrides`` (from CLI flags) on top."""
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except OSError as exc:
-        raise ConfigError(f"bench spec {path}: {exc.strerror or exc}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"bench spec {path}: not YAML: {str(exc).splitlines()[0]}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"bench spec {path}: expected a mapping at the top")
+    data = read_mapping(path, "bench spec", empty=True)
     for key, value in (overrides or {}).items():
         if key == "matrix":
             data["matrix"] = {**(data.get("matrix") or {}), **value}
