@@ -87,40 +87,34 @@ class ResultsReader:
 
     def __init__(self, store: ResultsStore):
         self.store = store
-        self._bench: dict[str, list[BenchResult]] = {}
-        self._evals: dict[str, EvalScore | None] = {}
+        self._parsed: dict[str, list[BenchResult] | list[EvalScore]] = {}
 
     def latest(self) -> tuple[list[BenchResult], list[EvalScore]]:
-        bench: dict[tuple[str, str, str, str], BenchResult] = {}
-        evals: dict[tuple[str, str, str], EvalScore] = {}
+        newest: dict[tuple[str, ...], BenchResult | EvalScore] = {}
         if not self.store.root.is_dir():
             return [], []
         for run in self.store.runs():
-            if run.record.status != "done":
+            if run.record.status != "done" or run.record.kind not in ("bench", "eval"):
                 continue
-            key = f"{run.host}/{run.id}"
-            if run.record.kind == "bench":
-                if key not in self._bench:
-                    try:
-                        self._bench[key] = bench_results(run)
-                    except Exception as exc:  # one run's files, whatever they hold, cost only that run
-                        log.warning("skipping bench run %s: %s", key, one_line(exc))
-                        self._bench[key] = []
-                for result in self._bench[key]:
-                    slot = (result.host, result.artifact, result.test, result.config)
-                    if slot not in bench or bench[slot].ended <= result.ended:
-                        bench[slot] = result
-            elif run.record.kind == "eval":
-                if key not in self._evals:
-                    try:
-                        self._evals[key] = eval_score(run)
-                    except Exception as exc:  # one run's files, whatever they hold, cost only that run
-                        log.warning("skipping eval run %s: %s", key, one_line(exc))
-                        self._evals[key] = None
-                score = self._evals[key]
-                if score is not None:
-                    slot = (score.host, score.task, score.artifact)
-                    if slot not in evals or evals[slot].ended <= score.ended:
-                        evals[slot] = score
-        return sorted(bench.values(), key=lambda b: (b.host, b.artifact, b.test, b.config)), sorted(
-            evals.values(), key=lambda e: (e.host, e.task, e.artifact))
+            for result in self._results(run):
+                slot = ((result.host, result.artifact, result.test, result.config) if isinstance(result, BenchResult)
+                        else (result.host, result.task, result.artifact))
+                if slot not in newest or newest[slot].ended <= result.ended:
+                    newest[slot] = result
+        ordered = [newest[slot] for slot in sorted(newest)]
+        return ([r for r in ordered if isinstance(r, BenchResult)], [r for r in ordered if isinstance(r, EvalScore)])
+
+    def _results(self, run: StoredRun) -> list[BenchResult] | list[EvalScore]:
+        """A finished bench or eval run's results, parsed once."""
+        key = f"{run.host}/{run.id}"
+        if key not in self._parsed:
+            try:
+                if run.record.kind == "bench":
+                    self._parsed[key] = bench_results(run)
+                else:
+                    score = eval_score(run)
+                    self._parsed[key] = [score] if score is not None else []
+            except Exception as exc:  # one run's files, whatever they hold, cost only that run
+                log.warning("skipping %s run %s: %s", run.record.kind, key, one_line(exc))
+                self._parsed[key] = []
+        return self._parsed[key]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ from rigctl.ssh import SshClient, SshTarget
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 from benchlab import REPO, RIGCTL, assert_deployed, cli_env, served_inventory  # noqa: E402
-from hf_server import HfRepo, HfServer  # noqa: E402
+from hf_server import eval_fixtures_hub  # noqa: E402
 
 pytestmark = pytest.mark.lab
 
@@ -44,9 +43,7 @@ def lab(request):
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hub") / "repo"
-    shutil.copytree(FIXTURES / "hf", root)
-    with HfServer(HfRepo("datasets/rigctl/eval-fixtures", "5f3c9a1e0b2d4c6e8f7a9b1c3d5e7f9a0b2c4d6e", root)) as server:
+    with eval_fixtures_hub(tmp_path_factory.mktemp("hub")) as server:
         yield server
 
 
