@@ -54,6 +54,7 @@ from rigctl.stats import (
 )
 
 log = logging.getLogger(__name__)
+
 OVERALL = "overall"
 
 

@@ -34,6 +34,7 @@ from rigctl.errors import CheckError, ConfigError, ServerError
 from rigctl.llama_http import ServerClient
 
 log = logging.getLogger(__name__)
+
 _HELPER = Path(__file__).with_name("hf_reference.py")
 _MISSING = 3
 DEFAULT_TOP_K = 20
