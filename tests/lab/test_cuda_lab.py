@@ -34,11 +34,11 @@ from conftest import wait_healthy
 from test_llama_cpp_lab import ccache_counters, compilations, current_target, ssh
 from test_refusals_lab import build_status, serves
 
-from rigctl.build import read_builds
-from rigctl.deploy import DeployResult, ansible_env, run_playbook
+from rigctl.fleet.build import read_builds
+from rigctl.fleet.deploy import DeployResult, ansible_env, run_playbook
 from rigctl.hostside.sdist_fetch import canonical_name
 from rigctl.inventory import Inventory
-from rigctl.lab import Lab
+from rigctl.lab.rigs import Lab
 from rigctl.ssh import SshClient, SshTarget
 
 REPO = Path(__file__).resolve().parents[2]
