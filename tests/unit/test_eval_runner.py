@@ -247,7 +247,9 @@ class _Job:
         shutil.copy(scorers.__file__, self.dir / "eval_scorers.py")
         (self.dir / "questions.jsonl").write_text("".join(json.dumps(q) + "\n" for q in questions))
         self.params = params
-        self.record = {"servers": [{}], "extra": {}}
+        from rigctl.hostside.runrecord import Provenance, RunRecord, Server
+
+        self.record = RunRecord.begin("eval", Provenance(host="desktop", servers=[Server(name="smollm2")]))
         self.run_dir = tmp_path / "run"
 
     def save_record(self) -> None:
