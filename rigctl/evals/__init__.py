@@ -10,11 +10,13 @@ Run directory (``<results>/<host>/<run id>/``, see :mod:`rigctl.results`)::
     run.json        RunRecord, kind "eval"
     answers.jsonl   one JSON object per answered question, appended and flushed as each completes
 
-``run.json`` for evals: ``server`` = {endpoint, label, build_info, model_path, total_slots, n_ctx (from
-``/props``), and for inventory servers name, host, profile, flags (the profile's settings)};
-``artifacts`` = [{name, path, sha256, manifest}] from the host's model manifest; ``task`` = {name,
-scorer, file, file_sha256, dataset_sha256: {source key: sha256}, questions}; ``seed``; ``concurrency``;
-``extra`` = {thinking, limit, timeout_s, summary, label_tokens (choice), resumed: [times], and for
+``run.json`` for evals (the one record shape, :mod:`rigctl.hostside.runrecord`): ``servers`` = one per
+server that answered (a fan-out's several, each with its ``gpu``): {endpoint, label, build_info,
+model_path, total_slots, n_ctx (from ``/props``), and for inventory servers name, host, unit, profile,
+port, artifact and the argv as deployed (read from the host)}; ``artifacts`` = [{name, path, sha256,
+manifest}] from the host's model manifest; ``task`` = {name, scorer, file, file_sha256, dataset_sha256:
+{source key: sha256}, questions}; ``seed``; ``concurrency``; ``extra`` = {thinking, limit, timeout_s,
+summary, label_tokens (choice), resumed: [times], error (a failed or stopped run's reason), and for
 bfcl_simple template_carries_tools ([bool] per server) and deviations ({from, settings, reason}, only when
 the task departs from BFCL's own request)}. ``summary`` is
 ``{"sets": {set: block}, "overall": block + {"macro"}}`` with block = {n, score, cutoffs, and

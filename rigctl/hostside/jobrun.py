@@ -56,7 +56,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from rigctl.hostside import jobfiles, stamp
+from rigctl.hostside import jobfiles, stamp, units
 from rigctl.hostside.model_files import file_sha256, identity
 from rigctl.hostside.runrecord import RUN_FILE, Artifact, RunRecord, RunStatus, utc_now, write_json_atomically
 
@@ -261,15 +261,6 @@ def cached_sha256(cache_path: Path, path: str) -> tuple[str, str]:
     return digest, "hashed now"
 
 
-def _systemctl(*args: str) -> str | None:
-    """``systemctl ARGS``; None when it worked, else its one-line complaint."""
-    try:
-        done = subprocess.run(["systemctl", *args], capture_output=True, text=True, timeout=300, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return str(exc)
-    return None if done.returncode == 0 else (done.stderr.strip() or f"exit {done.returncode}")
-
-
 def prepare(job_dir: Path) -> int:
     """Root's step before the job (ExecStartPre=+): the spec's model files hashed into the host's cache,
     then the llama-server units the spec names stopped. Non-zero (the job does not run) when one will not
@@ -281,7 +272,7 @@ def prepare(job_dir: Path) -> int:
             print(f"{utc_now()} {path}: sha256 {digest} ({source})", flush=True)
     for unit in spec.get("stop_units") or []:
         print(f"{utc_now()} stopping {unit} for the job", flush=True)
-        problem = _systemctl("stop", unit)
+        problem = units.run("stop", [unit])
         if problem:
             error = f"cannot stop {unit}: {problem}"
             print(f"{utc_now()} {error}", flush=True)
@@ -297,9 +288,7 @@ def finish(job_dir: Path) -> int:
     problems = []
     for unit in spec.get("stop_units") or []:
         print(f"{utc_now()} starting {unit} again", flush=True)
-        # Not a crash loop: clear the unit's start-limit counter, which counts every start.
-        _systemctl("reset-failed", unit)
-        problem = _systemctl("start", unit)
+        problem = units.run("start", [unit])
         if problem:
             problems.append(f"{unit}: {problem}")
             print(f"{utc_now()} cannot start {unit}: {problem}", flush=True)
