@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shlex
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -223,16 +224,23 @@ def active_units(ssh: SshClient, units: Sequence[str]) -> list[str]:
 
 
 def journal_tail(ssh: SshClient, unit: str) -> str:
-    """The last line ``unit``'s own process wrote to the journal (why it failed, mostly); "" when none."""
+    """The last lines ``unit``'s own process wrote to the journal (why it failed, mostly); "" when none."""
     out = ssh.run(f"journalctl -u {shlex.quote(unit)} -n 40 --no-pager -o json", timeout=SSH_TIMEOUT,
                   check=False).stdout
-    return last_own_message(out)
+    return last_own_messages(out)
 
 
-def last_own_message(journal_json: str) -> str:
-    """The last message in ``journalctl -o json`` output that is not systemd's own about the unit ("Main
-    process exited", "Scheduled restart job"): the server's last word (pure)."""
-    last = ""
+#: A line that says what went wrong: llama.cpp's log level E after its timestamp, or an "error:" line (its
+#: argument parser's).
+_ERROR_LINE = re.compile(r"^(?:[0-9.]+ E |error\b)", re.IGNORECASE)
+
+
+def last_own_messages(journal_json: str) -> str:
+    """What a unit's own process said in its last run (its ``_SYSTEMD_INVOCATION_ID``), from ``journalctl -o
+    json`` output: the first error line (the cause: "couldn't bind ...", "invalid argument ...") and the last
+    line (the exit), joined by " / "; systemd's own lines about the unit ("Main process exited") are left
+    out. Pure."""
+    own: list[tuple[object, str]] = []
     for line in journal_json.splitlines():
         try:
             entry = json.loads(line)
@@ -243,9 +251,12 @@ def last_own_message(journal_json: str) -> str:
         message = entry.get("MESSAGE")
         if isinstance(message, list):  # bytes that are not UTF-8, as journalctl sends them
             message = bytes(b for b in message if isinstance(b, int) and 0 <= b < 256).decode(errors="replace")
-        if isinstance(message, str) and message.strip():  # data from the host: one printable line
-            last = "".join(c for c in " ".join(message.split()) if c.isprintable())[:300]
-    return last
+        if isinstance(message, str) and message.strip():  # data from the host: one printable line each
+            text = "".join(c for c in " ".join(message.split()) if c.isprintable())[:300]
+            own.append((entry.get("_SYSTEMD_INVOCATION_ID"), text))
+    said = [text for run, text in own if run == own[-1][0]] if own else []
+    cause = next((m for m in said if _ERROR_LINE.match(m)), None)
+    return " / ".join(dict.fromkeys(([cause] if cause else []) + said[-1:]))
 
 
 def wait_ready(ssh: SshClient, unit: str, endpoint: Endpoint, *, purpose: str = "start",

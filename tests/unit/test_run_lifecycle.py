@@ -14,7 +14,7 @@ from rigctl.hostside import units
 from rigctl.results.record import RUN_ID, RUN_KINDS, Provenance, RunRecord, Server, new_run_id
 from rigctl.results.run import INTERRUPTED, Run, open_run
 from rigctl.results.store import ResultsStore
-from rigctl.servers import last_own_message, operator_start
+from rigctl.servers import last_own_messages, operator_start
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -101,12 +101,21 @@ def test_every_start_clears_the_failure_counter_first_on_both_sides():
     assert operator_start(["a.service"], "restart") == "systemctl reset-failed a.service; systemctl restart a.service"
 
 
-def test_a_units_last_word_is_its_own_not_systemds():
-    lines = [{"SYSLOG_IDENTIFIER": "llama-server@x", "MESSAGE": "load_model: loading"},
-             {"SYSLOG_IDENTIFIER": "llama-server@x", "MESSAGE": "error: invalid argument: --bogus\x1b[2J"},
-             {"SYSLOG_IDENTIFIER": "systemd", "_PID": "1", "MESSAGE": "llama-server@x.service: Failed"},
-             {"SYSLOG_IDENTIFIER": "llama-server", "MESSAGE": list(b"bad \xff byte")}]
-    text = "\n".join(json.dumps(line) for line in lines[:3]) + "\nnot json\n"
-    assert last_own_message(text) == "error: invalid argument: --bogus[2J"
-    assert last_own_message(json.dumps(lines[3])) == "bad \ufffd byte"
-    assert last_own_message("") == ""
+def test_a_units_last_words_are_its_own_from_its_last_run_with_the_cause_first():
+    systemd = {"SYSLOG_IDENTIFIER": "systemd", "_PID": "1"}
+
+    def said(message: str, run: str = "b") -> dict:
+        return {"SYSLOG_IDENTIFIER": "llama-server", "_SYSTEMD_INVOCATION_ID": run, "MESSAGE": message}
+
+    lines = [said("0.01.000.000 E srv an older run's error", run="a"),
+             {**systemd, "MESSAGE": "Started rigctl-loadprobe-smollm2.service - /etc/llama-server/x.bin"},
+             said("warning: no usable GPU found"), said("0.00.015.844 E srv start: couldn't bind\x1b[2J"),
+             said("0.00.015.845 I srv operator(): cleaning up"), said("0.00.023.360 E srv exiting due to HTTP error"),
+             {**systemd, "MESSAGE": "rigctl-loadprobe-smollm2.service: Failed with result 'exit-code'."}]
+    text = "\n".join(json.dumps(line) for line in lines) + "\nnot json\n"
+    assert last_own_messages(text) == ("0.00.015.844 E srv start: couldn't bind[2J / "
+                                       "0.00.023.360 E srv exiting due to HTTP error")
+    refused = [said("some output"), said("error: invalid argument: --bogus")]
+    assert last_own_messages("\n".join(json.dumps(line) for line in refused)) == "error: invalid argument: --bogus"
+    assert last_own_messages(json.dumps({"MESSAGE": list(b"bad \xff byte")})) == "bad \ufffd byte"
+    assert last_own_messages("") == ""
