@@ -360,16 +360,17 @@ def locate(loaded: LoadedCampaign, store: ResultsStore) -> Located:
     campaign = loaded.campaign
     runs = list(store.runs())
     found = Located()
+
+    def newest(matches: Callable[[StoredRun], bool]) -> StoredRun | None:
+        return max((r for r in runs if matches(r)), key=lambda r: r.record.started, default=None)
+
     for bench in campaign.benches:
         for host in bench.hosts:
-            matching = [r for r in runs if bench_matches(r, bench, host)]
-            found.benches[(bench.name, host)] = max(matching, key=lambda r: r.record.started, default=None)
+            found.benches[(bench.name, host)] = newest(lambda r, b=bench, h=host: bench_matches(r, b, h))
     for load in campaign.loads:
-        matching = [r for r in runs if load_matches(r, load)]
-        found.loads[load.name] = max(matching, key=lambda r: r.record.started, default=None)
+        found.loads[load.name] = newest(functools.partial(load_matches, load=load))
     for race in campaign.drafting:
-        matching = [r for r in runs if drafting_matches(r, race)]
-        found.drafting[race.name] = max(matching, key=lambda r: r.record.started, default=None)
+        found.drafting[race.name] = newest(functools.partial(drafting_matches, race=race))
     for evaluation in campaign.evals:
         name = task_name(loaded, evaluation)
         found.task_names[evaluation.name] = name

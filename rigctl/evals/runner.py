@@ -180,6 +180,8 @@ def target_stamp(targets: Sequence[Target]) -> Provenance:
     (:meth:`rigctl.evals.target.Target.provenance`, read from its host once). A fan-out's first target gives
     the host, GPU, build and artifacts; each server keeps its own GPU."""
     stamps = [copy.deepcopy(target.provenance()) for target in targets]
+    for note in (note for target in targets for note in target.notes):
+        log.warning("%s", note)
     first = stamps[0]
     if len(stamps) > 1:
         for stamp in stamps:

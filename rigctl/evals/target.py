@@ -7,9 +7,8 @@ once, when the target is made: what a fan-out checks its servers against and wha
 
 from __future__ import annotations
 
-import logging
 import urllib.parse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rigctl.errors import RigctlError
@@ -17,8 +16,6 @@ from rigctl.inventory import Host, Server
 from rigctl.results.record import Artifact, Provenance
 from rigctl.results.record import Server as ServerRecord
 from rigctl.server import Endpoint
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -32,6 +29,9 @@ class Target:
     stamp: Provenance | None = None  # read from the host (inventory servers), or the endpoint alone
     inventory_host: Host | None = None
     inventory_server: Server | None = None
+    #: What the host could not read for the stamp (a server not running has no argv): said when a run
+    #: starts with it (:func:`rigctl.evals.runner.target_stamp`), not when a fan-out is refused.
+    notes: list[str] = field(default_factory=list)
 
     @property
     def label(self) -> str:
@@ -69,9 +69,10 @@ def read_stamp(target: Target) -> Provenance:
     artifacts = [target.artifact] if target.artifact else []
     try:
         with session(host) as ssh:
-            return collect_stamp(host, ssh, [inventory_server(host, target.name)], artifacts=artifacts)
+            return collect_stamp(host, ssh, [inventory_server(host, target.name)], artifacts=artifacts,
+                                 notes=target.notes)
     except RigctlError as exc:
-        log.warning("%s: provenance not read (the record names the server, no argv): %s", host.name, exc)
+        target.notes.append(f"{host.name}: provenance not read (the record names the server, no argv): {exc}")
         return Provenance(host=target.host, servers=[inventory_server(host, target.name)],
                           artifacts=[Artifact(name=name) for name in artifacts])
 

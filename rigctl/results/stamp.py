@@ -63,10 +63,10 @@ def inventory_stamp(host: Host, servers: Sequence[Server] = (), *, artifacts: Se
                       task=task, matrix=matrix, seed=seed, concurrency=concurrency, rigctl_version=rigctl_version())
 
 
-def complete_on_host(ssh: SshClient, stamp: Provenance) -> Provenance:
+def complete_on_host(ssh: SshClient, stamp: Provenance, *, notes: list[str] | None = None) -> Provenance:
     """``stamp`` completed by :func:`rigctl.hostside.stamp.complete` on the host (one round trip): each
     server's argv as deployed, the GPU, the build, the artifacts' manifests. What the host could not read is
-    logged and left as the inventory says."""
+    left as the inventory says and logged, or added to ``notes`` for the caller to say when it matters."""
     request = json.dumps({"stamp": dataclasses.asdict(stamp)})
     result = ssh.run(ship.python_command("stamp", request), timeout=STAMP_TIMEOUT, check=True)
     origin = f"{ssh.host}: its provenance stamp"
@@ -75,7 +75,11 @@ def complete_on_host(ssh: SshClient, stamp: Provenance) -> Provenance:
         raise RigctlError(f"{origin} came back as {type(answer).__name__}, not an object with a stamp")
     read = _checked(answer["stamp"], origin)
     for note in answer.get("notes") if isinstance(answer.get("notes"), list) else []:
-        log.warning("%s: %s", ssh.host, str(note)[:500])
+        line = f"{ssh.host}: {str(note)[:500]}"
+        if notes is None:
+            log.warning("%s", line)
+        else:
+            notes.append(line)
     done = dataclasses.replace(stamp, gpu=read.gpu, llama_cpp=read.llama_cpp,
                                servers=[dataclasses.replace(s) for s in stamp.servers],
                                artifacts=[dataclasses.replace(a) for a in stamp.artifacts])
@@ -92,11 +96,11 @@ def complete_on_host(ssh: SshClient, stamp: Provenance) -> Provenance:
 
 def collect_stamp(host: Host, ssh: SshClient, servers: Sequence[Server], *, artifacts: Sequence[str] = (),
                   task: Task | None = None, matrix: dict[str, Any] | None = None, seed: int | None = None,
-                  concurrency: int | None = None) -> Provenance:
+                  concurrency: int | None = None, notes: list[str] | None = None) -> Provenance:
     """The stamp of a run on ``host`` with ``servers`` (their argv read from the host as they run now),
     ``artifacts`` (names; sha256 from their manifests), and the run's task or matrix, seed, concurrency."""
     return complete_on_host(ssh, inventory_stamp(host, servers, artifacts=artifacts, task=task, matrix=matrix,
-                                                 seed=seed, concurrency=concurrency))
+                                                 seed=seed, concurrency=concurrency), notes=notes)
 
 
 _PROVENANCE_ADAPTER: Any = None
