@@ -4,7 +4,7 @@ lifecycle around a run.
 Each instance is the systemd unit ``llama-server@<name>.service`` that roles/llama_server installs from
 the inventory's ``llama_server_instances``. This module asks systemd over SSH (``systemctl show``,
 ``journalctl``) and the server itself over HTTP (``/health``, ``/props``, through
-:mod:`rigctl.server`); the parsers of what systemd prints are pure functions.
+:mod:`rigctl.llama_http`); the parsers of what systemd prints are pure functions.
 
 Fleet calls return one record per instance and keep going when a host cannot be reached: that host's
 instances come back with ``state="unreachable"`` and the reason in ``error``.
@@ -35,7 +35,7 @@ from rigctl.hostside import units as host_units
 from rigctl.hostside.sandbox import run_options
 from rigctl.inventory import Host, Inventory, Server
 from rigctl.inventory.profiles import args_lines_to_argv, unit_name
-from rigctl.server import NO_RETRY, Endpoint, ServerClient, Timeouts
+from rigctl.llama_http import NO_RETRY, Endpoint, ServerClient, Timeouts
 from rigctl.ssh import SshClient, session
 
 log = logging.getLogger(__name__)

@@ -146,7 +146,7 @@ def drive_level(endpoint: Any, concurrency: int, requests: int, max_tokens: int,
                 prompts: Sequence[tuple[str, list[dict[str, str]]]]) -> tuple[list[LoadRequest], float]:
     """``concurrency`` clients sending back to back until ``requests`` are sent or ``timeout_s`` passed;
     the requests (in the order they were taken) and the level's wall time."""
-    from rigctl.server import ServerClient, Timeouts
+    from rigctl.llama_http import ServerClient, Timeouts
 
     lock = threading.Lock()
     taken = [0]
@@ -187,9 +187,9 @@ def run_load(
 ) -> LoadResult:
     """The load curve of ``instance`` on ``host`` through a probe with a slot per client; saved to ``store``.
     ``requests``: per level (default four per client, at least 8)."""
+    from rigctl.llama_http import ServerClient
     from rigctl.results.run import open_run
     from rigctl.results.stamp import inventory_server, inventory_stamp, with_props
-    from rigctl.server import ServerClient
     from rigctl.servers import probe_server, probe_unit, stopped
     from rigctl.ssh import session
 

@@ -27,10 +27,10 @@ from pathlib import Path
 import numpy as np
 
 from rigctl.inventory import Host, Server
+from rigctl.llama_http import ServerClient, Timeouts
 from rigctl.results.run import open_run
 from rigctl.results.stamp import inventory_server, inventory_stamp, with_props
 from rigctl.results.store import ResultsStore
-from rigctl.server import ServerClient, Timeouts
 from rigctl.servers import probe_server, restart_instance, stopped, wait_ready
 from rigctl.ssh import SshClient, session
 

@@ -1,13 +1,15 @@
 """Quality evals against any llama-server (or OpenAI-compatible endpoint): tasks as data, datasets
 pinned by hash, three scorers, an async runner with resumable runs.
 
-Modules: ``tasks`` (task files, questions), ``datasets`` (download, sha256, cache, lock file),
-``scorers`` (pure: GSM8K extraction, BFCL's AST checker, missed-call detector, choice), ``runner``
-(asking, answers.jsonl, run records, summaries).
+Modules: ``tasks`` (task files, questions), ``datasets`` (download, sha256, cache, lock file), ``runner``
+(asking, answers.jsonl, run records, summaries), ``fanout`` (one task over several servers), ``remote`` (the
+eval as a job on the host), ``target`` (the server asked and its provenance). The scorers run on both sides, so
+they are host-side code: :mod:`rigctl.hostside.scorers` (GSM8K extraction, choice, request bodies, records,
+summaries) and :mod:`rigctl.hostside.bfcl` (BFCL's AST checker and missed-call detector).
 
 Run directory (``<results>/<host>/<run id>/``, see :mod:`rigctl.results`)::
 
-    run.json        RunRecord, kind "eval"
+    run.json        a RunRecord (:mod:`rigctl.results.record`) of kind "eval"
     answers.jsonl   one JSON object per answered question, appended and flushed as each completes
 
 ``run.json`` for evals (the one record shape, :mod:`rigctl.hostside.runrecord`): ``servers`` = one per
@@ -33,7 +35,7 @@ gsm8k adds: reply, reasoning (only with thinking on), finish_reason, tokens (com
 number (the reply's last number, normalised, or null; ``score`` is rigctl's normalised match of it against
 gold), and lm-eval 0.4's two scores as its gsm8k task computes them: lmeval_strict (the strict-match filter's
 output, ``[invalid]`` when nothing matched) with lmeval_strict_match (0/1), lmeval_flexible with
-lmeval_flexible_extract (0/1) (:data:`rigctl.evals.scorers.GSM8K_SCORES` names the three).
+lmeval_flexible_extract (0/1) (:data:`rigctl.hostside.scorers.GSM8K_SCORES` names the three).
 
 bfcl_simple adds: reply (text content), reasoning, finish_reason, tokens, tool_calls ([{name, arguments}],
 arguments parsed to an object when they are JSON), error and error_type (BFCL's checker; empty when

@@ -26,16 +26,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rigctl.errors import ConfigError, EvalError, RigctlError, ServerError, UnreadableAnswer
-from rigctl.evals import scorers
 from rigctl.evals.fanout import FanOut
-from rigctl.evals.scorers import summarise
 from rigctl.evals.target import Target
 from rigctl.evals.tasks import LoadedTask, Question, load_task
+from rigctl.hostside import scorers
+from rigctl.hostside.scorers import summarise
+from rigctl.llama_http import DEFAULT_SEED, AsyncServerClient, Endpoint, Props, Retry, ServerClient, Timeouts
 from rigctl.results.record import ANSWERS_FILE, Provenance, Server, Task, rigctl_version
 from rigctl.results.run import Run
 from rigctl.results.stamp import with_props
 from rigctl.results.store import ResultsStore, read_jsonl
-from rigctl.server import DEFAULT_SEED, AsyncServerClient, Endpoint, Props, Retry, ServerClient, Timeouts
 from rigctl.trust import redact_argv
 
 if TYPE_CHECKING:

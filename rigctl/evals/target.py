@@ -13,9 +13,9 @@ from typing import Any
 
 from rigctl.errors import RigctlError
 from rigctl.inventory import Host, Server
+from rigctl.llama_http import Endpoint
 from rigctl.results.record import Artifact, Provenance
 from rigctl.results.record import Server as ServerRecord
-from rigctl.server import Endpoint
 
 
 @dataclass

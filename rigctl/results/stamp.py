@@ -121,7 +121,7 @@ def _checked(data: dict[str, Any], origin: str) -> Provenance:
 
 
 def with_props(server: Server, props: Any, endpoint: Any = None) -> Server:
-    """``server`` with what its ``/props`` (a :class:`rigctl.server.Props`) and endpoint say."""
+    """``server`` with what its ``/props`` (a :class:`rigctl.llama_http.Props`) and endpoint say."""
     server.build_info, server.model_path = props.build_info, props.model_path
     server.n_ctx, server.total_slots = props.n_ctx, props.total_slots
     if endpoint is not None:

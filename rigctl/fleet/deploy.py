@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rigctl.deploy_lock import inventory_lock
 from rigctl.errors import ConfigError, DeployError, HostKeyError
+from rigctl.fleet.deploy_lock import inventory_lock
 from rigctl.inventory import Host, Inventory
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,8 @@ import yaml
 
 from rigctl.errors import ConfigError, PinError, RigctlError
 from rigctl.hostside import ship
-from rigctl.inventory import SHA256, Host, Inventory
+from rigctl.inventory import Host, Inventory
+from rigctl.inventory.keys import SHA256
 from rigctl.results.record import parse_json
 
 log = logging.getLogger(__name__)

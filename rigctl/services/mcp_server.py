@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -128,24 +129,27 @@ class FleetTools:
         return {"inventory": str(self.inventory.source), "hosts": hosts}
 
     def fleet_status(self, limit: str | None = None) -> dict[str, Any]:
-        from rigctl.exporter import Exporter, unit_instance
+        from rigctl.fleet.state import FleetState, unit_instance
 
-        exporter = Exporter(self.inventory, limit=limit, results=self.store, host_timeout=STATUS_HOST_TIMEOUT)
+        fleet = FleetState(self.inventory, limit=limit, host_timeout=STATUS_HOST_TIMEOUT)
         try:
-            snapshot = exporter.collect_once()
-            if exporter.settle_hashes(timeout=120.0):
-                snapshot = exporter.collect_once()  # model hashes now cached: drift is known
+            started = time.monotonic()
+            states = fleet.read()
+            if fleet.settle_hashes(timeout=120.0):
+                started = time.monotonic()
+                states = fleet.read()  # model hashes now cached: drift is known
+            took = time.monotonic() - started
         finally:
-            exporter.stop()
+            fleet.close()
         with ThreadPoolExecutor(max_workers=8) as pool:
             health = {
                 (h.name, s.name): pool.submit(self._health, h, s)
-                for h in exporter.hosts if snapshot.hosts[h.name].up for s in h.servers
+                for h in fleet.hosts if states[h.name].up for s in h.servers
             }
         out: dict[str, Any] = {}
-        for host in exporter.hosts:
-            facts = snapshot.hosts[host.name]
-            plan = exporter.plans[host.name]
+        for host in fleet.hosts:
+            facts = states[host.name]
+            plan = fleet.plans[host.name]
             entry: dict[str, Any] = {"up": facts.up}
             if not facts.up:
                 entry["error"] = untrusted(facts.error)
@@ -181,7 +185,7 @@ class FleetTools:
                 }
             entry["servers"] = servers
             out[host.name] = entry
-        return {"collected_in_seconds": round(snapshot.duration_seconds, 3), "hosts": out}
+        return {"collected_in_seconds": round(took, 3), "hosts": out}
 
     def _health(self, host: Host, instance: Any) -> dict[str, Any]:
         """One server's health; whatever its reply provokes is that server's status, not the fleet's error."""
@@ -195,7 +199,7 @@ class FleetTools:
         return {"healthy": healthy, "status": status}
 
     def server_health(self, host_name: str, server: str) -> dict[str, Any]:
-        from rigctl.server import NO_RETRY, ServerClient, Timeouts
+        from rigctl.llama_http import NO_RETRY, ServerClient, Timeouts
 
         host, instance = self.server(host_name, server)
         endpoint = instance.endpoint
@@ -233,7 +237,7 @@ class FleetTools:
         return {"results_root": str(self.store.root), "runs": [_run_summary(run) for run in runs]}
 
     def compare_runs(self, run_a: str, run_b: str) -> dict[str, Any]:
-        from rigctl import compare
+        from rigctl.analysis import compare, speed
 
         a, b = self.run(run_a), self.run(run_b)
         if a.record.kind != b.record.kind:
@@ -245,7 +249,7 @@ class FleetTools:
             return {"kind": "eval", "a": f"{a.host}/{a.id}", "b": f"{b.host}/{b.id}", "task": pair.task,
                     "overall": _gap(gaps.overall), "sets": [_gap(s) for s in gaps.sets],
                     "only_a": pair.only_a, "only_b": pair.only_b}
-        result = compare.compare_bench_runs([a, b], by="run")
+        result = speed.compare_bench_runs([a, b], by="run")
         return {"kind": "bench", "a": f"{a.host}/{a.id}", "b": f"{b.host}/{b.id}",
                 "ratios": [{"test": r.test, "a": r.a, "b": r.b, "mean_a": r.mean_a, "mean_b": r.mean_b,
                             "ratio_b_over_a": r.ratio.estimate, "low": r.ratio.low, "high": r.ratio.high}
@@ -343,7 +347,7 @@ def _gap(gap: Any) -> dict[str, Any]:
 
 
 def _run_summary(run: StoredRun) -> dict[str, Any]:
-    from rigctl.exporter import bench_results, eval_score
+    from rigctl.analysis.latest import bench_results, eval_score
 
     record = run.record
     summary: dict[str, Any] = {

@@ -10,7 +10,7 @@
   ids (tokenised once by the server), so tokenisation cannot blur the comparison.
 
 transformers and torch are not rigctl's dependencies (they are the ``verify`` extra, and large):
-the reference side runs as :mod:`rigctl.hf_reference`, a standard-library script started with
+the reference side runs as :mod:`rigctl.analysis.hf_reference`, a standard-library script started with
 whichever Python has them (:class:`HfReference`, ``--python`` on the CLI; default the Python rigctl
 runs on). So a laptop keeps one tools venv for converters and checks, and rigctl's venv stays small.
 """
@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 
 from rigctl.errors import CheckError, ConfigError, ServerError
-from rigctl.server import ServerClient
+from rigctl.llama_http import ServerClient
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,6 @@ _AREA = _tool("triangle_area", "Area of a triangle from its base and height.",
 _CONVERT = _tool("convert_currency", "Convert an amount between currencies.",
                  {"amount": {"type": "number"}, "from": {"type": "string"}, "to": {"type": "string"}},
                  ["amount", "from", "to"])
-
 #: Written for these checks: math word problems (with and without a system prompt, one multi-turn)
 #: and tool-calling requests with their tools.
 BUILTIN_PROMPTS: tuple[Conversation, ...] = (

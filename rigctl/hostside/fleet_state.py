@@ -1,5 +1,6 @@
-"""The exporter's probe (:mod:`rigctl.exporter`): every raw output it parses, as one JSON object, in one
-round trip. Standard library only; run as a one-shot command. It changes nothing on the host.
+"""One host's state as :class:`rigctl.fleet.state.FleetState` reads it: every raw output it
+parses, as one JSON object, in one round trip. Standard library only; run as a one-shot command. It changes
+nothing on the host.
 
 ``main([ARGS])``: ``ARGS`` is JSON with ``fact`` (the llama_cpp role's fact file), ``gpu_fields`` and
 ``timeout`` (for ``nvidia-smi``), ``unit_pattern``, ``unit_properties`` and ``units`` (for ``systemctl``)
@@ -46,7 +47,7 @@ def listed_units(listing: str, known: list[str]) -> list[str]:
     return units
 
 
-def probe(args: dict[str, Any]) -> dict[str, Any]:
+def read_state(args: dict[str, Any]) -> dict[str, Any]:
     timeout = float(args["timeout"])
     out: dict[str, Any] = {"fact": read_text(args["fact"])}
     out["nvidia_smi"] = run(["nvidia-smi", "--query-gpu=" + args["gpu_fields"], "--format=csv,noheader,nounits"],
@@ -67,7 +68,7 @@ def probe(args: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    print(json.dumps(probe(json.loads(argv[0]))))
+    print(json.dumps(read_state(json.loads(argv[0]))))
     return 0
 
 

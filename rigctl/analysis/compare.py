@@ -1,6 +1,6 @@
-"""Compare pulled runs: paired score gaps with bootstrap intervals, exact paired tests, equivalence
-(TOST), flipped questions, the smallest detectable gap, sensitivity switches, answer habits, and
-speed ratios of bench runs.
+"""Compare pulled eval runs: paired score gaps with bootstrap intervals, exact paired tests, equivalence
+(TOST), flipped questions, the smallest detectable gap, sensitivity switches. Answer habits are
+:mod:`rigctl.analysis.habits`', speed ratios of bench runs :mod:`rigctl.analysis.speed`'s.
 
 Eval runs are compared question by question: each run's ``answers.jsonl`` (one line per question
 with ``id``, ``set``, ``score``, ``cutoff`` and scorer keys such as ``toolless``, ``missed_call``,
@@ -17,9 +17,6 @@ Sensitivity switches re-score before pairing, answering the sceptic's questions:
 reply as right, every tool-less reply as right, some sets left out. Each comparison carries the
 gap as recorded and under each switch, so the report shows how far the gap moves.
 
-Bench runs are compared per test (pp512, tg128, ...) as the ratio of mean tokens/s of side B over
-side A, with an interval from llama-bench's per-repetition samples.
-
 Everything here is pure over run directories already on the controller; nothing talks to a host.
 """
 
@@ -30,15 +27,13 @@ import itertools
 import json
 import logging
 import math
-from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rigctl.bench.matrix import RAW_DIR, BenchSample, counted, load_run_samples
 from rigctl.errors import ConfigError
-from rigctl.evals.scorers import GSM8K_SCORES
+from rigctl.hostside.scorers import GSM8K_SCORES
 from rigctl.results.record import ANSWERS_FILE
 from rigctl.results.store import StoredRun, read_jsonl
 from rigctl.stats import (
@@ -49,7 +44,6 @@ from rigctl.stats import (
     PairedTest,
     Verdict,
     bootstrap_mean,
-    bootstrap_ratio,
     detectable_gap,
     holm,
     paired_bootstrap,
@@ -248,6 +242,12 @@ class Flip:
         return "right→wrong" if self.score_b < self.score_a else "wrong→right"
 
 
+def label_text(value: Any) -> str | None:
+    if value is None:
+        return None
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+
+
 def reply_text(row: dict[str, Any]) -> str:
     """What a run answered, as a reader wants to see it: the tool calls, else the reply text, else the
     picked label (choice sets)."""
@@ -258,7 +258,7 @@ def reply_text(row: dict[str, Any]) -> str:
     if isinstance(reply, str) and reply:
         return reply
     if "pred" in row:
-        return f"label {_label(row['pred']) or '(none)'}"
+        return f"label {label_text(row['pred']) or '(none)'}"
     return ""
 
 
@@ -562,187 +562,9 @@ def plan(result: Comparison, scales: Sequence[int] = PLAN_SCALES) -> list[PlanRo
     return rows
 
 
-def points(interval: Interval) -> str:
-    """A score gap in points with its interval: ``+6.5 (+3.1 to +9.8)``; ``-`` when empty. The one interval
-    format, with :func:`ratio_text`, of the CLI and the report (parentheses, so that it can be link text)."""
-    if interval.empty:
-        return "-"
-    return f"{interval.estimate * 100:+.1f} ({interval.low * 100:+.1f} to {interval.high * 100:+.1f})"
-
-
-def p_text(p: float) -> str:
-    """A p-value as people read it: ``0.008``, ``<0.001``, ``-`` when there is none."""
-    if math.isnan(p):
-        return "-"
-    return "<0.001" if p < 0.001 else f"{p:.3f}"
-
-
-def gap_points(gap: float) -> str:
-    """A detectable gap in points: ``±12.3``; ``none at this n`` or ``-`` (no discordance to go on)."""
-    if math.isnan(gap):
-        return "-"
-    return "none at this n" if math.isinf(gap) else f"±{gap * 100:.1f}"
-
-
-def ratio_text(interval: Interval) -> str:
-    """A ratio or a score with its interval: ``1.235 (1.228 to 1.241)``; ``-`` when empty."""
-    if interval.empty:
-        return "-"
-    return f"{interval.estimate:.3f} ({interval.low:.3f} to {interval.high:.3f})"
-
-
 # ----------------------------------------------------------------------------------------------- habits
-
-
-@dataclass(frozen=True)
-class SetHabits:
-    """How a run answered one set: what it picked against the gold labels, cut-offs, missing tool calls."""
-
-    set: str
-    n: int
-    cutoff: int
-    tool_rows: int  # replies to tool-calling questions (rows that record ``toolless``)
-    toolless: int
-    missed_calls: int  # tool-less replies whose text looks like a call the parser missed
-    predicted: dict[str, int] = field(default_factory=dict)
-    gold: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def cutoff_share(self) -> float:
-        return self.cutoff / self.n if self.n else float("nan")
-
-    @property
-    def toolless_share(self) -> float:
-        return self.toolless / self.tool_rows if self.tool_rows else float("nan")
-
-    @property
-    def top_label(self) -> tuple[str, int] | None:
-        """The most predicted label and its count (``neutral`` on 298 of 299)."""
-        return max(self.predicted.items(), key=lambda kv: (kv[1], kv[0])) if self.predicted else None
-
-
-@dataclass(frozen=True)
-class RunHabits:
-    run: RunRef
-    sets: tuple[SetHabits, ...]
-
-    @property
-    def file(self) -> Path:
-        return self.run.path / ANSWERS_FILE
-
-
-def _label(value: Any) -> str | None:
-    if value is None:
-        return None
-    return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
-
-
-def habits_of(rows: Iterable[dict[str, Any]]) -> list[SetHabits]:
-    grouped: dict[str, list[dict[str, Any]]] = {}
-    for row in rows:
-        grouped.setdefault(str(row["set"]), []).append(row)
-    out = []
-    for name in sorted(grouped):
-        group = grouped[name]
-        tool_rows = [r for r in group if "toolless" in r]
-        labelled = [r for r in group if "pred" in r and "gold" in r]
-        out.append(SetHabits(
-            set=name,
-            n=len(group),
-            cutoff=sum(bool(r.get("cutoff")) for r in group),
-            tool_rows=len(tool_rows),
-            toolless=sum(bool(r["toolless"]) for r in tool_rows),
-            missed_calls=sum(bool(r.get("toolless")) and bool(r.get("missed_call")) for r in tool_rows),
-            predicted=dict(Counter(_label(r["pred"]) or "(none)" for r in labelled).most_common()),
-            gold=dict(Counter(_label(r["gold"]) or "(none)" for r in labelled).most_common()),
-        ))
-    return out
-
-
-def answer_habits(run: StoredRun) -> RunHabits:
-    return RunHabits(run=RunRef.of(run), sets=tuple(habits_of(load_answers(run))))
 
 
 # ----------------------------------------------------------------------------------------------- bench
 
 
-def sample_file(sample: BenchSample) -> str:
-    """The raw llama-bench JSON a sample came from, relative to the results root (bench_task's layout)."""
-    return f"{sample.host}/{sample.run_id}/{RAW_DIR}/cell-{sample.cell:03d}-{sample.model}.json"
-
-
-@dataclass(frozen=True)
-class SpeedRatio:
-    test: str
-    config: str  # llama-bench settings held equal on both sides (ngl, threads, cache types)
-    flash_attn: int
-    a: str  # side labels
-    b: str
-    mean_a: float
-    mean_b: float
-    ratio: Interval  # mean_b / mean_a
-    files: tuple[str, ...]  # raw files (relative to the results root) the numbers came from
-
-
-@dataclass(frozen=True)
-class BenchComparison:
-    a: str
-    b: str
-    ratios: tuple[SpeedRatio, ...]
-
-
-def _pool(samples: Iterable[BenchSample]) -> dict[tuple[str, str, int], list[BenchSample]]:
-    grouped: dict[tuple[str, str, int], list[BenchSample]] = {}
-    for sample in samples:
-        grouped.setdefault((sample.test, sample.config, sample.flash_attn), []).append(sample)
-    return grouped
-
-
-def compare_bench(a_label: str, a_samples: Sequence[BenchSample], b_label: str, b_samples: Sequence[BenchSample], *,
-                  resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED) -> BenchComparison:
-    """Per test with equal settings: mean t/s of B over A; every repetition of a side's cells is pooled,
-    throttled cells left out where the side has others."""
-    pool_a, pool_b = _pool(a_samples), _pool(b_samples)
-    ratios = []
-    for key in sorted(set(pool_a) & set(pool_b), key=lambda k: (k[0], k[1], -k[2])):
-        pool_a[key], pool_b[key] = counted(pool_a[key]), counted(pool_b[key])
-        sa = [x for c in pool_a[key] for x in c.samples_ts]
-        sb = [x for c in pool_b[key] for x in c.samples_ts]
-        files = tuple(sorted({sample_file(c) for c in [*pool_a[key], *pool_b[key]]}))
-        ratios.append(SpeedRatio(test=key[0], config=key[1], flash_attn=key[2], a=a_label, b=b_label,
-                                 mean_a=sum(sa) / len(sa) if sa else float("nan"),
-                                 mean_b=sum(sb) / len(sb) if sb else float("nan"),
-                                 ratio=bootstrap_ratio(sa, sb, resamples=resamples, seed=seed), files=files))
-    return BenchComparison(a=a_label, b=b_label, ratios=tuple(ratios))
-
-
-def compare_bench_runs(runs: Sequence[StoredRun], *, by: str = "auto", resamples: int = DEFAULT_RESAMPLES,
-                       seed: int = DEFAULT_SEED) -> BenchComparison:
-    """Two sides from bench runs: two runs (``by="run"``: two hosts or builds), the two models inside
-    the runs (``by="model"``: an alternating A/B bench) or two builds (``by="build"``). ``auto`` takes
-    models when the runs hold exactly two, else runs. B / A with A the first in sorted order (models,
-    builds) or the first run given."""
-    if not runs:
-        raise ConfigError("compare needs at least one bench run")
-    samples = [s for run in runs for s in load_run_samples(run)]
-    if not samples:
-        raise ConfigError(f"no llama-bench results in {', '.join(f'{r.host}/{r.id}' for r in runs)}")
-    models = sorted({s.model for s in samples})
-    if by == "auto":
-        by = "model" if len(models) == 2 else "run"
-    if by in ("model", "build"):
-        sides = models if by == "model" else sorted({s.build for s in samples})
-        if len(sides) != 2:
-            raise ConfigError(f"a {by} comparison needs exactly two {by}s, found {len(sides)}: {', '.join(sides)}")
-        a, b = sides
-        pick = (lambda s: s.model) if by == "model" else (lambda s: s.build)
-        return compare_bench(a, [s for s in samples if pick(s) == a], b, [s for s in samples if pick(s) == b],
-                             resamples=resamples, seed=seed)
-    if by != "run":
-        raise ConfigError(f"--by must be auto, run, model or build, not {by!r}")
-    if len(runs) != 2:
-        raise ConfigError(f"a run-against-run bench comparison needs two runs, got {len(runs)}")
-    (ha, ia), (hb, ib) = (runs[0].host, runs[0].id), (runs[1].host, runs[1].id)
-    return compare_bench(f"{ha}/{ia}", [s for s in samples if (s.host, s.run_id) == (ha, ia)],
-                         f"{hb}/{ib}", [s for s in samples if (s.host, s.run_id) == (hb, ib)],
-                         resamples=resamples, seed=seed)

@@ -13,8 +13,8 @@ import configparser
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from rigctl.deploy import DeployResult, TaskEvent, run_playbook
 from rigctl.errors import BuildError
+from rigctl.fleet.deploy import DeployResult, TaskEvent, run_playbook
 from rigctl.hostside.llama_cpp_fact import FACT_PATH, parse_builds
 from rigctl.inventory import Host, Inventory
 

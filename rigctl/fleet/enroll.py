@@ -8,7 +8,7 @@
 2. **Bootstrap.** ``playbooks/bootstrap.yml`` through ansible-runner, with the password answered at
    ansible-playbook's own prompt (never an argument, variable or file) or an existing key: the fleet
    user, the controller's key (made when missing), sudo without a password, Python.
-3. **Facts.** One SSH command as the fleet user (:mod:`rigctl.probe`), written to
+3. **Facts.** One SSH command as the fleet user (:mod:`rigctl.fleet.host_facts`), written to
    ``host_vars/NAME.yml``; NAME added to ``hosts.yml`` under its group. Both are edited round trip
    (ruamel.yaml), so comments and order stay; the text the host chose is written ``!unsafe``, so no
    later inventory load or play templates it. ``inventory check`` must pass or nothing is kept.
@@ -35,11 +35,10 @@ import paramiko
 from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap, TaggedScalar
 
-from rigctl.deploy import DeployResult, TaskEvent, project_root, run_playbook
 from rigctl.errors import ConfigError, EnrollError, HostKeyError
 from rigctl.files import write_atomically
-from rigctl.inventory import Host, Inventory
-from rigctl.probe import (
+from rigctl.fleet.deploy import DeployResult, TaskEvent, project_root, run_playbook
+from rigctl.fleet.host_facts import (
     PROBE_TIMEOUT_S,
     HostFacts,
     HostText,
@@ -49,6 +48,7 @@ from rigctl.probe import (
     parse_probe,
     probe_command,
 )
+from rigctl.inventory import Host, Inventory
 from rigctl.ssh import DEFAULT_CONNECT_TIMEOUT, SshClient, SshTarget, known_hosts_name
 
 log = logging.getLogger(__name__)
@@ -363,7 +363,7 @@ class InventoryFiles:
 
     def update_host_vars(self, name: str, values: Mapping[str, Any]) -> bool:
         """Set ``values`` in host_vars/NAME.yml (made when missing), keeping its other keys and comments;
-        :class:`~rigctl.probe.HostText` in them is written ``!unsafe``. A value the file holds already,
+        :class:`~rigctl.fleet.host_facts.HostText` in them is written ``!unsafe``. A value the file holds already,
         tagged alike, is left as it is."""
         path = self.host_vars_file(name)
         data = self._load(path)
@@ -416,7 +416,7 @@ class InventoryFiles:
 
 
 def _yaml_value(value: Any) -> Any:
-    """``value`` as the file keeps it: each :class:`~rigctl.probe.HostText` an ``!unsafe`` scalar (quoted for
+    """``value`` as the file keeps it: each :class:`~rigctl.fleet.host_facts.HostText` an ``!unsafe`` scalar (quoted for
     the reader; Ansible resolves it as if unquoted, which a host's free text survives as a string)."""
     if isinstance(value, HostText):
         return TaggedScalar(str(value), style="'", tag=UNSAFE_TAG)
