@@ -25,7 +25,7 @@ import logging
 import re
 import shlex
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -262,8 +262,8 @@ def last_own_messages(journal_json: str) -> str:
 def wait_ready(ssh: SshClient, unit: str, endpoint: Endpoint, *, purpose: str = "start",
                timeout: float = HEALTH_TIMEOUT_S) -> None:
     """Until ``endpoint`` answers /health 200. ServerError after ``timeout`` seconds, or as soon as ``unit``
-    has failed, stopped or fallen into auto-restart (a flag its build refuses, a model it cannot load),
-    with the unit's journal's last line."""
+    has failed, stopped or fallen into auto-restart (a flag its build refuses, a port it cannot bind, a model
+    it cannot load), with what the server said last (:func:`journal_tail`)."""
     deadline = time.monotonic() + timeout
     timeouts = Timeouts(connect=HTTP_TIMEOUT, read=HTTP_TIMEOUT, write=HTTP_TIMEOUT, pool=HTTP_TIMEOUT)
     with ServerClient(endpoint, timeouts=timeouts, retry=NO_RETRY) as client:
@@ -273,10 +273,9 @@ def wait_ready(ssh: SshClient, unit: str, endpoint: Endpoint, *, purpose: str = 
                 return
             state = unit_state(ssh, unit)
             if state is None or state.active_state in ("failed", "inactive") or state.sub_state == "auto-restart":
-                said = state and f"{state.active_state} ({state.sub_state})"
+                said = f"{state.active_state} ({state.sub_state})" if state else "unknown to systemd"
                 why = journal_tail(ssh, unit)
-                raise ServerError(str(endpoint), purpose, f"{unit} is {said or 'unknown'}" + (f": {why}" if why
-                                                                                               else ""))
+                raise ServerError(str(endpoint), purpose, f"{unit} is {said}" + (f": {why}" if why else ""))
             if time.monotonic() > deadline:
                 raise ServerError(str(endpoint), purpose, f"not healthy after {timeout:g} s ({health.status}; "
                                   f"systemd: {state.active_state} ({state.sub_state}))")
@@ -293,7 +292,7 @@ def restart_instance(ssh: SshClient, server: Server, *, timeout: float = HEALTH_
 
 @contextmanager
 def running(host: Host, names: Sequence[str], *, start: bool = True,
-            on_step: Any = None) -> Iterator[list[str]]:
+            on_step: Callable[[str], None] | None = None) -> Iterator[list[str]]:
     """Every instance ``names`` of ``host`` ready: those that are down started (unless ``start`` is false)
     and stopped again on exit, however the block ends. Yields the names started here."""
     say = on_step or (lambda message: None)
