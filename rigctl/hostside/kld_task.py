@@ -153,8 +153,10 @@ def token_pass(job: Any, p: dict[str, Any], model: dict[str, str], corpus: Path,
             try:
                 header, chunks = kld.paired_chunks(reference, quantised, f"{name}'s logits")
                 for chunk, values in chunks:
-                    job.progress(chunk, header.n_chunk, f"{name}: per-token values, chunk {chunk + 1}/{header.n_chunk}")
-                    row = {"chunk": chunk, "kld": [v.kld for v in values], "same_top": [int(v.same_top) for v in values],
+                    job.progress(chunk, header.n_chunk,
+                                 f"{name}: per-token values, chunk {chunk + 1}/{header.n_chunk}")
+                    row = {"chunk": chunk, "kld": [v.kld for v in values],
+                           "same_top": [int(v.same_top) for v in values],
                            "nll": [v.nll for v in values], "nll_base": [v.nll_base for v in values]}
                     out.write(json.dumps(row) + "\n")
                     kld_values += row["kld"]
@@ -184,9 +186,10 @@ def run(job: Any) -> None:
                                *(job.artifact(m["name"], m["path"]) for m in models)]
     n_vocab = vocab_size(reference["path"], job.TaskError)
     for model in models:
-        if vocab_size(model["path"], job.TaskError) != n_vocab:
+        theirs = vocab_size(model["path"], job.TaskError)
+        if theirs != n_vocab:
             raise job.TaskError(f"{model['name']} has another vocabulary than {reference['name']} "
-                                f"({vocab_size(model['path'], job.TaskError)} vs {n_vocab} tokens): no KLD between them")
+                                f"({theirs} vs {n_vocab} tokens): no KLD between them")
     settings = {key: p.get(key) for key in ("ctx", "chunks", "batch", "threads", "ngl")}
     result: dict[str, Any] = {"reference": reference["name"], "corpus": {k: v for k, v in p["corpus"].items()
                                                                           if k != "file"},
