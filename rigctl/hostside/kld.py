@@ -32,7 +32,8 @@ percentiles agree with llama-perplexity's to about 1e-4 (the job records both an
         (nv = 2 * ((n_vocab + 1) / 2) + 4; log p_i = scale * q_i + min_log_prob; q = 0 below the floor)
 
 so it holds ``n_chunk * (n_ctx - 1 - n_ctx/2) * nv * 2`` bytes besides its header (:func:`logits_file_bytes`):
-about 12.5 MB per chunk of 256 scored tokens for a 49k vocabulary, 63 MB for a 248k one.
+98 KB a scored token over a 49k vocabulary (25 MB a chunk at llama-perplexity's default ``-c 512``), 500 KB
+over a 248k one (127 MB a chunk).
 """
 
 from __future__ import annotations

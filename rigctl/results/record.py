@@ -28,7 +28,7 @@ from rigctl.files import write_atomically
 RUN_FILE = "run.json"
 ANSWERS_FILE = "answers.jsonl"
 RECORD_VERSION = 2
-RunKind = Literal["bench", "eval", "spec", "server-speed", "load"]
+RunKind = Literal["bench", "eval", "spec", "server-speed", "load", "kld"]
 RunStatus = Literal["running", "done", "failed", "stopped", "lost"]
 CTX_FLAGS = ("-c", "--ctx-size")
 _CHUNK = 1 << 20
@@ -63,7 +63,7 @@ def new_run_id(kind: str) -> str:
 
 
 # The shape new_run_id makes; a run id from anywhere else (a rig's listing, a record) must have it.
-RUN_ID = re.compile(r"^(bench|eval|spec|server-speed|load)-[0-9]{8}T[0-9]{6}Z-[0-9a-f]{4}$")
+RUN_ID = re.compile(r"^(bench|eval|spec|server-speed|load|kld)-[0-9]{8}T[0-9]{6}Z-[0-9a-f]{4}$")
 
 
 def file_sha256(path: Path) -> str:
