@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -230,12 +230,31 @@ def result_cells(result: KldResult) -> list[str]:
             "-" if ratio is None else f"{float(ratio):.4f}"]
 
 
-GAP_HEADER = ("B", "A", "Δ mean KLD (95%)", "Δ p99 KLD (95%)", "Δ same top-1 (95%)")
+GAP_HEADER = ("B - A", "Δ mean KLD (95%)", "Δ p99 KLD (95%)", "Δ same top-1 (95%)")
 
 
-def gap_cells(gap: KldGap) -> list[str]:
-    return [f"{gap.b.host}:{gap.b.artifact}", f"{gap.a.host}:{gap.a.artifact}", signed_kld_text(gap.mean),
-            signed_kld_text(gap.p99), share_text(gap.same_top, signed=True)]
+def gap_name(gap: KldGap, label: Callable[[str], str] = str) -> str:
+    """``laptop - desktop (Q4_0)`` for one artifact on two hosts, ``Q4_K_M - Q4_0 (desktop)`` for two
+    artifacts on one host."""
+    a, b = gap.a, gap.b
+    if a.artifact == b.artifact:
+        return f"{b.host} - {a.host} ({label(a.artifact)})"
+    if a.host == b.host:
+        return f"{label(b.artifact)} - {label(a.artifact)} ({a.host})"
+    return f"{b.host}:{label(b.artifact)} - {a.host}:{label(a.artifact)}"
+
+
+def gap_cells(gap: KldGap, label: Callable[[str], str] = str) -> list[str]:
+    return [gap_name(gap, label), signed_kld_text(gap.mean), signed_kld_text(gap.p99),
+            share_text(gap.same_top, signed=True)]
+
+
+def paired_gaps(scored: Sequence[tuple[StoredRun, KldResult]], *, resamples: int = DEFAULT_RESAMPLES,
+                seed: int = DEFAULT_SEED) -> list[KldGap]:
+    """B - A for every two results (in the given order) that scored the same tokens against the same
+    reference."""
+    return [kld_gap(run_a, a, run_b, b, resamples=resamples, seed=seed)
+            for i, (run_a, a) in enumerate(scored) for run_b, b in scored[i + 1:] if pair_mismatch(a, b) is None]
 
 
 def largest_difference(results: Sequence[KldResult]) -> float:

@@ -1,0 +1,137 @@
+"""Lab: KL divergence of SmolLM2 Q4_0 against its bf16 on both rigs, the reference study's recipe: bf16 converted
+from the HF checkout (tests/fixtures/make_hf_checkout.py) by the models role, Q4_0 rounded from that bf16; scored
+by llama-perplexity as a KLD job on each rig, run as a campaign step, pulled, and reported with intervals.
+
+The text is the Apache License 2.0 as Debian ships it (/usr/share/common-licenses/Apache-2.0, copied into
+tests/fixtures/corpus/: real prose, pinned by its sha256 in the run record): at ``-c 128`` it gives 17 chunks of
+63 scored tokens, about four minutes a rig on this machine's two shared cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rigctl.fleet.deploy import run_playbook
+from rigctl.inventory import Inventory
+from rigctl.results.store import ResultsStore
+from rigctl.ssh import SshClient, SshTarget
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "fixtures"))
+from make_hf_checkout import make_checkout  # noqa: E402
+
+CORPUS = REPO / "tests" / "fixtures" / "corpus" / "apache-2.0.txt"
+pytestmark = [pytest.mark.lab, pytest.mark.hf_checkout]
+
+
+@pytest.fixture(scope="module")
+def kld_inventory(lab_served, tmp_path_factory) -> Path:
+    """A copy of the lab inventory whose catalog adds SmolLM2's checkout converted to bf16 and Q4_0 rounded
+    from it, provisioned on both rigs."""
+    inv = tmp_path_factory.mktemp("kld") / "inventory"
+    shutil.copytree(REPO / "inventory" / "lab", inv)
+    catalog = yaml.safe_load((inv / "group_vars" / "all" / "models.yml").read_text())["models_catalog"]
+    catalog["smollm2-ckpt"] = {"source": {"type": "controller", "path": str(make_checkout())},
+                               "artifacts": {"ckpt-bf16": {"type": "convert", "outtype": "bf16"},
+                                             "ckpt-q4_0": {"type": "quantize", "from": "ckpt-bf16",
+                                                           "qtype": "Q4_0"}}}
+    (inv / "group_vars" / "all" / "models_kld.yml").write_text(yaml.safe_dump({"models_catalog": catalog}))
+    started = time.monotonic()
+    run_playbook(Inventory.load(inv), tags=["models"], timeout=1800).raise_for_failures()
+    print(f"bf16 and Q4_0 on both rigs: {time.monotonic() - started:.0f} s")
+    return inv
+
+
+def test_kld_of_q4_0_against_its_bf16_on_both_rigs(kld_inventory, tmp_path):
+    from rigctl.analysis.kld import kld_results, result_cells
+    from rigctl.analysis.report import build_report
+    from rigctl.campaign import load_campaign, run_campaign
+
+    campaign = tmp_path / "kld.yml"
+    campaign.write_text(yaml.safe_dump({
+        "name": "kld-lab", "title": "SmolLM2 Q4_0 against its bf16", "hosts": ["desktop", "laptop"],
+        "artifacts": {"ckpt-bf16": {"label": "SmolLM2 bf16"}, "ckpt-q4_0": {"label": "SmolLM2 Q4_0"}},
+        "klds": [{"name": "q4_0", "hosts": ["desktop", "laptop"], "reference": "ckpt-bf16", "models": ["ckpt-q4_0"],
+                  "text": str(CORPUS), "ctx": 128, "threads": 2}],
+    }))
+    store = ResultsStore(tmp_path / "results")
+    loaded = load_campaign(campaign)
+    inventory = Inventory.load(kld_inventory)
+    started = time.monotonic()
+    outcomes = run_campaign(loaded, inventory, store, on_step=print)
+    took = time.monotonic() - started
+    assert [(o.step, o.status) for o in outcomes] == [("kld q4_0 on desktop", "ran"), ("kld q4_0 on laptop", "ran")], \
+        outcomes
+    runs = {o.run.split("/")[0]: store.find(o.run) for o in outcomes if o.run}
+    for host, run in runs.items():
+        record = run.record
+        extra = record.extra["kld"]
+        assert record.kind == "kld" and record.status == "done", record.extra.get("error")
+        assert [a.name for a in record.artifacts] == ["ckpt-bf16", "ckpt-q4_0"] and all(
+            a.sha256 and a.manifest for a in record.artifacts)
+        assert record.artifacts[0].manifest["outtype"] == "bf16" or "bf16" in json.dumps(record.artifacts[0].manifest)
+        assert extra["corpus"]["sha256"] == "cfc7749b96f63bd31c3c42b5c471bf756814053e847c10f3eb003417bc523d30"
+        assert (extra["chunks_scored"], extra["scored_per_chunk"], extra["tokens"]) == (17, 63, 1071)
+        # llama.cpp's statistics, and the per-token values recomputed beside them.
+        model = extra["models"]["ckpt-q4_0"]
+        printed, difference = model["llama_perplexity"], model["difference"]
+        assert 0.05 < printed["kld_mean"] < 2 and printed["kld_p99"] > printed["kld_mean"]
+        assert 0.3 < printed["same_top"] < 1 and printed["ppl_ratio"] > 1
+        assert abs(difference["kld_mean"]) < 1e-3 and abs(difference["same_top"]) < 1e-3
+        assert abs(difference["kld_p99"]) < 0.01 * printed["kld_p99"]
+        assert any("--kl-divergence-base" in c and "--kl-divergence" in c.split() for c in record.commands)
+        # The reference's logits (105 MB here) were bounded, written in the run directory, and deleted.
+        assert extra["logits"]["bytes"] <= extra["logits"]["bytes_at_most"]
+        assert not any(f.path.startswith(".") or "logits" in f.path for f in record.files)
+        with SshClient(SshTarget.from_host(inventory.host(host))) as ssh:
+            left = ssh.run(f"ls -A /var/lib/rigctl/results/{host}/{record.id}", timeout=30).stdout.split()
+        assert ".reference.logits" not in left and ".quantised.logits" not in left, left
+        (result,) = kld_results(run)
+        print(" | ".join(result_cells(result)), f"(llama.cpp's SE of the mean {printed['kld_mean_se']}; "
+              f"recomputed - llama.cpp: {difference})")
+    # One build, one CPU, the same files: both rigs score the same tokens alike.
+    desktop, laptop = (runs[h].record.extra["kld"] for h in ("desktop", "laptop"))
+    assert desktop["tokens_sha256"] == laptop["tokens_sha256"]
+    print(f"campaign: {took:.0f} s for both rigs")
+
+    report = build_report(loaded, store, tmp_path / "report")
+    text = report.markdown
+    section = text[text.index("## KL divergence"):]
+    assert "| desktop | SmolLM2 Q4_0 | SmolLM2 bf16 | 17 × 63 |" in section, section[:2000]
+    assert "| laptop | SmolLM2 Q4_0 | SmolLM2 bf16 | 17 × 63 |" in section
+    mean = f"{desktop['models']['ckpt-q4_0']['llama_perplexity']['kld_mean']:.4f} ("
+    assert mean in section and "same top-1" in section and "p99 KLD" in section
+    assert "laptop - desktop" in section
+    print(section[:3000])
+    # A second campaign run finds what it asked for and runs nothing.
+    again = run_campaign(loaded, inventory, store)
+    assert [o.status for o in again] == ["pulled", "pulled"]
+
+
+def test_eval_kld_on_the_command_line(kld_inventory, tmp_path):
+    env = {**os.environ, "RIGCTL_RESULTS": str(tmp_path / "results"), "COLUMNS": "250"}
+    base = [sys.executable, "-m", "rigctl", "-i", str(kld_inventory), "eval", "kld", "-H", "desktop",
+            "-r", "ckpt-bf16", "-m", "ckpt-q4_0", "--text", str(CORPUS), "-c", "128", "-t", "2"]
+    # Two chunks: 126 scored tokens, enough for llama-perplexity's statistics.
+    done = subprocess.run([*base, "--chunks", "2", "--wait"], capture_output=True, text=True, timeout=800, env=env)
+    print(done.stdout[-3000:], done.stderr[-2000:])
+    assert done.returncode == 0, done.stderr
+    assert "desktop: copied 1 run(s)" in done.stdout
+    assert "│ desktop │ ckpt-q4_0 │ ckpt-bf16 │ 2 × 63 │" in done.stdout
+    # The bound: 2 chunks of the reference's logits are 12 MB; a smaller limit is refused before any pass.
+    refused = subprocess.run([*base, "--chunks", "2", "--max-logits-gib", "0.001", "--wait"], capture_output=True,
+                             text=True, timeout=300, env=env)
+    assert refused.returncode == 1
+    assert "over the limit of 0.00 GiB (fewer chunks, or a higher limit)" in refused.stdout + refused.stderr
+    unknown = subprocess.run([*base[:-4], "--text", str(tmp_path / "absent.txt")], capture_output=True, text=True,
+                             timeout=120, env=env)
+    assert unknown.returncode == 2 and unknown.stderr.strip().startswith("error: KLD text"), unknown.stderr
