@@ -11,7 +11,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from rigctl.cli.common import ResultsOption, console, err_console, load_inventory, results_store
+from rigctl.cli.common import ResultsOption, console, load_inventory, results_store
 from rigctl.errors import ConfigError
 from rigctl.hostside.scorers import GSM8K_SCORES
 
@@ -246,8 +246,7 @@ def eval_kld(
     """KL divergence of quantised artifacts against their reference with llama-perplexity, as a job on each
     host: mean KLD, its 99th percentile and the same-top-1 share, with intervals over the text's chunks."""
     from rigctl import jobs
-    from rigctl.cli.render import outside_text, print_progress, print_pull
-    from rigctl.errors import RigctlError
+    from rigctl.cli.render import follow_started
     from rigctl.evals.kld import KLD_TASK, parse_spec, start_kld
 
     spec = parse_spec({"hosts": [h for h in hosts.split(",") if h], "reference": reference,
@@ -257,25 +256,11 @@ def eval_kld(
     jobs.task_sources(KLD_TASK)
     inventory = load_inventory()
     started = start_kld(inventory, spec)
-    failed = False
-    for host, outcome in started.items():
-        if isinstance(outcome, RigctlError):
-            err_console.print(outside_text(f"error: {outcome}"), soft_wrap=True)
-            failed = True
-        else:
-            console.print(f"{host}: started {outcome.id} (unit {outcome.unit})", markup=False, highlight=False)
-    if wait:
-        store = results_store(results)
-        followed = jobs.follow_and_pull(
-            inventory, {host: info.id for host, info in started.items() if not isinstance(info, RigctlError)},
-            store, on_progress=print_progress)
-        failed |= not print_pull({host: f.pulled if isinstance(f, jobs.Followed) else f
-                                  for host, f in followed.items()})
-        done = [f for f in followed.values() if isinstance(f, jobs.Followed) and f.done]
-        failed |= len(done) != len(followed)
-        if done:
-            print_kld([store.find(f"{f.job.host}/{f.job.id}") for f in done])
-    if failed:
+    store = results_store(results) if wait else None
+    ok, done = follow_started(inventory, started, store)
+    if store is not None and done:
+        print_kld([store.find(f"{f.job.host}/{f.job.id}") for f in done])
+    if not ok:
         raise typer.Exit(1)
 
 

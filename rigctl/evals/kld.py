@@ -24,9 +24,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rigctl.errors import ConfigError, RigctlError
+from rigctl.inputs import validated
 from rigctl.inventory import Host, Inventory
 
 if TYPE_CHECKING:  # rigctl.jobs brings paramiko
@@ -65,12 +66,7 @@ class KldSpec(BaseModel):
 
 def parse_spec(data: Mapping[str, Any], origin: str) -> KldSpec:
     """A KLD spec from a mapping (the command line, a campaign); ConfigError naming the first bad key."""
-    try:
-        return KldSpec.model_validate(dict(data))
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "spec"
-        raise ConfigError(f"{origin}: {where}: {first['msg'].removeprefix('Value error, ')}") from None
+    return validated(KldSpec, dict(data), origin)
 
 
 def corpus_identity(path: Path) -> dict[str, Any]:
@@ -119,10 +115,4 @@ def start_kld(inventory: Inventory, spec: KldSpec) -> dict[str, jobs.JobInfo | R
     from rigctl import jobs
 
     hosts = inventory.select(spec.hosts, where="the KLD's hosts (-H)")
-    out: dict[str, jobs.JobInfo | RigctlError] = {}
-    for host in hosts:
-        try:
-            out[host.name] = jobs.start(host, kld_job_spec(host, spec))
-        except RigctlError as exc:
-            out[host.name] = exc
-    return out
+    return jobs.start_each(hosts, lambda host: kld_job_spec(host, spec))
