@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import shutil
 import struct
 import subprocess
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from rigctl.analysis.kld import kld_gap, kld_results, load_tokens, result_cells
 from rigctl.errors import ConfigError
@@ -279,7 +281,8 @@ def _run(store: ResultsStore, host: str, run_id: str, *, tokens_sha: str = "t" *
     record = RunRecord.begin("kld", Provenance(host=host, artifacts=[
         Artifact(name="ckpt-bf16", sha256=ref_sha), Artifact(name="ckpt-q4_0", sha256="q" * 64)]), id=run_id)
     record.extra["kld"] = {
-        "reference": "ckpt-bf16", "corpus": {"name": "apache-2.0.txt"}, "ctx": 128, "scored_per_chunk": 63,
+        "reference": "ckpt-bf16", "corpus": corpus_identity(CORPUS), "ctx": 128, "chunks": None, "batch": None,
+        "scored_per_chunk": 63,
         "chunks_scored": len(rows), "tokens_sha256": tokens_sha,
         "models": {"ckpt-q4_0": {"llama_perplexity": printed, "difference": {"kld_mean": -2e-4}}}}
     run_dir = store.run_dir(host, run_id)
@@ -360,3 +363,50 @@ def test_the_cluster_bootstrap():
     assert bootstrap_clusters(np.zeros((0, 5)), lambda d: d.mean(axis=1)).empty
     with pytest.raises(ValueError, match="clustered values"):
         bootstrap_clusters(np.zeros(5), lambda d: d.mean(axis=1))
+
+
+# ----------------------------------------------------------------------------------------------- campaign
+
+
+def _campaign(tmp_path: Path, **kld) -> Path:
+    path = tmp_path / "campaign.yml"
+    step = {"name": "q4_0", "hosts": ["desktop", "laptop"], "reference": "ckpt-bf16", "models": ["ckpt-q4_0"],
+            "text": os.path.relpath(CORPUS, tmp_path), "ctx": 128, **kld}
+    path.write_text(yaml.safe_dump({"name": "kld", "title": "KLD", "hosts": ["desktop", "laptop"],
+                                    "artifacts": {"ckpt-bf16": {"label": "bf16"}, "ckpt-q4_0": {"label": "Q4_0"}},
+                                    "klds": [step]}))
+    return path
+
+
+def test_a_campaign_finds_its_kld_runs_and_reports_them(tmp_path):
+    from rigctl.analysis.report import build_report
+    from rigctl.campaign import load_campaign, locate
+
+    store = ResultsStore(tmp_path / "results")
+    desktop = _run(store, "desktop", "kld-20261203T100000Z-0001")
+    loaded = load_campaign(_campaign(tmp_path))
+    found = locate(loaded, store)
+    assert found.klds == {("q4_0", "desktop"): desktop, ("q4_0", "laptop"): None}
+    # Another context is another measurement: not this step's.
+    assert locate(load_campaign(_campaign(tmp_path, ctx=256)), store).klds[("q4_0", "desktop")] is None
+    report = build_report(loaded, store, tmp_path / "report")
+    assert "Not pulled yet: kld q4_0 on laptop." in report.markdown
+    _run(store, "laptop", "kld-20261203T100000Z-0002")
+    text = build_report(loaded, store, tmp_path / "report").markdown
+    section = text[text.index("## KL divergence"):]
+    assert "### q4_0: Q4_0 against bf16" in section and "Text: apache-2.0.txt, `-c 128`." in section
+    row = next(line for line in section.splitlines() if line.startswith("| desktop | Q4_0 | bf16 | 17 × 63 |"))
+    assert "[0.4844 (" in row and "[3.0480 (" in row and "[64.0 % (" in row and "| 1.4100 |" in row
+    assert "../results/desktop/kld-20261203T100000Z-0001/kld/ckpt-q4_0.txt" in row
+    assert "| laptop - desktop (Q4_0) | +0.0000 (+0.0000 to +0.0000) |" in section
+
+
+def test_a_campaigns_kld_steps_are_checked(tmp_path):
+    from rigctl.campaign import load_campaign
+
+    with pytest.raises(ConfigError, match="hosts not listed under hosts: gpu9"):
+        load_campaign(_campaign(tmp_path, hosts=["gpu9"]))
+    with pytest.raises(ConfigError, match="artifact 'ckpt-q8_0' is not listed under artifacts"):
+        load_campaign(_campaign(tmp_path, models=["ckpt-q8_0"]))
+    with pytest.raises(ConfigError, match=r"klds\.0: the reference 'ckpt-bf16' is also one of the models"):
+        load_campaign(_campaign(tmp_path, models=["ckpt-bf16"]))
