@@ -38,6 +38,7 @@ import re
 import select
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -115,8 +116,8 @@ def bound_or_refuse(job: Any, p: dict[str, Any], corpus: Path, n_vocab: int) -> 
     return {"chunks_at_most": n_chunk, "bytes_at_most": bound}
 
 
-def open_fifo(path: Path, proc: Any, error: type[Exception]) -> Any:
-    """The FIFO's read end once ``proc`` has opened its write end; ``error`` when it exits first (a model
+def open_fifo(path: Path, proc: Any) -> Any:
+    """The FIFO's read end once ``proc`` has opened its write end; LogitsFileError when it exits first (a model
     that does not load never opens it)."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     try:
@@ -125,9 +126,10 @@ def open_fifo(path: Path, proc: Any, error: type[Exception]) -> Any:
         deadline = time.monotonic() + OPEN_TIMEOUT_S
         while not poller.poll(500):
             if proc.poll() is not None:
-                raise error(f"llama-perplexity exited {proc.returncode} before writing its logits")
+                raise kld.LogitsFileError(f"llama-perplexity exited {proc.returncode} before writing its logits")
             if time.monotonic() > deadline:
-                raise error(f"llama-perplexity did not start writing its logits within {OPEN_TIMEOUT_S:g} s")
+                raise kld.LogitsFileError(f"llama-perplexity did not start writing its logits within "
+                                          f"{OPEN_TIMEOUT_S:g} s")
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb", buffering=1 << 20)
     except BaseException:
@@ -135,37 +137,34 @@ def open_fifo(path: Path, proc: Any, error: type[Exception]) -> Any:
         raise
 
 
-def token_pass(job: Any, p: dict[str, Any], model: dict[str, str], corpus: Path, raw: Path) -> dict[str, Any]:
+def token_pass(job: Any, p: dict[str, Any], model: dict[str, str], corpus: Path, raw: Path,
+               progress: Callable[[str], None]) -> dict[str, Any]:
     """Pass 3: the model's logits through a FIFO beside the reference's; per-token values to
     ``<model>.tokens.jsonl``; their summary and the token stream's hash."""
     fifo = job.run_dir / FIFO
     fifo.unlink(missing_ok=True)
     os.mkfifo(fifo, 0o600)
     name = model["name"]
+    log = raw / f"{name}.ppl.log"
     kld_values: list[float] = []
     same_top: list[int] = []
     argv = [*common_argv(p, model["path"]), *text_argv(p, corpus), "--kl-divergence-base", str(fifo)]
     try:
-        with job.spawn(argv, stdout=raw / f"{name}.ppl.txt", stderr=raw / f"{name}.ppl.log") as proc, \
+        with job.spawn(argv, stdout=raw / f"{name}.ppl.txt", stderr=log) as proc, \
                 open(job.run_dir / REFERENCE_LOGITS, "rb", buffering=1 << 20) as reference, \
-                open_fifo(fifo, proc, job.TaskError) as quantised, \
-                open(raw / f"{name}.tokens.jsonl", "w") as out:
-            try:
-                header, chunks = kld.paired_chunks(reference, quantised, f"{name}'s logits")
-                for chunk, values in chunks:
-                    job.progress(chunk, header.n_chunk,
-                                 f"{name}: per-token values, chunk {chunk + 1}/{header.n_chunk}")
-                    row = {"chunk": chunk, "kld": [v.kld for v in values],
-                           "same_top": [int(v.same_top) for v in values],
-                           "nll": [v.nll for v in values], "nll_base": [v.nll_base for v in values]}
-                    out.write(json.dumps(row) + "\n")
-                    kld_values += row["kld"]
-                    same_top += row["same_top"]
-            except kld.LogitsFileError as exc:
-                raise job.TaskError(f"{exc}; llama-perplexity: {last_error(raw / f'{name}.ppl.log')}") from None
+                open_fifo(fifo, proc) as quantised, open(raw / f"{name}.tokens.jsonl", "w") as out:
+            header, chunks = kld.paired_chunks(reference, quantised, f"{name}'s logits")
+            for chunk, values in chunks:
+                progress(f"{name}: per-token values, chunk {chunk + 1}/{header.n_chunk}")
+                row = {"chunk": chunk, "kld": [v.kld for v in values], "same_top": [int(v.same_top) for v in values],
+                       "nll": [v.nll for v in values], "nll_base": [v.nll_base for v in values]}
+                out.write(json.dumps(row) + "\n")
+                kld_values += row["kld"]
+                same_top += row["same_top"]
             if proc.wait() != 0:
-                raise job.TaskError(f"{name}: llama-perplexity exited {proc.returncode}: "
-                                    f"{last_error(raw / f'{name}.ppl.log')}")
+                raise job.TaskError(f"{name}: llama-perplexity exited {proc.returncode}: {last_error(log)}")
+    except kld.LogitsFileError as exc:
+        raise job.TaskError(f"{name}: {exc}; llama-perplexity: {last_error(log)}") from None
     finally:
         fifo.unlink(missing_ok=True)
     return {"summary": kld.summarise(kld_values, same_top),
@@ -220,8 +219,10 @@ def run(job: Any) -> None:
             except ValueError as exc:
                 raise job.TaskError(f"{name}: {exc}; llama-perplexity exited {done.returncode}: "
                                     f"{last_error(raw / f'{name}.log')}") from None
-            job.progress(2 + 3 * index, passes, f"{name}: per-token values")
-            tokens = token_pass(job, p, model, corpus, raw)
+            step = 2 + 3 * index
+            job.progress(step, passes, f"{name}: per-token values")
+            tokens = token_pass(job, p, model, corpus, raw,
+                                lambda message, step=step: job.progress(step, passes, message))
             mine, theirs = tokens["summary"], kld.headline(printed)
             result["tokens"] = mine["tokens"]
             result["chunks_scored"] = tokens["n_chunk"]

@@ -237,10 +237,10 @@ def test_a_writer_that_exits_before_opening_the_fifo_is_an_error(tmp_path):
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     proc = subprocess.Popen(["false"])
-    with pytest.raises(RuntimeError, match="exited 1 before writing its logits"):
-        open_fifo(fifo, proc, RuntimeError)
+    with pytest.raises(kld.LogitsFileError, match="exited 1 before writing its logits"):
+        open_fifo(fifo, proc)
     writer = subprocess.Popen(["sh", "-c", f"printf _logits_ > {fifo}"])
-    with open_fifo(fifo, writer, RuntimeError) as stream:
+    with open_fifo(fifo, writer) as stream:
         assert stream.read() == b"_logits_"
     writer.wait()
 
