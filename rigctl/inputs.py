@@ -79,5 +79,5 @@ def validated(model: Any, data: Any, origin: str | Path, error: type[RigctlError
         return model.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "-"
-        raise error(f"{origin}: {where}: {first['msg'].removeprefix('Value error, ')}") from None
+        where = ".".join(str(part) for part in first["loc"])  # none: the model's own check, of several keys
+        raise error(f"{origin}: {where + ': ' if where else ''}{first['msg'].removeprefix('Value error, ')}") from None

@@ -85,8 +85,9 @@ def llama_perplexity_path(host: Host) -> str:
     return f"{root}/current/bin/llama-perplexity"
 
 
-def kld_job_spec(host: Host, spec: KldSpec) -> jobs.JobSpec:
-    """The job that runs ``spec`` on ``host``; ConfigError when the host lacks one of the artifacts."""
+def kld_job_spec(host: Host, spec: KldSpec, corpus: Mapping[str, Any] | None = None) -> jobs.JobSpec:
+    """The job that runs ``spec`` on ``host``; ConfigError when the host lacks one of the artifacts.
+    ``corpus``: the text's :func:`corpus_identity`, when the caller has read it already."""
     from rigctl import jobs
 
     available = {a.name: a for a in host.artifacts}
@@ -94,7 +95,7 @@ def kld_job_spec(host: Host, spec: KldSpec) -> jobs.JobSpec:
         if name not in available:
             raise ConfigError(f"host {host.name}: KLD artifact {name!r} is not an artifact of this host "
                               f"(it has: {', '.join(available) or 'none'})")
-    corpus = corpus_identity(spec.text)
+    corpus = corpus or corpus_identity(spec.text)
     params = {
         "llama_perplexity": llama_perplexity_path(host),
         "reference": {"name": spec.reference, "path": available[spec.reference].path},
@@ -111,8 +112,10 @@ def kld_job_spec(host: Host, spec: KldSpec) -> jobs.JobSpec:
 
 
 def start_kld(inventory: Inventory, spec: KldSpec) -> dict[str, jobs.JobInfo | RigctlError]:
-    """One KLD job per host of the spec; per host its job or the error (a busy lock, a missing artifact)."""
+    """One KLD job per host of the spec; per host its job or the error (a busy lock, a missing artifact).
+    ConfigError when the text cannot be read."""
     from rigctl import jobs
 
+    corpus = corpus_identity(spec.text)  # the text's problems are the command's, not each host's
     hosts = inventory.select(spec.hosts, where="the KLD's hosts (-H)")
-    return jobs.start_each(hosts, lambda host: kld_job_spec(host, spec))
+    return jobs.start_each(hosts, lambda host: kld_job_spec(host, spec, corpus))

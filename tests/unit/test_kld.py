@@ -410,3 +410,39 @@ def test_a_campaigns_kld_steps_are_checked(tmp_path):
         load_campaign(_campaign(tmp_path, models=["ckpt-q8_0"]))
     with pytest.raises(ConfigError, match=r"klds\.0: the reference 'ckpt-bf16' is also one of the models"):
         load_campaign(_campaign(tmp_path, models=["ckpt-bf16"]))
+
+
+# ----------------------------------------------------------------------------------------------- the CLI
+
+
+def _cli(*args: str, results: Path) -> subprocess.CompletedProcess[str]:
+    import sys
+
+    return subprocess.run([str(Path(sys.executable).parent / "rigctl"), *args], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "RIGCTL_RESULTS": str(results), "COLUMNS": "220"})
+
+
+def test_compare_prints_kld_runs_and_their_paired_gap(tmp_path):
+    store = ResultsStore(tmp_path / "results")
+    _run(store, "desktop", "kld-20261203T100000Z-0001")
+    _run(store, "laptop", "kld-20261203T100000Z-0002")
+    done = _cli("compare", "desktop/kld-20261203T100000Z-0001", "kld-20261203T100000Z-0002",
+                "--resamples", "500", results=store.root)
+    assert done.returncode == 0, done.stderr
+    rows = [line for line in done.stdout.splitlines() if "ckpt-q4_0" in line]
+    assert len(rows) == 3 and rows[0].startswith("│ desktop │ ckpt-q4_0 │ ckpt-bf16 │"), done.stdout
+    assert "0.4844 (" in rows[0] and "3.0480 (" in rows[0] and "64.0 % (" in rows[0]
+    assert "laptop - desktop (ckpt-q4_0)" in rows[2] and "+0.0000 (+0.0000 to +0.0000)" in rows[2]
+
+
+def test_eval_kld_refuses_bad_input_in_one_line(tmp_path):
+    base = ["-i", str(Path(__file__).parents[2] / "inventory" / "lab"), "eval", "kld", "-H", "desktop",
+            "-r", "smollm2-135m-q4_1", "-m", "smollm2-135m-q4_0"]
+    for args, needle in (
+        (["--text", str(tmp_path / "absent.txt")], "error: KLD text"),
+        (["--text", str(CORPUS), "--ctx", "8"], "error: command line: ctx: Input should be greater than or equal"),
+        (["-m", "smollm2-135m-q4_1", "--text", str(CORPUS)], "error: command line: the reference"),
+    ):
+        done = _cli(*base, *args, results=tmp_path)
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith(needle), (args, done.stderr)
