@@ -9,7 +9,6 @@ tests/fixtures/corpus/: real prose, pinned by its sha256 in the run record): at 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -78,9 +77,12 @@ def test_kld_of_q4_0_against_its_bf16_on_both_rigs(kld_inventory, tmp_path):
         record = run.record
         extra = record.extra["kld"]
         assert record.kind == "kld" and record.status == "done", record.extra.get("error")
-        assert [a.name for a in record.artifacts] == ["ckpt-bf16", "ckpt-q4_0"] and all(
-            a.sha256 and a.manifest for a in record.artifacts)
-        assert record.artifacts[0].manifest["outtype"] == "bf16" or "bf16" in json.dumps(record.artifacts[0].manifest)
+        # The reference study's recipe: bf16 converted from the checkout, Q4_0 rounded from that bf16.
+        bf16, q4_0 = record.artifacts
+        assert (bf16.name, q4_0.name) == ("ckpt-bf16", "ckpt-q4_0") and bf16.sha256 and q4_0.sha256
+        assert "convert_hf_to_gguf.py" in bf16.manifest["command"] and "--outtype bf16" in bf16.manifest["command"]
+        assert "BF16" in bf16.manifest["types"] and "Q4_0" in q4_0.manifest["types"]
+        assert "llama-quantize" in q4_0.manifest["command"] and q4_0.manifest["input"]["id"] == f"sha256:{bf16.sha256}"
         assert extra["corpus"]["sha256"] == "cfc7749b96f63bd31c3c42b5c471bf756814053e847c10f3eb003417bc523d30"
         assert (extra["chunks_scored"], extra["scored_per_chunk"], extra["tokens"]) == (17, 63, 1071)
         # llama.cpp's statistics, and the per-token values recomputed beside them.
