@@ -67,6 +67,9 @@ def test_kld_of_q4_0_against_its_bf16_on_both_rigs(kld_inventory, tmp_path):
     store = ResultsStore(tmp_path / "results")
     loaded = load_campaign(campaign)
     inventory = Inventory.load(kld_inventory)
+    for host in inventory.hosts.values():  # KLD runs an earlier session left would answer the campaign
+        with SshClient(SshTarget.from_host(host)) as ssh:
+            ssh.run(f"rm -rf /var/lib/rigctl/results/{host.name}/kld-*", timeout=60)
     started = time.monotonic()
     outcomes = run_campaign(loaded, inventory, store, on_step=print)
     took = time.monotonic() - started
@@ -123,7 +126,7 @@ def test_kld_of_q4_0_against_its_bf16_on_both_rigs(kld_inventory, tmp_path):
 
 def test_eval_kld_on_the_command_line(kld_inventory, tmp_path):
     env = {**os.environ, "RIGCTL_RESULTS": str(tmp_path / "results"), "COLUMNS": "250"}
-    base = [sys.executable, "-m", "rigctl", "-i", str(kld_inventory), "eval", "kld", "-H", "desktop",
+    base = [str(Path(sys.executable).parent / "rigctl"), "-i", str(kld_inventory), "eval", "kld", "-H", "desktop",
             "-r", "ckpt-bf16", "-m", "ckpt-q4_0", "--text", str(CORPUS), "-c", "128", "-t", "2"]
     # Two chunks: 126 scored tokens, enough for llama-perplexity's statistics.
     done = subprocess.run([*base, "--chunks", "2", "--wait"], capture_output=True, text=True, timeout=800, env=env)
