@@ -97,6 +97,10 @@ def follow_started(inventory: Any, started: dict[str, Any], store: Any | None) -
         inventory, {host: info.id for host, info in started.items() if not isinstance(info, RigctlError)}, store,
         on_progress=print_progress)
     done = [f for f in followed.values() if isinstance(f, jobs.Followed) and f.done]
+    for host, outcome in followed.items():
+        if isinstance(outcome, jobs.Followed) and not outcome.done:
+            err_console.print(outside_text(f"error: {host}: job {outcome.job.id} ended {outcome.job.state}"
+                                           + (f": {outcome.job.error}" if outcome.job.error else "")), soft_wrap=True)
     ok &= len(done) == len(followed)
     ok &= print_pull({host: f.pulled if isinstance(f, jobs.Followed) else f for host, f in followed.items()})
     return ok, done
