@@ -9,13 +9,16 @@ tests/fixtures/corpus/: real prose, pinned by its sha256 in the run record): at 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -135,6 +138,7 @@ def test_eval_kld_on_the_command_line(kld_inventory, tmp_path):
     assert "desktop: copied 1 run(s)" in done.stdout
     row = next(line for line in done.stdout.splitlines() if line.startswith("│ desktop │ ckpt-q4_0 │ ckpt-bf16 │"))
     assert "│          2 × 63 │" in row and " % (" in row, row
+    _numpy_agrees_from_the_logits(kld_inventory, ResultsStore(tmp_path / "results"), tmp_path)
     # The bound: 2 chunks of the reference's logits are 12 MB; a smaller limit is refused before any pass.
     refused = subprocess.run([*base, "--chunks", "2", "--max-logits-gib", "0.001", "--wait"], capture_output=True,
                              text=True, timeout=300, env=env)
@@ -143,3 +147,54 @@ def test_eval_kld_on_the_command_line(kld_inventory, tmp_path):
     unknown = subprocess.run([*base[:-4], "--text", str(tmp_path / "absent.txt")], capture_output=True, text=True,
                              timeout=120, env=env)
     assert unknown.returncode == 2 and unknown.stderr.strip().startswith("error: KLD text"), unknown.stderr
+
+
+def _read_logits(path: Path):
+    """A llama-perplexity logits file, read with numpy alone: log-probabilities (tokens x vocabulary) and the
+    token ids."""
+    raw = path.read_bytes()
+    assert raw[:8] == b"_logits_"
+    n_ctx, n_vocab, n_chunk = struct.unpack_from("<Iii", raw, 8)
+    nv, scored = 2 * ((n_vocab + 1) // 2) + 4, n_ctx - 1 - n_ctx // 2
+    tokens = np.frombuffer(raw, dtype="<i4", count=n_ctx * n_chunk, offset=20)
+    rows = np.frombuffer(raw, dtype="<u2", offset=20 + 4 * tokens.size).reshape(n_chunk * scored, nv)
+    head = rows[:, :4].copy().view("<f4")  # scale, min_log_prob
+    return rows[:, 4:4 + n_vocab].astype(np.float64) * head[:, :1] + head[:, 1:2], tokens
+
+
+def _numpy_agrees_from_the_logits(inventory_dir: Path, store: ResultsStore, tmp_path: Path) -> None:
+    """The two models' logits saved on the rig by llama-perplexity itself (the settings of the CLI's run: its
+    text, -c 128, 2 chunks), fetched, and llama.cpp's statistics recomputed from them with numpy: they agree
+    with what llama-perplexity printed, and with the job's per-token values."""
+    from rigctl.hostside import kld
+
+    (run,) = list(store.runs(kind="kld"))
+    host = Inventory.load(inventory_dir).host("desktop")
+    perplexity = "/opt/llama.cpp/current/bin/llama-perplexity"
+    files = {}
+    with SshClient(SshTarget.from_host(host)) as ssh:
+        ssh.put(CORPUS, "/tmp/kld-check.txt", timeout=60)
+        try:
+            for artifact in run.record.artifacts:
+                remote, local = f"/tmp/kld-check-{artifact.name}.logits", tmp_path / f"{artifact.name}.logits"
+                ssh.run(f"{perplexity} -m {artifact.path} -f /tmp/kld-check.txt -c 128 -t 2 --chunks 2 "
+                        f"--kl-divergence-base {remote}", timeout=300, check=True)
+                ssh.get(remote, local, timeout=120)
+                files[artifact.name] = local
+        finally:
+            ssh.run("rm -f /tmp/kld-check.txt /tmp/kld-check-*.logits", timeout=30)
+    log_ref, tokens_ref = _read_logits(files["ckpt-bf16"])
+    log_q, tokens_q = _read_logits(files["ckpt-q4_0"])
+    assert (tokens_ref == tokens_q).all() and log_ref.shape == (126, 49152)
+    kept = log_ref > -16
+    values = np.where(kept, np.exp(log_ref) * (log_ref - log_q), 0.0).sum(axis=1)
+    same = log_ref.argmax(axis=1) == log_q.argmax(axis=1)
+    printed = kld.headline(kld.parse_output((run.path / "kld" / "ckpt-q4_0.txt").read_text()))
+    assert values.mean() == pytest.approx(printed["kld_mean"], abs=1e-3)
+    assert np.percentile(values, 99) == pytest.approx(printed["kld_p99"], rel=5e-3)
+    assert same.mean() == pytest.approx(printed["same_top"], abs=1e-4)
+    job = [json.loads(line) for line in (run.path / "kld" / "ckpt-q4_0.tokens.jsonl").read_text().splitlines()]
+    assert np.concatenate([r["kld"] for r in job]) == pytest.approx(values, rel=1e-9, abs=1e-12)
+    assert np.concatenate([r["same_top"] for r in job]).tolist() == same.astype(int).tolist()
+    print(f"numpy from the saved logits: mean KLD {values.mean():.6f}, p99 {np.percentile(values, 99):.6f}, "
+          f"same top {same.mean():.4f}; llama-perplexity printed {printed}")
