@@ -181,7 +181,7 @@ def run(job: Any) -> None:
     passes = 1 + 3 * len(models)
     timeout = float(p.get("pass_timeout_s", 3600))
     job.progress(0, passes, "hashing the model files")
-    job.record["artifacts"] = [job.artifact(reference["name"], reference["path"]),
+    job.record.artifacts = [job.artifact(reference["name"], reference["path"]),
                                *(job.artifact(m["name"], m["path"]) for m in models)]
     n_vocab = vocab_size(reference["path"], job.TaskError)
     for model in models:
@@ -194,8 +194,8 @@ def run(job: Any) -> None:
                                                                           if k != "file"},
                               **settings, "n_vocab": n_vocab, "scored_per_chunk": kld.scored_per_chunk(int(p["ctx"])),
                               "logits": bound_or_refuse(job, p, corpus, n_vocab), "models": {}}
-    job.record["matrix"] = settings
-    job.record["extra"]["kld"] = result
+    job.record.matrix = settings
+    job.record.extra["kld"] = result
     job.save_record()
     logits = job.run_dir / REFERENCE_LOGITS
     try:
