@@ -265,6 +265,18 @@ def start(host: Host, spec: JobSpec, *, job_id: str | None = None, client: SshCl
                    run_dir=f"{RESULTS_DIR}/{host.name}/{job_id}", lock=spec.lock)
 
 
+def start_each(hosts: Iterable[Host], spec_for: Callable[[Host], JobSpec]) -> dict[str, JobInfo | RigctlError]:
+    """One job per host, each from ``spec_for(host)``; per host name its job or what stopped it (a spec the
+    host cannot run, a busy lock, a failed start): one host's error never stops the others."""
+    out: dict[str, JobInfo | RigctlError] = {}
+    for host in hosts:
+        try:
+            out[host.name] = start(host, spec_for(host))
+        except RigctlError as exc:
+            out[host.name] = exc
+    return out
+
+
 def list_jobs(host: Host, *, client: SshClient | None = None) -> list[JobInfo]:
     """Every job on ``host`` by id (kind, then start time), from its state file and unit."""
     return _list(host, None, client)

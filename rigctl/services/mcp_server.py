@@ -438,7 +438,7 @@ def build_server(inventory: Inventory, *, allow_actions: bool = False, results_r
     @server.tool(annotations=read_only)
     def list_results(
         host: Annotated[str | None, Field(max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")] = None,
-        kind: Literal["bench", "eval", "spec", "server-speed", "load"] | None = None,
+        kind: Literal["bench", "eval", "spec", "server-speed", "load", "kld"] | None = None,
         limit: Annotated[int, Field(ge=1, le=500, description="The newest runs to list")] = 50,
     ) -> dict[str, Any]:
         """Runs in the controller's results store (pulled from the hosts), with their scores or t/s."""
