@@ -368,10 +368,10 @@ def run_load(
     ``requests``: the least per level (default four per client, at least 8); more up to ``max_requests``
     (default four times that, within 1000) until both intervals are within ``precision``; ``warmup``
     requests per client before each level, in no figure."""
+    from rigctl.fleet.servers import probe_server, probe_unit, stopped
     from rigctl.llama_http import ServerClient
     from rigctl.results.run import open_run
     from rigctl.results.stamp import inventory_server, inventory_stamp, with_props
-    from rigctl.servers import probe_server, probe_unit, stopped
     from rigctl.ssh import session
 
     levels = parse_levels(list(concurrency))

@@ -56,9 +56,9 @@ def kld_inventory(lab_served, tmp_path_factory) -> Path:
 
 
 def test_kld_of_q4_0_against_its_bf16_on_both_rigs(kld_inventory, tmp_path):
+    from rigctl.analysis.campaign import load_campaign, run_campaign
     from rigctl.analysis.kld import kld_results, result_cells
     from rigctl.analysis.report import build_report
-    from rigctl.campaign import load_campaign, run_campaign
 
     campaign = tmp_path / "kld.yml"
     campaign.write_text(yaml.safe_dump({

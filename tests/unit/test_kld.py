@@ -379,8 +379,8 @@ def _campaign(tmp_path: Path, **kld) -> Path:
 
 
 def test_a_campaign_finds_its_kld_runs_and_reports_them(tmp_path):
+    from rigctl.analysis.campaign import load_campaign, locate
     from rigctl.analysis.report import build_report
-    from rigctl.campaign import load_campaign, locate
 
     store = ResultsStore(tmp_path / "results")
     desktop = _run(store, "desktop", "kld-20261203T100000Z-0001")
@@ -402,7 +402,7 @@ def test_a_campaign_finds_its_kld_runs_and_reports_them(tmp_path):
 
 
 def test_a_campaigns_kld_steps_are_checked(tmp_path):
-    from rigctl.campaign import load_campaign
+    from rigctl.analysis.campaign import load_campaign
 
     with pytest.raises(ConfigError, match="hosts not listed under hosts: gpu9"):
         load_campaign(_campaign(tmp_path, hosts=["gpu9"]))

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rigctl.analysis.campaign import LoadedCampaign, Located, locate
 from rigctl.analysis.compare import (
     load_answers,
 )
@@ -52,7 +53,6 @@ from rigctl.analysis.report.serving import (
 )
 from rigctl.analysis.report.speed import bench_section
 from rigctl.bench.matrix import load_run_samples
-from rigctl.campaign import LoadedCampaign, Located, locate
 from rigctl.errors import one_line
 from rigctl.files import write_atomically
 from rigctl.results.record import RUN_FILE

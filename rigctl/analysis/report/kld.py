@@ -13,7 +13,7 @@ from rigctl.analysis.report.markdown import Links, md_table
 from rigctl.hostside.kld_task import RAW_DIR
 
 if TYPE_CHECKING:
-    from rigctl.campaign import LoadedCampaign, Located
+    from rigctl.analysis.campaign import LoadedCampaign, Located
 
 _INTRO = ("KL divergence of each quantised model's next-token distribution from its reference's, over the "
           "stated text cut into chunks of the stated context, as `llama-perplexity --kl-divergence` computes it "

@@ -564,10 +564,10 @@ def _run_kld(ctx: _Context, kld: CampaignKld, host_name: str) -> str:
 def _run_eval(ctx: _Context, evaluation: CampaignEval, target: EvalTarget, unfinished: StoredRun | None) -> str:
     """The eval's servers started where they are down (and stopped after), then the stopped run resumed or a
     new one started, as ``rigctl eval run`` does (:func:`rigctl.evals.runner.start`)."""
-    from rigctl import servers
     from rigctl.evals import runner
     from rigctl.evals.target import inventory_target
     from rigctl.evals.tasks import load_task
+    from rigctl.fleet import servers
 
     members = target.members
     with ExitStack() as up:
