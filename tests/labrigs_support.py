@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 from rigctl.inventory import Inventory
-from rigctl.lab.config import RigSpec
+from rigctl.lab.config import RigSpec, write_lab_inventory
 from rigctl.lab.gpu import GpuState
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,11 +62,9 @@ def make_test_inventory(
     dest: Path, lab_dir: Path, prefix: str = TEST_PREFIX, network: str = TEST_NETWORK, bridge: str = TEST_BRIDGE,
     rigs: int = 2,
 ) -> Path:
-    """inventory/lab with its rigs renamed ``prefix + name`` on ``network``.0/24, lab in ``lab_dir``; with
-    ``rigs`` over two, rigs ``rig3``... after them, each a copy of the rig two before it at the next address."""
-    shutil.copytree(LAB_INVENTORY, dest)
-    if rigs > 2:
-        _more_rigs(dest, rigs)
+    """inventory/lab with ``rigs`` rigs (rigctl lab inventory's) renamed ``prefix + name`` on ``network``.0/24,
+    lab in ``lab_dir``."""
+    write_lab_inventory(LAB_INVENTORY, dest, rigs)
 
     def rename(node: object) -> None:
         if isinstance(node, dict):
@@ -91,17 +89,4 @@ def make_test_inventory(
     settings["rigctl_lab"] = {"dir": str(lab_dir), "bridge": bridge, "bridge_address": f"{network}.1/24"}
     lab_yml.write_text(yaml.safe_dump(settings))
     return dest
-
-
-def _more_rigs(dest: Path, rigs: int) -> None:
-    hosts = yaml.safe_load((dest / "hosts.yml").read_text())
-    lab = hosts["all"]["children"]["gpu_hosts"]["children"]["lab"]["hosts"]
-    names = list(lab)
-    for number in range(len(names) + 1, rigs + 1):
-        like = names[(number - 1) % 2]
-        name = f"rig{number}"
-        address = lab[like]["ansible_host"].rsplit(".", 1)
-        lab[name] = {**lab[like], "ansible_host": f"{address[0]}.{10 + number}"}
-        shutil.copy(dest / "host_vars" / f"{like}.yml", dest / "host_vars" / f"{name}.yml")
-    (dest / "hosts.yml").write_text(yaml.safe_dump(hosts, sort_keys=False))
 
