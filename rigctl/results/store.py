@@ -69,13 +69,35 @@ class ResultsStore:
             record = RunRecord.load(path)
             return StoredRun(host=record.host, path=path, record=record)
         host, _, run_id = ref.rpartition("/")
-        matches = [run for run in self.runs(host or None) if run.id == run_id]
+        # A run lives in the directory named by its id: look there first, loading one record per host rather
+        # than every record of the store; only a directory not named by its record's id needs the scan.
+        matches = self._named(host, run_id) or [run for run in self.runs(host or None) if run.id == run_id]
         if not matches:
             raise ConfigError(f"run {ref!r}: not found under {self.root}")
         if len(matches) > 1:
             where = ", ".join(f"{m.host}/{m.id}" for m in matches)
             raise ConfigError(f"run {ref!r} is ambiguous: {where}")
         return matches[0]
+
+    def _named(self, host: str, run_id: str) -> list[StoredRun]:
+        """The runs in ``<host>/<run_id>`` (every host's when ``host`` is empty) whose record has that id."""
+        hosts = [host] if host else sorted(p.name for p in self.root.glob("*") if p.is_dir())
+        found = []
+        for name in hosts:
+            try:
+                run_dir = self.run_dir(name, run_id)
+            except TrustError:
+                return []
+            if not (run_dir / RUN_FILE).is_file():
+                continue
+            try:
+                record = RunRecord.load(run_dir)
+            except ConfigError as exc:
+                log.warning("skipping %s: %s", run_dir, exc)
+                continue
+            if record.id == run_id:
+                found.append(StoredRun(host=name, path=run_dir, record=record))
+        return found
 
     def verify(self, run: StoredRun) -> list[str]:
         """Raw files missing or differing from the record's hashes (empty when all is well)."""

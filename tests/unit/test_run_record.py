@@ -287,3 +287,26 @@ def test_the_loader_skips_what_it_cannot_read_and_keeps_the_rest(tmp_path, caplo
     runs = list(ResultsStore(tmp_path).runs())
     assert [r.id for r in runs] == [good.id]
     assert "record version 7" in caplog.text
+
+
+def test_find_reads_the_run_its_name_says_and_no_other(tmp_path, caplog):
+    wanted = RunRecord(id="eval-20261130T050000Z-0a1b", kind="eval", host="laptop", started="x")
+    wanted.save(tmp_path / "laptop" / wanted.id)
+    # Another run whose record cannot be read: finding the wanted one by name never opens it.
+    _write(tmp_path, "desktop", "eval-20261130T060000Z-0a1b", {"id": "x", "kind": "eval", "version": 7})
+    store = ResultsStore(tmp_path)
+    for ref in (wanted.id, f"laptop/{wanted.id}", str(tmp_path / "laptop" / wanted.id)):
+        found = store.find(ref)
+        assert (found.host, found.id, found.path) == ("laptop", wanted.id, tmp_path / "laptop" / wanted.id)
+    assert "record version 7" not in caplog.text
+    # A directory not named by its record's id (renamed by hand) is still found, by the scan.
+    moved = RunRecord(id="eval-20261130T070000Z-0c0d", kind="eval", host="laptop", started="x")
+    moved.save(tmp_path / "laptop" / "renamed")
+    assert store.find(moved.id).path == tmp_path / "laptop" / "renamed"
+    # The same id on two hosts is ambiguous; an unknown one is not found; neither leaves the root.
+    wanted.save(tmp_path / "desktop" / wanted.id)
+    with pytest.raises(ConfigError, match=f"run '{wanted.id}' is ambiguous: desktop/{wanted.id}, laptop/"):
+        store.find(wanted.id)
+    for ref in ("eval-20261130T080000Z-ffff", "../laptop/" + wanted.id, "laptop/.."):
+        with pytest.raises(ConfigError, match="not found under"):
+            store.find(ref)
