@@ -178,11 +178,13 @@ class RunRecord(runrecord.RunRecord):
     checked, of any version."""
 
     @classmethod
-    def from_dict(cls, data: Any, origin: str = "run record") -> RunRecord:
-        """``data`` (any version) checked against the record's types (ConfigError naming ``origin`` and the key)."""
+    def from_dict(cls, data: Any, origin: str = "run record", *, bounded: bool = False) -> RunRecord:
+        """``data`` (any version) checked against the record's types (ConfigError naming ``origin`` and the key).
+        ``bounded``: ``data`` came from :func:`parse_json` (not deferred), which held it to the bounds already."""
         if not isinstance(data, dict):
             raise ConfigError(f"{origin}: a run record is a JSON object, not {type(data).__name__}")
-        check_json(data, origin)  # a record from a host's listing is bounded as one read from a file
+        if not bounded:
+            check_json(data, origin)  # a record from a host's listing is bounded as one read from a file
         data = upgrade(data, origin)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(str(k) for k in set(data) - known)
@@ -210,7 +212,7 @@ class RunRecord(runrecord.RunRecord):
             raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{path}: not JSON ({exc.msg} at line {exc.lineno})") from None
-        return cls.from_dict(data, str(path))
+        return cls.from_dict(data, str(path), bounded=True)
 
 
 _RECORD_ADAPTER: Any = None

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from rigctl.errors import ConfigError, TrustError
+from rigctl.hostside.runrecord import RUN_ID
 from rigctl.results.record import RUN_FILE, RunRecord, file_sha256, json_objects
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,28 @@ class ResultsStore:
                     continue
                 if kind is None or record.kind == kind:
                     yield StoredRun(host=host_dir.name, path=run_dir, record=record)
+
+    def last(self, limit: int, host: str | None = None, kind: str | None = None) -> list[StoredRun]:
+        """``list(self.runs(host, kind))[-limit:]``, reading only the records it returns (and unreadable ones
+        on the way): the directories from the end, a run id naming another kind passed over unread."""
+        if limit < 1:
+            raise ValueError(f"limit must be at least 1, got {limit}")
+        hosts = [self.root / host] if host else sorted(p for p in self.root.glob("*") if p.is_dir())
+        found: list[StoredRun] = []
+        for host_dir in reversed(hosts):
+            for run_dir in sorted((p for p in host_dir.glob("*") if p.is_dir()), reverse=True):
+                if len(found) >= limit:
+                    return found[::-1]
+                if kind is not None and RUN_ID.match(run_dir.name) and not run_dir.name.startswith(f"{kind}-"):
+                    continue
+                try:
+                    record = RunRecord.load(run_dir)
+                except ConfigError as exc:
+                    log.warning("skipping %s: %s", run_dir, exc)
+                    continue
+                if kind is None or record.kind == kind:
+                    found.append(StoredRun(host=host_dir.name, path=run_dir, record=record))
+        return found[::-1]
 
     def find(self, ref: str) -> StoredRun:
         """A run by id, by ``host/id`` or by path to its directory."""

@@ -310,3 +310,23 @@ def test_find_reads_the_run_its_name_says_and_no_other(tmp_path, caplog):
     for ref in ("eval-20261130T080000Z-ffff", "../laptop/" + wanted.id, "laptop/.."):
         with pytest.raises(ConfigError, match="not found under"):
             store.find(ref)
+
+
+def test_the_last_runs_are_read_from_the_end(tmp_path, caplog):
+    store = ResultsStore(tmp_path)
+    for host, kinds in (("desktop", ["eval", "bench", "eval", "load"]), ("laptop", ["bench", "eval", "eval"])):
+        for n, kind in enumerate(kinds):
+            run_id = f"{kind}-20261130T0{n}0000Z-0a1b"
+            RunRecord(id=run_id, kind=kind, host=host, started=str(n)).save(tmp_path / host / run_id)
+    # The oldest of the desktop's runs cannot be read: the last runs never open it.
+    _write(tmp_path, "desktop", "bench-20261129T000000Z-0000", {"id": "x", "kind": "bench", "version": 7})
+    for host in (None, "desktop", "laptop"):
+        for kind in (None, "eval", "bench", "load", "kld"):
+            for limit in (1, 2, 3, 10):
+                expected = [(r.host, r.id) for r in list(store.runs(host, kind))[-limit:]]
+                caplog.clear()
+                assert [(r.host, r.id) for r in store.last(limit, host, kind)] == expected
+                if len(expected) == limit:  # found before reaching the oldest
+                    assert "record version 7" not in caplog.text
+    with pytest.raises(ValueError, match="at least 1"):
+        store.last(0)
