@@ -391,7 +391,8 @@ def task_name(loaded: LoadedCampaign, evaluation: CampaignEval) -> str:
 
 def locate(loaded: LoadedCampaign, store: ResultsStore) -> Located:
     campaign = loaded.campaign
-    runs = list(store.runs())
+    # Only the campaign's hosts' runs can answer its steps (every match checks the host).
+    runs = [run for host in dict.fromkeys(campaign.hosts) for run in store.runs(host)]
     found = Located()
 
     def newest(matches: Callable[[StoredRun], bool]) -> StoredRun | None:

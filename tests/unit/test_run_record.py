@@ -330,3 +330,16 @@ def test_the_last_runs_are_read_from_the_end(tmp_path, caplog):
                     assert "record version 7" not in caplog.text
     with pytest.raises(ValueError, match="at least 1"):
         store.last(0)
+
+
+def test_long_digit_runs_take_the_checked_parse(tmp_path):
+    from rigctl.results.record import parse_json
+
+    # Nineteen digits in a string or a fraction: read as they are; in an integer past 64 bits: refused.
+    assert parse_json('{"sha": "x1234567890123456789012345", "f": 0.12345678901234567890, "n": 18446744073709551615}',
+                      "x") == {"sha": "x1234567890123456789012345", "f": 0.12345678901234567890,
+                               "n": 18446744073709551615}
+    for text in ('{"n": 18446744073709551616}', '{"n": -9223372036854775809}', '[123456789012345678901234]'):
+        with pytest.raises(ConfigError, match="^x: an integer of"):
+            parse_json(text, "x")
+    assert parse_json('{"n": -9223372036854775808, "m": 999999999999999999}', "x")["m"] == 999999999999999999
