@@ -117,13 +117,17 @@ def bootstrap_means_counts(diffs: np.ndarray, resamples: int, rng: np.random.Gen
 
 def bootstrap_means_indices(values: np.ndarray, resamples: int, rng: np.random.Generator) -> np.ndarray:
     """Bootstrap means of any values by resampling indices, in chunks of bounded memory."""
-    n = values.size
+    return _resampled(values.size, resamples, rng, lambda idx: values[idx].mean(axis=1))
+
+
+def _resampled(n: int, resamples: int, rng: np.random.Generator,
+               statistic: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """``statistic`` of ``resamples`` index draws of ``n`` items each, drawn in chunks of bounded memory."""
     per_chunk = max(1, _CHUNK_ELEMENTS // n)
     out = np.empty(resamples, dtype=np.float64)
     for start in range(0, resamples, per_chunk):
         stop = min(resamples, start + per_chunk)
-        idx = rng.integers(0, n, size=(stop - start, n))
-        out[start:stop] = values[idx].mean(axis=1)
+        out[start:stop] = statistic(rng.integers(0, n, size=(stop - start, n)))
     return out
 
 
@@ -211,13 +215,7 @@ def bootstrap_ratio(
 
 def bootstrap_rates_indices(num: np.ndarray, den: np.ndarray, resamples: int, rng: np.random.Generator) -> np.ndarray:
     """Bootstrap ``sum(num) / sum(den)`` over items resampled by index, in chunks of bounded memory."""
-    per_chunk = max(1, _CHUNK_ELEMENTS // num.size)
-    out = np.empty(resamples, dtype=np.float64)
-    for start in range(0, resamples, per_chunk):
-        stop = min(resamples, start + per_chunk)
-        idx = rng.integers(0, num.size, size=(stop - start, num.size))
-        out[start:stop] = num[idx].sum(axis=1) / den[idx].sum(axis=1)
-    return out
+    return _resampled(num.size, resamples, rng, lambda idx: num[idx].sum(axis=1) / den[idx].sum(axis=1))
 
 
 def bootstrap_rate(

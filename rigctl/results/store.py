@@ -52,36 +52,29 @@ class ResultsStore:
 
     def runs(self, host: str | None = None, kind: str | None = None) -> Iterator[StoredRun]:
         """Every stored run, oldest first; directories without a readable record are skipped with a warning."""
-        hosts = [self.root / host] if host else sorted(p for p in self.root.glob("*") if p.is_dir())
-        for host_dir in hosts:
+        for host_dir in self._host_dirs(host):
             for run_dir in sorted(p for p in host_dir.glob("*") if p.is_dir()):
-                try:
-                    record = RunRecord.load(run_dir)
-                except ConfigError as exc:
-                    log.warning("skipping %s: %s", run_dir, exc)
-                    continue
-                if kind is None or record.kind == kind:
+                record = _readable(run_dir)
+                if record is not None and (kind is None or record.kind == kind):
                     yield StoredRun(host=host_dir.name, path=run_dir, record=record)
+
+    def _host_dirs(self, host: str | None) -> list[Path]:
+        return [self.root / host] if host else sorted(p for p in self.root.glob("*") if p.is_dir())
 
     def last(self, limit: int, host: str | None = None, kind: str | None = None) -> list[StoredRun]:
         """``list(self.runs(host, kind))[-limit:]``, reading only the records it returns (and unreadable ones
         on the way): the directories from the end, a run id naming another kind passed over unread."""
         if limit < 1:
             raise ValueError(f"limit must be at least 1, got {limit}")
-        hosts = [self.root / host] if host else sorted(p for p in self.root.glob("*") if p.is_dir())
         found: list[StoredRun] = []
-        for host_dir in reversed(hosts):
+        for host_dir in reversed(self._host_dirs(host)):
             for run_dir in sorted((p for p in host_dir.glob("*") if p.is_dir()), reverse=True):
                 if len(found) >= limit:
                     return found[::-1]
                 if kind is not None and RUN_ID.match(run_dir.name) and not run_dir.name.startswith(f"{kind}-"):
                     continue
-                try:
-                    record = RunRecord.load(run_dir)
-                except ConfigError as exc:
-                    log.warning("skipping %s: %s", run_dir, exc)
-                    continue
-                if kind is None or record.kind == kind:
+                record = _readable(run_dir)
+                if record is not None and (kind is None or record.kind == kind):
                     found.append(StoredRun(host=host_dir.name, path=run_dir, record=record))
         return found[::-1]
 
@@ -104,21 +97,14 @@ class ResultsStore:
 
     def _named(self, host: str, run_id: str) -> list[StoredRun]:
         """The runs in ``<host>/<run_id>`` (every host's when ``host`` is empty) whose record has that id."""
-        hosts = [host] if host else sorted(p.name for p in self.root.glob("*") if p.is_dir())
         found = []
-        for name in hosts:
+        for name in [host] if host else [p.name for p in self._host_dirs(None)]:
             try:
                 run_dir = self.run_dir(name, run_id)
             except TrustError:
                 return []
-            if not (run_dir / RUN_FILE).is_file():
-                continue
-            try:
-                record = RunRecord.load(run_dir)
-            except ConfigError as exc:
-                log.warning("skipping %s: %s", run_dir, exc)
-                continue
-            if record.id == run_id:
+            record = _readable(run_dir) if (run_dir / RUN_FILE).is_file() else None
+            if record is not None and record.id == run_id:
                 found.append(StoredRun(host=name, path=run_dir, record=record))
         return found
 
@@ -132,6 +118,15 @@ class ResultsStore:
             elif file_sha256(path) != raw.sha256:
                 problems.append(f"{run.host}/{run.id}: {raw.path} does not match its sha256")
         return problems
+
+
+def _readable(run_dir: Path) -> RunRecord | None:
+    """The run's record; None, with a warning, when it cannot be read (one bad run never hides the others)."""
+    try:
+        return RunRecord.load(run_dir)
+    except ConfigError as exc:
+        log.warning("skipping %s: %s", run_dir, exc)
+        return None
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
