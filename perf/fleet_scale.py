@@ -13,7 +13,7 @@ at most 1.5x at 2.
 The lab of each N uses this slot's bridge and directory (``RIGCTL_LAB_SLOT``), so no lab of the slot may be up.
 Each rig boots systemd and, provisioned, serves SmolLM2-135M: keep N within the machine's memory.
 
-    RIGCTL_LAB_SLOT=6 .venv/bin/python perf/fleet_scale.py [--rigs 2,4,8] [--seed results] [--work DIR]
+    RIGCTL_LAB_SLOT=6 .venv/bin/python perf/fleet_scale.py [--rigs 2,4,8] [--seed results] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import dataclasses
 import io
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -92,7 +93,12 @@ def place_runs(lab: Lab, seed: list[StoredRun], host: str, count: int) -> None:
         raise SystemExit(f"{host}: placing runs failed: {done.stderr.decode(errors='replace')[-500:]}")
 
 
-def measure(rigs: int, work: Path, seed: list[StoredRun] | None) -> dict[str, float]:
+def median_of(repeats: int, work) -> float:
+    """The median wall time of ``repeats`` calls of ``work`` (which returns its own wall time)."""
+    return statistics.median(work() for _ in range(repeats))
+
+
+def measure(rigs: int, work: Path, seed: list[StoredRun] | None, repeats: int) -> dict[str, float]:
     source = write_lab_inventory(REPO / "inventory" / "lab", work / f"lab{rigs}", rigs)
     inventory = Inventory.load(source)
     lab = Lab.from_inventory(inventory)
@@ -103,19 +109,20 @@ def measure(rigs: int, work: Path, seed: list[StoredRun] | None) -> dict[str, fl
         figures["no-op provision"], changed = provision(inventory)
         if changed:
             raise SystemExit(f"{rigs} rigs: the no-op provision changed {changed} things")
-        figures["rigctl servers"] = cli(source, "servers")
-        figures["rigctl jobs"] = cli(source, "jobs")
+        figures["rigctl servers"] = median_of(repeats, lambda: cli(source, "servers"))
+        figures["rigctl jobs"] = median_of(repeats, lambda: cli(source, "jobs"))
         counts = [0, 1, 100] if seed else [0]
         for count in counts:
             if count:
                 for host in inventory.hosts:
                     place_runs(lab, seed or [], host, count)
             results = work / f"results-{rigs}-{count}"
+            # Later pulls of the same runs find them here and copy nothing: only the first is timed.
             figures[f"rigctl pull ({count} runs/host)"] = cli(source, "pull", results=results)
             if count and sum(1 for _ in ResultsStore(results).runs()) != count * rigs:
                 raise SystemExit(f"{rigs} rigs: pull of {count} runs per host did not bring them all")
         exporter = Exporter(inventory, results=ResultsStore(work / f"results-{rigs}-{counts[-1]}"))
-        figures["exporter collection"], _ = timed(exporter.collect_once)
+        figures["exporter collection"] = median_of(repeats, lambda: timed(exporter.collect_once)[0])
     finally:
         lab.down()
     for name, seconds in figures.items():
@@ -128,6 +135,8 @@ def main() -> int:
     parser.add_argument("--rigs", default="2,4,8")
     parser.add_argument("--seed", type=Path, help="a results store of real runs, for pulls of 1 and 100 runs")
     parser.add_argument("--work", type=Path)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="median of this many runs of servers, jobs and the exporter's collection")
     args = parser.parse_args()
     sizes = [int(n) for n in args.rigs.split(",")]
     seed = list(ResultsStore(args.seed).runs()) if args.seed else None
@@ -136,7 +145,7 @@ def main() -> int:
     work = args.work or Path(tempfile.mkdtemp(prefix="rigctl-fleet-scale-"))
     print(f"machine: {os.cpu_count()} CPUs, load average {', '.join(f'{x:.2f}' for x in os.getloadavg())}; "
           f"labs of {', '.join(map(str, sizes))} rigs", flush=True)
-    figures = {rigs: measure(rigs, work, seed) for rigs in sizes}
+    figures = {rigs: measure(rigs, work, seed, args.repeats) for rigs in sizes}
     base = sizes[0]
     print("\n| operation | " + " | ".join(f"{n} rigs s" for n in sizes) + " | "
           + " | ".join(f"{n} / {base}" for n in sizes[1:]) + " |")
