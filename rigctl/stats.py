@@ -117,13 +117,17 @@ def bootstrap_means_counts(diffs: np.ndarray, resamples: int, rng: np.random.Gen
 
 def bootstrap_means_indices(values: np.ndarray, resamples: int, rng: np.random.Generator) -> np.ndarray:
     """Bootstrap means of any values by resampling indices, in chunks of bounded memory."""
-    n = values.size
+    return _resampled(values.size, resamples, rng, lambda idx: values[idx].mean(axis=1))
+
+
+def _resampled(n: int, resamples: int, rng: np.random.Generator,
+               statistic: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """``statistic`` of ``resamples`` index draws of ``n`` items each, drawn in chunks of bounded memory."""
     per_chunk = max(1, _CHUNK_ELEMENTS // n)
     out = np.empty(resamples, dtype=np.float64)
     for start in range(0, resamples, per_chunk):
         stop = min(resamples, start + per_chunk)
-        idx = rng.integers(0, n, size=(stop - start, n))
-        out[start:stop] = values[idx].mean(axis=1)
+        out[start:stop] = statistic(rng.integers(0, n, size=(stop - start, n)))
     return out
 
 
@@ -209,6 +213,32 @@ def bootstrap_ratio(
                     "indices")
 
 
+def bootstrap_rates_indices(num: np.ndarray, den: np.ndarray, resamples: int, rng: np.random.Generator) -> np.ndarray:
+    """Bootstrap ``sum(num) / sum(den)`` over items resampled by index, in chunks of bounded memory."""
+    return _resampled(num.size, resamples, rng, lambda idx: num[idx].sum(axis=1) / den[idx].sum(axis=1))
+
+
+def bootstrap_rate(
+    num: Sequence[float] | np.ndarray,
+    den: Sequence[float] | np.ndarray,
+    *,
+    resamples: int = DEFAULT_RESAMPLES,
+    seed: int = DEFAULT_SEED,
+    level: float = DEFAULT_LEVEL,
+) -> Interval:
+    """``sum(num) / sum(den)`` for items given as numerator and denominator each (e.g. tokens and seconds
+    per request) with its percentile interval; empty when there are no items or the denominators sum to 0."""
+    _check(resamples, level)
+    n, d = np.asarray(num, dtype=np.float64), np.asarray(den, dtype=np.float64)
+    if n.size != d.size:
+        raise ValueError("one denominator per numerator")
+    if n.size == 0 or d.sum() == 0:
+        return _empty(resamples, level)
+    draws = bootstrap_rates_indices(n, d, resamples, np.random.default_rng(seed))
+    low, high = _bounds(draws, level)
+    return Interval(float(n.sum() / d.sum()), low, high, int(n.size), resamples, level, "indices")
+
+
 def bootstrap_rate_ratio(
     a: tuple[Sequence[float], Sequence[float]],
     b: tuple[Sequence[float], Sequence[float]],
@@ -227,17 +257,7 @@ def bootstrap_rate_ratio(
     if na.size == 0 or nb.size == 0 or na.sum() == 0 or da.sum() == 0 or db.sum() == 0:
         return _empty(resamples, level)
     rng = np.random.default_rng(seed)
-
-    def rates(num: np.ndarray, den: np.ndarray) -> np.ndarray:
-        per_chunk = max(1, _CHUNK_ELEMENTS // num.size)
-        out = np.empty(resamples, dtype=np.float64)
-        for start in range(0, resamples, per_chunk):
-            stop = min(resamples, start + per_chunk)
-            idx = rng.integers(0, num.size, size=(stop - start, num.size))
-            out[start:stop] = num[idx].sum(axis=1) / den[idx].sum(axis=1)
-        return out
-
-    rate_a, rate_b = rates(na, da), rates(nb, db)
+    rate_a, rate_b = bootstrap_rates_indices(na, da, resamples, rng), bootstrap_rates_indices(nb, db, resamples, rng)
     valid = rate_a != 0
     low, high = _bounds(rate_b[valid] / rate_a[valid], level)
     estimate = (nb.sum() / db.sum()) / (na.sum() / da.sum())

@@ -84,12 +84,13 @@ def spec_run(root: Path, host: str, run_id: str, requests: list[dict[str, Any]],
 
 def load_run(root: Path, host: str, run_id: str, levels: dict[int, list[dict[str, Any]]], *, server: str,
              artifact: str, args: list[str] | None = None, max_tokens: int = 16, slot_ctx: int = 256,
-             started: str = "2026-11-30T07:00:00.000000Z") -> Path:
-    """A load curve as rigctl.bench.load.run_load writes it: ``levels``: concurrency -> its requests
-    (LoadRequest fields but level and index), each level's wall time the latest request's end."""
+             started: str = "2026-11-30T07:00:00.000000Z", machine: Any = None) -> Path:
+    """A load curve as rigctl.bench.load.run_load writes it with its defaults (a warm-up request per client,
+    ±10 %): ``levels``: concurrency -> its requests (LoadRequest fields but level and index), each level's wall
+    time the latest request's end; ``machine``: every level's MachineLoad."""
     from dataclasses import asdict
 
-    from rigctl.bench.load import LoadRequest, summarize_level
+    from rigctl.bench.load import DEFAULT_PRECISION, LoadRequest, summarize_level
 
     run_dir = root / host / run_id
     run_dir.mkdir(parents=True)
@@ -97,12 +98,14 @@ def load_run(root: Path, host: str, run_id: str, levels: dict[int, list[dict[str
     for level, rows in levels.items():
         done = [LoadRequest(level=level, index=i, **row) for i, row in enumerate(rows)]
         requests += done
-        summaries.append(summarize_level(level, done, max(r.started_s + r.wall_s for r in done)))
+        summaries.append(summarize_level(level, done, max(r.started_s + r.wall_s for r in done), warmup=level,
+                                         machine=machine))
     (run_dir / "requests.jsonl").write_text("".join(json.dumps(asdict(r)) + "\n" for r in requests))
     (run_dir / "levels.jsonl").write_text("".join(json.dumps(asdict(s)) + "\n" for s in summaries))
     record = RunRecord(id=run_id, kind="load", host=host, started=started, concurrency=max(levels),
                        servers=[Server(name=server, argv=args or [])], artifacts=[Artifact(name=artifact)],
                        extra={"slot_ctx": slot_ctx, "levels": list(levels), "requests": None,
+                              "max_requests": None, "precision": DEFAULT_PRECISION, "warmup": 1,
                               "max_tokens": max_tokens})
     record.seal(run_dir)
     return run_dir

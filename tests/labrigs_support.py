@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 from rigctl.inventory import Inventory
-from rigctl.lab.config import RigSpec
+from rigctl.lab.config import RigSpec, write_lab_inventory
 from rigctl.lab.gpu import GpuState
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,10 +59,12 @@ def real_inventory() -> Inventory:
 
 
 def make_test_inventory(
-    dest: Path, lab_dir: Path, prefix: str = TEST_PREFIX, network: str = TEST_NETWORK, bridge: str = TEST_BRIDGE
+    dest: Path, lab_dir: Path, prefix: str = TEST_PREFIX, network: str = TEST_NETWORK, bridge: str = TEST_BRIDGE,
+    rigs: int = 2,
 ) -> Path:
-    """inventory/lab with its rigs renamed ``prefix + name`` on ``network``.0/24, lab in ``lab_dir``."""
-    shutil.copytree(LAB_INVENTORY, dest)
+    """inventory/lab with ``rigs`` rigs (rigctl lab inventory's) renamed ``prefix + name`` on ``network``.0/24,
+    lab in ``lab_dir``."""
+    write_lab_inventory(LAB_INVENTORY, dest, rigs)
 
     def rename(node: object) -> None:
         if isinstance(node, dict):
@@ -87,3 +89,4 @@ def make_test_inventory(
     settings["rigctl_lab"] = {"dir": str(lab_dir), "bridge": bridge, "bridge_address": f"{network}.1/24"}
     lab_yml.write_text(yaml.safe_dump(settings))
     return dest
+

@@ -26,7 +26,9 @@ YAML file, the pulled runs that answer it, and running what is missing.
     drafting:                        # drafter races (rigctl bench spec) through running instances
       - {name: mtp, host: desktop, baseline: qwen, drafters: [qwen-mtp], repeats: 3}
     loads:                           # load curves (rigctl bench load) through a probe of an instance
-      - {name: curve, host: desktop, server: smollm2, concurrency: [1, 2, 4, 8], max_tokens: 32}
+      - {name: curve, host: desktop, server: smollm2, concurrency: [1, 2, 4, 8], max_tokens: 32,
+         requests: 16, max_requests: 64, precision: 0.1, warmup: 1}   # least and most a level, the
+                                     # intervals' half-width asked, warm-up requests per client
     klds:                            # KL divergence against a reference (rigctl eval kld): a job per host;
       - {name: q4, hosts: [desktop], reference: qwen-bf16, models: [qwen-q4_0],   # text: relative to
          text: corpus/wiki.test.raw, ctx: 512, chunks: 100}                       # the campaign file
@@ -182,7 +184,10 @@ class CampaignLoad(_Strict):
     host: str
     server: str
     concurrency: list[Annotated[int, Field(ge=1, le=64)]] = Field(default=[1, 2, 4, 8], min_length=1)
-    requests: int | None = Field(default=None, ge=1, le=1000)  # per level; none: 4 per client, at least 8
+    requests: int | None = Field(default=None, ge=1, le=1000)  # least per level; none: 4 per client, at least 8
+    max_requests: int | None = Field(default=None, ge=1, le=1000)  # most per level; none: 4 x the least
+    precision: float = Field(default=0.10, gt=0, lt=1)  # the intervals' half-width asked, relative
+    warmup: int = Field(default=1, ge=0, le=16)  # warm-up requests per client before each level
     max_tokens: int = Field(default=32, ge=1, le=4096)
     slot_ctx: int = Field(default=1024, ge=64)
     level_timeout_s: float = Field(default=120.0, gt=0)
@@ -329,7 +334,8 @@ def load_matches(run: StoredRun, load: CampaignLoad) -> bool:
     server, extra = record.server, record.extra
     return (server is not None and server.name == load.server and extra.get("slot_ctx") == load.slot_ctx
             and extra.get("levels") == load.concurrency and extra.get("requests") == load.requests
-            and extra.get("max_tokens") == load.max_tokens)
+            and extra.get("max_tokens") == load.max_tokens and extra.get("max_requests") == load.max_requests
+            and extra.get("precision") == load.precision and extra.get("warmup") == load.warmup)
 
 
 def kld_matches(run: StoredRun, kld: CampaignKld, host: str, corpus_sha256: str) -> bool:
@@ -385,7 +391,8 @@ def task_name(loaded: LoadedCampaign, evaluation: CampaignEval) -> str:
 
 def locate(loaded: LoadedCampaign, store: ResultsStore) -> Located:
     campaign = loaded.campaign
-    runs = list(store.runs())
+    # Only the campaign's hosts' runs can answer its steps (every match checks the host).
+    runs = [run for host in dict.fromkeys(campaign.hosts) for run in store.runs(host)]
     found = Located()
 
     def newest(matches: Callable[[StoredRun], bool]) -> StoredRun | None:
@@ -473,7 +480,8 @@ def _load_steps(ctx: _Context) -> Iterator[_Step]:
             ctx.on_step(f"load {load.name} on {load.host}: {load.server} at concurrency "
                         f"{','.join(map(str, load.concurrency))}")
             result = run_load(ctx.inventory.host(load.host), load.server, concurrency=load.concurrency,
-                              requests=load.requests, max_tokens=load.max_tokens, slot_ctx=load.slot_ctx,
+                              requests=load.requests, max_requests=load.max_requests, precision=load.precision,
+                              warmup=load.warmup, max_tokens=load.max_tokens, slot_ctx=load.slot_ctx,
                               level_timeout_s=load.level_timeout_s, store=ctx.store,
                               on_step=lambda m: ctx.on_step(f"load {load.name}: {m}"))
             return f"{load.host}/{result.run_dir.name if result.run_dir else '?'}"

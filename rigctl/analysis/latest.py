@@ -93,16 +93,26 @@ class ResultsReader:
         newest: dict[tuple[str, ...], BenchResult | EvalScore] = {}
         if not self.store.root.is_dir():
             return [], []
-        for run in self.store.runs():
-            if run.record.status != "done" or run.record.kind not in ("bench", "eval"):
+        done = [run for run in self.store.runs()
+                if run.record.status == "done" and run.record.kind in ("bench", "eval")]
+        # Newest first (the later in the store among equal ends, as a scan from the oldest would keep): an eval
+        # run's slot is its record's, so an older run of a filled slot is never read.
+        order = sorted(range(len(done)), key=lambda i: (_unix(done[i].record.ended), i), reverse=True)
+        for run in (done[i] for i in order):
+            if run.record.kind == "eval" and self._eval_slot(run) in newest:
                 continue
             for result in self._results(run):
                 slot = ((result.host, result.artifact, result.test, result.config) if isinstance(result, BenchResult)
                         else (result.host, result.task, result.artifact))
-                if slot not in newest or newest[slot].ended <= result.ended:
+                if slot not in newest or newest[slot].ended < result.ended:
                     newest[slot] = result
         ordered = [newest[slot] for slot in sorted(newest)]
         return ([r for r in ordered if isinstance(r, BenchResult)], [r for r in ordered if isinstance(r, EvalScore)])
+
+    @staticmethod
+    def _eval_slot(run: StoredRun) -> tuple[str, ...]:
+        """The slot an eval run's score fills (:func:`eval_score`'s host, task and artifact), from its record."""
+        return (run.host, run.record.task.name if run.record.task else "unknown", _artifact_of(run))
 
     def _results(self, run: StoredRun) -> list[BenchResult] | list[EvalScore]:
         """A finished bench or eval run's results, parsed once."""

@@ -200,8 +200,15 @@ def bench_load(
     instance: Annotated[str, typer.Argument(help="llama_server instance on that host (its arguments, a probe's).")],
     concurrency: Annotated[str, typer.Option("--concurrency", "-c", help="Concurrent requests per level.")
                            ] = "1,2,4,8",
-    requests: Annotated[int | None, typer.Option("--requests", "-n", help="Requests per level (default 4 per "
-                                                                          "client, at least 8).")] = None,
+    requests: Annotated[int | None, typer.Option("--requests", "-n", help="Least requests per level (default 4 "
+                                                                          "per client, at least 8).")] = None,
+    max_requests: Annotated[int | None, typer.Option("--max-requests", help="Most requests per level, sent while "
+                                                     "the intervals are wider than --precision (default 4x the "
+                                                     "least).")] = None,
+    precision: Annotated[float, typer.Option("--precision", help="Half-width asked of each level's 95 % "
+                                             "intervals (throughput, mean TPOT), relative.")] = 0.10,
+    warmup: Annotated[int, typer.Option("--warmup", help="Warm-up requests per client before each level, in "
+                                        "no figure.")] = 1,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens generated per request.")] = 32,
     slot_ctx: Annotated[int, typer.Option("--slot-ctx", help="Context tokens per slot of the probe.")] = 1024,
     level_timeout: Annotated[float, typer.Option("--level-timeout", help="Stop sending a level after this, s.")
@@ -209,12 +216,15 @@ def bench_load(
     png_file: Annotated[Path | None, typer.Option("--png", help="Also draw the curve here.")] = None,
     results: ResultsOption = None,
 ) -> None:
-    """A load curve: per concurrency level, output t/s, requests/s, TTFT and TPOT p50/p95/p99 (streamed)
-    and errors, through a probe of the instance with a slot per client (the instance is stopped meanwhile)."""
+    """A load curve: per concurrency level, after a warm-up, output t/s, requests/s, TTFT and TPOT p50/p95/p99
+    (streamed), errors, 95 % intervals of throughput and mean TPOT, and the machine's other load, through a
+    probe of the instance with a slot per client (the instance is stopped meanwhile); curves more clients
+    cannot explain are flagged as interference."""
     from rigctl.bench.load import run_load, to_markdown, to_png
 
     result = run_load(load_inventory().host(host), instance,
                       concurrency=parse_ints(concurrency, "--concurrency") or [], requests=requests,
+                      max_requests=max_requests, precision=precision, warmup=warmup,
                       max_tokens=max_tokens, slot_ctx=slot_ctx, level_timeout_s=level_timeout,
                       store=results_store(results),
                       on_step=lambda m: console.print(f"  {m}", markup=False, highlight=False))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Annotated, NoReturn
 
 import typer
@@ -49,6 +50,18 @@ def lab_down() -> None:
     """Stop the lab rigs and remove everything they used (processes, namespaces, links, files)."""
     _lab().down()
     console.print("lab: down")
+
+
+@app.command("inventory")
+def lab_inventory(
+    dest: Annotated[Path, typer.Argument(help="New directory for the inventory.")],
+    rigs: Annotated[int, typer.Option("--rigs", envvar="RIGCTL_LAB_RIGS", help="Rigs in the lab.")] = 2,
+) -> None:
+    """Write a copy of the lab inventory with N rigs (desktop, laptop, rig3, ...), for `-i DEST lab up`."""
+    from rigctl.lab.config import write_lab_inventory
+
+    written = write_lab_inventory(load_inventory().source, dest, rigs)
+    console.print(f"wrote {written} with {rigs} rigs: rigctl -i {written} lab up", highlight=False)
 
 
 @app.command("status")

@@ -15,11 +15,18 @@ def provision(
     tags: Annotated[list[str] | None, typer.Option("--tags", "-t", help="Only tasks with these tags.")] = None,
     check: Annotated[bool, typer.Option("--check", help="Report what would change; change nothing.")] = False,
     playbook: Annotated[str, typer.Option(help="Playbook under playbooks/.")] = "site.yml",
+    serial: Annotated[str | None, typer.Option(
+        "--serial", help="Roll out in batches: hosts or a percentage of them per batch (1, 25%, or 1,50% for one "
+                         "host first); a failure stops the rest. Default: the inventory's rigctl_serial, else "
+                         "all at once.")] = None,
 ) -> None:
-    """Run playbooks/site.yml through ansible-runner; per-task progress, then a per-host summary."""
-    from rigctl.fleet.deploy import run_playbook
+    """Run playbooks/site.yml through ansible-runner; per-task progress, then a per-host summary (with each
+    host's batch, and the batch that stopped a rolling rollout)."""
+    from rigctl.fleet.deploy import rollout_serial, run_playbook
 
-    result = run_playbook(load_inventory(), playbook, limit=limit, tags=tags or (), check=check,
-                          on_event=print_event, on_task=print_task)
+    inventory = load_inventory()
+    result = run_playbook(inventory, playbook, limit=limit, tags=tags or (), check=check,
+                          on_event=print_event, on_task=print_task,
+                          serial=rollout_serial(inventory.select(limit), serial))
     print_deploy_summary(result, f"{playbook}{' (check mode)' if check else ''}")
     result.raise_for_failures()

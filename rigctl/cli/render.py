@@ -41,14 +41,24 @@ def print_task(task: str) -> None:
 
 
 def print_deploy_summary(result: DeployResult, title: str) -> None:
-    table = Table(title=f"{title}: {result.duration:.1f} s")
-    for column in ("host", "ok", "changed", "failed", "unreachable", "skipped", "failed task"):
+    rolling = result.serial is not None
+    serial = ",".join(map(str, result.serial or []))
+    table = Table(title=f"{title}{f' in batches of {serial}' if rolling else ''}: {result.duration:.1f} s")
+    for column in ("host", *(["batch"] if rolling else []), "ok", "changed", "failed", "unreachable", "skipped",
+                   "failed task"):
         table.add_column(column)
     for outcome in result.hosts.values():
-        table.add_row(outcome.host, str(outcome.ok), str(outcome.changed), str(outcome.failed),
+        batch = [str(outcome.batch) if outcome.batch is not None else "not run"] if rolling else []
+        table.add_row(outcome.host, *batch, str(outcome.ok), str(outcome.changed), str(outcome.failed),
                       str(outcome.unreachable), str(outcome.skipped),
                       outside_text(f"{outcome.failed_task}: {outcome.failure}") if outcome.failed_task else "")
     console.print(table)
+    stopped = result.stopped_batch
+    if stopped is not None:
+        not_run = result.not_run()
+        console.print(outside_text(f"batch {stopped} ({', '.join(result.batches[stopped - 1])}) failed and stopped "
+                                   f"the rollout; not run: {', '.join(not_run) or 'none (it was the last)'}"),
+                      soft_wrap=True)
 
 
 def print_progress(info: Any) -> None:

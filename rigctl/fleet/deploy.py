@@ -4,6 +4,13 @@ The repository's ``ansible.cfg`` holds the settings (roles path, pipelining, Con
 forks, the mitogen strategy); this module only points ansible-runner at it, so that a plain
 ``ansible-playbook playbooks/site.yml`` and ``rigctl provision`` behave the same.
 
+Rolling rollouts: with ``serial`` (``rigctl provision --serial``, or ``rigctl_serial`` in the inventory) the
+site play goes through the hosts in batches (Ansible's ``serial``: counts or percentages) with
+``max_fail_percentage: 0``: a host failing stops its batch's other hosts at that task and no later batch
+starts (a batch whose every host is unreachable stops the rest too). Ansible announces each batch as a
+play start, so the outcome records which batch each host ran in, the batch that stopped the rollout and the
+hosts it never reached.
+
 Host keys are checked as strictly as rigctl's own SSH does: ansible-runner would otherwise set
 ``ANSIBLE_HOST_KEY_CHECKING=False``, which mitogen turns into ``StrictHostKeyChecking no`` with
 ``UserKnownHostsFile /dev/null``. Before the play starts, every host it will reach is connected to once
@@ -19,7 +26,7 @@ import shlex
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +34,7 @@ from typing import Any
 from rigctl.errors import ConfigError, DeployError, HostKeyError
 from rigctl.fleet.deploy_lock import inventory_lock
 from rigctl.inventory import Host, Inventory
+from rigctl.inventory.schema import parse_serial
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +60,8 @@ class HostOutcome:
     #: The task that failed or could not reach the host (not one a block rescued), with its message.
     failed_task: str | None = None
     failure: str | None = None
+    #: The batch (1, 2, ...) of the rollout the host ran in; None: the run never reached it.
+    batch: int | None = None
 
     @property
     def succeeded(self) -> bool:
@@ -65,6 +75,10 @@ class DeployResult:
     rc: int
     duration: float
     hosts: dict[str, HostOutcome] = field(default_factory=dict)
+    #: The batch sizes asked (Ansible's ``serial``); None: every host at once.
+    serial: list[int | str] | None = None
+    #: The batches as they ran: the hosts of each, in order.
+    batches: list[list[str]] = field(default_factory=list)
 
     @property
     def succeeded(self) -> bool:
@@ -72,6 +86,19 @@ class DeployResult:
 
     def failures(self) -> list[HostOutcome]:
         return [h for h in self.hosts.values() if not h.succeeded]
+
+    @property
+    def stopped_batch(self) -> int | None:
+        """In a rolling rollout that failed: the batch whose failure stopped it (the last that ran)."""
+        if self.serial is None or self.succeeded or not self.batches or not self.failures():
+            return None
+        return len(self.batches)
+
+    def not_run(self) -> list[str]:
+        """The hosts a stopped rollout never reached."""
+        if self.stopped_batch is None:
+            return []
+        return [h.host for h in self.hosts.values() if h.batch is None]
 
     def raise_for_failures(self) -> None:
         if self.succeeded:
@@ -82,6 +109,12 @@ class DeployResult:
                 f"{h.host} {'unreachable' if h.unreachable else 'failed'} at {h.failed_task!r}: {h.failure}"
                 for h in bad
             ]
+            stopped = self.stopped_batch
+            if stopped is not None:
+                not_run = self.not_run()
+                parts.insert(0, f"batch {stopped} of the rollout ({', '.join(self.batches[stopped - 1])}) "
+                                f"stopped it")
+                parts.append(f"not run: {', '.join(not_run)}" if not_run else "no batch was left")
             raise DeployError("; ".join(parts))
         raise DeployError(f"{self.playbook}: ansible-playbook {self.status} (rc {self.rc})")
 
@@ -131,6 +164,8 @@ class _EventCollector:
         self.hosts = {name: HostOutcome(host=name) for name in hosts}
         self.on_event = on_event
         self.on_task = on_task
+        self.batches: list[list[str]] = []
+        self._play: str | None = None
 
     def outcome(self, name: str) -> HostOutcome:
         return self.hosts.setdefault(name, HostOutcome(host=name))
@@ -138,6 +173,20 @@ class _EventCollector:
     def __call__(self, event: Mapping[str, Any]) -> bool:
         kind = event.get("event", "")
         data = event.get("event_data") or {}
+        if kind == "playbook_on_play_start":
+            # Ansible starts a play once per batch of its serial (the batch's uuid is the play's with "_N" after
+            # it); a play of its own starts the count anew.
+            play = str(data.get("play_uuid") or data.get("play") or "").split("_", 1)[0]
+            if play != self._play:
+                self._play, self.batches = play, []
+            self.batches.append([])
+        host = data.get("host")
+        if host is not None and kind.startswith("runner_on_") and self.batches:
+            outcome = self.outcome(str(host))
+            if outcome.batch is None or outcome.batch < len(self.batches):
+                outcome.batch = len(self.batches)
+                if str(host) not in self.batches[-1]:
+                    self.batches[-1].append(str(host))
         if kind == "playbook_on_task_start" and self.on_task:
             self.on_task(str(data.get("task", "")))
         elif kind == "playbook_on_stats":
@@ -230,6 +279,22 @@ def check_host_keys(hosts: Iterable[Host]) -> None:
         raise DeployError("; ".join(str(exc) for exc in refused))
 
 
+def rollout_serial(hosts: Iterable[Host], option: str | None = None) -> list[int | str] | None:
+    """The batches a provision goes in: ``option`` (``--serial``: sizes separated by commas) when given, else
+    the hosts' ``rigctl_serial``, which must be the same for all; None: every host at once."""
+    if option is not None:
+        try:
+            return parse_serial([item.strip() for item in option.split(",")])
+        except ValueError as exc:
+            raise ConfigError(f"--serial: {exc}") from None
+    chosen: dict[str, list[int | str] | None] = {host.name: host.serial for host in hosts}
+    values = {repr(v) for v in chosen.values()}
+    if len(values) > 1:
+        listed = ", ".join(f"{name} {value if value is not None else '(unset)'}" for name, value in chosen.items())
+        raise ConfigError(f"rigctl_serial: one rollout has one set of batches, but the hosts differ ({listed})")
+    return next(iter(chosen.values()), None)
+
+
 def run_playbook(
     inventory: Inventory,
     playbook: str = "site.yml",
@@ -246,6 +311,7 @@ def run_playbook(
     extra_args: Iterable[str] = (),
     passwords: Mapping[str, str] | None = None,
     project: Path | None = None,
+    serial: Sequence[int | str] | None = None,
 ) -> DeployResult:
     """Run ``playbooks/<playbook>`` against ``inventory`` and return every host's outcome.
 
@@ -255,9 +321,15 @@ def run_playbook(
     One run per inventory at a time: DeployBusyError names the run that holds the inventory's lock.
     ``passwords`` maps a prompt (a regular expression) to its answer: ansible-runner types it at
     ansible-playbook's prompt (``--ask-pass`` in ``extra_args``), so a secret reaches no command
-    line, file or event.
+    line, file or event. ``serial``: roll out in batches of these sizes (counts or percentages, the last
+    repeating), each only after the one before succeeded on every host.
     """
     selected = inventory.select(limit)
+    if serial is not None:
+        try:
+            serial = parse_serial(list(serial))
+        except ValueError as exc:
+            raise ConfigError(f"serial: {exc}") from None
     if preflight:
         check_host_keys(selected)
     import ansible_runner
@@ -279,7 +351,8 @@ def run_playbook(
             limit=",".join(h.name for h in selected) if limit is not None else None,
             tags=",".join(tags) or None,
             cmdline=" ".join([*(["--check", "--diff"] if check else []), *map(shlex.quote, extra_args)]) or None,
-            extravars=dict(extravars or {}),
+            extravars={**(extravars or {}),
+                       **({"rigctl_serial": serial, "rigctl_max_fail_percentage": 0} if serial else {})},
             envvars={**ansible_env(root), **(env or {})},
             event_handler=collector,
             quiet=True,
@@ -293,6 +366,8 @@ def run_playbook(
         rc=int(runner.rc if runner.rc is not None else 1),
         duration=time.monotonic() - started,
         hosts=collector.hosts,
+        serial=list(serial) if serial else None,
+        batches=collector.batches,
     )
     if result.rc != 0 and not result.failures():
         # ansible-playbook stopped before any host ran (syntax error, bad option): say why.

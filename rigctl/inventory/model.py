@@ -336,6 +336,12 @@ class Host:
         return validate_value(f"host {self.name}", key, value)
 
     @property
+    def serial(self) -> list[int | str] | None:
+        """``rigctl_serial``: the batches a provision goes in (Ansible's ``serial``); None: all hosts at once."""
+        value = self._validated("rigctl_serial", None)
+        return list(value) if value is not None else None
+
+    @property
     def known_hosts(self) -> Path:
         return Path(os.path.expanduser(str(self.vars.get("rigctl_known_hosts", "~/.ssh/known_hosts"))))
 

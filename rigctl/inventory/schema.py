@@ -272,6 +272,30 @@ class LabSpec(_Strict):
     unenrolled: dict[str, UnenrolledRigSpec] | None = None
 
 
+_BATCH = re.compile(r"^(?:[1-9][0-9]*|(?:[1-9][0-9]?|100)%)$")
+
+
+def _batch_size(value: Any) -> int | str:
+    if isinstance(value, bool) or not isinstance(value, int | str) or not _BATCH.match(str(value)):
+        raise ValueError(f"{value!r} is not a batch size: a whole number of hosts (1, 2, ...) or a percentage "
+                         "of them (1% to 100%)")
+    return int(value) if str(value).isdigit() else str(value)
+
+
+def parse_serial(value: Any) -> list[int | str]:
+    """Batches of a rolling rollout as Ansible's ``serial`` takes them: a count of hosts or a percentage, or a
+    list of them whose last repeats (``[1, 25%]``: one host first, then a quarter of them at a time)."""
+    if isinstance(value, list):
+        if not value:
+            raise ValueError("an empty list: give a batch size, or a list of them")
+        return [_batch_size(item) for item in value]
+    return [_batch_size(value)]
+
+
+#: ``rigctl_serial``: provision in batches (Ansible's ``serial``), each batch only once the last succeeded.
+SerialSpec = Annotated[Any, AfterValidator(parse_serial)]
+
+
 #: Every variable rigctl itself reads, with its schema.
 SCHEMA: dict[str, Any] = {
     "gpu_host_gpu": GpuSpec,
@@ -299,6 +323,7 @@ SCHEMA: dict[str, Any] = {
     "rigctl_lab_slot": Annotated[str, Field(pattern=r"^[0-6]$")],
     "rigctl_known_hosts": str,
     "rigctl_cache_dir": str,
+    "rigctl_serial": SerialSpec,
     "ansible_port": Annotated[int, Field(ge=1, le=65535)],
 }
 

@@ -225,3 +225,55 @@ def _stranger(name: str, spec: Any) -> RigSpec:
                       "uuid": seed.uuid, "pci_bus_id": f"00000000:{index + 1:02x}:00.0"})
     state = GpuState.from_mapping({**dataclasses.asdict(first), "additional_gpus": extra}, origin)
     return RigSpec(name, str(spec["address"]), 22, "root", state, stranger=True, enrolled=False)
+
+
+#: The most rigs one lab inventory gets: each rig is a booted systemd with sshd (and, provisioned, a
+#: llama-server), and the machines this runs on have a few cores and tens of GiB.
+MAX_RIGS = 32
+
+
+def write_lab_inventory(source: Path, dest: Path, rigs: int) -> Path:
+    """A copy of the lab inventory ``source`` at ``dest`` with ``rigs`` rigs: its own first, then ``rig3``,
+    ``rig4``, ... each with the host variables (the stand-in GPU) of the rig two before it, at the next
+    addresses of the lab's subnet. Comments in ``hosts.yml`` are not kept. ConfigError when ``dest`` exists,
+    ``rigs`` is out of range or ``source`` is not laid out as ``inventory/lab`` is."""
+    import shutil
+
+    import yaml
+
+    if not 1 <= rigs <= MAX_RIGS:
+        raise ConfigError(f"--rigs: {rigs} is outside 1..{MAX_RIGS}")
+    if dest.exists():
+        raise ConfigError(f"{dest}: already exists; give a new directory")
+    hosts_file = source / "hosts.yml"
+    try:
+        hosts = yaml.safe_load(hosts_file.read_text(encoding="utf-8"))
+        lab = hosts["all"]["children"]["gpu_hosts"]["children"]["lab"]["hosts"]
+        addresses = {name: str(spec["ansible_host"]) for name, spec in lab.items()}
+    except (OSError, yaml.YAMLError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{hosts_file}: not a lab inventory's hosts (all.children.gpu_hosts.children.lab."
+                          f"hosts.NAME.ansible_host): {exc}") from None
+    names = list(lab)
+    if not names or any("." not in a for a in addresses.values()):
+        raise ConfigError(f"{hosts_file}: the lab's rigs need addresses such as 10.213.0.11")
+    prefix = addresses[names[0]].rsplit(".", 1)[0]
+    taken = {int(a.rsplit(".", 1)[1]) for a in addresses.values() if a.rsplit(".", 1)[1].isdigit()}
+    kept = names[:rigs]
+    widened = {name: lab[name] for name in kept}
+    free = (n for n in range(11, 255) if n not in taken)
+    copies = []
+    for number in range(len(kept) + 1, rigs + 1):
+        like = names[(number - 1) % min(2, len(names))]
+        name = f"rig{number}"
+        widened[name] = {**lab[like], "ansible_host": f"{prefix}.{next(free)}"}
+        copies.append((like, name))
+    shutil.copytree(source, dest)
+    hosts["all"]["children"]["gpu_hosts"]["children"]["lab"]["hosts"] = widened
+    (dest / "hosts.yml").write_text("# The lab inventory with " + str(rigs) + " rigs (rigctl lab inventory).\n"
+                                    + yaml.safe_dump(hosts, sort_keys=False), encoding="utf-8")
+    for name in names[rigs:]:
+        (dest / "host_vars" / f"{name}.yml").unlink(missing_ok=True)
+    for like, name in copies:
+        shutil.copy(source / "host_vars" / f"{like}.yml", dest / "host_vars" / f"{name}.yml")
+    return dest
+

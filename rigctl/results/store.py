@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from rigctl.errors import ConfigError, TrustError
+from rigctl.hostside.runrecord import RUN_ID
 from rigctl.results.record import RUN_FILE, RunRecord, file_sha256, json_objects
 
 log = logging.getLogger(__name__)
@@ -51,16 +52,31 @@ class ResultsStore:
 
     def runs(self, host: str | None = None, kind: str | None = None) -> Iterator[StoredRun]:
         """Every stored run, oldest first; directories without a readable record are skipped with a warning."""
-        hosts = [self.root / host] if host else sorted(p for p in self.root.glob("*") if p.is_dir())
-        for host_dir in hosts:
+        for host_dir in self._host_dirs(host):
             for run_dir in sorted(p for p in host_dir.glob("*") if p.is_dir()):
-                try:
-                    record = RunRecord.load(run_dir)
-                except ConfigError as exc:
-                    log.warning("skipping %s: %s", run_dir, exc)
-                    continue
-                if kind is None or record.kind == kind:
+                record = _readable(run_dir)
+                if record is not None and (kind is None or record.kind == kind):
                     yield StoredRun(host=host_dir.name, path=run_dir, record=record)
+
+    def _host_dirs(self, host: str | None) -> list[Path]:
+        return [self.root / host] if host else sorted(p for p in self.root.glob("*") if p.is_dir())
+
+    def last(self, limit: int, host: str | None = None, kind: str | None = None) -> list[StoredRun]:
+        """``list(self.runs(host, kind))[-limit:]``, reading only the records it returns (and unreadable ones
+        on the way): the directories from the end, a run id naming another kind passed over unread."""
+        if limit < 1:
+            raise ValueError(f"limit must be at least 1, got {limit}")
+        found: list[StoredRun] = []
+        for host_dir in reversed(self._host_dirs(host)):
+            for run_dir in sorted((p for p in host_dir.glob("*") if p.is_dir()), reverse=True):
+                if len(found) >= limit:
+                    return found[::-1]
+                if kind is not None and RUN_ID.match(run_dir.name) and not run_dir.name.startswith(f"{kind}-"):
+                    continue
+                record = _readable(run_dir)
+                if record is not None and (kind is None or record.kind == kind):
+                    found.append(StoredRun(host=host_dir.name, path=run_dir, record=record))
+        return found[::-1]
 
     def find(self, ref: str) -> StoredRun:
         """A run by id, by ``host/id`` or by path to its directory."""
@@ -69,13 +85,28 @@ class ResultsStore:
             record = RunRecord.load(path)
             return StoredRun(host=record.host, path=path, record=record)
         host, _, run_id = ref.rpartition("/")
-        matches = [run for run in self.runs(host or None) if run.id == run_id]
+        # A run lives in the directory named by its id: look there first, loading one record per host rather
+        # than every record of the store; only a directory not named by its record's id needs the scan.
+        matches = self._named(host, run_id) or [run for run in self.runs(host or None) if run.id == run_id]
         if not matches:
             raise ConfigError(f"run {ref!r}: not found under {self.root}")
         if len(matches) > 1:
             where = ", ".join(f"{m.host}/{m.id}" for m in matches)
             raise ConfigError(f"run {ref!r} is ambiguous: {where}")
         return matches[0]
+
+    def _named(self, host: str, run_id: str) -> list[StoredRun]:
+        """The runs in ``<host>/<run_id>`` (every host's when ``host`` is empty) whose record has that id."""
+        found = []
+        for name in [host] if host else [p.name for p in self._host_dirs(None)]:
+            try:
+                run_dir = self.run_dir(name, run_id)
+            except TrustError:
+                return []
+            record = _readable(run_dir) if (run_dir / RUN_FILE).is_file() else None
+            if record is not None and record.id == run_id:
+                found.append(StoredRun(host=name, path=run_dir, record=record))
+        return found
 
     def verify(self, run: StoredRun) -> list[str]:
         """Raw files missing or differing from the record's hashes (empty when all is well)."""
@@ -87,6 +118,15 @@ class ResultsStore:
             elif file_sha256(path) != raw.sha256:
                 problems.append(f"{run.host}/{run.id}: {raw.path} does not match its sha256")
         return problems
+
+
+def _readable(run_dir: Path) -> RunRecord | None:
+    """The run's record; None, with a warning, when it cannot be read (one bad run never hides the others)."""
+    try:
+        return RunRecord.load(run_dir)
+    except ConfigError as exc:
+        log.warning("skipping %s: %s", run_dir, exc)
+        return None
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

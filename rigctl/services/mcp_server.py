@@ -233,7 +233,7 @@ class FleetTools:
     def list_results(self, host: str | None = None, kind: str | None = None, limit: int = 50) -> dict[str, Any]:
         if host is not None:
             self.host(host)
-        runs = list(self.store.runs(host, kind))[-limit:]
+        runs = self.store.last(limit, host, kind)
         return {"results_root": str(self.store.root), "runs": [_run_summary(run) for run in runs]}
 
     def compare_runs(self, run_a: str, run_b: str) -> dict[str, Any]:

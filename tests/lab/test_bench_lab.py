@@ -1,4 +1,5 @@
-"""rigctl bench on the lab rigs: llama-bench matrices, clock gating, server speed and a drafter race end to end."""
+"""rigctl bench on the lab rigs: llama-bench matrices, clock gating, server speed, a drafter race and a load curve
+end to end."""
 
 from __future__ import annotations
 
@@ -256,3 +257,38 @@ def test_a_card_that_throttles_mid_cell_is_marked_with_its_clock_series(served, 
     values = next(e["samples_ts"] for e in raw if e["n_gen"] == 4)
     assert tg.cells == 1 and tg.mean == pytest.approx(np.mean(values))  # only the clean cell's repetitions
     assert (tg.cold, tg.steady) == (pytest.approx(values[0]), pytest.approx(values[1]))
+
+
+@pytest.mark.lab
+def test_load_curve_warms_up_each_level_states_its_intervals_and_the_machines_load(served, tmp_path: Path) -> None:
+    from benchlab import rigctl
+
+    done = rigctl("bench", "load", "desktop", "smollm2", "--concurrency", "1,2", "--requests", "4",
+                  "--max-requests", "12", "--precision", "0.3", "--warmup", "1", "--max-tokens", "4",
+                  "--slot-ctx", "128", "--level-timeout", "60", results=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    [run] = list(ResultsStore(tmp_path).runs("desktop", kind="load"))
+    rows = {name: [json.loads(line) for line in (run.path / name).read_text().splitlines()]
+            for name in ("requests.jsonl", "warmup.jsonl", "levels.jsonl")}
+    # One warm-up request per client before each level, kept apart from the measured requests.
+    assert [r["level"] for r in rows["warmup.jsonl"]] == [1, 2, 2]
+    levels = rows["levels.jsonl"]
+    assert [s["warmup"] for s in levels] == [1, 2]
+    for level in levels:
+        measured = [r for r in rows["requests.jsonl"] if r["level"] == level["concurrency"]]
+        assert 4 <= len(measured) == level["requests"] and len(measured) <= 12 + level["concurrency"]
+        assert all(r["ok"] and r["tokens"] == 4 for r in measured)
+        throughput, tpot = level["throughput"], level["tpot_mean_s"]
+        assert throughput["low"] <= throughput["estimate"] <= throughput["high"] and throughput["n"] == len(measured)
+        assert tpot["estimate"] == pytest.approx(np.mean([r["tpot_s"] for r in measured]))
+        widths = [(i["high"] - i["low"]) / 2 / i["estimate"] for i in (throughput, tpot)]
+        # Stopped early only once both intervals were narrow enough (the check's own resampling may differ
+        # slightly from the recorded one); at the cap otherwise.
+        assert level["precise"] == all(w <= 0.3 for w in widths)
+        assert level["precise"] or len(measured) >= 12
+        # The machine's load as the rig's kernel tells it, beside the level.
+        machine = level["machine"]
+        assert len(machine["loadavg_before"]) == len(machine["loadavg_after"]) == 3 and machine["cpus"] >= 1
+        assert 0 < machine["busy"] <= 1 and len(machine["controller_loadavg"]) == 3
+    assert run.record.extra["precision"] == 0.3 and run.record.extra["warmup"] == 1
+    assert "| concurrency | warm-up | requests |" in done.stdout and "interference: " in done.stdout

@@ -129,7 +129,18 @@ def test_lab_campaign_end_to_end(lab_served: Inventory, tmp_path: Path):
     (curve,) = [rows for section, _, rows in tables(report.markdown) if section == "Load"]
     assert [r["concurrency"] for r in curve] == ["1", "2"] and all(r["errors"].startswith("[0]") for r in curve)
     requests = [json.loads(line) for line in (load.path / "requests.jsonl").read_text().splitlines()]
-    assert len(requests) == 8 and all(r["ok"] and r["tokens"] == 8 and r["ttft_s"] > 0 for r in requests)
+    assert all(r["ok"] and r["tokens"] == 8 and r["ttft_s"] > 0 for r in requests)
+    # Each level: its warm-up (a request per client) apart, then 8 to 48 measured requests, the intervals
+    # and the machine's load beside it; the interference check's verdict under the table.
+    warmups = [json.loads(line) for line in (load.path / "warmup.jsonl").read_text().splitlines()]
+    assert [r["level"] for r in warmups] == [1, 2, 2] and [r["warm-up"] for r in curve] == ["1", "2"]
+    for level in (1, 2):
+        measured = [r for r in requests if r["level"] == level]
+        assert 8 <= len(measured) <= 48 + level
+    assert all(r["throughput 95 %"] != "-" and r["mean TPOT 95 %"] != "-" and r["machine"].startswith("load ")
+               for r in curve)
+    assert "Precision asked: ±15% of each estimate at 95 %." in report.markdown
+    assert "Interference check: none flagged" in report.markdown or "- **interference**: " in report.markdown
     # The probe that served the curve, as it ran (its /proc cmdline): a slot per client.
     assert load.record.server.flag("--parallel", "-np") == "2" and load.record.server.argv_from.startswith("/proc/")
     assert load.record.server.unit == "rigctl-loadprobe-smollm2"

@@ -133,7 +133,7 @@ def test_hostile_records_are_skipped_and_compare_of_two_good_runs_works(tmp_path
     for run_dir, (_, message) in zip(hostile, HOSTILE_RECORDS.values(), strict=True):
         assert any(f"skipping {run_dir}: " in r.getMessage() and message in r.getMessage() for r in caplog.records), \
             (run_dir, caplog.text)
-    # By bare id, find reads every host's runs, the hostile ones among them.
+    # By bare id, find reads only the directories the ids name: the hostile ones are never opened.
     result = compare_runs([store.find(GOOD_A), store.find(GOOD_B)])
     assert result.pairs[0].recorded.overall.n == 20
 
@@ -141,8 +141,16 @@ def test_hostile_records_are_skipped_and_compare_of_two_good_runs_works(tmp_path
                           text=True, timeout=120, cwd=REPO)
     assert done.returncode == 0, done.stderr
     assert "overall" in done.stdout and "Traceback" not in done.stdout + done.stderr
+    assert not [line for line in done.stderr.splitlines() if line.startswith("warning: skipping")], done.stderr
+    # A ref no directory is named by is looked for in every record: the hostile ones are skipped with a
+    # warning each, and the ref is not found, in one error line.
+    done = subprocess.run([RIGCTL, "compare", GOOD_A, "eval-20261201T090000Z-none", "--results", str(root)],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode != 0 and "Traceback" not in done.stdout + done.stderr
     warnings = [line for line in done.stderr.splitlines() if line.startswith("warning: skipping")]
     assert len(warnings) >= len(HOSTILE_RECORDS), done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (f"error: run 'eval-20261201T090000Z-none': not found under "
+                                                    f"{root}")
 
 
 def test_hostile_rows_and_bench_output_are_one_error_naming_file_and_line(tmp_path: Path) -> None:

@@ -512,3 +512,34 @@ def test_set_gpu_can_rename_the_stand_in(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.setattr(Lab, "_gpu_state_path", lambda self, rig: state)
     assert lab.set_gpu("desktop", name="Renamed stand-in").name == "Renamed stand-in"
     assert json.loads(state.read_text())["name"] == "Renamed stand-in"
+
+
+def test_a_lab_inventory_of_n_rigs(tmp_path: Path) -> None:
+    from rigctl.lab.config import write_lab_inventory
+
+    dest = write_lab_inventory(REPO / "inventory" / "lab", tmp_path / "lab8", 8)
+    inventory = Inventory.load(dest)
+    assert list(inventory.hosts) == ["desktop", "laptop", *(f"rig{n}" for n in range(3, 9))]
+    assert [h.address.rsplit(".", 1)[1] for h in inventory.hosts.values()] == [str(11 + n) for n in range(8)]
+    # The stand-in GPUs alternate as the first two rigs' do; every rig is the lab's, on one bridge.
+    gpus = [h.vars["gpu_host_gpu"]["name"] for h in inventory.hosts.values()]
+    assert gpus[2::2] == [gpus[0]] * 3 and gpus[3::2] == [gpus[1]] * 3 and gpus[0] != gpus[1]
+    config = Lab.from_inventory(inventory).config
+    assert len(config.rigs) == 8 and len({r.address for r in config.rigs}) == 8
+    check_lab_network(config.bridge, config.bridge_address, config.rigs)
+    one = Inventory.load(write_lab_inventory(REPO / "inventory" / "lab", tmp_path / "lab1", 1))
+    assert list(one.hosts) == ["desktop"] and not (tmp_path / "lab1" / "host_vars" / "laptop.yml").exists()
+
+
+@pytest.mark.parametrize(("rigs", "message"), [(0, "--rigs: 0 is outside 1..32"), (33, "--rigs: 33 is outside")])
+def test_a_lab_inventory_is_refused_what_it_cannot_make(tmp_path: Path, rigs: int, message: str) -> None:
+    from rigctl.lab.config import write_lab_inventory
+
+    with pytest.raises(ConfigError, match=message):
+        write_lab_inventory(REPO / "inventory" / "lab", tmp_path / "x", rigs)
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(ConfigError, match="already exists"):
+        write_lab_inventory(REPO / "inventory" / "lab", tmp_path / "taken", 2)
+    with pytest.raises(ConfigError, match="not a lab inventory's hosts"):
+        write_lab_inventory(REPO / "inventory" / "rigs", tmp_path / "y", 2)
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()

@@ -287,3 +287,59 @@ def test_the_loader_skips_what_it_cannot_read_and_keeps_the_rest(tmp_path, caplo
     runs = list(ResultsStore(tmp_path).runs())
     assert [r.id for r in runs] == [good.id]
     assert "record version 7" in caplog.text
+
+
+def test_find_reads_the_run_its_name_says_and_no_other(tmp_path, caplog):
+    wanted = RunRecord(id="eval-20261130T050000Z-0a1b", kind="eval", host="laptop", started="x")
+    wanted.save(tmp_path / "laptop" / wanted.id)
+    # Another run whose record cannot be read: finding the wanted one by name never opens it.
+    _write(tmp_path, "desktop", "eval-20261130T060000Z-0a1b", {"id": "x", "kind": "eval", "version": 7})
+    store = ResultsStore(tmp_path)
+    for ref in (wanted.id, f"laptop/{wanted.id}", str(tmp_path / "laptop" / wanted.id)):
+        found = store.find(ref)
+        assert (found.host, found.id, found.path) == ("laptop", wanted.id, tmp_path / "laptop" / wanted.id)
+    assert "record version 7" not in caplog.text
+    # A directory not named by its record's id (renamed by hand) is still found, by the scan.
+    moved = RunRecord(id="eval-20261130T070000Z-0c0d", kind="eval", host="laptop", started="x")
+    moved.save(tmp_path / "laptop" / "renamed")
+    assert store.find(moved.id).path == tmp_path / "laptop" / "renamed"
+    # The same id on two hosts is ambiguous; an unknown one is not found; neither leaves the root.
+    wanted.save(tmp_path / "desktop" / wanted.id)
+    with pytest.raises(ConfigError, match=f"run '{wanted.id}' is ambiguous: desktop/{wanted.id}, laptop/"):
+        store.find(wanted.id)
+    for ref in ("eval-20261130T080000Z-ffff", "../laptop/" + wanted.id, "laptop/.."):
+        with pytest.raises(ConfigError, match="not found under"):
+            store.find(ref)
+
+
+def test_the_last_runs_are_read_from_the_end(tmp_path, caplog):
+    store = ResultsStore(tmp_path)
+    for host, kinds in (("desktop", ["eval", "bench", "eval", "load"]), ("laptop", ["bench", "eval", "eval"])):
+        for n, kind in enumerate(kinds):
+            run_id = f"{kind}-20261130T0{n}0000Z-0a1b"
+            RunRecord(id=run_id, kind=kind, host=host, started=str(n)).save(tmp_path / host / run_id)
+    # The oldest of the desktop's runs cannot be read: the last runs never open it.
+    _write(tmp_path, "desktop", "bench-20261129T000000Z-0000", {"id": "x", "kind": "bench", "version": 7})
+    for host in (None, "desktop", "laptop"):
+        for kind in (None, "eval", "bench", "load", "kld"):
+            for limit in (1, 2, 3, 10):
+                expected = [(r.host, r.id) for r in list(store.runs(host, kind))[-limit:]]
+                caplog.clear()
+                assert [(r.host, r.id) for r in store.last(limit, host, kind)] == expected
+                if len(expected) == limit:  # found before reaching the oldest
+                    assert "record version 7" not in caplog.text
+    with pytest.raises(ValueError, match="at least 1"):
+        store.last(0)
+
+
+def test_long_digit_runs_take_the_checked_parse(tmp_path):
+    from rigctl.results.record import parse_json
+
+    # Nineteen digits in a string or a fraction: read as they are; in an integer past 64 bits: refused.
+    assert parse_json('{"sha": "x1234567890123456789012345", "f": 0.12345678901234567890, "n": 18446744073709551615}',
+                      "x") == {"sha": "x1234567890123456789012345", "f": 0.12345678901234567890,
+                               "n": 18446744073709551615}
+    for text in ('{"n": 18446744073709551616}', '{"n": -9223372036854775809}', '[123456789012345678901234]'):
+        with pytest.raises(ConfigError, match="^x: an integer of"):
+            parse_json(text, "x")
+    assert parse_json('{"n": -9223372036854775808, "m": 999999999999999999}', "x")["m"] == 999999999999999999

@@ -73,13 +73,20 @@ def drafting_section(loaded: LoadedCampaign, found: Located, links: Links) -> li
 
 def load_section(loaded: LoadedCampaign, found: Located, links: Links, out_dir: Path,
                   charts: list[Path]) -> list[str]:
-    """Per load curve: each level's output t/s, requests/s, TTFT and TPOT percentiles and errors, and the curve."""
-    from rigctl.bench.load import REQUESTS_FILE, load_levels, to_png
+    """Per load curve: each level's warm-up (excluded), output t/s with the 95 % interval of its closed-loop
+    throughput, requests/s, TTFT and TPOT percentiles, mean TPOT's interval, errors and the machine's other
+    load; the interference check's flags; the curve."""
+    from rigctl.bench.load import REQUESTS_FILE, interference, interval_text, load_levels, machine_text, to_png
 
     campaign = loaded.campaign
     if not campaign.loads:
         return []
-    lines = ["## Load", "", "Streamed requests, a probe slot per client; TTFT and time per output token in ms.", ""]
+    lines = ["## Load", "", "Streamed requests, a probe slot per client; TTFT and time per output token in ms. Each "
+             "level's warm-up requests (one per client unless set) ran first and are in no figure; a level ran until "
+             "the 95 % intervals of its throughput (concurrency x tokens / request seconds) and mean TPOT were "
+             "within the stated precision of their estimates or its request cap was reached (not within: "
+             "`wide`). Machine: the host's 1-minute load average before -> after the level, its CPUs' busy share over "
+             "it (the probe included) and the controller's load average.", ""]
     for load in campaign.loads:
         run = found.loads.get(load.name)
         lines += [f"### {load.name}: {load.server} on {load.host}", ""]
@@ -88,12 +95,27 @@ def load_section(loaded: LoadedCampaign, found: Located, links: Links, out_dir: 
             continue
         levels = load_levels(run)
         file = [run.path / REQUESTS_FILE]
-        rows = [[str(s.concurrency), links.number(str(s.requests), file), links.number(str(s.errors), file),
-                 links.number(f"{s.output_tps:.2f}", file), links.number(f"{s.requests_per_s:.2f}", file),
+        rows = [[str(s.concurrency), str(s.warmup), links.number(str(s.requests), file),
+                 links.number(str(s.errors), file), links.number(f"{s.output_tps:.2f}", file),
+                 links.number(interval_text(s.throughput, s.precise), file),
+                 links.number(f"{s.requests_per_s:.2f}", file),
                  *(links.number(ms_text(s.ttft_s.get(f"p{q}")), file) for q in (50, 95, 99)),
-                 *(links.number(ms_text(s.tpot_s.get(f"p{q}")), file) for q in (50, 95, 99))] for s in levels]
-        lines += md_table(["concurrency", "requests", "errors", "output t/s", "requests/s", "TTFT p50", "TTFT p95",
-                         "TTFT p99", "TPOT p50", "TPOT p95", "TPOT p99"], rows)
+                 *(links.number(ms_text(s.tpot_s.get(f"p{q}")), file) for q in (50, 95, 99)),
+                 links.number(interval_text(s.tpot_mean_s, s.precise, scale=1000), file),
+                 machine_text(s.machine)] for s in levels]
+        lines += md_table(["concurrency", "warm-up", "requests", "errors", "output t/s", "throughput 95 %",
+                           "requests/s", "TTFT p50", "TTFT p95", "TTFT p99", "TPOT p50", "TPOT p95", "TPOT p99",
+                           "mean TPOT 95 %", "machine"], rows)
+        precision = {s.precision for s in levels if s.precision is not None}
+        lines.append("")
+        if precision:
+            lines.append(f"Precision asked: ±{max(precision):.0%} of each estimate at 95 %.")
+        else:
+            lines.append("Recorded before warm-ups and intervals: no precision, warm-up or machine load to show.")
+        flags = interference(levels)
+        lines += ["", *(f"- **interference**: {flag}" for flag in flags)] if flags else \
+            ["", "Interference check: none flagged (TPOT does not fall and throughput grows no faster than the "
+                 "clients, beyond the intervals)." if precision else "Interference check: no intervals to check."]
         chart = out_dir / f"load-{load.name}.png"
         to_png([(f"{run.host}/{run.id}", levels)], chart, f"{load.name}: {load.server} on {load.host}")
         charts.append(chart)
