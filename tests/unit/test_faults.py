@@ -4,8 +4,13 @@ refused, a cell without results, a full disk under the models module (a real tmp
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
+import re
+import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -18,11 +23,14 @@ from benchlab import RIGCTL
 from handmade_runs import bench_record, bench_run
 
 from rigctl.bench.matrix import load_run_samples
-from rigctl.deploy_lock import inventory_lock
+from rigctl.deploy_lock import host_key, hosts_lock
 from rigctl.errors import ConfigError
 from rigctl.exporter import ModelFact
+from rigctl.hostside import play_lock
+from rigctl.inventory import Inventory
 from rigctl.models import ArtifactStatus, Manifest
 from rigctl.results.store import ResultsStore
+from rigctl.tether import MARK_VARIABLE, marked_processes
 
 REPO = Path(__file__).resolve().parents[2]
 LAB = REPO / "inventory" / "lab"
@@ -49,28 +57,143 @@ def test_verify_and_the_exporter_use_one_rule_manifest_hash_when_no_pin() -> Non
 
 
 def test_second_provision_is_refused_naming_the_holder(tmp_path: Path) -> None:
-    env = {**os.environ, "RIGCTL_CACHE_DIR": str(tmp_path), "RIGCTL_LAB_SLOT": os.environ.get("RIGCTL_LAB_SLOT", "3")}
-    os.environ["RIGCTL_CACHE_DIR"] = str(tmp_path)
+    """This controller's lock is per host, not per inventory file: a copy of the inventory (a second checkout)
+    naming the same rigs is refused before Ansible starts, naming the run that holds them."""
+    env = {**os.environ, "RIGCTL_CACHE_DIR": str(tmp_path / "cache"),
+           "RIGCTL_LAB_SLOT": os.environ.get("RIGCTL_LAB_SLOT", "3")}
+    copy = tmp_path / "second-checkout" / "lab"
+    shutil.copytree(LAB, copy)
+    os.environ["RIGCTL_CACHE_DIR"], os.environ["RIGCTL_LAB_SLOT"] = env["RIGCTL_CACHE_DIR"], env["RIGCTL_LAB_SLOT"]
     try:
-        with inventory_lock(LAB, command="rigctl provision --tags llama_server"):
+        hosts = Inventory.load(LAB).hosts.values()
+        first = min(hosts, key=host_key)
+        with hosts_lock(hosts, command="rigctl provision --tags llama_server"):
             started = time.monotonic()
-            done = subprocess.run([*RIGCTL, "-i", str(LAB), "provision"], capture_output=True, text=True,
-                                  timeout=60, env=env, cwd=REPO)
+            done = subprocess.run([*RIGCTL, "-i", str(copy), "provision", "--limit", first.name],
+                                  capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
             refused_in = time.monotonic() - started
-    finally:
-        del os.environ["RIGCTL_CACHE_DIR"]
-    assert done.returncode == 1, done.stdout + done.stderr
-    assert done.stderr.strip().splitlines() == [
-        f"error: inventory {LAB}: refused: pid {os.getpid()} (`rigctl provision --tags llama_server`, since "
-        f"{done.stderr.split('since ')[1].split(')')[0]}) is running a playbook against it; wait for it to finish"]
-    assert "TASK" not in done.stdout and refused_in < 30  # refused before Ansible started
-    # Released with the block (and by the kernel if its holder dies): the next run may take it.
-    os.environ["RIGCTL_CACHE_DIR"] = str(tmp_path)
-    try:
-        with inventory_lock(LAB, command="again"):
+        # Released with the block (and by the kernel if its holder dies): the next run may take it.
+        with hosts_lock(hosts, command="again"):
             pass
     finally:
         del os.environ["RIGCTL_CACHE_DIR"]
+    assert done.returncode == 1, done.stdout + done.stderr
+    line, = done.stderr.strip().splitlines()
+    assert re.fullmatch(
+        rf"error: {first.name}: refused: pid {os.getpid()} on {re.escape(getpass.getuser())}@"
+        rf"{re.escape(socket.gethostname())} \(`rigctl provision --tags llama_server`, since [0-9T:-]+Z\) is running "
+        rf"a play against {re.escape(host_key(first))}; wait for it to finish", line), line
+    assert "TASK" not in done.stdout and refused_in < 30  # refused before Ansible started
+
+
+def _start_time(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+
+
+def _wait_gone(pids: list[int], timeout: float) -> float:
+    started = time.monotonic()
+    while any(Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1][:3]
+              for pid in pids):
+        assert time.monotonic() - started < timeout, [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+# What rigctl does around a play, in a child that is then SIGKILLed alone: a tether, and under it processes
+# like ansible-playbook's (one in a session of its own, as mitogen puts its ssh), which print their pids.
+_CONTROLLER = """
+import os, subprocess, sys, time
+from rigctl.tether import Tether
+with Tether() as tether:
+    env = {**os.environ, **tether.env}
+    play = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], env=env)
+    ssh = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], env=env, start_new_session=True)
+    print(play.pid, ssh.pid, tether._watchdog.pid, flush=True)
+    if sys.argv[1] == "normal":
+        play.kill(); play.wait()
+    else:
+        time.sleep(300)
+"""
+
+
+def test_a_killed_controller_takes_its_play_with_it() -> None:
+    """SIGKILL of the controller alone (not its process group): every process of its play, including one in a
+    session of its own, is gone within seconds."""
+    controller = subprocess.Popen([sys.executable, "-c", _CONTROLLER, "killed"], stdout=subprocess.PIPE, text=True,
+                                  cwd=REPO)
+    assert controller.stdout is not None
+    play, ssh, watchdog = map(int, controller.stdout.readline().split())
+    assert marked_processes(_mark_of(play)) and sorted(marked_processes(_mark_of(play))) == sorted([play, ssh])
+    os.kill(controller.pid, signal.SIGKILL)
+    controller.wait()
+    took = _wait_gone([play, ssh, watchdog], timeout=10)
+    print(f"the killed controller's play was gone {took:.1f} s after its SIGKILL")
+
+
+def test_a_play_that_ends_normally_leaves_nothing_and_its_locks_free(tmp_path: Path) -> None:
+    controller = subprocess.run([sys.executable, "-c", _CONTROLLER, "normal"], capture_output=True, text=True,
+                                cwd=REPO, timeout=60)
+    assert controller.returncode == 0, controller.stderr
+    play, ssh, watchdog = map(int, controller.stdout.split())
+    _wait_gone([play, ssh, watchdog], timeout=10)  # what the play left (the "ssh") went with the block
+
+
+def _mark_of(pid: int) -> str:
+    for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+        if item.startswith(f"{MARK_VARIABLE}=".encode()):
+            return item.split(b"=", 1)[1].decode()
+    raise AssertionError(f"pid {pid} carries no mark")
+
+
+def test_the_host_lock_refuses_a_second_play_and_is_freed_by_its_holders_connection(tmp_path: Path) -> None:
+    """The play_lock role's code on a host (here: this machine, a ``sleep`` standing for the controller's SSH
+    connection): a second play is refused naming the first's holder; when the first's connection ends its
+    lock goes within a second and the next play takes over, reporting the stale record; release frees it."""
+    lock_dir = str(tmp_path / "lock")
+    connection = subprocess.Popen(["sleep", "300"])
+    link = (connection.pid, _start_time(connection.pid))
+    first_holder = {**play_lock.controller_holder("rigctl provision"), "controller": "laptop-a"}
+    first = play_lock.acquire(first_holder, lock_dir=lock_dir, link=link)
+    assert first["stale"] is None and first["keeper_pid"] > 0
+    with pytest.raises(play_lock.LockBusy) as busy:
+        play_lock.acquire({"controller": "laptop-b", "pid": 1, "command": "rigctl provision"}, lock_dir=lock_dir,
+                          link=link, wait_s=0.5)
+    assert str(busy.value).startswith(f"refused: pid {os.getpid()} on {getpass.getuser()}@laptop-a "
+                                      f"(`rigctl provision`, since ")
+    assert play_lock.holder(lock_dir)["token"] == first["token"]
+
+    connection.kill()
+    connection.wait()
+    gone = _wait_gone([first["keeper_pid"]], timeout=5)
+    second_link = (os.getpid(), _start_time(os.getpid()))
+    second = play_lock.acquire({"controller": "laptop-b", "pid": 2, "command": "again"}, lock_dir=lock_dir,
+                               link=second_link)
+    assert second["stale"]["token"] == first["token"] and second["stale"]["controller"] == "laptop-a"
+    print(f"a lock whose holder's connection ended was free {gone:.1f} s later")
+    assert play_lock.release("not-the-token", lock_dir=lock_dir) is False
+    assert play_lock.release(second["token"], lock_dir=lock_dir) is True
+    _wait_gone([second["keeper_pid"]], timeout=5)
+    assert play_lock.holder(lock_dir) is None
+
+
+def test_a_command_run_while_connected_stops_when_the_connection_ends() -> None:
+    """What the llama_cpp role's compile runs under: its whole process group stops, status 75."""
+    connection = subprocess.Popen(["sleep", "300"])
+    argv = play_lock.while_connected(sys.executable, ["sh", "-c", "sleep 300 & sleep 300"],
+                                     link=(connection.pid, _start_time(connection.pid)))
+    watched = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.5)
+    assert watched.poll() is None
+    children = [int(p) for p in Path(f"/proc/{watched.pid}/task/{watched.pid}/children").read_text().split()]
+    connection.kill()
+    connection.wait()
+    assert watched.wait(timeout=10) == play_lock.DISCONNECTED
+    assert "the controller's connection" in (watched.stderr.read() if watched.stderr else "")
+    _wait_gone(children, timeout=10)
+    # A command that ends by itself gives its own status.
+    done = subprocess.run(play_lock.while_connected(sys.executable, ["sh", "-c", "exit 3"],
+                                                    link=(os.getpid(), _start_time(os.getpid()))), timeout=30)
+    assert done.returncode == 3
 
 
 def test_a_cell_without_results_is_not_a_successful_cell(tmp_path: Path) -> None:
