@@ -282,21 +282,38 @@ def eval_score(run: StoredRun) -> EvalScore | None:
                      _unix(run.record.ended))
 
 
+class WarnOnce:
+    """Says each distinct warning once: the exporter reads the same hosts and records every few seconds, and a
+    bad record or manifest would otherwise repeat its warning at every collection."""
+
+    def __init__(self) -> None:
+        self._said: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, message: str) -> None:
+        with self._lock:
+            if message in self._said:
+                return
+            self._said.add(message)
+        log.warning("%s", message)
+
+
 class ResultsReader:
     """The latest bench and eval results of a results store; finished runs are parsed once, and a run
-    whose files cannot be read (whatever they hold) is left out with a warning naming it."""
+    whose files cannot be read (whatever they hold) is left out with a warning naming it, once."""
 
     def __init__(self, store: ResultsStore):
         self.store = store
         self._bench: dict[str, list[BenchResult]] = {}
         self._evals: dict[str, EvalScore | None] = {}
+        self._warn = WarnOnce()
 
     def latest(self) -> tuple[list[BenchResult], list[EvalScore]]:
         bench: dict[tuple[str, str, str, str], BenchResult] = {}
         evals: dict[tuple[str, str, str], EvalScore] = {}
         if not self.store.root.is_dir():
             return [], []
-        for run in self.store.runs():
+        for run in self.store.runs(on_skip=lambda path, exc: self._warn(f"skipping {path}: {exc}")):
             if run.record.status != "done":
                 continue
             key = f"{run.host}/{run.id}"
@@ -305,7 +322,7 @@ class ResultsReader:
                     try:
                         self._bench[key] = bench_results(run)
                     except Exception as exc:  # one run's files, whatever they hold, cost only that run
-                        log.warning("skipping bench run %s: %s", key, one_line(exc))
+                        self._warn(f"skipping bench run {key}: {one_line(exc)}")
                         self._bench[key] = []
                 for result in self._bench[key]:
                     slot = (result.host, result.artifact, result.test, result.config)
@@ -316,7 +333,7 @@ class ResultsReader:
                     try:
                         self._evals[key] = eval_score(run)
                     except Exception as exc:  # one run's files, whatever they hold, cost only that run
-                        log.warning("skipping eval run %s: %s", key, one_line(exc))
+                        self._warn(f"skipping eval run {key}: {one_line(exc)}")
                         self._evals[key] = None
                 score = self._evals[key]
                 if score is not None:
@@ -494,6 +511,8 @@ class Exporter:
         self._inflight: dict[str, Future[HostFacts]] = {}
         self._hashing: dict[str, Future[None]] = {}
         self._hashes: dict[tuple[str, str], tuple[tuple[int, ...], str]] = {}  # (host, path) -> (stat, sha256)
+        self._up: dict[str, bool] = {}  # each host as the last collection found it
+        self._warn = WarnOnce()
         self.collections = 0
 
     # -------------------------------------------------------------------------------- serving
@@ -597,7 +616,7 @@ class Exporter:
             else:
                 hosts[name] = HostFacts(name, up=False, error=f"no answer within {self.host_timeout:g}s",
                                         duration_seconds=time.monotonic() - started)
-                log.warning("%s: no answer within %gs", name, self.host_timeout)
+        self._log_changes(hosts)
         snapshot = Snapshot(completed_at=time.time(), duration_seconds=time.monotonic() - started, hosts=hosts,
                             bench=bench, evals=evals, results_error=results_error)
         static = exposition(metric_families(snapshot, self.plans))
@@ -605,6 +624,17 @@ class Exporter:
             self._snapshot, self._static = snapshot, static
             self.collections += 1
         return snapshot
+
+    def _log_changes(self, hosts: Mapping[str, HostFacts]) -> None:
+        """A host going down (or found down at the start) is a warning with the reason; one coming back, a
+        note; a host that stays as it was says nothing."""
+        for name, facts in hosts.items():
+            was = self._up.get(name)
+            if not facts.up and was is not False:
+                log.warning("%s: down: %s", name, facts.error)
+            elif facts.up and was is False:
+                log.warning("%s: back up", name)
+            self._up[name] = facts.up
 
     @staticmethod
     def _answered(name: str, future: Future[HostFacts], started: float) -> HostFacts:
@@ -615,7 +645,6 @@ class Exporter:
             error = one_line(exc)
             if not isinstance(exc, RigctlError):
                 error = f"its probe answer cannot be read: {error}"
-            log.warning("%s: %s", name, error)
             return HostFacts(name, up=False, error=error, duration_seconds=time.monotonic() - started)
 
     def _probe_host(self, host: Host) -> HostFacts:
@@ -640,7 +669,7 @@ class Exporter:
                                     channel_timeout=self.host_timeout) as ssh:
                 result = ssh.run(cmd, timeout=self.host_timeout)
         except (RigctlError, OSError) as exc:
-            log.info("%s: down: %s", host.name, exc)
+            log.debug("%s: %s", host.name, exc)  # collect_once says when a host goes down
             return HostFacts(host.name, up=False, error=str(exc), duration_seconds=time.monotonic() - started)
         # An answer that cannot be read raises: collect_once makes it this host's error (_answered).
         raw = parse_json(result.stdout, "its probe answer")
@@ -655,7 +684,7 @@ class Exporter:
         try:
             facts.builds = parse_fact(raw["fact"], host.name) if raw.get("fact") else Builds(host.name, None, None)
         except RigctlError as exc:
-            log.warning("%s", exc)
+            self._warn(str(exc))
         smi = raw.get("nvidia_smi") or {}
         if smi.get("rc") == 0:
             try:
@@ -676,7 +705,7 @@ class Exporter:
                 try:
                     manifest_sha = parse_manifest(entry["manifest"], host.name).sha256
                 except RigctlError as exc:
-                    log.warning("%s", exc)
+                    self._warn(str(exc))
             sha = None
             cached = self._hashes.get((host.name, path))
             if stat is not None:

@@ -53,8 +53,10 @@ from rigctl.hostside.llama_server_http import (
     RETRY_BACKOFF,
     RETRY_MAX_WAIT,
     UnreadableJSON,
+    attempts_within,
     decode_json,
     props_fields,
+    restart_wait_s,
     retry_wait,
     retryable_status,
 )
@@ -92,6 +94,12 @@ class Retry:
 
     def wait(self, attempt: int) -> float:
         return retry_wait(attempt, self.backoff, self.max_wait)
+
+    @classmethod
+    def through_restart(cls, restart_sec: float, load_s: float) -> Retry:
+        """Enough attempts to ride through one restart of the server: systemd's restart delay plus the model's
+        load time (:func:`rigctl.hostside.llama_server_http.restart_wait_s`, with its ceiling)."""
+        return cls(attempts=attempts_within(restart_wait_s(restart_sec, load_s), RETRY_BACKOFF, RETRY_MAX_WAIT))
 
 
 NO_RETRY = Retry(attempts=1)

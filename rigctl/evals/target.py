@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import urllib.parse
 from dataclasses import dataclass, field
@@ -9,7 +10,10 @@ from typing import Any
 
 from rigctl.errors import RigctlError
 from rigctl.inventory import Artifact, Host, Server
-from rigctl.server import Endpoint
+from rigctl.server import Endpoint, Retry
+
+#: The llama_server role's local fact: the unit's restart delay and each instance's measured load time.
+SERVER_FACT_PATH = "/etc/ansible/facts.d/llama_server.fact"
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +30,20 @@ class Target:
     llama_cpp: dict[str, Any] = field(default_factory=dict)
     inventory_host: Host | None = None
     inventory_server: Server | None = None
+    #: Enough retries to ride through a restart of the server (:func:`restart_retry`); None: not known.
+    retry: Retry | None = None
+
+
+def restart_retry(fact: str, server: str) -> Retry | None:
+    """The retries that ride through one restart of ``server``, from the llama_server role's fact (the unit's
+    restart delay, the load time its last rollout measured); None when the fact does not say."""
+    try:
+        data = json.loads(fact)
+        restart_sec = float(data["restart_sec"])
+        load_s = float(data["instances"][server]["load_s"])
+    except (ValueError, KeyError, TypeError):
+        return None
+    return Retry.through_restart(restart_sec, load_s)
 
 
 def inventory_target(host: Host, server: str, *, url: str | None = None, api_key: str | None = None,
@@ -57,7 +75,7 @@ def _read_facts(target: Target, host: Host, artifact: Artifact) -> None:
     from rigctl.models import inspect_host
 
     try:
-        statuses = {s.artifact: s for s in inspect_host(host, rehash=False)}
+        statuses = {s.artifact: s for s in inspect_host(host, rehash=False, manifests_only=True)}
         status = statuses.get(artifact.name)
         manifest = status.manifest if status else None
         target.artifacts = [{"name": artifact.name, "path": artifact.path,
@@ -72,6 +90,22 @@ def _read_facts(target: Target, host: Host, artifact: Artifact) -> None:
                                 "build_key": current.key, "cuda": current.cuda}
     except RigctlError as exc:
         log.warning("%s: llama.cpp build fact not read: %s", host.name, exc)
+    target.retry = _server_retry(host, str(target.server.get("name")))
+
+
+def _server_retry(host: Host, server: str) -> Retry | None:
+    from rigctl.ssh import session
+
+    try:
+        with session(host) as ssh:
+            fact = ssh.run(f"cat {SERVER_FACT_PATH}", timeout=30, check=False).stdout
+    except RigctlError as exc:
+        log.warning("%s: llama_server fact not read (default retries): %s", host.name, exc)
+        return None
+    retry = restart_retry(fact, server)
+    if retry is None:
+        log.info("%s: no measured load time for %s in %s (default retries)", host.name, server, SERVER_FACT_PATH)
+    return retry
 
 
 def url_target(url: str, *, api_key: str | None = None, host: str | None = None) -> Target:

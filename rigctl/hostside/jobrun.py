@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from rigctl.hostside import jobfiles, llama_cpp_fact, model_files, stamp
+from rigctl.hostside.hash_cache import HASH_CACHE_FILE, cached_sha256
 from rigctl.hostside.model_files import file_sha256
 
 #: Space set aside in the run directory when the job starts and freed to seal it: a disk that fills up
@@ -69,8 +70,6 @@ DISK_FULL_BYTES = 16 << 20
 RUN_FILE = "run.json"
 #: :data:`rigctl.results.record.RECORD_VERSION` of the records this runtime writes.
 RECORD_VERSION = 2
-#: sha256 of model files by path and file identity, beside the jobs directory.
-HASH_CACHE_FILE = "sha256-cache.json"
 SPEC_FILE = jobfiles.SPEC_FILE
 
 
@@ -295,23 +294,6 @@ def hash_cache_path(spec: dict[str, Any]) -> Path:
     return Path(spec["job_dir"]).parent.parent / HASH_CACHE_FILE
 
 
-def cached_sha256(cache_path: Path, path: str) -> tuple[str, str]:
-    """``path``'s sha256 and where it came from: the cache when the file's identity is the one it was hashed
-    with, else hashed now (and kept in the cache, where the caller may write it)."""
-    identity = model_files.identity(path)
-    cache = jobfiles.read_json(str(cache_path))
-    hit = cache.get(path) if isinstance(cache, dict) else None
-    if isinstance(hit, dict) and hit.get("identity") == identity and isinstance(hit.get("sha256"), str):
-        return hit["sha256"], f"cache (hashed {hit.get('hashed', '?')}, file unchanged since)"
-    digest = file_sha256(path)
-    if not isinstance(cache, dict):
-        cache = {}
-    cache[path] = {"identity": identity, "sha256": digest, "hashed": utc_now()}
-    with contextlib.suppress(OSError):  # read-only to a job: hashed now, again next time
-        write_json_atomically(cache_path, cache)
-    return digest, "hashed now"
-
-
 def _systemctl(*args: str) -> str | None:
     """``systemctl ARGS``; None when it worked, else its one-line complaint."""
     try:
@@ -355,8 +337,30 @@ def finish(job_dir: Path) -> int:
             problems.append(f"{unit}: {problem}")
             print(f"{utc_now()} cannot start {unit}: {problem}", flush=True)
     jobfiles.release_lock(spec)
-    write_json_atomically(job_dir / jobfiles.FINISHED_FILE, {"ended": utc_now(), "restore_problems": problems})
+    finished: dict[str, Any] = {"ended": utc_now(), "restore_problems": problems}
+    state = jobfiles.read_state(str(job_dir), spec)
+    if not (isinstance(state, dict) and state.get("state") in jobfiles.FINAL_STATES):
+        finished["error"] = unsealed_cause(job_dir, spec)
+    write_json_atomically(job_dir / jobfiles.FINISHED_FILE, finished)
     return 0
+
+
+def unsealed_cause(job_dir: Path, spec: dict[str, Any]) -> str:
+    """Why a job's unit ended without a final state (root's step after it): the results disk being full (the
+    job could not write even that), else the runtime's last complaint in the unit's output, else how systemd
+    saw the unit end."""
+    run_dir = Path(jobfiles.run_dir(spec))
+    full = disk_full(run_dir if run_dir.is_dir() else run_dir.parent)
+    if full:
+        return f"{full}: the job could not write its run"
+    with contextlib.suppress(OSError):
+        lines = (job_dir / "output.log").read_text(errors="replace").splitlines()
+        said = [line for line in lines if line.startswith("jobrun: ")]
+        if said:
+            return said[-1].removeprefix("jobrun: ")
+    result, status = os.environ.get("SERVICE_RESULT"), os.environ.get("EXIT_STATUS")
+    return (f"the job's unit ended ({result or 'unknown'}"
+            f"{', exit status ' + status if status else ''}) without writing a final state")
 
 
 def load_task(job_dir: Path, name: str) -> Any:

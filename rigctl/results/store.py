@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,15 +50,20 @@ class ResultsStore:
                 raise TrustError(f"{what} {name!r}: not a plain name, refused as a results path")
         return self.root / host / run_id
 
-    def runs(self, host: str | None = None, kind: str | None = None) -> Iterator[StoredRun]:
-        """Every stored run, oldest first; directories without a readable record are skipped with a warning."""
+    def runs(self, host: str | None = None, kind: str | None = None,
+             on_skip: Callable[[Path, ConfigError], None] | None = None) -> Iterator[StoredRun]:
+        """Every stored run, oldest first; directories without a readable record are skipped with a warning
+        (or handed to ``on_skip``, for a caller that reads the store again and again)."""
         hosts = [self.root / host] if host else sorted(p for p in self.root.glob("*") if p.is_dir())
         for host_dir in hosts:
             for run_dir in sorted(p for p in host_dir.glob("*") if p.is_dir()):
                 try:
                     record = RunRecord.load(run_dir)
                 except ConfigError as exc:
-                    log.warning("skipping %s: %s", run_dir, exc)
+                    if on_skip is None:
+                        log.warning("skipping %s: %s", run_dir, exc)
+                    else:
+                        on_skip(run_dir, exc)
                     continue
                 if kind is None or record.kind == kind:
                     yield StoredRun(host=host_dir.name, path=run_dir, record=record)
