@@ -349,8 +349,10 @@ def unsealed_cause(job_dir: Path, spec: dict[str, Any]) -> str:
     """Why a job's unit ended without a final state (root's step after it): the results disk being full (the
     job could not write even that), else the runtime's last complaint in the unit's output, else how systemd
     saw the unit end."""
-    run_dir = Path(jobfiles.run_dir(spec))
-    full = disk_full(run_dir if run_dir.is_dir() else run_dir.parent)
+    where = Path(jobfiles.run_dir(spec))
+    while not where.is_dir() and where != where.parent:  # the job may not have made its directories
+        where = where.parent
+    full = disk_full(where)
     if full:
         return f"{full}: the job could not write its run"
     with contextlib.suppress(OSError):

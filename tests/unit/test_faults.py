@@ -4,8 +4,11 @@ refused, a cell without results, a full disk under the models module (a real tmp
 
 from __future__ import annotations
 
+import contextlib
 import getpass
+import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -16,6 +19,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -23,13 +27,27 @@ from benchlab import RIGCTL
 from handmade_runs import bench_record, bench_run
 
 from rigctl.bench.matrix import load_run_samples
+from rigctl.cli.render import about_host
 from rigctl.deploy_lock import host_key, hosts_lock
 from rigctl.errors import ConfigError
-from rigctl.exporter import ModelFact
-from rigctl.hostside import play_lock
+from rigctl.evals.runner import recorded_targets
+from rigctl.evals.target import restart_retry
+from rigctl.exporter import Exporter, HostFacts, ModelFact, ResultsReader
+from rigctl.hostside import hash_cache, jobhost, jobrun, play_lock
+from rigctl.hostside.llama_server_http import (
+    RESTART_WAIT_CEILING_S,
+    RESTART_WAIT_MARGIN_S,
+    RETRY_ATTEMPTS,
+    attempts_within,
+    restart_wait_s,
+)
 from rigctl.inventory import Inventory
+from rigctl.jobs import parse_job
 from rigctl.models import ArtifactStatus, Manifest
+from rigctl.results.record import RunRecord
+from rigctl.results.record import Server as RecordServer
 from rigctl.results.store import ResultsStore
+from rigctl.server import Retry
 from rigctl.tether import MARK_VARIABLE, marked_processes
 
 REPO = Path(__file__).resolve().parents[2]
@@ -247,3 +265,98 @@ def test_models_artifact_on_a_full_disk_says_the_disk_is_full(small_disk: Path, 
     assert "disk full:" in out and f"free on the file system of {small_disk}" in out, out
     assert "Traceback" not in out
     assert list(small_disk.iterdir()) == []  # the partial file is gone
+
+
+# ----------------------------------------------------------------------------------------------- issue 28, item 5
+
+
+def test_an_eval_rides_through_a_restart_within_a_ceiling() -> None:
+    """The retry budget: the unit's restart delay plus twice the load time measured at deploy, plus a margin,
+    at most the ceiling; the attempts' shortest waits cover it."""
+    fact = json.dumps({"restart_sec": 2, "stop_timeout_sec": 5,
+                       "instances": {"smollm2": {"load_s": 1.5, "measured": "2026-12-01T00:00:00Z"}}})
+    retry = restart_retry(fact, "smollm2")
+    assert retry is not None and retry.attempts > RETRY_ATTEMPTS
+    waits = [min(retry.max_wait, retry.backoff * 2**n) * 0.75 for n in range(retry.attempts - 1)]
+    assert sum(waits) >= restart_wait_s(2, 1.5) == 2 + 3 + RESTART_WAIT_MARGIN_S
+    assert sum(waits[:-1]) < restart_wait_s(2, 1.5)  # no more attempts than that takes
+    assert restart_retry(fact, "other") is None and restart_retry("not json", "smollm2") is None
+    assert restart_wait_s(2, 3600) == RESTART_WAIT_CEILING_S
+    assert attempts_within(0) == RETRY_ATTEMPTS <= Retry.through_restart(0, 0).attempts
+
+
+def test_resume_finds_a_single_inventory_servers_key(tmp_path: Path) -> None:
+    """`eval run --resume RUN` alone: the recorded server is found in the inventory, its key with it."""
+    os.environ.setdefault("RIGCTL_LAB_SLOT", "3")
+    inventory = Inventory.load(LAB)
+    served = inventory.host("desktop").server("smollm2")
+    run_dir = tmp_path / "desktop" / "eval-1"
+    run_dir.mkdir(parents=True)
+    record = RunRecord(id="eval-1", kind="eval", host="desktop", started="2026-12-01T00:00:00.000000Z",
+                       servers=[RecordServer(name="smollm2", host="desktop", endpoint=served.endpoint.url)])
+    record.save(run_dir)
+    targets = recorded_targets(ResultsStore(tmp_path).find("desktop/eval-1"), lambda: inventory)
+    assert [t.endpoint.url for t in targets] == [served.endpoint.url]
+    assert targets[0].endpoint.api_key == served.endpoint.api_key and served.endpoint.api_key
+
+
+def test_models_list_compares_the_files_own_hash_with_the_pin(tmp_path: Path) -> None:
+    """What `rigctl models list` runs on a host: the file's hash, cached by its identity; a file changed since
+    (tampered) is hashed again, so its pin no longer says ok."""
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF" + b"\0" * 1000)
+    (tmp_path / "m.gguf.manifest.json").write_text(json.dumps({"sha256": hashlib.sha256(model.read_bytes())
+                                                               .hexdigest()}))
+    cache = tmp_path / "sha256-cache.json"
+    pin = hashlib.sha256(model.read_bytes()).hexdigest()
+    first = hash_cache.inspect({"m": str(model)}, cache)["m"]
+    assert first["sha256"] == pin and first["sha256_from"] == "hashed now"
+    assert hash_cache.inspect({"m": str(model)}, cache)["m"]["sha256_from"].startswith("cache")
+    with model.open("ab") as handle:
+        handle.write(b"x")
+    again = hash_cache.inspect({"m": str(model)}, cache)["m"]
+    assert again["sha256"] == hashlib.sha256(model.read_bytes()).hexdigest() != pin
+    status = ArtifactStatus("desktop", "m", str(model), _manifest(pin), actual_sha256=again["sha256"], pin=pin)
+    assert status.status == "mismatch"
+
+
+def test_a_job_that_could_not_write_its_run_ends_failed_with_the_cause(small_disk: Path, tmp_path: Path) -> None:
+    """Root's step after a job whose results disk was full from the start: the job shows as failed with the
+    disk named, not lost (nor "collecting facts") forever."""
+    job_dir = tmp_path / "jobs" / "job-1"
+    job_dir.mkdir(parents=True)
+    spec = {"id": "job-1", "kind": "bench", "host": "desktop", "unit": "rigctl-job-job-1.service",
+            "results_dir": str(small_disk), "job_dir": str(job_dir)}
+    (job_dir / "spec.json").write_text(json.dumps(spec))
+    with contextlib.suppress(OSError), (small_disk / "filler").open("wb") as handle:
+        while True:
+            handle.write(b"\0" * 65536)
+    (job_dir / "output.log").write_text("jobrun: disk full: no space left on device\n")
+    assert jobrun.finish(job_dir) == 0
+    state = jobhost.job_state(str(job_dir), {}, None)
+    assert state["state"] == "failed" and state["error"].startswith(f"disk full on {small_disk}"), state
+    parsed = parse_job("desktop", {"spec": spec, "state": state, "active": False})
+    assert parsed.state == "failed" and parsed.error == state["error"]
+
+
+def test_the_exporter_says_a_bad_record_once_and_when_a_host_goes_down_and_back(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "desktop" / "eval-bad").mkdir(parents=True)
+    (tmp_path / "desktop" / "eval-bad" / "run.json").write_text("{not json")
+    reader = ResultsReader(ResultsStore(tmp_path))
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            reader.latest()
+    assert sum("eval-bad" in r.getMessage() for r in caplog.records) == 1, caplog.text
+    caplog.clear()
+    watcher = SimpleNamespace(_up={})
+    with caplog.at_level(logging.WARNING):
+        for up in (True, True, False, False, True, True):
+            Exporter._log_changes(watcher, {"desktop": HostFacts("desktop", up=up, error=None if up else "refused")})
+    assert [r.getMessage() for r in caplog.records] == ["desktop: down: refused", "desktop: back up"]
+
+
+def test_a_host_named_in_its_own_error_is_named_once() -> None:
+    assert str(about_host("desktop", ConfigError("desktop: cannot connect: refused"))) == \
+        "desktop: cannot connect: refused"
+    assert str(about_host("desktop", "refused")) == "desktop: refused"
