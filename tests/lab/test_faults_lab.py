@@ -307,9 +307,10 @@ def test_two_checkouts_one_play_per_host_and_a_killed_holder_frees_it(served: In
                                 capture_output=True, text=True, env=env("b"), cwd=REPO, timeout=300)
         assert second.returncode == 1, second.stdout + second.stderr
         for rig in ("desktop", "laptop"):
-            assert re.search(rf"{rig}: refused: pid {first.pid} on {re.escape(getpass.getuser())}@"
-                             rf"{re.escape(socket.gethostname())}(?: \(\S+\))? \(`rigctl -i {re.escape(str(copies[0]))} "
-                             rf"provision --tags llama_server`, since [0-9T:-]+Z\) is running a play against this host",
+            holder = (rf"pid {first.pid} on {re.escape(getpass.getuser())}@{re.escape(socket.gethostname())}"
+                      rf"(?: \(\S+\))? \(`rigctl -i {re.escape(str(copies[0]))} provision --tags llama_server`, "
+                      rf"since [0-9T:-]+Z\)")
+            assert re.search(rf"{rig}: refused: {holder} is running a play against this host",
                              second.stdout + second.stderr), (rig, second.stdout + second.stderr)
         assert "TASK Gather the facts the roles read" not in second.stdout
 
@@ -340,3 +341,27 @@ def test_two_checkouts_one_play_per_host_and_a_killed_holder_frees_it(served: In
     assert third.returncode == 0, third.stdout + third.stderr
     assert f"took over the play lock left by pid {first.pid} on" in third.stdout, third.stdout
     assert _remote(served, "desktop", "ls /run/lock/rigctl").split() == ["play.lock"]  # freed at its end
+
+
+@pytest.mark.lab
+@pytest.mark.timeout(300)
+def test_an_unreachable_host_costs_only_its_own_row(served: Inventory, tmp_path: Path) -> None:
+    """`build status` and `jobs` with one rig unreachable (nothing listens on its SSH port): a row (or a line)
+    per host, the host named once, exit 1."""
+    copy = tmp_path / "lab"
+    shutil.copytree(LAB, copy)
+    host_vars = copy / "host_vars" / "laptop.yml"
+    host_vars.write_text(host_vars.read_text() + "ansible_port: 2222\n")
+    env = cli_env(tmp_path)
+    status = subprocess.run([*RIGCTL, "-i", str(copy), "build", "status"], capture_output=True, text=True,
+                            timeout=240, env=env, cwd=REPO)
+    assert status.returncode == 1, status.stdout + status.stderr
+    rows = {line.split("│")[1].strip(): line for line in status.stdout.splitlines() if line.startswith("│ ")
+            and line.split("│")[1].strip() in ("desktop", "laptop")}
+    assert set(rows) == {"desktop", "laptop"}, status.stdout
+    assert "b11434" in rows["desktop"] and "unreadable" in rows["laptop"], status.stdout
+    assert "Traceback" not in status.stderr
+    listed = subprocess.run([*RIGCTL, "-i", str(copy), "jobs"], capture_output=True, text=True, timeout=240,
+                            env=env, cwd=REPO)
+    assert listed.returncode == 1, listed.stdout + listed.stderr
+    assert "laptop: cannot connect" in listed.stderr and "laptop: laptop:" not in listed.stderr, listed.stderr
