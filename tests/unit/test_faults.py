@@ -27,7 +27,6 @@ from benchlab import RIGCTL
 from handmade_runs import bench_record, bench_run
 
 from rigctl.bench.matrix import load_run_samples
-from rigctl.cli.render import about_host
 from rigctl.deploy_lock import host_key, hosts_lock
 from rigctl.errors import ConfigError
 from rigctl.evals.runner import recorded_targets
@@ -74,27 +73,25 @@ def test_verify_and_the_exporter_use_one_rule_manifest_hash_when_no_pin() -> Non
     assert pinned.status == "ok" and ModelFact("m", "/m.gguf", True, B, B, A, 1).drift is False
 
 
-def test_second_provision_is_refused_naming_the_holder(tmp_path: Path) -> None:
+def test_second_provision_is_refused_naming_the_holder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """This controller's lock is per host, not per inventory file: a copy of the inventory (a second checkout)
     naming the same rigs is refused before Ansible starts, naming the run that holds them."""
     env = {**os.environ, "RIGCTL_CACHE_DIR": str(tmp_path / "cache"),
            "RIGCTL_LAB_SLOT": os.environ.get("RIGCTL_LAB_SLOT", "3")}
     copy = tmp_path / "second-checkout" / "lab"
     shutil.copytree(LAB, copy)
-    os.environ["RIGCTL_CACHE_DIR"], os.environ["RIGCTL_LAB_SLOT"] = env["RIGCTL_CACHE_DIR"], env["RIGCTL_LAB_SLOT"]
-    try:
-        hosts = Inventory.load(LAB).hosts.values()
-        first = min(hosts, key=host_key)
-        with hosts_lock(hosts, command="rigctl provision --tags llama_server"):
-            started = time.monotonic()
-            done = subprocess.run([*RIGCTL, "-i", str(copy), "provision", "--limit", first.name],
-                                  capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
-            refused_in = time.monotonic() - started
-        # Released with the block (and by the kernel if its holder dies): the next run may take it.
-        with hosts_lock(hosts, command="again"):
-            pass
-    finally:
-        del os.environ["RIGCTL_CACHE_DIR"]
+    monkeypatch.setenv("RIGCTL_CACHE_DIR", env["RIGCTL_CACHE_DIR"])
+    monkeypatch.setenv("RIGCTL_LAB_SLOT", env["RIGCTL_LAB_SLOT"])
+    hosts = Inventory.load(LAB).hosts.values()
+    first = min(hosts, key=host_key)
+    with hosts_lock(hosts, command="rigctl provision --tags llama_server"):
+        started = time.monotonic()
+        done = subprocess.run([*RIGCTL, "-i", str(copy), "provision", "--limit", first.name],
+                              capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
+        refused_in = time.monotonic() - started
+    # Released with the block (and by the kernel if its holder dies): the next run may take it.
+    with hosts_lock(hosts, command="again"):
+        pass
     assert done.returncode == 1, done.stdout + done.stderr
     line, = done.stderr.strip().splitlines()
     assert re.fullmatch(
@@ -287,7 +284,6 @@ def test_an_eval_rides_through_a_restart_within_a_ceiling() -> None:
 
 def test_resume_finds_a_single_inventory_servers_key(tmp_path: Path) -> None:
     """`eval run --resume RUN` alone: the recorded server is found in the inventory, its key with it."""
-    os.environ.setdefault("RIGCTL_LAB_SLOT", "3")
     inventory = Inventory.load(LAB)
     served = inventory.host("desktop").server("smollm2")
     run_dir = tmp_path / "desktop" / "eval-1"
@@ -354,9 +350,3 @@ def test_the_exporter_says_a_bad_record_once_and_when_a_host_goes_down_and_back(
         for up in (True, True, False, False, True, True):
             Exporter._log_changes(watcher, {"desktop": HostFacts("desktop", up=up, error=None if up else "refused")})
     assert [r.getMessage() for r in caplog.records] == ["desktop: down: refused", "desktop: back up"]
-
-
-def test_a_host_named_in_its_own_error_is_named_once() -> None:
-    assert str(about_host("desktop", ConfigError("desktop: cannot connect: refused"))) == \
-        "desktop: cannot connect: refused"
-    assert str(about_host("desktop", "refused")) == "desktop: refused"
