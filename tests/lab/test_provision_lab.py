@@ -18,7 +18,7 @@ from rigctl.inventory import Inventory
 
 REPO = Path(__file__).resolve().parents[2]
 #: The play's first task: it takes the host's play lock.
-LOCK_TASK = "play_lock : Take the host's play lock"
+LOCK_TASK = "Take the host's play lock"
 pytestmark = pytest.mark.lab
 
 
