@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 import pytest
 from benchlab import RIGCTL, cli_env, rigctl, served_inventory
+from process_support import cmdline, descendants, still_running
 
 from rigctl import jobs
 from rigctl.bench.matrix import bench_job_spec, load_run_samples, parse_spec
@@ -229,44 +230,6 @@ def _pids(inv: Inventory, names: list[str]) -> dict[str, int]:
     return {name: state.main_pid for name, state in unit_states(inv.host("desktop"), names).items()}
 
 
-def _descendants(pid: int) -> dict[int, str]:
-    """Every process under ``pid`` now (children of children...), with its start time."""
-    found: dict[int, str] = {}
-    todo = [pid]
-    while todo:
-        current = todo.pop()
-        try:
-            children = Path(f"/proc/{current}/task/{current}/children").read_text().split()
-        except OSError:
-            continue
-        for child in map(int, children):
-            try:
-                found[child] = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[19]
-            except (OSError, IndexError):
-                continue
-            todo.append(child)
-    return found
-
-
-def _alive(pids: dict[int, str]) -> list[int]:
-    alive = []
-    for pid, start in pids.items():
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[19] == start and fields[0] != "Z":
-            alive.append(pid)
-    return alive
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
 @pytest.mark.lab
 @pytest.mark.timeout(900)
 def test_two_checkouts_one_play_per_host_and_a_killed_holder_frees_it(served: Inventory, tmp_path: Path) -> None:
@@ -297,7 +260,7 @@ def test_two_checkouts_one_play_per_host_and_a_killed_holder_frees_it(served: In
         else:
             raise AssertionError("".join(lines))
         # Hold the first play where it is (SIGSTOP), its connections open; its watchdog stays awake.
-        frozen = {pid: start for pid, start in _descendants(first.pid).items() if "rigctl.tether" not in _cmdline(pid)}
+        frozen = {pid: start for pid, start in descendants(first.pid).items() if "rigctl.tether" not in cmdline(pid)}
         for pid in frozen:
             os.kill(pid, signal.SIGSTOP)
         holder_file = json.loads(_remote(served, "desktop", "cat /run/lock/rigctl/play.json"))
@@ -317,14 +280,14 @@ def test_two_checkouts_one_play_per_host_and_a_killed_holder_frees_it(served: In
         killed = time.monotonic()
         os.kill(first.pid, signal.SIGKILL)  # the controller alone: an OOM kill, a closed lid
         first.wait(timeout=30)
-        while _alive(frozen):
-            assert time.monotonic() - killed < 30, [(_cmdline(pid), pid) for pid in _alive(frozen)]
+        while still_running(frozen):
+            assert time.monotonic() - killed < 30, still_running(frozen)
             time.sleep(0.1)
         gone = time.monotonic() - killed
         print(f"the SIGKILLed provision's {len(frozen)} processes were gone {gone:.1f} s after the kill")
         assert gone < 15
     finally:
-        for pid in _alive(frozen):
+        for pid in still_running(frozen):
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
         if first.poll() is None:

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 from conftest import wait_healthy
+from process_support import cmdline, descendants, still_running
 
 from rigctl.build import parse_fact, read_builds, rollback
 from rigctl.deploy import DeployResult, ansible_env, run_playbook
@@ -279,38 +280,6 @@ def _build_the_stamped_pin(inv: Inventory, desktop: Host, original: str) -> str:
 COMPILE_UNIT = "llama-cpp-build.service"
 
 
-def _descendants(pid: int) -> dict[int, str]:
-    """Every process under ``pid`` now (children of children...), by pid with its start time."""
-    found: dict[int, str] = {}
-    todo = [pid]
-    while todo:
-        current = todo.pop()
-        try:
-            children = Path(f"/proc/{current}/task/{current}/children").read_text().split()
-        except OSError:
-            continue
-        for child in map(int, children):
-            try:
-                found[child] = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[19]
-            except (OSError, IndexError):
-                continue
-            todo.append(child)
-    return found
-
-
-def _still_running(pids: dict[int, str]) -> list[str]:
-    """The command lines of those of ``pids`` that still run (the same process: same start time)."""
-    running = []
-    for pid, start in pids.items():
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            if fields[19] == start and fields[0] != "Z":
-                running.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
-        except (OSError, IndexError):
-            continue
-    return running
-
-
 def _compiling(host: Host) -> int:
     """How many compiles of the fleet's binaries run on the rig now (cmake --build and the compilers under it)."""
     out = ssh(host, f"systemctl is-active {COMPILE_UNIT} || true; pgrep -c -f 'cmake [-]-build' || true; "
@@ -346,16 +315,15 @@ def test_a_provision_killed_during_the_compile_leaves_nothing_the_next_run_keeps
             assert time.monotonic() < deadline, "no compile within 900 s"
             time.sleep(1)
         time.sleep(3)  # well inside the compile: objects half-written, the tree unfinished
-        play = {pid: start for pid, start in _descendants(controller.pid).items()
-                if "rigctl.tether" not in " ".join(_still_running({pid: start}))}
-        assert any("ansible-playbook" in line for line in _still_running(play)), _still_running(play)
+        play = {pid: start for pid, start in descendants(controller.pid).items() if "rigctl.tether" not in cmdline(pid)}
+        assert any("ansible-playbook" in line for line in still_running(play).values()), still_running(play)
     finally:
         killed = time.monotonic()
         os.kill(controller.pid, signal.SIGKILL)
         controller.wait()
     # Nothing of the killed provision runs on this machine any more, nor its compile on the rig.
-    while _still_running(play):
-        assert time.monotonic() - killed < 30, _still_running(play)
+    while still_running(play):
+        assert time.monotonic() - killed < 30, still_running(play)
         time.sleep(0.2)
     controller_gone = time.monotonic() - killed
     while _compiling(desktop):
