@@ -42,12 +42,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rigctl.bench.matrix import BenchSpec
 from rigctl.errors import ConfigError, EvalError, JobBusyError, RigctlError
-from rigctl.inputs import read_text, yaml_problem
+from rigctl.inputs import read_mapping, read_text
 from rigctl.inventory import Inventory
 from rigctl.results.store import ResultsStore, StoredRun
 
@@ -266,13 +265,7 @@ class LoadedCampaign:
 
 
 def load_campaign(path: Path) -> LoadedCampaign:
-    text = read_text(path, "campaign")
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"campaign {path}: not YAML: {yaml_problem(exc)}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"campaign {path}: expected a mapping at the top")
+    data = read_mapping(path, "campaign")
     try:
         return LoadedCampaign(Campaign.model_validate(data), path)
     except ValidationError as exc:
@@ -432,7 +425,7 @@ def _run_bench(inventory: Inventory, bench: CampaignBench, host_name: str, store
 
 def _ensure_server(inventory: Inventory, member: ServerRef, on_step: OnStep) -> bool:
     """Start a llama-server unit when it is not answering; True when this call started it."""
-    from rigctl.server import ServerClient
+    from rigctl.llama_http import ServerClient
     from rigctl.servers import operator_start
     from rigctl.ssh import session
 

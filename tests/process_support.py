@@ -6,8 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def descendants(pid: int) -> dict[int, str]:
-    """Every process under ``pid`` now (children of children...), by pid with its start time."""
+def descendants(pid: int, *, but: str = "") -> dict[int, str]:
+    """Every process under ``pid`` now (children of children...), by pid with its start time; ``but``: not those
+    whose command line holds it."""
     found: dict[int, str] = {}
     todo = [pid]
     while todo:
@@ -22,7 +23,7 @@ def descendants(pid: int) -> dict[int, str]:
             except (OSError, IndexError):
                 continue
             todo.append(child)
-    return found
+    return {child: start for child, start in found.items() if not but or but not in cmdline(child)}
 
 
 def cmdline(pid: int) -> str:

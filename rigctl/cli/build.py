@@ -19,7 +19,7 @@ app = typer.Typer(no_args_is_help=True, help="llama.cpp builds on the hosts: sta
 def build_status(limit: LimitOption = None) -> None:
     """The llama.cpp build each host runs (current) and keeps for rollback (previous); a host that cannot be
     read gets a row saying why, and the command exits 1."""
-    from rigctl.build import read_builds
+    from rigctl.fleet.build import read_builds
     from rigctl.ssh import on_each_host
 
     table = Table(title="llama.cpp builds")
@@ -46,7 +46,7 @@ def build_status(limit: LimitOption = None) -> None:
 def build_rollback(host: Annotated[str, typer.Argument(help="Host from the inventory.")]) -> None:
     """Make HOST's previous llama.cpp build current again. The next `rigctl provision` restores the
     inventory's pin."""
-    from rigctl.build import rollback
+    from rigctl.fleet.build import rollback
 
     result = rollback(load_inventory(), host, on_event=print_event, on_task=print_task)
     console.print(f"{result.host}: current is now {result.after} (was {result.before})", highlight=False)

@@ -17,7 +17,7 @@ def provision(
     playbook: Annotated[str, typer.Option(help="Playbook under playbooks/.")] = "site.yml",
 ) -> None:
     """Run playbooks/site.yml through ansible-runner; per-task progress, then a per-host summary."""
-    from rigctl.deploy import run_playbook
+    from rigctl.fleet.deploy import run_playbook
 
     result = run_playbook(load_inventory(), playbook, limit=limit, tags=tags or (), check=check,
                           on_event=print_event, on_task=print_task)

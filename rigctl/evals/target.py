@@ -10,7 +10,7 @@ from typing import Any
 
 from rigctl.errors import RigctlError
 from rigctl.inventory import Artifact, Host, Server
-from rigctl.server import Endpoint, Retry
+from rigctl.llama_http import Endpoint, Retry
 
 #: The llama_server role's local fact: the unit's restart delay and each instance's measured load time.
 SERVER_FACT_PATH = "/etc/ansible/facts.d/llama_server.fact"
@@ -71,8 +71,8 @@ def inventory_target(host: Host, server: str, *, url: str | None = None, api_key
 
 
 def _read_facts(target: Target, host: Host, artifact: Artifact) -> None:
-    from rigctl.build import read_builds
-    from rigctl.models import inspect_host
+    from rigctl.fleet.build import read_builds
+    from rigctl.fleet.models import inspect_host
 
     try:
         statuses = {s.artifact: s for s in inspect_host(host, rehash=False, manifests_only=True)}

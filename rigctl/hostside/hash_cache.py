@@ -22,6 +22,9 @@ from pathlib import Path
 from rigctl.hostside import jobfiles, model_files
 
 HASH_CACHE_FILE = "sha256-cache.json"
+#: Where the cache is on a host: beside the jobs directory (``rigctl.jobs.JOBS_DIR``), where the job runtime's
+#: ``hash_cache_path`` finds it too.
+HOST_CACHE = "/var/lib/rigctl/" + HASH_CACHE_FILE
 
 
 def cached_sha256(cache_path: Path, path: str) -> tuple[str, str]:

@@ -25,17 +25,19 @@ from typing import Any
 import httpx
 import pytest
 from benchlab import RIGCTL, cli_env, rigctl, served_inventory
-from process_support import cmdline, descendants, still_running
+from process_support import descendants, still_running
 
 from rigctl import jobs
 from rigctl.bench.matrix import bench_job_spec, load_run_samples, parse_spec
-from rigctl.deploy import run_playbook
 from rigctl.errors import DeployError
+from rigctl.fleet.deploy import run_playbook
 from rigctl.inventory import Inventory
-from rigctl.lab import Lab
+from rigctl.lab.rigs import Lab
 from rigctl.results.store import ResultsStore
 from rigctl.ssh import SshClient, SshTarget
 
+#: The play's watchdog: it outlives the controller on purpose, to stop the rest.
+WATCHDOG = "rigctl.fleet.tether"
 REPO = Path(__file__).resolve().parents[2]
 LAB = REPO / "inventory" / "lab"
 A, B = "a" * 64, "b" * 64
@@ -260,7 +262,7 @@ def test_two_checkouts_one_play_per_host_and_a_killed_holder_frees_it(served: In
         else:
             raise AssertionError("".join(lines))
         # Hold the first play where it is (SIGSTOP), its connections open; its watchdog stays awake.
-        frozen = {pid: start for pid, start in descendants(first.pid).items() if "rigctl.tether" not in cmdline(pid)}
+        frozen = descendants(first.pid, but=WATCHDOG)
         for pid in frozen:
             os.kill(pid, signal.SIGSTOP)
         holder_file = json.loads(_remote(served, "desktop", "cat /run/lock/rigctl/play.json"))

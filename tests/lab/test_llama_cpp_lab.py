@@ -22,13 +22,15 @@ from typing import Any
 
 import pytest
 from conftest import wait_healthy
-from process_support import cmdline, descendants, still_running
+from process_support import descendants, still_running
 
-from rigctl.build import parse_fact, read_builds, rollback
-from rigctl.deploy import DeployResult, ansible_env, run_playbook
+from rigctl.fleet.build import parse_fact, read_builds, rollback
+from rigctl.fleet.deploy import DeployResult, ansible_env, run_playbook
 from rigctl.inventory import Host, Inventory
 from rigctl.ssh import SshClient, SshTarget
 
+#: The play's watchdog: it outlives the controller on purpose, to stop the rest.
+WATCHDOG = "rigctl.fleet.tether"
 REPO = Path(__file__).resolve().parents[2]
 INSTALL_ROOT = "/opt/llama.cpp"
 CCACHE_DIR = "/var/cache/llama.cpp/ccache"
@@ -315,7 +317,7 @@ def test_a_provision_killed_during_the_compile_leaves_nothing_the_next_run_keeps
             assert time.monotonic() < deadline, "no compile within 900 s"
             time.sleep(1)
         time.sleep(3)  # well inside the compile: objects half-written, the tree unfinished
-        play = {pid: start for pid, start in descendants(controller.pid).items() if "rigctl.tether" not in cmdline(pid)}
+        play = descendants(controller.pid, but=WATCHDOG)
         assert any("ansible-playbook" in line for line in still_running(play).values()), still_running(play)
     finally:
         killed = time.monotonic()

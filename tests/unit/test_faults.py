@@ -26,12 +26,15 @@ import pytest
 from benchlab import RIGCTL
 from handmade_runs import bench_record, bench_run
 
+from rigctl.analysis.latest import ResultsReader
 from rigctl.bench.matrix import load_run_samples
-from rigctl.deploy_lock import host_key, hosts_lock
 from rigctl.errors import ConfigError
 from rigctl.evals.runner import recorded_targets
 from rigctl.evals.target import restart_retry
-from rigctl.exporter import Exporter, HostFacts, ModelFact, ResultsReader
+from rigctl.fleet.deploy_lock import host_key, hosts_lock
+from rigctl.fleet.models import ArtifactStatus, Manifest
+from rigctl.fleet.state import FleetState, HostState, ModelFact
+from rigctl.fleet.tether import MARK_VARIABLE, marked_processes
 from rigctl.hostside import hash_cache, jobhost, jobrun, play_lock
 from rigctl.hostside.llama_server_http import (
     RESTART_WAIT_CEILING_S,
@@ -41,13 +44,11 @@ from rigctl.hostside.llama_server_http import (
     restart_wait_s,
 )
 from rigctl.inventory import Inventory
-from rigctl.jobs import parse_job
-from rigctl.models import ArtifactStatus, Manifest
+from rigctl.jobs import JOBS_DIR, parse_job
+from rigctl.llama_http import Retry
 from rigctl.results.record import RunRecord
 from rigctl.results.record import Server as RecordServer
 from rigctl.results.store import ResultsStore
-from rigctl.server import Retry
-from rigctl.tether import MARK_VARIABLE, marked_processes
 
 REPO = Path(__file__).resolve().parents[2]
 LAB = REPO / "inventory" / "lab"
@@ -296,6 +297,10 @@ def test_resume_finds_a_single_inventory_servers_key(tmp_path: Path) -> None:
     assert targets[0].endpoint.api_key == served.endpoint.api_key and served.endpoint.api_key
 
 
+def test_models_list_reads_the_hash_cache_the_jobs_write() -> None:
+    assert str(jobrun.hash_cache_path({"job_dir": f"{JOBS_DIR}/job-1"})) == hash_cache.HOST_CACHE
+
+
 def test_models_list_compares_the_files_own_hash_with_the_pin(tmp_path: Path) -> None:
     """What `rigctl models list` runs on a host: the file's hash, cached by its identity; a file changed since
     (tampered) is hashed again, so its pin no longer says ok."""
@@ -348,5 +353,5 @@ def test_the_exporter_says_a_bad_record_once_and_when_a_host_goes_down_and_back(
     watcher = SimpleNamespace(_up={})
     with caplog.at_level(logging.WARNING):
         for up in (True, True, False, False, True, True):
-            Exporter._log_changes(watcher, {"desktop": HostFacts("desktop", up=up, error=None if up else "refused")})
+            FleetState._log_changes(watcher, {"desktop": HostState("desktop", up=up, error=None if up else "refused")})
     assert [r.getMessage() for r in caplog.records] == ["desktop: down: refused", "desktop: back up"]

@@ -15,7 +15,7 @@ from types import ModuleType
 
 import pytest
 
-from rigctl.build import parse_fact
+from rigctl.fleet.build import parse_fact
 
 LIBRARY = Path(__file__).resolve().parents[2] / "roles" / "llama_cpp" / "library"
 
