@@ -57,7 +57,10 @@ def lock_path(host: Host) -> Path:
 
 
 def this_command() -> str:
-    return shlex.join(["rigctl", *sys.argv[1:]])
+    """This process's command line as its user typed it: ``rigctl ...`` (installed script or ``python -m
+    rigctl.cli``), else the program that called rigctl's library (a test runner, a script)."""
+    program = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "python"
+    return shlex.join(["rigctl" if program == "__main__.py" else program, *sys.argv[1:]])
 
 
 def holder_env(command: str | None = None) -> dict[str, str]:
