@@ -283,8 +283,9 @@ COMPILE_UNIT = "llama-cpp-build.service"
 
 
 def _compiling(host: Host) -> int:
-    """How many compiles of the fleet's binaries run on the rig now (cmake --build and the compilers under it)."""
-    out = ssh(host, f"systemctl is-active {COMPILE_UNIT} || true; pgrep -c -f 'cmake [-]-build' || true; "
+    """How many compiles of the fleet's binaries run on the rig now (cmake --build and the compilers under it).
+    ``^cmake --build``: the cmake process itself, not the command lines that start it (systemd-run, the watcher)."""
+    out = ssh(host, f"systemctl is-active {COMPILE_UNIT} || true; pgrep -c -f '^cmake [-]-build' || true; "
                     "pgrep -c -x cc1plus || true")
     state, builds, compilers = (out.split() + ["", "0", "0"])[:3]
     return (state == "active") + int(builds) + int(compilers)
@@ -346,7 +347,7 @@ def test_a_provision_killed_during_the_compile_leaves_nothing_the_next_run_keeps
         nonlocal most
         with SshClient(SshTarget.from_host(desktop)) as client:
             while not sampling.is_set():
-                most = max(most, int(client.run("pgrep -c -f 'cmake [-]-build' || true", timeout=30).stdout.strip()
+                most = max(most, int(client.run("pgrep -c -f '^cmake [-]-build' || true", timeout=30).stdout.strip()
                                      or 0))
                 sampling.wait(1)
 
