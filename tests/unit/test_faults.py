@@ -119,7 +119,7 @@ def _wait_gone(pids: list[int], timeout: float) -> float:
 # like ansible-playbook's (one in a session of its own, as mitogen puts its ssh), which print their pids.
 _CONTROLLER = """
 import os, subprocess, sys, time
-from rigctl.tether import Tether
+from rigctl.fleet.tether import Tether
 with Tether() as tether:
     env = {**os.environ, **tether.env}
     play = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], env=env)
