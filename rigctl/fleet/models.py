@@ -136,11 +136,10 @@ def expected_sha256(pin: str | None, manifest_sha256: str | None) -> tuple[str |
     return None, "none"
 
 
-def inspect_host(host: Host, *, rehash: bool, manifests_only: bool = False,
-                 timeout: float = SSH_TIMEOUT) -> list[ArtifactStatus]:
+def inspect_host(host: Host, *, rehash: bool, timeout: float = SSH_TIMEOUT) -> list[ArtifactStatus]:
     """Each artifact of ``host`` with its manifest and the sha256 of the file as it is now: with ``rehash``
     read in full, else from the host's hash cache while the file keeps the identity it was hashed with
-    (:mod:`rigctl.hostside.hash_cache`; a file changed since is hashed again); ``manifests_only``: no hash."""
+    (:mod:`rigctl.hostside.hash_cache`; a file changed since is hashed again)."""
     from rigctl.ssh import session
 
     artifacts = host.artifacts
@@ -148,8 +147,8 @@ def inspect_host(host: Host, *, rehash: bool, manifests_only: bool = False,
     paths = {a.name: a.path for a in artifacts}
     pins = {a.name: a.pin for a in artifacts if a.pin}
     # One round trip: every manifest and every file's hash, as one JSON object.
-    if rehash or manifests_only:
-        cmd = ship.python_command("model_files", "inspect", json.dumps(paths), "0" if manifests_only else "1")
+    if rehash:
+        cmd = ship.python_command("model_files", "inspect", json.dumps(paths), "1")
     else:
         cmd = ship.python_command("hash_cache", "inspect", json.dumps(paths), hash_cache.HOST_CACHE)
     with session(host) as ssh:

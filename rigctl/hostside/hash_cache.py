@@ -16,10 +16,10 @@ import contextlib
 import json
 import os
 import sys
-from datetime import UTC, datetime
 from pathlib import Path
 
 from rigctl.hostside import jobfiles, model_files
+from rigctl.hostside.runrecord import utc_now, write_json_atomically
 
 HASH_CACHE_FILE = "sha256-cache.json"
 #: Where the cache is on a host: beside the jobs directory (``rigctl.jobs.JOBS_DIR``), where the job runtime's
@@ -38,12 +38,9 @@ def cached_sha256(cache_path: Path, path: str) -> tuple[str, str]:
     digest = model_files.file_sha256(path)
     if not isinstance(cache, dict):
         cache = {}
-    cache[path] = {"identity": identity, "sha256": digest,
-                   "hashed": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")}
+    cache[path] = {"identity": identity, "sha256": digest, "hashed": utc_now()}
     with contextlib.suppress(OSError):  # read-only to a job: hashed now, again next time
-        tmp = cache_path.with_name(f".{cache_path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cache, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, cache_path)
+        write_json_atomically(cache_path, cache)
     return digest, "hashed now"
 
 

@@ -20,16 +20,6 @@ from typing import Any
 RETRY_ATTEMPTS = 4
 RETRY_BACKOFF = 0.5
 RETRY_MAX_WAIT = 8.0
-#: The longest a client rides through a server's restart, however slow its model was to load.
-RESTART_WAIT_CEILING_S = 180.0
-#: Added to a restart's expected length: systemd noticing the crash, the port opening, a busy host.
-RESTART_WAIT_MARGIN_S = 5.0
-
-
-def restart_wait_s(restart_sec: float, load_s: float) -> float:
-    """How long a client waits for a server that crashed to serve again: systemd's restart delay plus twice
-    the model's load time as measured when it was deployed, plus a margin; at most the ceiling."""
-    return min(RESTART_WAIT_CEILING_S, max(0.0, restart_sec) + 2 * max(0.0, load_s) + RESTART_WAIT_MARGIN_S)
 
 
 def attempts_within(wait_s: float, backoff: float = RETRY_BACKOFF, max_wait: float = RETRY_MAX_WAIT) -> int:

@@ -110,6 +110,14 @@ class HostFactsSpec(_Strict):
     os: str = Field(min_length=1)
 
 
+class CudaWheelSpec(_Strict):
+    """One wheel of a CUDA toolkit from wheels (gpu_host_cuda_source: wheels)."""
+
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
+    version: Annotated[str, Field(pattern=r"^[0-9][0-9A-Za-z.+!-]*$")]
+    sha256: Annotated[str, Field(pattern=SHA256.pattern)]
+
+
 class ArchiveSpec(_Strict):
     url: str | None = None
     path: str | None = None
@@ -276,6 +284,9 @@ SCHEMA: dict[str, Any] = {
     "llama_cpp_archive": ArchiveSpec,
     "llama_cpp_cuda": bool,
     "llama_cpp_cuda_architectures": Annotated[str, AfterValidator(_cuda_archs)],
+    "llama_cpp_cuda_fleet_build": bool,
+    "gpu_host_cuda_source": Literal["apt", "wheels"],
+    "gpu_host_cuda_wheels": list[CudaWheelSpec],
     "models_catalog": dict[Name, ModelSpec],
     "llama_server_profiles": dict[Name, ProfileSpec],
     "llama_server_instances": dict[Name, InstanceSpec],

@@ -50,7 +50,6 @@ from rigctl.hostside.llama_server_http import (
     UnreadableJSON,
     attempts_within,
     decode_json,
-    restart_wait_s,
     retry_wait,
     retryable_status,
 )
@@ -105,10 +104,10 @@ class Retry:
         return retry_wait(attempt, self.backoff, self.max_wait)
 
     @classmethod
-    def through_restart(cls, restart_sec: float, load_s: float) -> Retry:
-        """Enough attempts to ride through one restart of the server: systemd's restart delay plus the model's
-        load time (:func:`rigctl.hostside.llama_server_http.restart_wait_s`, with its ceiling)."""
-        return cls(attempts=attempts_within(restart_wait_s(restart_sec, load_s), RETRY_BACKOFF, RETRY_MAX_WAIT))
+    def within(cls, wait_s: float) -> Retry:
+        """Enough attempts that their waits add up to ``wait_s`` (a server's restart:
+        :func:`rigctl.hostside.units.restart_wait_s`), never fewer than the default."""
+        return cls(attempts=attempts_within(wait_s, RETRY_BACKOFF, RETRY_MAX_WAIT))
 
 
 NO_RETRY = Retry(attempts=1)

@@ -30,19 +30,13 @@ from rigctl.analysis.latest import ResultsReader
 from rigctl.bench.matrix import load_run_samples
 from rigctl.errors import ConfigError
 from rigctl.evals.runner import recorded_targets
-from rigctl.evals.target import restart_retry
 from rigctl.fleet.deploy_lock import host_key, hosts_lock
 from rigctl.fleet.models import ArtifactStatus, Manifest
 from rigctl.fleet.state import FleetState, HostState, ModelFact
 from rigctl.fleet.tether import MARK_VARIABLE, marked_processes
 from rigctl.hostside import hash_cache, jobhost, jobrun, play_lock
-from rigctl.hostside.llama_server_http import (
-    RESTART_WAIT_CEILING_S,
-    RESTART_WAIT_MARGIN_S,
-    RETRY_ATTEMPTS,
-    attempts_within,
-    restart_wait_s,
-)
+from rigctl.hostside.llama_server_http import RETRY_ATTEMPTS, attempts_within
+from rigctl.hostside.units import RESTART_WAIT_CEILING_S, RESTART_WAIT_MARGIN_S, fact_restart_wait_s, restart_wait_s
 from rigctl.inventory import Inventory
 from rigctl.jobs import JOBS_DIR, parse_job
 from rigctl.llama_http import Retry
@@ -273,14 +267,16 @@ def test_an_eval_rides_through_a_restart_within_a_ceiling() -> None:
     at most the ceiling; the attempts' shortest waits cover it."""
     fact = json.dumps({"restart_sec": 2, "stop_timeout_sec": 5,
                        "instances": {"smollm2": {"load_s": 1.5, "measured": "2026-12-01T00:00:00Z"}}})
-    retry = restart_retry(fact, "smollm2")
-    assert retry is not None and retry.attempts > RETRY_ATTEMPTS
+    wait_s = fact_restart_wait_s(fact, "smollm2")
+    assert wait_s == restart_wait_s(2, 1.5) == 2 + 3 + RESTART_WAIT_MARGIN_S
+    retry = Retry.within(wait_s)
+    assert retry.attempts > RETRY_ATTEMPTS
     waits = [min(retry.max_wait, retry.backoff * 2**n) * 0.75 for n in range(retry.attempts - 1)]
-    assert sum(waits) >= restart_wait_s(2, 1.5) == 2 + 3 + RESTART_WAIT_MARGIN_S
-    assert sum(waits[:-1]) < restart_wait_s(2, 1.5)  # no more attempts than that takes
-    assert restart_retry(fact, "other") is None and restart_retry("not json", "smollm2") is None
+    assert sum(waits) >= wait_s
+    assert sum(waits[:-1]) < wait_s  # no more attempts than that takes
+    assert fact_restart_wait_s(fact, "other") is None and fact_restart_wait_s("not json", "smollm2") is None
     assert restart_wait_s(2, 3600) == RESTART_WAIT_CEILING_S
-    assert attempts_within(0) == RETRY_ATTEMPTS <= Retry.through_restart(0, 0).attempts
+    assert attempts_within(0) == RETRY_ATTEMPTS <= Retry.within(0).attempts
 
 
 def test_resume_finds_a_single_inventory_servers_key(tmp_path: Path) -> None:

@@ -192,7 +192,7 @@ def test_a_host_override_of_ctx_size_reaches_every_consumer(fleet: tuple[Invento
             assert server.profile.ctx_size == expected
             # eval: the record's server flags
             target = inventory_target(host, instance, facts=False)
-            assert target.server["flags"]["ctx_size"] == expected and target.inventory_server == server
+            assert target.flags["ctx_size"] == expected and target.inventory_server == server
             # bench server / load: the settings recorded and what a probe on a spare port runs
             assert _ctx(server.argv_with(port=9999)) == expected
             assert _ctx(server.argv_with(port=9999, ctx_size=4096)) == 4096

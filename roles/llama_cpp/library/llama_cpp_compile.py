@@ -16,6 +16,7 @@ options:
   unit: {description: The transient unit's name., type: str, required: true}
   command: {description: The build command (argv)., type: list, elements: str, required: true}
   env: {description: Environment variables for the command., type: dict, default: {}}
+  nice: {description: The unit's niceness (systemd's Nice=)., type: int, default: 0}
 """
 
 import subprocess
@@ -31,12 +32,14 @@ def main() -> None:
             "unit": {"type": "str", "required": True},
             "command": {"type": "list", "elements": "str", "required": True},
             "env": {"type": "dict", "default": {}},
+            "nice": {"type": "int", "default": 0},
         },
         supports_check_mode=False,
     )
     p = module.params
     argv = ["systemd-run", f"--unit={p['unit']}", "--wait", "--pipe", "--collect", "--quiet",
-            "--service-type=exec", *(f"--setenv={key}={value}" for key, value in sorted(p["env"].items())),
+            "--service-type=exec", f"--nice={p['nice']}",
+            *(f"--setenv={key}={value}" for key, value in sorted(p["env"].items())),
             "--", *while_connected(sys.executable, p["command"])]
     done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, errors="replace",
                           check=False)
