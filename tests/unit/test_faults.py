@@ -279,6 +279,28 @@ def test_an_eval_rides_through_a_restart_within_a_ceiling() -> None:
     assert attempts_within(0) == RETRY_ATTEMPTS <= Retry.within(0).attempts
 
 
+def test_a_fan_out_rides_through_a_restart_of_its_slowest_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`eval run` and a campaign's eval step size their retries by the slowest inventory server of the run; a
+    bare URL has no deploy to say, and gets the default."""
+    from rigctl.evals import runner
+    from rigctl.evals.target import inventory_target, url_target
+
+    inventory = Inventory.load(LAB)
+    asked: list[tuple[str, str]] = []
+
+    def measured(host, server: str) -> Retry | None:  # what each rig's llama_server fact says
+        asked.append((host.name, server))
+        return {"desktop": Retry.within(restart_wait_s(2, 30)), "laptop": Retry.within(restart_wait_s(2, 1))}.get(
+            host.name)
+
+    monkeypatch.setattr(runner, "restart_retry", measured)
+    targets = [inventory_target(inventory.host(name), "smollm2", facts=False) for name in ("laptop", "desktop")]
+    assert runner.retry_for(targets) == Retry.within(restart_wait_s(2, 30))
+    assert asked == [("laptop", "smollm2"), ("desktop", "smollm2")]
+    asked.clear()
+    assert runner.retry_for([url_target("http://127.0.0.1:9/")]) == Retry() and asked == []
+
+
 def test_resume_finds_a_single_inventory_servers_key(tmp_path: Path) -> None:
     """`eval run --resume RUN` alone: the recorded server is found in the inventory, its key with it."""
     inventory = Inventory.load(LAB)
