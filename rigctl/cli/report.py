@@ -19,8 +19,8 @@ def report(
     """Build the campaign's Markdown report with PNG charts from pulled results: speed with ratios,
     quality with intervals, comparisons, sensitivity, answer habits and a scope line; every number
     links to its raw files."""
+    from rigctl.analysis.campaign import load_campaign
     from rigctl.analysis.report import build_report, default_out_dir
-    from rigctl.campaign import load_campaign
 
     loaded = load_campaign(campaign)
     built = build_report(loaded, results_store(results), out or default_out_dir(loaded))

@@ -25,18 +25,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import rigctl
 from rigctl.errors import ConfigError, EvalError, RigctlError, ServerError, UnreadableAnswer
 from rigctl.evals.fanout import FanOut
 from rigctl.evals.target import Target
 from rigctl.evals.tasks import LoadedTask, Question, load_task
+from rigctl.fleet.servers import restart_retry
 from rigctl.hostside import scorers
 from rigctl.hostside.scorers import summarise
 from rigctl.llama_http import DEFAULT_SEED, AsyncServerClient, Endpoint, Props, Retry, ServerClient, Timeouts
-from rigctl.results.record import ANSWERS_FILE, Provenance, Server, Task, rigctl_version
+from rigctl.results.record import ANSWERS_FILE, Provenance, Server, Task
 from rigctl.results.run import Run
 from rigctl.results.stamp import with_props
 from rigctl.results.store import ResultsStore, read_jsonl
-from rigctl.servers import restart_retry
 from rigctl.trust import redact_argv
 
 if TYPE_CHECKING:
@@ -223,7 +224,7 @@ def start_run(task: LoadedTask, endpoint: Endpoints, store: ResultsStore, host: 
     servers = list(stamp.servers) + [Server() for _ in endpoints[len(stamp.servers):]]
     stamp.servers = [with_props(s, p, e) for s, p, e in zip(servers, props, endpoints, strict=False)]
     stamp.task = task_stamp(task)
-    stamp.seed, stamp.concurrency, stamp.rigctl_version = options.seed, options.concurrency, rigctl_version()
+    stamp.seed, stamp.concurrency, stamp.rigctl_version = options.seed, options.concurrency, rigctl.__version__
     return Run.create(
         "eval", stamp, store, host=host, commands=[" ".join(redact_argv(sys.argv))],
         extra={"thinking": options.thinking, "limit": limit, "timeout_s": options.timeout,
@@ -244,7 +245,7 @@ def _check_tools(task: LoadedTask, endpoint: Endpoint, props: Props, retry: Retr
 
 def retry_for(targets: Sequence[Target]) -> Retry:
     """The retries of a run against ``targets``: enough to ride through a restart of the slowest of the
-    inventory servers among them (:func:`rigctl.servers.restart_retry`, from what their deploy measured), else
+    inventory servers among them (:func:`rigctl.fleet.servers.restart_retry`, from what their deploy measured), else
     the default."""
     known = [retry for t in targets if t.inventory_host is not None and t.name
              and (retry := restart_retry(t.inventory_host, t.name)) is not None]

@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-from rigctl.hostside import jobfiles, model_files
+from rigctl.hostside import commands, jobfiles, model_files
 from rigctl.hostside.runrecord import utc_now, write_json_atomically
 
 HASH_CACHE_FILE = "sha256-cache.json"
@@ -57,12 +57,7 @@ def inspect(paths: dict[str, str], cache_path: Path) -> dict[str, dict[str, str]
 
 
 def main(argv: list[str]) -> int:
-    command, args = argv[0], argv[1:]
-    if command != "inspect":
-        print(f"hash_cache: unknown command {command!r}", file=sys.stderr)
-        return 2
-    print(json.dumps(inspect(json.loads(args[0]), Path(args[1]))))
-    return 0
+    return commands.answer("hash_cache", argv, {"inspect": lambda args: inspect(json.loads(args[0]), Path(args[1]))})
 
 
 if __name__ == "__main__":

@@ -227,7 +227,7 @@ def test_failed_rollout_of_a_profile_restores_every_instance_it_changed(served: 
 
 
 def _pids(inv: Inventory, names: list[str]) -> dict[str, int]:
-    from rigctl.servers import unit_states
+    from rigctl.fleet.servers import unit_states
 
     return {name: state.main_pid for name, state in unit_states(inv.host("desktop"), names).items()}
 
