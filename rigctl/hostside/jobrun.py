@@ -298,15 +298,22 @@ def finish(job_dir: Path) -> int:
     finished: dict[str, Any] = {"ended": utc_now(), "restore_problems": problems}
     state = jobfiles.read_state(str(job_dir), spec)
     if not (isinstance(state, dict) and state.get("state") in jobfiles.FINAL_STATES):
-        finished["error"] = unsealed_cause(job_dir, spec)
+        cause = unsealed_cause(job_dir, spec)
+        if cause:
+            finished["error"] = cause
     write_json_atomically(job_dir / jobfiles.FINISHED_FILE, finished)
     return 0
 
 
-def unsealed_cause(job_dir: Path, spec: dict[str, Any]) -> str:
+#: How systemd says a unit's process was killed (SERVICE_RESULT): the runtime had no chance to seal its run.
+KILLED_RESULTS = frozenset({"signal", "core-dump", "oom-kill"})
+
+
+def unsealed_cause(job_dir: Path, spec: dict[str, Any]) -> str | None:
     """Why a job's unit ended without a final state (root's step after it): the results disk being full (the
     job could not write even that), else the runtime's last complaint in the unit's output, else how systemd
-    saw the unit end."""
+    saw the unit end. None when it was killed (SIGKILL, out of memory) and said nothing: the job is lost,
+    and ``rigctl pull`` seals its run so."""
     where = Path(jobfiles.run_dir(spec))
     while not where.is_dir() and where != where.parent:  # the job may not have made its directories
         where = where.parent
@@ -319,6 +326,8 @@ def unsealed_cause(job_dir: Path, spec: dict[str, Any]) -> str:
         if said:
             return said[-1].removeprefix("jobrun: ")
     result, status = os.environ.get("SERVICE_RESULT"), os.environ.get("EXIT_STATUS")
+    if result in KILLED_RESULTS:
+        return None
     return (f"the job's unit ended ({result or 'unknown'}"
             f"{', exit status ' + status if status else ''}) without writing a final state")
 

@@ -112,7 +112,10 @@ def test_full_disk_mid_bench_fails_the_cell_and_seals_the_reason(served: Invento
         pulled = rigctl("pull", "desktop", results=tmp_path, timeout=120)
     finally:
         lab.set_gpu("desktop", temperature=35, temperature_sequence=[])
-        subprocess.run([*nsenter, "umount", "-l", results], check=False, timeout=30)
+        # The rig's own umount: the controller's, entered into the rig's mount namespace, fails there with
+        # ENOENT and left the 4 MiB disk under every later job's results.
+        _remote(served, "desktop", f"umount -l {results}", check=False)
+    assert f" {results} " not in _remote(served, "desktop", "cat /proc/self/mounts")
     assert record["status"] == "failed", record
     assert "disk full" in record["extra"]["error"], record["extra"]
     assert not cells or cells[-1].get("error") or cells[-1]["rc"] != 0, cells

@@ -358,6 +358,22 @@ def test_a_job_that_could_not_write_its_run_ends_failed_with_the_cause(small_dis
     assert parsed.state == "failed" and parsed.error == state["error"]
 
 
+def test_a_job_killed_without_a_word_is_lost_not_failed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Root's step after a job SIGKILLed (systemd: SERVICE_RESULT=signal) with room on its disk and no complaint:
+    no cause is made up; the job is lost, for `rigctl pull` to seal. One that exited by itself says how."""
+    job_dir = tmp_path / "jobs" / "job-1"
+    job_dir.mkdir(parents=True)
+    spec = {"id": "job-1", "kind": "bench", "host": "desktop", "results_dir": str(tmp_path / "results"),
+            "job_dir": str(job_dir)}
+    monkeypatch.setenv("SERVICE_RESULT", "signal")
+    monkeypatch.setenv("EXIT_STATUS", "KILL")
+    assert jobrun.unsealed_cause(job_dir, spec) is None
+    monkeypatch.setenv("SERVICE_RESULT", "exit-code")
+    monkeypatch.setenv("EXIT_STATUS", "1")
+    assert jobrun.unsealed_cause(job_dir, spec) == ("the job's unit ended (exit-code, exit status 1) without "
+                                                    "writing a final state")
+
+
 def test_the_exporter_says_a_bad_record_once_and_when_a_host_goes_down_and_back(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     (tmp_path / "desktop" / "eval-bad").mkdir(parents=True)
