@@ -126,14 +126,18 @@ class TrustError(RigctlError):
 
 
 class DeployBusyError(DeployError):
-    """Another rigctl process is running a playbook against the same inventory: ``pid`` and ``command`` name it."""
+    """Another rigctl run of this controller holds ``host`` (at ``address``): ``holder`` is its record
+    (:func:`rigctl.hostside.play_lock.controller_holder`)."""
 
-    def __init__(self, inventory: str, pid: int | None, command: str, since: str):
-        self.inventory = inventory
-        self.pid = pid
-        self.command = command
-        super().__init__(f"inventory {inventory}: refused: pid {pid if pid is not None else '?'} "
-                         f"(`{command}`, since {since}) is running a playbook against it; wait for it to finish")
+    def __init__(self, host: str, address: str, holder: dict[str, object]):
+        from rigctl.hostside.play_lock import describe
+
+        self.host = host
+        self.holder = holder
+        self.pid = holder.get("pid")
+        self.command = str(holder.get("command") or "?")
+        super().__init__(f"{host}: refused: {describe(holder)} is running a play against {address}; "
+                         "wait for it to finish")
 
 
 class ProbeError(RigctlError):

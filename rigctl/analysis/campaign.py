@@ -580,8 +580,10 @@ def _run_eval(ctx: _Context, evaluation: CampaignEval, target: EvalTarget, unfin
             run, task, options = runner.resume_run(ctx.store, f"{unfinished.host}/{unfinished.id}", endpoints)
         else:
             task = load_task(ctx.loaded.task_ref(evaluation), limit=evaluation.limit)
-            options = runner.Options(concurrency=evaluation.concurrency, seed=ctx.loaded.campaign.seed)
             targets = [inventory_target(ctx.inventory.host(m.host), m.server) for m in members]
+            # Sized to ride through a restart of its slowest server, as `eval run` does.
+            options = runner.Options(concurrency=evaluation.concurrency, seed=ctx.loaded.campaign.seed,
+                                     retry=runner.retry_for(targets))
             run = runner.start(task, targets, ctx.store, options=options, limit=evaluation.limit,
                                artifact=target.artifact, extra={"campaign": ctx.loaded.campaign.name})
         ctx.on_step(f"eval {evaluation.name} {target.id}: run {run.record.id} ({len(task.questions)} questions)")

@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass
 
 from rigctl.errors import one_line
+from rigctl.fleet.state import WarnOnce
 from rigctl.results.record import ANSWERS_FILE
 from rigctl.results.store import ResultsStore, StoredRun, read_jsonl
 
@@ -88,12 +89,13 @@ class ResultsReader:
     def __init__(self, store: ResultsStore):
         self.store = store
         self._parsed: dict[str, list[BenchResult] | list[EvalScore]] = {}
+        self._warn = WarnOnce()  # a directory without a readable record, once (the store is read again and again)
 
     def latest(self) -> tuple[list[BenchResult], list[EvalScore]]:
         newest: dict[tuple[str, ...], BenchResult | EvalScore] = {}
         if not self.store.root.is_dir():
             return [], []
-        done = [run for run in self.store.runs()
+        done = [run for run in self.store.runs(on_skip=lambda path, exc: self._warn(f"skipping {path}: {exc}"))
                 if run.record.status == "done" and run.record.kind in ("bench", "eval")]
         # Newest first (the later in the store among equal ends, as a scan from the oldest would keep): an eval
         # run's slot is its record's, so an older run of a filled slot is never read.

@@ -144,7 +144,8 @@ def eval_run(
     else:
         if task is None:
             raise ConfigError("--task is required (or --resume RUN)")
-        options = runner.Options(concurrency=concurrency, seed=seed, thinking=thinking, timeout=timeout)
+        options = runner.Options(concurrency=concurrency, seed=seed, thinking=thinking, timeout=timeout,
+                                 retry=runner.retry_for(fanout.targets))
         with console.status(f"loading {task} and its datasets"):
             loaded = load_task(task, limit=limit)
         if loaded.deviations:

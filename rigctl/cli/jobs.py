@@ -8,7 +8,7 @@ import typer
 from rich.table import Table
 
 from rigctl.cli.common import ResultsOption, console, err_console, load_inventory, results_store
-from rigctl.cli.render import outside_text, print_pull
+from rigctl.cli.render import about_host, outside_text, print_pull
 from rigctl.errors import RigctlError
 
 
@@ -22,7 +22,7 @@ def jobs_list(host: Annotated[str | None, typer.Argument(help="Host or group (de
     failed = False
     for name, outcome in jobs.jobs_on_hosts(load_inventory().select(host, where="HOST")).items():
         if isinstance(outcome, RigctlError):
-            err_console.print(outside_text(f"{name}: {outcome}"), soft_wrap=True)
+            err_console.print(about_host(name, outcome), soft_wrap=True)
             failed = True
             continue
         for info in outcome:

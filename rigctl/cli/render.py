@@ -27,6 +27,13 @@ def outside_text(value: object, *, lines: bool = False) -> Text:
     return Text(printable(str(value), lines=lines))
 
 
+def about_host(host: str, error: object) -> Text:
+    """An error about ``host`` as one line that names it once: its message when that already starts with the
+    host's name (most of rigctl's do), else the name before it."""
+    text = str(error)
+    return outside_text(text if text.startswith(f"{host}: ") else f"{host}: {text}")
+
+
 _MARKS = {"ok": "[green]ok[/green]", "changed": "[yellow]changed[/yellow]", "failed": "[red]failed[/red]",
           "unreachable": "[red]unreachable[/red]", "skipped": "[dim]skipped[/dim]"}
 
@@ -72,7 +79,7 @@ def print_pull(results: dict[str, Any]) -> bool:
     ok = True
     for host, outcome in results.items():
         if isinstance(outcome, RigctlError):
-            err_console.print(outside_text(f"{host}: pull failed: {outcome}"), soft_wrap=True)
+            err_console.print(Text.assemble("pull failed: ", about_host(host, outcome)), soft_wrap=True)
             ok = False
             continue
         line = (f"{host}: copied {len(outcome.copied)} run(s) ({outcome.files} files, {outcome.bytes} bytes), "

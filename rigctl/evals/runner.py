@@ -30,6 +30,7 @@ from rigctl.errors import ConfigError, EvalError, RigctlError, ServerError, Unre
 from rigctl.evals.fanout import FanOut
 from rigctl.evals.target import Target
 from rigctl.evals.tasks import LoadedTask, Question, load_task
+from rigctl.fleet.servers import restart_retry
 from rigctl.hostside import scorers
 from rigctl.hostside.scorers import summarise
 from rigctl.llama_http import DEFAULT_SEED, AsyncServerClient, Endpoint, Props, Retry, ServerClient, Timeouts
@@ -227,6 +228,7 @@ def start_run(task: LoadedTask, endpoint: Endpoints, store: ResultsStore, host: 
     return Run.create(
         "eval", stamp, store, host=host, commands=[" ".join(redact_argv(sys.argv))],
         extra={"thinking": options.thinking, "limit": limit, "timeout_s": options.timeout,
+               "retry_attempts": options.retry.attempts,
                **({"deviations": task.deviations} if task.deviations else {}),
                **({"template_carries_tools": tools} if tools else {}), **dict(extra or {})})
 
@@ -241,10 +243,19 @@ def _check_tools(task: LoadedTask, endpoint: Endpoint, props: Props, retry: Retr
     return carries
 
 
+def retry_for(targets: Sequence[Target]) -> Retry:
+    """The retries of a run against ``targets``: enough to ride through a restart of the slowest of the
+    inventory servers among them (:func:`rigctl.fleet.servers.restart_retry`, from what their deploy measured), else
+    the default."""
+    known = [retry for t in targets if t.inventory_host is not None and t.name
+             and (retry := restart_retry(t.inventory_host, t.name)) is not None]
+    return max(known, key=lambda r: r.attempts) if known else Retry()
+
+
 def recorded_targets(run: StoredRun, inventory: Callable[[], Inventory], api_key: str | None = None) -> list[Target]:
-    """The servers a stopped run started with, to resume it against: its recorded endpoint; for a fan-out,
-    each server from the inventory (loaded only then) where it still has it (keys and addresses from
-    there), else its recorded endpoint."""
+    """The servers a stopped run started with, to resume it against: each inventory server from the
+    inventory (loaded only then) where it still has it, its key and address from there as a fresh run
+    finds them; else its recorded endpoint."""
     from rigctl.evals.target import inventory_target, url_target
 
     targets = []
@@ -255,7 +266,7 @@ def recorded_targets(run: StoredRun, inventory: Callable[[], Inventory], api_key
     for entry in entries:
         if not entry.endpoint:
             raise ConfigError(f"run {run.host}/{run.id}: no server endpoint recorded; give --url or --host/--server")
-        if len(entries) > 1 and entry.host and entry.name:
+        if entry.host and entry.name:
             loaded = loaded or inventory()
             if entry.host in loaded.hosts:
                 targets.append(inventory_target(loaded.host(entry.host), str(entry.name), api_key=api_key,
@@ -294,8 +305,10 @@ def resume_run(store: ResultsStore, ref: str, endpoint: Endpoints) -> tuple[Run,
                               ("build_info", before.build_info, props.build_info)):
             if was and was != now:
                 raise EvalError(f"run {run.id}: {current}'s {key} is now {now!r}, the run started with {was!r}")
+    attempts = record.extra.get("retry_attempts")
     options = Options(concurrency=record.concurrency or DEFAULT_CONCURRENCY, seed=record.seed or DEFAULT_SEED,
-                      thinking=bool(record.extra.get("thinking")), timeout=float(record.extra.get("timeout_s", 600)))
+                      thinking=bool(record.extra.get("thinking")), timeout=float(record.extra.get("timeout_s", 600)),
+                      retry=Retry(attempts=attempts) if isinstance(attempts, int) and attempts > 0 else Retry())
     return Run.reopen(run), task, options
 
 

@@ -20,6 +20,7 @@ line naming the host and that file, before any task ran on any host.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shlex
@@ -32,7 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from rigctl.errors import ConfigError, DeployError, HostKeyError
-from rigctl.fleet.deploy_lock import inventory_lock
+from rigctl.fleet.deploy_lock import holder_env, hosts_lock
+from rigctl.fleet.tether import Tether
 from rigctl.inventory import Host, Inventory
 from rigctl.inventory.schema import parse_serial
 
@@ -318,7 +320,10 @@ def run_playbook(
     A failed host never stops the others from being reported; the caller decides whether to raise.
     ``preflight``: first check the selected hosts' keys (:func:`check_host_keys`); a refused key raises
     HostKeyError and nothing runs. Off, Ansible's own strict checking refuses the host (unreachable).
-    One run per inventory at a time: DeployBusyError names the run that holds the inventory's lock.
+    One play per host at a time: DeployBusyError names the run of this controller that holds one of the
+    selected hosts (:mod:`rigctl.fleet.deploy_lock`), before anything connects; a play from elsewhere holding a host
+    fails that host in the play's first task, naming its holder. The play's processes die with this one
+    (:mod:`rigctl.fleet.tether`), whatever ends it.
     ``passwords`` maps a prompt (a regular expression) to its answer: ansible-runner types it at
     ansible-playbook's prompt (``--ask-pass`` in ``extra_args``), so a secret reaches no command
     line, file or event. ``serial``: roll out in batches of these sizes (counts or percentages, the last
@@ -330,19 +335,21 @@ def run_playbook(
             serial = parse_serial(list(serial))
         except ValueError as exc:
             raise ConfigError(f"serial: {exc}") from None
-    if preflight:
-        check_host_keys(selected)
-    import ansible_runner
-
     root = project or project_root(inventory)
     playbook_path = root / "playbooks" / playbook
     if not playbook_path.is_file():
         raise ConfigError(f"playbook {playbook_path}: no such file")
-    collector = _EventCollector((h.name for h in selected), on_event, on_task)
-    log.info("running %s on %s", playbook, limit or "all hosts")
-    started = time.monotonic()
     # ansible-runner keeps its artifacts in the private data dir; rigctl reports from the events.
-    with inventory_lock(inventory.source), tempfile.TemporaryDirectory(prefix="rigctl-runner-") as private:
+    with hosts_lock(selected) as lock_fds, contextlib.ExitStack() as stack:
+        if preflight:
+            check_host_keys(selected)
+        import ansible_runner
+
+        tether = stack.enter_context(Tether(lock_fds))
+        private = stack.enter_context(tempfile.TemporaryDirectory(prefix="rigctl-runner-"))
+        collector = _EventCollector((h.name for h in selected), on_event, on_task)
+        log.info("running %s on %s", playbook, limit or "all hosts")
+        started = time.monotonic()
         runner = ansible_runner.run(
             private_data_dir=private,
             project_dir=str(root),
@@ -353,7 +360,7 @@ def run_playbook(
             cmdline=" ".join([*(["--check", "--diff"] if check else []), *map(shlex.quote, extra_args)]) or None,
             extravars={**(extravars or {}),
                        **({"rigctl_serial": serial, "rigctl_max_fail_percentage": 0} if serial else {})},
-            envvars={**ansible_env(root), **(env or {})},
+            envvars={**ansible_env(root), **holder_env(), **(env or {}), **tether.env},
             event_handler=collector,
             quiet=True,
             timeout=timeout,

@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from rigctl.errors import ConfigError, PinError, RigctlError
-from rigctl.hostside import ship
+from rigctl.hostside import hash_cache, ship
 from rigctl.inventory import Host, Inventory
 from rigctl.inventory.keys import SHA256
 from rigctl.results.record import parse_json
@@ -91,7 +91,7 @@ class ArtifactStatus:
     artifact: str
     path: str
     manifest: Manifest | None
-    actual_sha256: str | None  # None: not re-hashed (list) or the file is missing
+    actual_sha256: str | None  # the file's own hash (read now, or cached for its identity); None: missing
     pin: str | None
 
     @property
@@ -137,15 +137,20 @@ def expected_sha256(pin: str | None, manifest_sha256: str | None) -> tuple[str |
 
 
 def inspect_host(host: Host, *, rehash: bool, timeout: float = SSH_TIMEOUT) -> list[ArtifactStatus]:
-    """Each artifact of ``host`` with its manifest and, with ``rehash``, the sha256 of the file now."""
+    """Each artifact of ``host`` with its manifest and the sha256 of the file as it is now: with ``rehash``
+    read in full, else from the host's hash cache while the file keeps the identity it was hashed with
+    (:mod:`rigctl.hostside.hash_cache`; a file changed since is hashed again)."""
     from rigctl.ssh import session
 
     artifacts = host.artifacts
     names = [a.name for a in artifacts]
     paths = {a.name: a.path for a in artifacts}
     pins = {a.name: a.pin for a in artifacts if a.pin}
-    # One round trip: every manifest, and the file hashes when asked, as one JSON object.
-    cmd = ship.python_command("model_files", "inspect", json.dumps(paths), "1" if rehash else "0")
+    # One round trip: every manifest and every file's hash, as one JSON object.
+    if rehash:
+        cmd = ship.python_command("model_files", "inspect", json.dumps(paths), "1")
+    else:
+        cmd = ship.python_command("hash_cache", "inspect", json.dumps(paths), hash_cache.HOST_CACHE)
     with session(host) as ssh:
         result = ssh.run(cmd, timeout=timeout)
     try:

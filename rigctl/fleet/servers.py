@@ -35,7 +35,7 @@ from rigctl.hostside import units as host_units
 from rigctl.hostside.sandbox import run_options
 from rigctl.inventory import Host, Inventory, Server
 from rigctl.inventory.profiles import args_lines_to_argv, unit_name
-from rigctl.llama_http import NO_RETRY, Endpoint, ServerClient, Timeouts
+from rigctl.llama_http import NO_RETRY, Endpoint, Retry, ServerClient, Timeouts
 from rigctl.ssh import SshClient, on_each_host, session
 
 log = logging.getLogger(__name__)
@@ -207,6 +207,24 @@ def logs(inventory: Inventory, host_name: str, server: str, lines: int = 50) -> 
     command = f"journalctl --no-pager -o short-iso -n {int(lines)} -u {shlex.quote(unit)}"
     with session(host) as ssh:
         return ssh.run(command, timeout=SSH_TIMEOUT, check=True).stdout
+
+
+def restart_retry(host: Host, server: str) -> Retry | None:
+    """Enough retries for a client of ``server`` to ride through one restart of it (systemd's restart delay
+    and the load time its last rollout measured: :func:`rigctl.hostside.units.fact_restart_wait_s`); None,
+    logged, when the host cannot be read or its fact does not say."""
+    try:
+        with session(host) as ssh:
+            fact = ssh.run(f"cat {host_units.SERVER_FACT}", timeout=SSH_TIMEOUT, check=False).stdout
+    except RigctlError as exc:
+        log.warning("%s: llama_server fact not read (default retries): %s", host.name, exc)
+        return None
+    wait_s = host_units.fact_restart_wait_s(fact, server)
+    if wait_s is None:
+        log.info("%s: no measured load time for %s in %s (default retries)", host.name, server,
+                 host_units.SERVER_FACT)
+        return None
+    return Retry.within(wait_s)
 
 
 # ----------------------------------------------------------------------------------------------- around a run

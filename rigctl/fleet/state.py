@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -169,6 +170,22 @@ def _stat_key(stat: Sequence[int] | None) -> tuple[int, ...] | None:
     return tuple(int(v) for v in stat) if stat else None
 
 
+class WarnOnce:
+    """Says each distinct warning once: the exporter reads the same hosts and records every few seconds, and a
+    bad record or manifest would otherwise repeat its warning at every reading."""
+
+    def __init__(self) -> None:
+        self._said: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, message: str) -> None:
+        with self._lock:
+            if message in self._said:
+                return
+            self._said.add(message)
+        log.warning("%s", message)
+
+
 class FleetState:
     """Reads the state of the inventory's hosts (``limit``: a host pattern), all at once; model files are
     hashed on a slower lane whose results later readings use. :meth:`close` when done."""
@@ -185,6 +202,8 @@ class FleetState:
         self._inflight: dict[str, Future[HostState]] = {}
         self._hashing: dict[str, Future[None]] = {}
         self._hashes: dict[tuple[str, str], tuple[tuple[int, ...], str]] = {}  # (host, path) -> (stat, sha256)
+        self._up: dict[str, bool] = {}  # each host as the last reading found it
+        self._warn = WarnOnce()
 
     def read(self) -> dict[str, HostState]:
         """Every host's state now, each bounded by the host timeout."""
@@ -212,8 +231,19 @@ class FleetState:
             else:
                 hosts[name] = HostState(name, up=False, error=f"no answer within {self.host_timeout:g}s",
                                         duration_seconds=time.monotonic() - started)
-                log.warning("%s: no answer within %gs", name, self.host_timeout)
+        self._log_changes(hosts)
         return hosts
+
+    def _log_changes(self, hosts: Mapping[str, HostState]) -> None:
+        """A host going down (or found down at the first reading) is a warning with the reason; one coming back,
+        another; a host that stays as it was says nothing."""
+        for name, state in hosts.items():
+            was = self._up.get(name)
+            if not state.up and was is not False:
+                log.warning("%s: down: %s", name, state.error)
+            elif state.up and was is False:
+                log.warning("%s: back up", name)
+            self._up[name] = state.up
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -228,7 +258,6 @@ class FleetState:
             error = one_line(exc)
             if not isinstance(exc, RigctlError):
                 error = f"its probe answer cannot be read: {error}"
-            log.warning("%s: %s", name, error)
             return HostState(name, up=False, error=error, duration_seconds=time.monotonic() - started)
 
     def _read_host(self, host: Host) -> HostState:
@@ -253,7 +282,7 @@ class FleetState:
                                     channel_timeout=self.host_timeout) as ssh:
                 result = ssh.run(cmd, timeout=self.host_timeout)
         except (RigctlError, OSError) as exc:
-            log.info("%s: down: %s", host.name, exc)
+            log.debug("%s: %s", host.name, exc)  # finish_reading says when a host goes down
             return HostState(host.name, up=False, error=str(exc), duration_seconds=time.monotonic() - started)
         # An answer that cannot be read raises: finish_reading makes it this host's error (_answered).
         raw = parse_json(result.stdout, "its probe answer")
@@ -268,7 +297,7 @@ class FleetState:
         try:
             facts.builds = parse_fact(raw["fact"], host.name) if raw.get("fact") else Builds(host.name, None, None)
         except RigctlError as exc:
-            log.warning("%s", exc)
+            self._warn(str(exc))
         smi = raw.get("nvidia_smi") or {}
         if smi.get("rc") == 0:
             try:
@@ -289,7 +318,7 @@ class FleetState:
                 try:
                     manifest_sha = parse_manifest(entry["manifest"], host.name).sha256
                 except RigctlError as exc:
-                    log.warning("%s", exc)
+                    self._warn(str(exc))
             sha = None
             cached = self._hashes.get((host.name, path))
             if stat is not None:

@@ -188,12 +188,20 @@ def start(files: dict[str, str]) -> dict[str, Any]:
 def job_state(job_dir: str, spec: dict[str, Any], state: dict[str, Any] | None) -> dict[str, Any]:
     """The job's progress as its state file says (``state``), ``finishing`` while a final state waits on the
     unit's ExecStopPost= (servers started again, lock freed), ``starting`` before the job wrote any, and
-    ``failed`` when root's step before it kept it from running (:func:`rigctl.hostside.jobrun.prepare`)."""
+    ``failed`` when root's step before it kept it from running (:func:`rigctl.hostside.jobrun.prepare`) or
+    found it ended without a final state (:func:`rigctl.hostside.jobrun.finish`, with the cause)."""
     if not isinstance(state, dict):
         refused = _load(os.path.join(job_dir, NOT_STARTED_FILE))
         if isinstance(refused, dict) and os.path.exists(os.path.join(job_dir, FINISHED_FILE)):
             return {"state": "failed", "message": "not started", "error": str(refused.get("error")),
                     "ended": refused.get("ended")}
+    if not (isinstance(state, dict) and state.get("state") in FINAL_STATES):
+        # Root's step after the job found it ended without a final state (the results disk full, say): why.
+        finished = _load(os.path.join(job_dir, FINISHED_FILE))
+        if isinstance(finished, dict) and finished.get("error"):
+            return {**(state or {}), "state": "failed", "message": "ended without sealing its run",
+                    "error": str(finished["error"]), "ended": finished.get("ended")}
+    if not isinstance(state, dict):
         return {"state": "starting", "message": "starting"}
     if (state.get("state") in FINAL_STATES and sandboxed(spec)
             and not os.path.exists(os.path.join(job_dir, FINISHED_FILE))):

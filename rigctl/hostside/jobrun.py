@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from rigctl.hostside import jobfiles, stamp, units
-from rigctl.hostside.model_files import file_sha256, identity
+from rigctl.hostside.hash_cache import HASH_CACHE_FILE, cached_sha256
 from rigctl.hostside.runrecord import RUN_FILE, Artifact, RunRecord, RunStatus, utc_now, write_json_atomically
 
 #: Space set aside in the run directory when the job starts and freed to seal it: a disk that fills up
@@ -67,8 +67,6 @@ RESERVE_FILE = ".reserve"
 RESERVE_BYTES = 1 << 20
 #: Less free space than this after a failure: the failure is (most likely) the disk being full.
 DISK_FULL_BYTES = 16 << 20
-#: sha256 of model files by path and file identity, beside the jobs directory.
-HASH_CACHE_FILE = "sha256-cache.json"
 SPEC_FILE = jobfiles.SPEC_FILE
 
 
@@ -265,23 +263,6 @@ def hash_cache_path(spec: dict[str, Any]) -> Path:
     return Path(spec["job_dir"]).parent.parent / HASH_CACHE_FILE
 
 
-def cached_sha256(cache_path: Path, path: str) -> tuple[str, str]:
-    """``path``'s sha256 and where it came from: the cache when the file's identity is the one it was hashed
-    with, else hashed now (and kept in the cache, where the caller may write it)."""
-    identity_now = identity(path)
-    cache = jobfiles.read_json(str(cache_path))
-    hit = cache.get(path) if isinstance(cache, dict) else None
-    if isinstance(hit, dict) and hit.get("identity") == identity_now and isinstance(hit.get("sha256"), str):
-        return hit["sha256"], f"cache (hashed {hit.get('hashed', '?')}, file unchanged since)"
-    digest = file_sha256(path)
-    if not isinstance(cache, dict):
-        cache = {}
-    cache[path] = {"identity": identity_now, "sha256": digest, "hashed": utc_now()}
-    with contextlib.suppress(OSError):  # read-only to a job: hashed now, again next time
-        write_json_atomically(cache_path, cache)
-    return digest, "hashed now"
-
-
 def prepare(job_dir: Path) -> int:
     """Root's step before the job (ExecStartPre=+): the spec's model files hashed into the host's cache,
     then the llama-server units the spec names stopped. Non-zero (the job does not run) when one will not
@@ -314,8 +295,41 @@ def finish(job_dir: Path) -> int:
             problems.append(f"{unit}: {problem}")
             print(f"{utc_now()} cannot start {unit}: {problem}", flush=True)
     jobfiles.release_lock(spec)
-    write_json_atomically(job_dir / jobfiles.FINISHED_FILE, {"ended": utc_now(), "restore_problems": problems})
+    finished: dict[str, Any] = {"ended": utc_now(), "restore_problems": problems}
+    state = jobfiles.read_state(str(job_dir), spec)
+    if not (isinstance(state, dict) and state.get("state") in jobfiles.FINAL_STATES):
+        cause = unsealed_cause(job_dir, spec)
+        if cause:
+            finished["error"] = cause
+    write_json_atomically(job_dir / jobfiles.FINISHED_FILE, finished)
     return 0
+
+
+#: How systemd says a unit's process was killed (SERVICE_RESULT): the runtime had no chance to seal its run.
+KILLED_RESULTS = frozenset({"signal", "core-dump", "oom-kill"})
+
+
+def unsealed_cause(job_dir: Path, spec: dict[str, Any]) -> str | None:
+    """Why a job's unit ended without a final state (root's step after it): the results disk being full (the
+    job could not write even that), else the runtime's last complaint in the unit's output, else how systemd
+    saw the unit end. None when it was killed (SIGKILL, out of memory) and said nothing: the job is lost,
+    and ``rigctl pull`` seals its run so."""
+    where = Path(jobfiles.run_dir(spec))
+    while not where.is_dir() and where != where.parent:  # the job may not have made its directories
+        where = where.parent
+    full = disk_full(where)
+    if full:
+        return f"{full}: the job could not write its run"
+    with contextlib.suppress(OSError):
+        lines = (job_dir / "output.log").read_text(errors="replace").splitlines()
+        said = [line for line in lines if line.startswith("jobrun: ")]
+        if said:
+            return said[-1].removeprefix("jobrun: ")
+    result, status = os.environ.get("SERVICE_RESULT"), os.environ.get("EXIT_STATUS")
+    if result in KILLED_RESULTS:
+        return None
+    return (f"the job's unit ended ({result or 'unknown'}"
+            f"{', exit status ' + status if status else ''}) without writing a final state")
 
 
 def load_task(job_dir: Path, name: str) -> Any:

@@ -22,6 +22,16 @@ RETRY_BACKOFF = 0.5
 RETRY_MAX_WAIT = 8.0
 
 
+def attempts_within(wait_s: float, backoff: float = RETRY_BACKOFF, max_wait: float = RETRY_MAX_WAIT) -> int:
+    """The fewest attempts whose waits between them (:func:`retry_wait` at its shortest) add up to ``wait_s``;
+    never fewer than :data:`RETRY_ATTEMPTS`."""
+    attempts, waited = 1, 0.0
+    while waited < wait_s:
+        waited += min(max_wait, backoff * 2 ** (attempts - 1)) * 0.75
+        attempts += 1
+    return max(RETRY_ATTEMPTS, attempts)
+
+
 def retryable_status(status: int) -> bool:
     return status >= 500
 

@@ -7,6 +7,9 @@ sides. Standard library only.
 * ``systemctl`` is given :data:`SYSTEMCTL_TIMEOUT_S` to start or stop a unit; a server is then waited for
   :data:`HEALTH_TIMEOUT_S` until ``/health`` answers 200 (a model loading from a slow disk), polled every
   :data:`POLL_S`.
+* A server that crashed is back after systemd's restart delay and its model's load time, both in the
+  llama_server role's local fact (:data:`SERVER_FACT`, the load time as its last rollout measured it): a
+  client rides through :func:`restart_wait_s` of that before it gives up.
 
 The job runtime runs these commands itself, as root, around a bench that takes the card from the host's
 servers (:func:`rigctl.hostside.jobrun.prepare` and ``finish``, :func:`run`); the controller sends the same
@@ -15,6 +18,7 @@ commands over SSH (:func:`shell`) from its server lifecycle, :mod:`rigctl.fleet.
 
 from __future__ import annotations
 
+import json
 import shlex
 import subprocess
 from collections.abc import Sequence
@@ -24,6 +28,28 @@ HEALTH_TIMEOUT_S = 600.0
 POLL_S = 1.0
 #: The actions that start a unit (and so clear its failure counter first).
 STARTS = ("start", "restart")
+#: The llama_server role's local fact: the units' restart delay and each instance's measured load time.
+SERVER_FACT = "/etc/ansible/facts.d/llama_server.fact"
+#: The longest a client rides through a server's restart, however slow its model was to load.
+RESTART_WAIT_CEILING_S = 180.0
+#: Added to a restart's expected length: systemd noticing the crash, the port opening, a busy host.
+RESTART_WAIT_MARGIN_S = 5.0
+
+
+def restart_wait_s(restart_sec: float, load_s: float) -> float:
+    """How long a client waits for a server that crashed to serve again: systemd's restart delay plus twice
+    the model's load time as measured when it was deployed, plus a margin; at most the ceiling."""
+    return min(RESTART_WAIT_CEILING_S, max(0.0, restart_sec) + 2 * max(0.0, load_s) + RESTART_WAIT_MARGIN_S)
+
+
+def fact_restart_wait_s(fact: str, server: str) -> float | None:
+    """:func:`restart_wait_s` of ``server`` from :data:`SERVER_FACT`'s text; None when the fact does not say
+    (no rollout measured it, or not JSON)."""
+    try:
+        data = json.loads(fact)
+        return restart_wait_s(float(data["restart_sec"]), float(data["instances"][server]["load_s"]))
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def commands(action: str, units: Sequence[str]) -> list[list[str]]:

@@ -48,6 +48,7 @@ from rigctl.hostside.llama_server_http import (
     RETRY_BACKOFF,
     RETRY_MAX_WAIT,
     UnreadableJSON,
+    attempts_within,
     decode_json,
     retry_wait,
     retryable_status,
@@ -101,6 +102,12 @@ class Retry:
 
     def wait(self, attempt: int) -> float:
         return retry_wait(attempt, self.backoff, self.max_wait)
+
+    @classmethod
+    def within(cls, wait_s: float) -> Retry:
+        """Enough attempts that their waits add up to ``wait_s`` (a server's restart:
+        :func:`rigctl.hostside.units.restart_wait_s`), never fewer than the default."""
+        return cls(attempts=attempts_within(wait_s, RETRY_BACKOFF, RETRY_MAX_WAIT))
 
 
 NO_RETRY = Retry(attempts=1)

@@ -50,11 +50,13 @@ class ResultsStore:
                 raise TrustError(f"{what} {name!r}: not a plain name, refused as a results path")
         return self.root / host / run_id
 
-    def runs(self, host: str | None = None, kind: str | None = None) -> Iterator[StoredRun]:
-        """Every stored run, oldest first; directories without a readable record are skipped with a warning."""
+    def runs(self, host: str | None = None, kind: str | None = None,
+             on_skip: Callable[[Path, ConfigError], None] | None = None) -> Iterator[StoredRun]:
+        """Every stored run, oldest first; directories without a readable record are skipped with a warning
+        (or handed to ``on_skip``, for a caller that reads the store again and again)."""
         for host_dir in self._host_dirs(host):
             for run_dir in sorted(p for p in host_dir.glob("*") if p.is_dir()):
-                record = _readable(run_dir)
+                record = _readable(run_dir, on_skip)
                 if record is not None and (kind is None or record.kind == kind):
                     yield StoredRun(host=host_dir.name, path=run_dir, record=record)
 
@@ -120,12 +122,16 @@ class ResultsStore:
         return problems
 
 
-def _readable(run_dir: Path) -> RunRecord | None:
-    """The run's record; None, with a warning, when it cannot be read (one bad run never hides the others)."""
+def _readable(run_dir: Path, on_skip: Callable[[Path, ConfigError], None] | None = None) -> RunRecord | None:
+    """The run's record; None when it cannot be read (one bad run never hides the others), with a warning or
+    handed to ``on_skip``."""
     try:
         return RunRecord.load(run_dir)
     except ConfigError as exc:
-        log.warning("skipping %s: %s", run_dir, exc)
+        if on_skip is None:
+            log.warning("skipping %s: %s", run_dir, exc)
+        else:
+            on_skip(run_dir, exc)
         return None
 
 

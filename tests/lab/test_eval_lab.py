@@ -199,20 +199,10 @@ def _prompt(row) -> str:
 def test_server_stopped_midway_then_resume_answers_each_question_once(lab, env):
     host = lab.host(HOST)
     before = set((env[0] / HOST).glob("eval-*"))
-    args = ["eval", "run", "--host", HOST, "--server", SERVER, "--task", str(TASKS / "fixture-gsm8k.yaml"),
-            "--concurrency", "2"]
-    running = subprocess.Popen([*RIGCTL, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env=env[1], cwd=REPO)
+    running = _start_gsm8k(env)
     with SshClient(SshTarget.from_host(host)) as ssh:
         try:
-            deadline = time.monotonic() + 600
-            answers = None
-            while time.monotonic() < deadline:
-                found = [p for p in (env[0] / HOST).glob("eval-*") if p not in before]
-                answers = found[0] / "answers.jsonl" if found else None
-                if answers and answers.is_file() and len(answers.read_text().splitlines()) >= 2:
-                    break
-                time.sleep(0.2)
+            _wait_for_answers(env, before, 2)
             ssh.run(f"systemctl stop {UNIT}", timeout=60, check=True)
             _, stderr = running.communicate(timeout=300)
         finally:
@@ -227,7 +217,8 @@ def test_server_stopped_midway_then_resume_answers_each_question_once(lab, env):
     while not _healthy(lab):
         assert time.monotonic() < deadline, "llama-server did not come back"
         time.sleep(0.5)
-    resumed = rigctl(env, "eval", "run", "--resume", f"{HOST}/{stopped.id}", "--host", HOST, "--server", SERVER)
+    # The run alone: its server is found in the inventory, with its key, as a fresh run finds it.
+    resumed = rigctl(env, "eval", "run", "--resume", f"{HOST}/{stopped.id}")
     assert resumed.returncode == 0, resumed.stderr
     rows = read_jsonl(path / "answers.jsonl")
     assert sorted(r["id"] for r in rows) == sorted(f"fixture-gsm8k-{i}" for i in range(1, 11))
@@ -235,6 +226,57 @@ def test_server_stopped_midway_then_resume_answers_each_question_once(lab, env):
     record = RunRecord.load(path)
     assert record.status == "done" and len(record.extra["resumed"]) == 1
     assert record.extra["summary"]["overall"]["n"] == 10
+
+
+def test_a_server_killed_midway_restarts_and_the_run_rides_through(lab, env):
+    """``systemctl kill -s KILL`` of the server during a run: systemd restarts it, the run's requests wait for it
+    (a retry budget from the unit's restart delay and the model's load time measured at deploy) and the run
+    finishes with every question answered once, no resume needed."""
+    host = lab.host(HOST)
+    before = set((env[0] / HOST).glob("eval-*"))
+    running = _start_gsm8k(env)
+    with SshClient(SshTarget.from_host(host)) as ssh:
+        fact = json.loads(ssh.run("cat /etc/ansible/facts.d/llama_server.fact", timeout=60, check=True).stdout)
+        pid = ssh.run(f"systemctl show -p MainPID --value {UNIT}", timeout=60, check=True).stdout.strip()
+        _wait_for_answers(env, before, 2)
+        killed = time.monotonic()
+        ssh.run(f"systemctl kill -s KILL {UNIT}", timeout=60, check=True)
+        while not _healthy(lab):
+            assert time.monotonic() - killed < 120, "llama-server did not come back"
+            time.sleep(0.2)
+        back = time.monotonic() - killed
+        assert ssh.run(f"systemctl show -p MainPID --value {UNIT}", timeout=60, check=True).stdout.strip() != pid
+    stdout, stderr = running.communicate(timeout=600)
+    assert running.returncode == 0, stdout + stderr
+    path = run_dir(env, before)
+    record = RunRecord.load(path)
+    rows = read_jsonl(path / "answers.jsonl")
+    assert sorted(r["id"] for r in rows) == sorted(f"fixture-gsm8k-{i}" for i in range(1, 11))
+    assert record.status == "done" and "resumed" not in record.extra
+    load_s = fact["instances"][SERVER]["load_s"]
+    print(f"server back {back:.1f} s after SIGKILL (RestartSec {fact['restart_sec']} s, load measured at deploy "
+          f"{load_s} s); the run retried up to {record.extra['retry_attempts']} times per request")
+    assert record.extra["retry_attempts"] > 4  # more than the default budget (about 3.5 s of waiting)
+
+
+def _start_gsm8k(env) -> subprocess.Popen[str]:
+    """``eval run`` of the fixture GSM8K task (10 questions, 2 at a time) on the desktop's server, running."""
+    args = ["eval", "run", "--host", HOST, "--server", SERVER, "--task", str(TASKS / "fixture-gsm8k.yaml"),
+            "--concurrency", "2"]
+    return subprocess.Popen([*RIGCTL, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env[1],
+                            cwd=REPO)
+
+
+def _wait_for_answers(env, before: set[Path], count: int, timeout: float = 600) -> None:
+    """Until the run started after ``before`` has ``count`` answers."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = [p for p in (env[0] / HOST).glob("eval-*") if p not in before]
+        answers = found[0] / "answers.jsonl" if found else None
+        if answers and answers.is_file() and len(answers.read_text().splitlines()) >= count:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"fewer than {count} answers within {timeout:g} s")
 
 
 def _healthy(lab) -> bool:

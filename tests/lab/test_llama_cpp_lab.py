@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,12 +24,15 @@ from typing import Any
 
 import pytest
 from conftest import check_mode_play, wait_healthy
+from process_support import descendants, still_running
 
 from rigctl.fleet.build import parse_fact, read_builds, rollback
 from rigctl.fleet.deploy import DeployResult, ansible_env, run_playbook
 from rigctl.inventory import Host, Inventory
 from rigctl.ssh import SshClient, SshTarget
 
+#: The play's watchdog: it outlives the controller on purpose, to stop the rest.
+WATCHDOG = "rigctl.fleet.tether"
 REPO = Path(__file__).resolve().parents[2]
 INSTALL_ROOT = "/opt/llama.cpp"
 CCACHE_DIR = "/var/cache/llama.cpp/ccache"
@@ -278,24 +282,21 @@ def _build_the_stamped_pin(inv: Inventory, desktop: Host, original: str) -> str:
 COMPILE_UNIT = "llama-cpp-build.service"
 
 
-def _session_processes(session: int) -> list[str]:
-    """The command lines of this machine's processes in ``session`` (a process group's session id)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[3]) == session:  # fields after the name: state ppid pgrp session ...
-                found.append((stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
-        except (OSError, IndexError, ValueError):
-            continue
-    return found
+def _compiling(host: Host) -> int:
+    """How many compiles of the fleet's binaries run on the rig now (cmake --build and the compilers under it).
+    ``^cmake --build``: the cmake process itself, not the command lines that start it (systemd-run, the watcher)."""
+    out = ssh(host, f"systemctl is-active {COMPILE_UNIT} || true; pgrep -c -f '^cmake [-]-build' || true; "
+                    "pgrep -c -x cc1plus || true")
+    state, builds, compilers = (out.split() + ["", "0", "0"])[:3]
+    return (state == "active") + int(builds) + int(compilers)
 
 
 def test_a_provision_killed_during_the_compile_leaves_nothing_the_next_run_keeps(
         built: tuple[Inventory, DeployResult], tmp_path: Path) -> None:
-    """The controller dies hard mid-compile (rigctl, ansible-playbook and their SSH connections SIGKILLed at
-    once: an OOM kill, a closed lid): the next provision stops the compile it left, removes the half-built
-    tree and says so, builds, and the rig's server still answers; build status never shows the half build."""
+    """rigctl alone is SIGKILLed mid-compile (not its process group: an OOM kill, a closed lid): within seconds no
+    process of its play runs on this machine, and no compile of it on the rig (the compile ends with the
+    controller's connection). The next provision removes the half-built tree and says so, runs one compile in
+    the tree, and the rig's server still answers; build status never shows the half build."""
     inv, _ = built
     desktop = inv.host("desktop")
     original = current_target(desktop)
@@ -309,6 +310,7 @@ def test_a_provision_killed_during_the_compile_leaves_nothing_the_next_run_keeps
             "--tags", "llama_cpp"]
     controller = subprocess.Popen(argv, cwd=REPO, start_new_session=True, stdin=subprocess.DEVNULL,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    play: dict[int, str] = {}
     try:
         deadline = time.monotonic() + 900
         while ssh(desktop, f"systemctl is-active {COMPILE_UNIT} || true").strip() != "active":
@@ -316,22 +318,48 @@ def test_a_provision_killed_during_the_compile_leaves_nothing_the_next_run_keeps
             assert time.monotonic() < deadline, "no compile within 900 s"
             time.sleep(1)
         time.sleep(3)  # well inside the compile: objects half-written, the tree unfinished
+        play = descendants(controller.pid, but=WATCHDOG)
+        assert any("ansible-playbook" in line for line in still_running(play).values()), still_running(play)
     finally:
-        os.killpg(controller.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        os.kill(controller.pid, signal.SIGKILL)
         controller.wait()
-    # Nothing of the killed provision runs on this machine any more.
-    deadline = time.monotonic() + 10
-    while _session_processes(controller.pid) and time.monotonic() < deadline:
+    # Nothing of the killed provision runs on this machine any more, nor its compile on the rig.
+    while still_running(play):
+        assert time.monotonic() - killed < 30, still_running(play)
+        time.sleep(0.2)
+    controller_gone = time.monotonic() - killed
+    while _compiling(desktop):
+        assert time.monotonic() - killed < 60, ssh(desktop, "ps -eo pid,args | grep -E 'cmake|cc1plus' || true")
         time.sleep(0.5)
-    assert _session_processes(controller.pid) == []
+    rig_gone = time.monotonic() - killed
+    print(f"after SIGKILL of rigctl: its {len(play)} play processes gone in {controller_gone:.1f} s, "
+          f"the rig's compile in {rig_gone:.1f} s")
+    assert controller_gone < 15 and rig_gone < 30
     assert ssh(desktop, f"ls -A {BUILD_TREES}").strip(), "the kill left no build tree to clean"
     assert read_builds(desktop).current.name == original  # build status: the half build is nowhere
 
     said: list[str] = []
+    most = 0
+    sampling = threading.Event()
+
+    def sample() -> None:
+        nonlocal most
+        with SshClient(SshTarget.from_host(desktop)) as client:
+            while not sampling.is_set():
+                most = max(most, int(client.run("pgrep -c -f '^cmake [-]-build' || true", timeout=30).stdout.strip()
+                                     or 0))
+                sampling.wait(1)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     try:
         result = run_playbook(interrupted, "site.yml", limit="desktop", tags=["llama_cpp"], timeout=BUILD_TIMEOUT,
                               on_event=lambda event: said.append(event.message or ""))
+        sampling.set()
+        sampler.join(timeout=60)
         assert result.succeeded, result.failures()
+        assert most == 1, f"{most} compiles at once in the build tree"
         assert any("removed what an interrupted llama.cpp build left" in line and BUILD_TREES in line
                    for line in said), said
         new = current_target(desktop)
@@ -342,6 +370,7 @@ def test_a_provision_killed_during_the_compile_leaves_nothing_the_next_run_keeps
         assert ssh(desktop, f"systemctl is-active {COMPILE_UNIT} || true").strip() != "active"
         wait_healthy(inv, timeout=60)
     finally:
+        sampling.set()
         stamped = current_target(desktop)
         if stamped != original:
             rollback(inv, "desktop")

@@ -187,3 +187,42 @@ def test_servers_come_back_after_a_reboot(lab_served: Inventory) -> None:
     wait_healthy(lab_served, timeout=180)
     row = next(r for r in list_servers(lab_served, "laptop") if r.name == "smollm2")
     assert row.state == "active" and row.healthy and row.build == _expected_build(lab_served)
+
+
+@pytest.mark.lab
+def test_a_busy_server_stops_within_its_stop_timeout(lab_served: Inventory) -> None:
+    """llama-server keeps generating after SIGTERM; the unit gives it llama_server_stop_timeout_sec, then kills
+    it: a stop (or a restart, a rollout) never waits longer for one busy server."""
+    import threading
+
+    import httpx
+
+    host = lab_served.host("laptop")
+    endpoint = host.server("smollm2").endpoint
+    outcome: list[str] = []
+
+    def generate() -> None:
+        try:
+            reply = httpx.post(f"{endpoint.url}/completion", headers=endpoint.headers(), timeout=300,
+                               json={"prompt": "Once upon a time", "n_predict": 1900, "ignore_eos": True})
+            outcome.append(f"HTTP {reply.status_code}")
+        except httpx.HTTPError as exc:
+            outcome.append(type(exc).__name__)
+
+    busy = threading.Thread(target=generate)
+    busy.start()
+    timeout = int(_remote(lab_served, "laptop", "systemctl show -p TimeoutStopUSec --value llama-server@smollm2")
+                  .strip().removesuffix("s"))
+    assert timeout == 5  # llama_server_stop_timeout_sec's default
+    time.sleep(2)  # generating now
+    try:
+        started = time.monotonic()
+        _remote(lab_served, "laptop", "systemctl stop llama-server@smollm2", timeout=120)
+        took = time.monotonic() - started
+    finally:
+        _remote(lab_served, "laptop", "systemctl start llama-server@smollm2", timeout=120)
+        busy.join(timeout=300)
+    print(f"a busy llama-server stopped in {took:.1f} s (TimeoutStopSec={timeout})")
+    assert outcome and not outcome[0].startswith("HTTP"), outcome  # cut off mid-generation: it was busy
+    assert took < timeout + 3
+    wait_healthy(lab_served)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,6 +17,8 @@ from rigctl.fleet.deploy import run_playbook
 from rigctl.inventory import Inventory
 
 REPO = Path(__file__).resolve().parents[2]
+#: The play's first task: it takes the host's play lock.
+LOCK_TASK = "Take the host's play lock"
 pytestmark = pytest.mark.lab
 
 
@@ -44,7 +47,7 @@ def test_provision_both_rigs_then_nothing_changes(lab_up: Inventory) -> None:
 def test_cli_streams_tasks_and_prints_per_host_summary(lab_up: Inventory) -> None:
     out = rigctl("provision", "--limit", "laptop", inventory=lab_up.source)
     assert out.returncode == 0, out.stderr
-    assert "TASK Check the host answers over SSH" in out.stdout
+    assert f"TASK {LOCK_TASK}" in out.stdout
     assert "ok laptop" in out.stdout and "desktop" not in out.stdout
     summary = [line for line in out.stdout.splitlines() if line.strip().startswith("│ laptop")]
     assert summary, out.stdout
@@ -69,12 +72,12 @@ def test_unreachable_host_is_named_and_the_other_host_still_reported(lab_up: Inv
     assert not result.succeeded
     assert result.hosts["laptop"].unreachable == 1
     assert result.hosts["desktop"].succeeded and result.hosts["desktop"].ok > 0
-    with pytest.raises(DeployError, match=r"^laptop unreachable at 'Gathering Facts': .*"):
+    with pytest.raises(DeployError, match=rf"^laptop unreachable at {re.escape(repr(LOCK_TASK))}: .*"):
         result.raise_for_failures()
 
     out = rigctl("provision", inventory=inv_dir)
     assert out.returncode != 0
-    assert out.stderr.strip().splitlines()[-1].startswith("error: laptop unreachable at 'Gathering Facts'")
+    assert out.stderr.strip().splitlines()[-1].startswith(f"error: laptop unreachable at {LOCK_TASK!r}")
 
 
 def test_plain_ansible_playbook_uses_the_same_config(lab_up: Inventory) -> None:

@@ -92,8 +92,8 @@ def test_the_roles_modules_use_the_one_gguf_reader_and_model_file_helpers() -> N
 def test_the_import_closure_is_what_a_module_imports(tmp_path: Path) -> None:
     assert ship.closure(["fleet_state"]) == ["model_files", "fleet_state"]
     assert set(ship.closure(["jobrun", "eval_task"])) == {"jobrun", "eval_task", "jobfiles", "model_files",
-                                                         "llama_cpp_fact", "llama_server_http", "stamp", "runrecord",
-                                                         "units", "scorers", "bfcl"}
+                                                         "hash_cache", "llama_cpp_fact", "llama_server_http", "stamp",
+                                                         "runrecord", "units", "scorers", "bfcl", "commands"}
     with pytest.raises(ConfigError, match="no rigctl/hostside/nope.py"):
         ship.closure(["nope"])
 
@@ -229,7 +229,7 @@ def test_a_job_directory_imports_its_modules_without_rigctl_installed(tmp_path: 
     assert "rigctl/hostside/llama_server_http.py" in files and "rigctl/hostside/model_files.py" in files
     jobhost.write_job_dir(str(tmp_path), files)
     probe = ("import jobrun, eval_task, rigctl.hostside.model_files as m; "
-             "print(m.__file__, jobrun.file_sha256(jobrun.__file__) == m.file_sha256(jobrun.__file__))")
+             "print(m.__file__, jobrun.cached_sha256.__globals__['model_files'] is m)")
     done = subprocess.run([SYSTEM_PYTHON, "-S", "-c", f"import sys; sys.path.insert(0, {str(tmp_path)!r}); {probe}"],
                           capture_output=True, text=True, timeout=60, cwd="/", check=False)
     assert done.returncode == 0, done.stderr
