@@ -42,6 +42,7 @@ from prometheus_client.utils import floatToGoString
 
 from rigctl.build import Builds, parse_fact
 from rigctl.errors import ConfigError, RigctlError, one_line
+from rigctl.fleet.advisories import FloorCheck, build_number, check_build, host_allowed
 from rigctl.hostside import ship
 from rigctl.hostside.llama_cpp_fact import FACT_PATH
 from rigctl.inventory import Host, Inventory
@@ -158,6 +159,7 @@ class HostPlan:
     pinned_version: str
     pinned_source: str
     servers: Mapping[str, Mapping[str, Any]]  # name -> artifact, profile, port, enabled
+    allowed_advisories: Mapping[str, str] = field(default_factory=dict)  # the CVE floor's accepted ids
 
     @classmethod
     def from_host(cls, host: Host) -> HostPlan:
@@ -168,7 +170,17 @@ class HostPlan:
             pinned_source=pin.source if pin else "",
             servers={s.name: {"artifact": s.artifact, "profile": s.profile.name, "port": s.port, "enabled": s.enabled}
                      for s in host.servers},
+            allowed_advisories=host_allowed(host),
         )
+
+    def floor(self, build: int) -> FloorCheck:
+        """``build`` against the CVE floor, with this host's accepted advisories."""
+        return check_build(build, self.allowed_advisories)
+
+    @property
+    def pinned_build(self) -> int | None:
+        """The pin's upstream build number, where the pin says it (an archive's ``bNNNN``)."""
+        return build_number(self.pinned_version) if self.pinned_source == "archive" else None
 
     def build_drift(self, builds: Builds | None) -> bool | None:
         """Whether the running build is not the pinned one (None: nothing to compare)."""
@@ -372,6 +384,10 @@ def metric_families(snapshot: Snapshot | None, plans: Mapping[str, HostPlan]) ->
     eval_n = g("rigctl_eval_questions", "Questions scored in the latest eval run per task and artifact",
                labels=["host", "task", "artifact", "run"])
     results_ok = g("rigctl_results_readable", "1 if the results store was read in the last collection")
+    vulnerable = g("rigctl_build_vulnerable",
+                   "1 if the llama.cpp build is inside a published advisory's range the fleet has not accepted "
+                   "(the CVE floor); build: the pinned one or the one running",
+                   labels=["host", "build", "version", "advisories"])
 
     if snapshot is not None:
         completed.add_metric([], snapshot.completed_at)
@@ -379,6 +395,8 @@ def metric_families(snapshot: Snapshot | None, plans: Mapping[str, HostPlan]) ->
         results_ok.add_metric([], 0.0 if snapshot.results_error else 1.0)
         for name, plan in sorted(plans.items()):
             facts = snapshot.hosts.get(name)
+            if plan.pinned_build is not None:
+                _floor_sample(vulnerable, name, "pinned", plan.pinned_version, plan.floor(plan.pinned_build))
             for server, spec in sorted(plan.servers.items()):
                 server_info.add_metric([name, server, str(spec["artifact"]), str(spec["profile"]), str(spec["port"]),
                                         "true" if spec["enabled"] else "false"], {})
@@ -394,6 +412,8 @@ def metric_families(snapshot: Snapshot | None, plans: Mapping[str, HostPlan]) ->
             drift = plan.build_drift(facts.builds)
             if drift is not None:
                 build_drift.add_metric([name], 1.0 if drift else 0.0)
+            if current is not None and current.build_number > 0:
+                _floor_sample(vulnerable, name, "running", current.version, plan.floor(current.build_number))
             for model in facts.models:
                 expected, pinned_by = model.expected
                 model_info.add_metric([name, model.artifact, model.sha256 or "", expected or "", pinned_by], {})
@@ -424,9 +444,13 @@ def metric_families(snapshot: Snapshot | None, plans: Mapping[str, HostPlan]) ->
             labels = [score.host, score.task, score.artifact, score.run_id]
             eval_gauge.add_metric(labels, score.score)
             eval_n.add_metric(labels, float(score.questions))
-    return [up, probe, completed, duration, results_ok, build_info, build_drift, model_info, model_drift,
+    return [up, probe, completed, duration, results_ok, build_info, build_drift, vulnerable, model_info, model_drift,
             model_bytes, server_info, server_state, server_pid, server_restarts, temperature, mem_used, mem_total,
             utilization, bench, bench_time, eval_gauge, eval_n]
+
+
+def _floor_sample(family: GaugeMetricFamily, host: str, which: str, version: str, check: FloorCheck) -> None:
+    family.add_metric([host, which, version, ",".join(a.id for a in check.refused)], 1.0 if check.vulnerable else 0.0)
 
 
 AGE_METRIC = "rigctl_collection_age_seconds"

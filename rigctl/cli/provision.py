@@ -16,10 +16,14 @@ def provision(
     check: Annotated[bool, typer.Option("--check", help="Report what would change; change nothing.")] = False,
     playbook: Annotated[str, typer.Option(help="Playbook under playbooks/.")] = "site.yml",
 ) -> None:
-    """Run playbooks/site.yml through ansible-runner; per-task progress, then a per-host summary."""
+    """Run playbooks/site.yml through ansible-runner; per-task progress, then a per-host summary. A llama.cpp
+    pin inside a published advisory's range (the CVE floor) is refused before anything runs."""
     from rigctl.deploy import run_playbook
+    from rigctl.fleet.advisories import refuse_vulnerable_pins
 
-    result = run_playbook(load_inventory(), playbook, limit=limit, tags=tags or (), check=check,
+    inventory = load_inventory()
+    refuse_vulnerable_pins(inventory.select(limit))
+    result = run_playbook(inventory, playbook, limit=limit, tags=tags or (), check=check,
                           on_event=print_event, on_task=print_task)
     print_deploy_summary(result, f"{playbook}{' (check mode)' if check else ''}")
     result.raise_for_failures()

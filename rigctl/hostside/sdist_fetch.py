@@ -181,15 +181,48 @@ def project_files(page: bytes, content_type: str, page_url: str) -> list[dict[st
     return files
 
 
-def _sdist_of(files: list[dict[str, str]], project: str, version: str) -> dict[str, str] | None:
-    for entry in files:
-        filename = entry["filename"]
-        for suffix in _SDIST_SUFFIXES:
-            if filename.lower().endswith(suffix):
-                name, sep, file_version = filename[: -len(suffix)].rpartition("-")
-                if sep and canonical_name(name) == canonical_name(project) and file_version == version:
-                    return entry
+def _sdist_version(filename: str, project: str) -> str | None:
+    """The version of an sdist file name of ``project`` (``name-1.0.tar.gz``); None for another file."""
+    for suffix in _SDIST_SUFFIXES:
+        if filename.lower().endswith(suffix):
+            name, sep, version = filename[: -len(suffix)].rpartition("-")
+            if sep and canonical_name(name) == canonical_name(project):
+                return version
     return None
+
+
+def _sdist_of(files: list[dict[str, str]], project: str, version: str) -> dict[str, str] | None:
+    return next((e for e in files if _sdist_version(e["filename"], project) == version), None)
+
+
+def _project_page(project: str, index: str, timeout: float, context: ssl.SSLContext | None
+                  ) -> tuple[list[dict[str, str]], str, str] | str:
+    """(files, final URL, the page's URL as asked) of ``project``'s page on ``index``; a string saying why
+    when there is none."""
+    page_url = index.rstrip("/") + f"/{canonical_name(project)}/"
+    try:
+        with _open(page_url, ACCEPT, timeout, context) as response:
+            page = response.read(MAX_PAGE_BYTES + 1)
+            content_type = response.headers.get("Content-Type", "")
+            final_url = response.geturl()
+    except urllib.error.HTTPError as exc:
+        return f"{shown(page_url)} (HTTP {exc.code})"
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        return f"{shown(page_url)} ({getattr(exc, 'reason', exc)})"
+    if len(page) > MAX_PAGE_BYTES:
+        raise SdistFetchError(f"project {project}: {shown(page_url)} is larger than {MAX_PAGE_BYTES} bytes")
+    return project_files(page, content_type, final_url), final_url, page_url
+
+
+def _checked(entry: dict[str, str], what: str, page_url: str, index: str) -> dict[str, str]:
+    """``entry`` with the index's credentials where they belong, once its URL scheme and hash look right."""
+    allowed = {"file"} if urllib.parse.urlsplit(page_url).scheme == "file" else {"http", "https"}
+    if urllib.parse.urlsplit(entry["url"]).scheme not in allowed:
+        raise SdistFetchError(f"{what}: {shown(page_url)} points at {shown(entry['url'])}, "
+                              f"not an {' or '.join(sorted(allowed))} URL")
+    if entry["sha256"] and not _SHA256.match(entry["sha256"]):
+        raise SdistFetchError(f"{what}: {shown(page_url)} gives sha256 {entry['sha256']!r}, not 64 hex digits")
+    return {**entry, "url": _with_credentials(entry["url"], index)}
 
 
 def find_sdist(requirement: str, index_urls: list[str], timeout: float = 60,
@@ -198,34 +231,38 @@ def find_sdist(requirement: str, index_urls: list[str], timeout: float = 60,
     project, version = parse_requirement(requirement)
     tried = []
     for index in index_urls:
-        page_url = index.rstrip("/") + f"/{canonical_name(project)}/"
-        try:
-            with _open(page_url, ACCEPT, timeout, context) as response:
-                page = response.read(MAX_PAGE_BYTES + 1)
-                content_type = response.headers.get("Content-Type", "")
-                final_url = response.geturl()
-        except urllib.error.HTTPError as exc:
-            tried.append(f"{shown(page_url)} (HTTP {exc.code})")
+        found = _project_page(project, index, timeout, context)
+        if isinstance(found, str):
+            tried.append(found)
             continue
-        except (urllib.error.URLError, OSError, ValueError) as exc:
-            tried.append(f"{shown(page_url)} ({getattr(exc, 'reason', exc)})")
-            continue
-        if len(page) > MAX_PAGE_BYTES:
-            raise SdistFetchError(f"sdist {requirement}: {shown(page_url)} is larger than {MAX_PAGE_BYTES} bytes")
-        entry = _sdist_of(project_files(page, content_type, final_url), project, version)
+        files, final_url, page_url = found
+        entry = _sdist_of(files, project, version)
         if entry is None:
             tried.append(f"{shown(page_url)} (no sdist of {version})")
             continue
-        allowed = {"file"} if urllib.parse.urlsplit(final_url).scheme == "file" else {"http", "https"}
-        if urllib.parse.urlsplit(entry["url"]).scheme not in allowed:
-            raise SdistFetchError(f"sdist {requirement}: {shown(page_url)} points at {shown(entry['url'])}, "
-                                  f"not an {' or '.join(sorted(allowed))} URL")
-        entry["url"] = _with_credentials(entry["url"], index)
-        if entry["sha256"] and not _SHA256.match(entry["sha256"]):
-            raise SdistFetchError(f"sdist {requirement}: {shown(page_url)} gives sha256 {entry['sha256']!r}, "
-                                  "not 64 hex digits")
-        return entry
+        return _checked(entry, f"sdist {requirement}", final_url, index)
     raise SdistFetchError(f"sdist {requirement}: not found on {', '.join(tried) or 'no index'}")
+
+
+def list_sdists(project: str, index_urls: list[str] | None = None, timeout: float = 60) -> dict[str, dict[str, str]]:
+    """Every sdist of ``project`` the indexes list, by version (the first index to list a version wins):
+    ``{version: {"filename", "url", "sha256"}}``. SdistFetchError when no index has the project."""
+    context = _pip_ssl_context()
+    out: dict[str, dict[str, str]] = {}
+    tried = []
+    for index in pip_index_urls() if index_urls is None else index_urls:
+        found = _project_page(project, index, timeout, context)
+        if isinstance(found, str):
+            tried.append(found)
+            continue
+        files, final_url, _ = found
+        for entry in files:
+            version = _sdist_version(entry["filename"], project)
+            if version is not None and version not in out:
+                out[version] = _checked(entry, f"project {project}", final_url, index)
+    if not out:
+        raise SdistFetchError(f"project {project}: no sdist on {', '.join(tried) or 'no index'}")
+    return out
 
 
 def _with_credentials(url: str, index: str) -> str:
@@ -247,19 +284,24 @@ def _file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def fetch_sdist(requirement: str, dest_path: str | os.PathLike[str], sha256: str, *,
+def fetch_sdist(requirement: str, dest_path: str | os.PathLike[str], sha256: str | None, *,
                 index_urls: list[str] | None = None, timeout: float = 60,
                 max_bytes: int = MAX_ARCHIVE_BYTES) -> Path:
     """``dest_path``, holding the sdist of ``requirement`` (``name==version``) whose sha256 is ``sha256``.
 
     Nothing in the archive runs. A ``dest_path`` that exists is only checked against the pin (no network).
+    ``sha256`` None is a first fetch (the caller records what it got): the index's own hash for the file
+    then decides, where it gives one.
     ``index_urls`` defaults to pip's (:func:`pip_index_urls`). Raises :class:`SdistFetchError` (one line)
     when the file is not found, the index's hash or the bytes differ from the pin, or the transfer fails;
     then nothing is left at ``dest_path``."""
     dest = Path(dest_path)
-    pinned = sha256.lower()
-    if not _SHA256.match(pinned):
+    pinned = sha256.lower() if sha256 is not None else None
+    if pinned is not None and not _SHA256.match(pinned):
         raise SdistFetchError(f"sdist {requirement}: pin {sha256!r} is not 64 hex digits")
+    if dest.exists() and pinned is None:
+        raise SdistFetchError(f"archive {dest} exists but no sha256 is known for it (left as it is; remove it "
+                              f"to fetch {requirement} again)")
     if dest.exists():
         present = _file_sha256(dest)
         if present != pinned:
@@ -269,9 +311,10 @@ def fetch_sdist(requirement: str, dest_path: str | os.PathLike[str], sha256: str
     context = _pip_ssl_context()
     entry = find_sdist(requirement, pip_index_urls() if index_urls is None else index_urls, timeout, context)
     where = f"archive {dest} ({requirement}, {shown(entry['url'])})"
-    if entry["sha256"] and entry["sha256"] != pinned:
+    if pinned is not None and entry["sha256"] and entry["sha256"] != pinned:
         raise SdistFetchError(f"{where}: the index gives sha256 {entry['sha256']} but the pin is {pinned}; "
                               "nothing fetched")
+    expected = pinned or entry["sha256"] or None
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, part_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
     part = Path(part_name)
@@ -288,8 +331,9 @@ def fetch_sdist(requirement: str, dest_path: str | os.PathLike[str], sha256: str
             out.flush()
             os.fsync(out.fileno())
         actual = digest.hexdigest()
-        if actual != pinned:
-            raise SdistFetchError(f"{where}: sha256 {actual} but the pin is {pinned}; nothing written")
+        if expected is not None and actual != expected:
+            source = "the pin" if pinned else "the index's hash"
+            raise SdistFetchError(f"{where}: sha256 {actual} but {source} is {expected}; nothing written")
         part.chmod(0o644)
         os.replace(part, dest)
     except (urllib.error.URLError, OSError) as exc:
