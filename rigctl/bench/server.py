@@ -95,6 +95,17 @@ def filler_prompt(tokens: int, count: Callable[[str], int]) -> str:
     return " ".join(words)
 
 
+def measure_prompt(server: ServerClient, prompt: str, max_tokens: int) -> SweepPoint:
+    """One streamed chat request of ``prompt``, prompt cache off: TTFT on the client's clock, prefill and
+    decode tokens/s from the server's timings."""
+    tokens = len(server.tokenize(prompt))
+    reply = server.chat_stream([{"role": "user", "content": prompt}], max_tokens=max_tokens,
+                               extra={"cache_prompt": False})
+    timings = reply.timings
+    return SweepPoint(tokens, reply.ttft_s or 0.0, timings.prompt_per_second if timings else 0.0,
+                      timings.predicted_per_second if timings else 0.0, timings.predicted_n if timings else 0)
+
+
 def _memory_used(ssh: SshClient) -> int:
     result = ssh.run("nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits", timeout=30, check=True)
     return int(float(result.stdout.strip().splitlines()[0]))
@@ -126,15 +137,10 @@ def run_server_bench(
         record = RunRecord.begin("server-speed", stamp, host=host.name)
         with_props(record.servers[0], props, endpoint)
         for length in prompt_lengths:
-            prompt = filler_prompt(length, lambda text: len(server.tokenize(text)))
-            tokens = len(server.tokenize(prompt))
-            reply = server.chat_stream([{"role": "user", "content": prompt}], max_tokens=max_tokens,
-                                       extra={"cache_prompt": False})
-            timings = reply.timings
-            point = SweepPoint(tokens, reply.ttft_s or 0.0, timings.prompt_per_second if timings else 0.0,
-                               timings.predicted_per_second if timings else 0.0, timings.predicted_n if timings else 0)
+            point = measure_prompt(server, filler_prompt(length, lambda text: len(server.tokenize(text))), max_tokens)
             result.sweep.append(point)
-            say(f"prompt {tokens} tokens: ttft {point.ttft_s:.3f} s, decode {point.decode_per_s:.2f} tok/s")
+            say(f"prompt {point.prompt_tokens} tokens: ttft {point.ttft_s:.3f} s, "
+                f"decode {point.decode_per_s:.2f} tok/s")
         for _ in range(load_runs):
             began = time.monotonic()
             ssh.run(operator_start([unit], "restart"), timeout=300, check=True)
@@ -190,30 +196,38 @@ def deployed_argv(ssh: SshClient, server: Server) -> list[str]:
     return args_lines_to_argv(text.splitlines())
 
 
-def probe_command(server: Server, unit: str, argv: Sequence[str]) -> list[str]:
-    """The ``systemd-run`` command line of a probe of ``server``: its llama-server with ``argv`` as the transient
-    unit ``unit``, with the ``llama-server@`` unit's account, sandbox and GPU pin (the probe sees the card the
-    instance sees), writable nothing but a private /tmp (the instance's state directory is its own)."""
+def probe_command(server: Server, unit: str, argv: Sequence[str], binary: str | None = None) -> list[str]:
+    """The ``systemd-run`` command line of a probe of ``server``: its llama-server (or ``binary``, another
+    build's) with ``argv`` as the transient unit ``unit``, with the ``llama-server@`` unit's account, sandbox
+    and GPU pin (the probe sees the card the instance sees), writable nothing but a private /tmp (the
+    instance's state directory is its own)."""
     properties = [*server.account.unit_properties(), f"EnvironmentFile={server.env_file}", "UMask=0077"]
-    return ["systemd-run", "--unit", unit, "--collect", "--quiet", *run_options(properties), server.binary, *argv]
+    return ["systemd-run", "--unit", unit, "--collect", "--quiet", *run_options(properties),
+            binary or server.binary, *argv]
+
+
+def probe_unit_name(server: Server, purpose: str) -> str:
+    """The transient unit a probe of ``server`` for ``purpose`` runs as: ``rigctl-<first word>probe-<instance>``."""
+    return f"rigctl-{purpose.split()[0]}probe-{server.name}"
 
 
 @contextmanager
 def probe_server(ssh: SshClient, server: Server, settings: Mapping[str, Any], port: int,
-                 purpose: str) -> Iterator[Probe]:
+                 purpose: str, binary: str | None = None) -> Iterator[Probe]:
     """A probe of ``server`` with ``settings`` over its profile (``{"ctx_size": 4096}``) on ``port``, as the
     transient unit ``rigctl-<purpose>probe-<instance>`` as the unit's user, with its sandbox and GPU pin, once
-    it is healthy; stopped on exit. Refused when the host's arguments file is not what the inventory plans (the probe
-    would measure flags the instance does not run): deploy first."""
+    it is healthy; stopped on exit. ``binary``: another build's llama-server (an upgrade's candidate, served
+    beside the instance on the same artifact and profile). Refused when the host's arguments file is not what
+    the inventory plans (the probe would measure flags the instance does not run): deploy first."""
     deployed = deployed_argv(ssh, server)
     if deployed != server.argv:
         extra = sorted(set(deployed) - set(server.argv)) or sorted(set(server.argv) - set(deployed))
         raise ConfigError(f"{server.host}/{server.name}: {server.args_file} on the host differs from the inventory "
                           f"({' '.join(extra[:4]) or 'order'}); deploy before probing it")
     argv = server.argv_with(port=port, **settings)
-    probe = f"rigctl-{purpose.split()[0]}probe-{server.name}"
+    probe = probe_unit_name(server, purpose)
     endpoint = Endpoint(f"http://{server.address}:{port}", api_key=server.api_key, label=f"{server.host}/{probe}")
-    ssh.run(shlex.join(probe_command(server, probe, argv)), timeout=60, check=True)
+    ssh.run(shlex.join(probe_command(server, probe, argv, binary)), timeout=60, check=True)
     try:
         try:
             with ServerClient(endpoint) as client:

@@ -276,7 +276,7 @@ def _with_credentials(url: str, index: str) -> str:
     return urllib.parse.urlunsplit(target._replace(netloc=base.netloc))
 
 
-def _file_sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         while chunk := handle.read(_CHUNK):
@@ -303,7 +303,7 @@ def fetch_sdist(requirement: str, dest_path: str | os.PathLike[str], sha256: str
         raise SdistFetchError(f"archive {dest} exists but no sha256 is known for it (left as it is; remove it "
                               f"to fetch {requirement} again)")
     if dest.exists():
-        present = _file_sha256(dest)
+        present = file_sha256(dest)
         if present != pinned:
             raise SdistFetchError(f"archive {dest} has sha256 {present} but the pin is {pinned} "
                                   f"(left as it is; remove it to fetch {requirement} again)")

@@ -28,6 +28,7 @@ from pydantic import (
 )
 
 from rigctl.errors import ConfigError
+from rigctl.fleet.gates import Gates
 from rigctl.inventory.model import FULL_COMMIT, HEX_COMMIT, SHA256, Host, Inventory
 from rigctl.inventory.profiles import ProfileError, resolve_profile
 from rigctl.probe import HOST_TEXT_MAX, PROBED_KEYS
@@ -304,6 +305,7 @@ SCHEMA: dict[str, Any] = {
     "rigctl_cache_dir": str,
     # {advisory id: the reason the fleet accepts a build inside its range} (rigctl/fleet/advisories.py)
     "rigctl_allowed_advisories": dict[str, Annotated[str, Field(min_length=1)]],
+    "rigctl_upgrade_gates": Gates,  # rigctl/fleet/gates.py
     "ansible_port": Annotated[int, Field(ge=1, le=65535)],
 }
 

@@ -28,7 +28,7 @@ from rigctl.files import write_atomically
 RUN_FILE = "run.json"
 ANSWERS_FILE = "answers.jsonl"
 RECORD_VERSION = 2
-RunKind = Literal["bench", "eval", "spec", "server-speed", "load"]
+RunKind = Literal["bench", "eval", "spec", "server-speed", "load", "upgrade", "bisect"]
 RunStatus = Literal["running", "done", "failed", "stopped", "lost"]
 CTX_FLAGS = ("-c", "--ctx-size")
 _CHUNK = 1 << 20
