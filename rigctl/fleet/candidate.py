@@ -46,7 +46,9 @@ LOCK_FILE = "sources/lock.json"
 BUILD_TAG = "llama_cpp"
 #: Seconds `--help` may take.
 HELP_TIMEOUT_S = 60.0
-_HELP_OPTION = re.compile(r"(?<![\w-])(--?[A-Za-z0-9][A-Za-z0-9_.-]*)")
+_HELP_OPTION = re.compile(r"(--?[A-Za-z0-9][A-Za-z0-9_.-]*)")
+#: A value placeholder after an option in --help: N, FNAME, TYPE, [on|off|auto], <n>, {a,b}.
+_PLACEHOLDER = re.compile(r"[A-Z0-9_|,.:/-]+|[\[<{].*")
 _PLAN = re.compile(r"^(would )?(build|copy from \S+|copy from the controller cache) llama\.cpp (\S+)")
 
 
@@ -235,15 +237,20 @@ def drop_candidate(inventory: Inventory, host_name: str, *,
 
 
 def parse_help_flags(text: str) -> set[str]:
-    """Every option a llama.cpp tool's ``--help`` lists (``-c``, ``--ctx-size``, ``--no-mmap``): the first column
-    of each line that starts (at most four spaces in) with a dash; descriptions and placeholders are not."""
+    """Every option a llama.cpp tool's ``--help`` lists (``-c``, ``--ctx-size``, ``--no-mmap``): on each line that
+    starts (at most four spaces in) with a dash, the words up to the description, where options (``-c,``) and
+    their value placeholders (``N``, ``FNAME``, ``[on|off|auto]``, ``<n>``) stop and prose begins."""
     flags: set[str] = set()
     for line in text.splitlines():
         stripped = line.lstrip(" ")
         if len(line) - len(stripped) > 4 or not stripped.startswith("-"):
             continue
-        column = re.split(r"\s{2,}|\t", stripped, maxsplit=1)[0]
-        flags.update(_HELP_OPTION.findall(column))
+        for word in stripped.split():
+            option = _HELP_OPTION.fullmatch(word.rstrip(","))
+            if option:
+                flags.add(option.group(1))
+            elif not _PLACEHOLDER.fullmatch(word):
+                break
     return flags
 
 

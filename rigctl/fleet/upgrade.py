@@ -174,13 +174,18 @@ def write_pin(inventory: Inventory, canary: Host, pin: CandidatePin, allowed: Ma
               hosts: Sequence[str]) -> tuple[Inventory, list[Path]]:
     """Write ``pin`` where the canary's pin is; the inventory again, checked (every problem of it puts the files
     back and raises ConfigError), and the files written."""
+    from rigctl.deploy import project_root
     from rigctl.inventory.check import check
 
+    try:
+        roles = [project_root(inventory) / "roles"]
+    except ConfigError:
+        roles = []
     files = PinFiles(inventory, pin_origin(inventory, canary))
     written = files.write(pin_values(pin, allowed))
     try:
         reloaded = Inventory.load(inventory.source)
-        problems = [p for p in check(reloaded) if p.severity == "error"]
+        problems = [p for p in check(reloaded, roles) if p.severity == "error"]
         if problems:
             raise ConfigError(f"the new pin fails inventory check: {problems[0]}")
         moved = [name for name in hosts if reloaded.host(name).llama_cpp.version != pin.version]
