@@ -183,6 +183,17 @@ class CampaignLoad(_Strict):
     level_timeout_s: float = Field(default=120.0, gt=0)
 
 
+class CampaignUpgrade(_Strict):
+    """A gated llama.cpp upgrade (rigctl.fleet.upgrade.upgrade) of the canary's fleet, as a step: run once;
+    its record (passed or refused) is the step's result and the report's "Upgrades" section."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    to: str
+    canary: str
+    gates: str | None = None  # a gates file, relative to the campaign file
+    cmake: dict[str, str] = {}  # CMake cache entries for the candidate (its build key)
+
+
 class Campaign(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     title: str
@@ -194,6 +205,7 @@ class Campaign(_Strict):
     sensitivity: Sensitivity = Sensitivity()
     drafting: list[CampaignDrafting] = []
     loads: list[CampaignLoad] = []
+    upgrades: list[CampaignUpgrade] = []
     not_measured: list[str] = []
     equivalence_margin: float | None = Field(default=None, gt=0, le=100)  # points, for every comparison
     seed: int = 0
@@ -223,7 +235,7 @@ class Campaign(_Strict):
         hosts = set(self.hosts)
         used = {h for b in self.benches for h in b.hosts} | {
             h for e in self.evals for t in e.runs for h in t.hosts} | {d.host for d in self.drafting} | {
-            load.host for load in self.loads}
+            load.host for load in self.loads} | {u.canary for u in self.upgrades}
         if used - hosts:
             raise ValueError(f"hosts not listed under hosts: {', '.join(sorted(used - hosts))}")
         for name in [m for b in self.benches for m in b.models] + [t.artifact for e in self.evals for t in e.runs]:
@@ -231,7 +243,8 @@ class Campaign(_Strict):
                 raise ValueError(f"artifact {name!r} is not listed under artifacts")
         for kind, names in (("bench", [b.name for b in self.benches]), ("eval", [e.name for e in self.evals]),
                             ("drafting", [d.name for d in self.drafting]),
-                            ("load", [load.name for load in self.loads])):
+                            ("load", [load.name for load in self.loads]),
+                            ("upgrade", [u.name for u in self.upgrades])):
             duplicates = sorted({n for n in names if names.count(n) > 1})
             if duplicates:
                 raise ValueError(f"{kind} names must be unique: {', '.join(duplicates)}")
@@ -342,12 +355,18 @@ class Located:
     evals: dict[tuple[str, str], StoredRun | None] = field(default_factory=dict)  # (eval, target id)
     drafting: dict[str, StoredRun | None] = field(default_factory=dict)  # drafting name -> spec run
     loads: dict[str, StoredRun | None] = field(default_factory=dict)  # load name -> load run
+    upgrades: dict[str, StoredRun | None] = field(default_factory=dict)  # upgrade name -> its record
     unfinished: dict[tuple[str, str], StoredRun] = field(default_factory=dict)  # eval runs to resume
     task_names: dict[str, str] = field(default_factory=dict)  # eval name -> task name
 
     def runs(self) -> list[StoredRun]:
         return [r for r in [*self.benches.values(), *self.evals.values(), *self.drafting.values(),
-                            *self.loads.values()] if r is not None]
+                            *self.loads.values(), *self.upgrades.values()] if r is not None]
+
+
+def upgrade_tag(campaign: Campaign, step: CampaignUpgrade) -> str:
+    """What an upgrade step's record carries (``extra.campaign``) to be found again."""
+    return f"{campaign.name}/{step.name}"
 
 
 def task_name(loaded: LoadedCampaign, evaluation: CampaignEval) -> str:
@@ -371,6 +390,11 @@ def locate(loaded: LoadedCampaign, store: ResultsStore) -> Located:
     for race in campaign.drafting:
         matching = [r for r in runs if drafting_matches(r, race)]
         found.drafting[race.name] = max(matching, key=lambda r: r.record.started, default=None)
+    for step in campaign.upgrades:
+        tag = upgrade_tag(campaign, step)
+        matching = [r for r in runs if r.record.kind == "upgrade" and r.record.status == "done"
+                    and r.record.extra.get("campaign") == tag]
+        found.upgrades[step.name] = max(matching, key=lambda r: r.record.started, default=None)
     for evaluation in campaign.evals:
         name = task_name(loaded, evaluation)
         found.task_names[evaluation.name] = name
@@ -399,7 +423,7 @@ def locate(loaded: LoadedCampaign, store: ResultsStore) -> Located:
 @dataclass(frozen=True)
 class StepOutcome:
     step: str  # "bench speed on desktop", "eval suite smollm2-135m-q4_1@desktop"
-    status: Literal["pulled", "ran", "resumed", "failed"]
+    status: Literal["pulled", "ran", "resumed", "failed", "refused"]
     run: str | None = None  # host/run id
     error: str | None = None
 
@@ -570,6 +594,13 @@ def _run_steps(loaded: LoadedCampaign, inventory: Inventory, store: ResultsStore
                 outcomes.append(StepOutcome(step, "resumed" if unfinished else "ran", ref))
             except RigctlError as exc:
                 outcomes.append(StepOutcome(step, "failed", error=str(exc)))
+    for upgrade_step in campaign.upgrades:
+        step = f"upgrade {upgrade_step.name} to {upgrade_step.to} (canary {upgrade_step.canary})"
+        run = found.upgrades[upgrade_step.name]
+        if run is not None:
+            outcomes.append(StepOutcome(step, "pulled", f"{run.host}/{run.id}"))
+            continue
+        outcomes.append(_run_upgrade(inventory, loaded, upgrade_step, store, on_step))
     for race in campaign.drafting:
         step = f"drafting {race.name} on {race.host}"
         run = found.drafting[race.name]
@@ -601,6 +632,23 @@ def _run_drafting(inventory: Inventory, race: CampaignDrafting, store: ResultsSt
     result = run_race(inventory.host(race.host), race.baseline, race.drafters or None, repeats=race.repeats,
                       max_tokens=race.max_tokens, temperatures=race.temperatures, store=store)
     return f"{race.host}/{result.run_dir.name if result.run_dir else '?'}"
+
+
+def _run_upgrade(inventory: Inventory, loaded: LoadedCampaign, step: CampaignUpgrade, store: ResultsStore,
+                 on_step: OnStep) -> StepOutcome:
+    from rigctl.fleet.upgrade import UpgradeRefused, upgrade
+
+    name = f"upgrade {step.name} to {step.to} (canary {step.canary})"
+    gates = (loaded.path.parent / step.gates) if step.gates else None
+    try:
+        result = upgrade(inventory, step.to, canary=step.canary, gates_file=gates, cmake_options=step.cmake,
+                         store=store, say=lambda m: on_step(f"upgrade {step.name}: {m}"),
+                         tag=upgrade_tag(loaded.campaign, step))
+    except UpgradeRefused as exc:
+        return StepOutcome(name, "refused", exc.run, error=str(exc))
+    except RigctlError as exc:
+        return StepOutcome(name, "failed", error=str(exc))
+    return StepOutcome(name, "ran", result.run)
 
 
 def describe(outcomes: list[StepOutcome]) -> list[str]:

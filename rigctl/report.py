@@ -673,6 +673,22 @@ def _load_section(loaded: LoadedCampaign, found: Located, links: _Links, out_dir
     return lines
 
 
+def _upgrades_section(found: Located, store: ResultsStore, links: _Links, out_dir: Path,
+                      charts: list[Path]) -> list[str]:
+    """Each upgrade step's record (rigctl.fleet.upgrade_report)."""
+    from rigctl.fleet.upgrade_report import upgrade_section
+
+    if not found.upgrades:
+        return []
+    lines = ["## Upgrades", ""]
+    for name, run in found.upgrades.items():
+        if run is None:
+            lines += [f"### {name}", "", "Not run yet.", ""]
+        else:
+            lines += upgrade_section(run, links, store, out_dir, charts, level=3)
+    return lines
+
+
 def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.1f}"
 
@@ -851,6 +867,7 @@ def build_report(loaded: LoadedCampaign, store: ResultsStore, out_dir: Path) -> 
     missing += [f"eval {e} {t}" for (e, t), r in found.evals.items() if r is None]
     missing += [f"drafting {d}" for d, r in found.drafting.items() if r is None]
     missing += [f"load {name}" for name, r in found.loads.items() if r is None]
+    missing += [f"upgrade {name}" for name, r in found.upgrades.items() if r is None]
     charts: list[Path] = []
     speed: list[str] = ["## Speed", ""]
     for bench in campaign.benches:
@@ -873,7 +890,8 @@ def build_report(loaded: LoadedCampaign, store: ResultsStore, out_dir: Path) -> 
     lines = [f"# {campaign.title}", "", *_scope(loaded, found, missing, unreadable, compared), *speed, *quality,
              *_comparison_sections(loaded, compared, problems, links, forest),
              *_flips_section(compared, links, out_dir),
-             *_drafting_section(loaded, found, links), *load, *_deployed_section(loaded, found, links),
+             *_drafting_section(loaded, found, links), *load, *_upgrades_section(found, store, links, out_dir, charts),
+             *_deployed_section(loaded, found, links),
              *_sensitivity_section(compared, links),
              *_habits_section(loaded, found, links), *_runs_section(found, links)]
     markdown = "\n".join(lines).rstrip() + "\n"

@@ -339,9 +339,10 @@ def rollout(inventory: Inventory, hosts: Sequence[str], version: str, say: Say,
 def upgrade(inventory: Inventory, version: str, *, canary: str | None = None, gates_file: Path | None = None,
             cmake_options: Mapping[str, str] | None = None, allow: Mapping[str, str] | None = None,
             store: ResultsStore | None = None, say: Say = lambda _: None,
-            on_event: Callable[[Any], None] | None = None) -> UpgradeResult:
+            on_event: Callable[[Any], None] | None = None, tag: str | None = None) -> UpgradeResult:
     """Upgrade the canary's fleet (the hosts sharing its pin) to ``version``; see the module's docstring.
-    UpgradeRefused (one line per problem) when a gate, a flag or the CVE floor refuses it."""
+    UpgradeRefused (one line per problem) when a gate, a flag or the CVE floor refuses it. ``tag``: what the
+    record carries as ``extra.campaign`` (a campaign's step)."""
     store = store or ResultsStore()
     canary_host = inventory.host(canary) if canary else next(
         (h for h in inventory.hosts.values() if "llama_cpp_source" in h.vars), None)
@@ -368,7 +369,7 @@ def upgrade(inventory: Inventory, version: str, *, canary: str | None = None, ga
         "to": pin.version, "label": pin.label, "from": current_pin.version, "canary": canary_host.name,
         "scope": [h.name for h in hosts], "instance": server.name, "gates": gates.model_dump(),
         "pin": pin_values(pin, allowed), "current": _build_dict(before.current),
-        "accepted_advisories": {k: v for k, v in allowed.items()}})
+        "accepted_advisories": {k: v for k, v in allowed.items()}, **({"campaign": tag} if tag else {})})
     ref = f"{canary_host.name}/{record.id}"
     status = "failed"
     try:
