@@ -10,7 +10,7 @@ export PIP_CACHE_DIR ?= $(RIGCTL_CACHE_DIR)/pip
 # Prometheus (and promtool) from Debian: the monitoring tests start the real thing.
 HOST_PACKAGES := systemd-container debootstrap iproute2 openssh-client zstd prometheus
 
-.PHONY: demo test check lint venv host-deps prepare lab-down clean
+.PHONY: demo test check lint venv host-deps prepare lab-down clean upgrade-check
 
 venv: $(VENV)/.installed
 
@@ -43,6 +43,13 @@ prepare: venv host-deps
 # Everything: lint, the unit tests, then the lab tests on real rigs (one session, one lab).
 test: check prepare
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/pytest tests/lab
+
+# The upgrade and bisect scenarios on the lab (tests/lab/test_upgrade_lab.py): several llama.cpp builds,
+# minutes each on two cores even ccache-warm, so outside `make test` and CI's budget. RIGCTL_LAB_SLOT picks
+# the lab; the compiles run at nice 10.
+upgrade-check: prepare
+	RIGCTL_UPGRADE_CHECK=1 PATH=$(CURDIR)/$(VENV)/bin:$$PATH nice -n 10 $(VENV)/bin/pytest -v -s \
+	  -o timeout=10800 tests/lab/test_upgrade_floor_lab.py tests/lab/test_upgrade_lab.py
 
 demo: prepare
 	$(RIGCTL) inventory check

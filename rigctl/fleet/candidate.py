@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 
 #: The lock file of archives fetched without a known hash (trust on first use), in the controller's cache.
 LOCK_FILE = "sources/lock.json"
+#: The CPU priority a candidate compiles at (the role's llama_cpp_build_nice).
+CANDIDATE_NICE = 10
 #: The role's tag that builds llama.cpp.
 BUILD_TAG = "llama_cpp"
 #: Seconds `--help` may take.
@@ -84,6 +86,8 @@ class CandidatePin:
     def extravars(self, host: Host) -> dict[str, Any]:
         """The role's variables for building this pin as a candidate on ``host``."""
         out: dict[str, Any] = {"llama_cpp_version": self.version, "llama_cpp_candidate": True,
+                               # The canary serves while the candidate compiles.
+                               "llama_cpp_build_nice": CANDIDATE_NICE,
                                # The stamp is derived from the pin: an explicit one belongs to the old pin.
                                "llama_cpp_build_commit": "", "llama_cpp_build_number": ""}
         if self.source == "archive":
