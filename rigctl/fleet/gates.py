@@ -39,7 +39,7 @@ import numpy as np
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from rigctl.bench.matrix import Matrix
+from rigctl.bench.matrix import Cooldown, Matrix
 from rigctl.errors import ConfigError, ProblemsError
 from rigctl.stats import DEFAULT_LEVEL, DEFAULT_RESAMPLES, DEFAULT_SEED, Interval, bootstrap_mean, paired_bootstrap
 
@@ -58,6 +58,8 @@ class BenchGate(_Strict):
     rounds: int = Field(default=2, ge=1)
     max_rounds: int = Field(default=6, ge=1)
     models: list[str] = []  # default: the server instance's artifact
+    cooldown: Cooldown = Cooldown()  # each cell starts on a cool card, as every bench's
+    stop_servers: bool = True  # the host's servers give the card up for the cells
 
     @model_validator(mode="after")
     def _budget(self) -> BenchGate:

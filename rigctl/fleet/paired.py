@@ -99,7 +99,8 @@ def _bench(host: Host, server: Server, a: Side, b: Side, gate: g.BenchGate, roun
     from rigctl import jobs
     from rigctl.bench.matrix import BenchSpec, bench_job_spec
 
-    spec = BenchSpec(hosts=[host.name], models=gate.models or [server.artifact], matrix=gate.matrix, rounds=rounds)
+    spec = BenchSpec(hosts=[host.name], models=gate.models or [server.artifact], matrix=gate.matrix, rounds=rounds,
+                     cooldown=gate.cooldown, stop_servers=gate.stop_servers)
     info = jobs.start(host, bench_job_spec(host, spec, builds=[(a.build.name, a.build.dir),
                                                                (b.build.name, b.build.dir)]))
     say(f"bench job {info.id}: {rounds} round(s) of llama-bench cells alternating {a.build.name} and "

@@ -306,3 +306,26 @@ def test_the_versions_the_index_offers_between_the_ends(lab_copy: Path, monkeypa
         assert [c.version for c in offered_versions(desktop, "b11393", "b11434")] == ["b11393", "b11401", "b11434"]
         with pytest.raises(ConfigError, match="offers no sdist of b11394"):
             offered_versions(desktop, "b11394", "b11434")
+
+
+def test_an_upgrade_as_a_campaign_step_is_found_again_by_its_record_s_tag(tmp_path: Path):
+    from rigctl.campaign import load_campaign, locate, upgrade_tag
+    from rigctl.results.record import RunRecord
+    from rigctl.results.store import ResultsStore
+
+    path = tmp_path / "c.yml"
+    path.write_text("name: up\ntitle: t\nhosts: [desktop]\n"
+                    "upgrades: [{name: next, to: b11434, canary: desktop, gates: gates.yml}]\n")
+    loaded = load_campaign(path)
+    step = loaded.campaign.upgrades[0]
+    assert upgrade_tag(loaded.campaign, step) == "up/next"
+    store = ResultsStore(tmp_path / "results")
+    assert locate(loaded, store).upgrades == {"next": None}
+    run_dir = store.run_dir("desktop", "upgrade-20261203T090000Z-abcd")
+    run_dir.mkdir(parents=True)
+    RunRecord(id=run_dir.name, kind="upgrade", host="desktop", started="2026-12-03T09:00:00.0Z",
+              extra={"campaign": "up/next", "verdict": "refused"}).seal(run_dir)
+    assert locate(loaded, store).upgrades["next"].id == run_dir.name  # a refusal is the step's result too
+    path.write_text("name: up\ntitle: t\nhosts: [desktop]\nupgrades: [{name: next, to: b11434, canary: laptop}]\n")
+    with pytest.raises(ConfigError, match="hosts not listed under hosts: laptop"):
+        load_campaign(path)
