@@ -192,10 +192,14 @@ def ratio_text(interval: Interval) -> str:
     return f"{interval.estimate:.3f}x [{interval.low:.3f}, {interval.high:.3f}]"
 
 
+#: Fewer pairs than this decide nothing: a bootstrap interval over a handful of values is too narrow.
+MIN_PAIRS = 5
+
+
 def speed_verdict(interval: Interval, margin: float) -> Verdict:
     """Non-inferiority of a ratio at ``margin``: its interval's lower end at or above it (pass), its upper
-    end below it (fail), else undecided (as it is without data)."""
-    if interval.empty or math.isnan(interval.low):
+    end below it (fail), else undecided (as it is without data, or with fewer than :data:`MIN_PAIRS`)."""
+    if interval.empty or math.isnan(interval.low) or interval.n < MIN_PAIRS:
         return "undecided"
     if interval.low >= margin:
         return "pass"
@@ -205,10 +209,13 @@ def speed_verdict(interval: Interval, margin: float) -> Verdict:
 
 
 def speed_gate(gate: str, interval: Interval, margin: float, *, n_a: int, n_b: int, mean_a: float, mean_b: float,
-               unit: str, detail: Mapping[str, Any] | None = None) -> GateResult:
+               unit: str, paired: str | None = None, detail: Mapping[str, Any] | None = None) -> GateResult:
+    """``paired``: what the pairs are (rounds of cells, requests), when the interval is a paired one."""
     verdict = speed_verdict(interval, margin)
+    n = f"n={n_b} {paired} paired" if paired else f"n={n_b} and {n_a}"
+    short = f", fewer than {MIN_PAIRS}" if interval.n < MIN_PAIRS else ""
     figures = (f"candidate/current {ratio_text(interval)} ({interval.level:.0%} interval; "
-               f"{mean_b:.2f} vs {mean_a:.2f} {unit}, n={n_b} and {n_a}), margin {margin:g}x")
+               f"{mean_b:.2f} vs {mean_a:.2f} {unit}, {n}{short}), margin {margin:g}x")
     return GateResult(gate, verdict, figures, n=min(n_a, n_b), estimate=interval.estimate, low=interval.low,
                       high=interval.high, threshold=margin, detail=dict(detail or {}))
 

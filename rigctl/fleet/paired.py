@@ -115,40 +115,45 @@ def _bench(host: Host, server: Server, a: Side, b: Side, gate: g.BenchGate, roun
 
 def bench_results(store: ResultsStore, refs: Sequence[str], a: Side, b: Side, margin: float,
                   level: float) -> tuple[list[g.GateResult], dict[str, int]]:
-    """A speed gate per llama-bench test (pp, tg, each depth) from every sample of the bench runs ``refs``, and
-    the failed cells per build."""
+    """A speed gate per llama-bench test (pp, tg, each depth) from the bench runs ``refs``, and the failed cells
+    per build. The cells of one round (one per build, back to back) are a pair: the ratio is the geometric
+    mean of the rounds' ratios of mean tokens/s, its interval the paired bootstrap's, so load that moves both
+    cells of a round alike cancels. The ratio of every repetition pooled, as `rigctl compare` gives it, is
+    kept beside it."""
     from rigctl.bench.matrix import CELLS_FILE, load_run_samples
     from rigctl.compare import compare_bench
     from rigctl.results.store import read_jsonl
 
     samples = []
+    rounds: dict[tuple[str, int], int] = {}
     failed = {a.label: 0, b.label: 0}
     sides = {a.build.name: a.label, b.build.name: b.label}
     for ref in refs:
         run = store.find(ref)
         samples += load_run_samples(run)
         for cell in read_jsonl(run.path / CELLS_FILE):
+            rounds[(run.id, int(cell.get("index", 0)))] = int(cell.get("round", 0))
             if (cell.get("rc") != 0 or cell.get("error")) and cell.get("build") in sides:
                 failed[sides[cell["build"]]] += 1
     comparison = compare_bench(a.build.name, [s for s in samples if s.build == a.build.name],
                                b.build.name, [s for s in samples if s.build == b.build.name])
     out = []
     for ratio in comparison.ratios:
-        interval = ratio.ratio
-        if level != interval.level:
-            from rigctl.stats import bootstrap_ratio
-
-            sa = [x for s in samples if s.build == a.build.name and s.test == ratio.test for x in s.samples_ts]
-            sb = [x for s in samples if s.build == b.build.name and s.test == ratio.test for x in s.samples_ts]
-            interval = bootstrap_ratio(sa, sb, level=level)
-        n_a = sum(len(s.samples_ts) for s in samples if s.build == a.build.name and s.test == ratio.test
-                  and s.config == ratio.config)
-        n_b = sum(len(s.samples_ts) for s in samples if s.build == b.build.name and s.test == ratio.test
-                  and s.config == ratio.config)
-        out.append(g.speed_gate(f"bench {ratio.test}", interval, margin, n_a=n_a, n_b=n_b, mean_a=ratio.mean_a,
-                                mean_b=ratio.mean_b, unit="t/s",
+        per_round: dict[tuple[str, int], dict[str, float]] = {}
+        for s in samples:
+            if (s.test, s.config, s.flash_attn) == (ratio.test, ratio.config, ratio.flash_attn) and not s.throttled:
+                per_round.setdefault((s.run_id, rounds.get((s.run_id, s.cell), s.cell)), {})[s.build] = \
+                    math.fsum(s.samples_ts) / len(s.samples_ts)
+        pairs = [p for p in per_round.values() if a.build.name in p and b.build.name in p]
+        current = [p[a.build.name] for p in pairs]
+        candidate = [p[b.build.name] for p in pairs]
+        interval = g.paired_log_ratio(current, candidate, level=level)
+        out.append(g.speed_gate(f"bench {ratio.test}", interval, margin, n_a=len(pairs), n_b=len(pairs),
+                                mean_a=math.fsum(current) / len(current) if current else math.nan,
+                                mean_b=math.fsum(candidate) / len(candidate) if candidate else math.nan,
+                                unit="t/s", paired="rounds",
                                 detail={"config": ratio.config, "flash_attn": ratio.flash_attn,
-                                        "files": list(ratio.files)}))
+                                        "pooled": ratio.ratio.to_dict(), "files": list(ratio.files)}))
     return out, failed
 
 
@@ -209,7 +214,7 @@ def server_results(rows: Sequence[dict[str, Any]], a: Side, b: Side, margin: flo
         mean_a = math.fsum(current) / len(current) if current else math.nan
         mean_b = math.fsum(candidate) / len(candidate) if candidate else math.nan
         out.append(g.speed_gate(f"server {metric}", interval, margin, n_a=len(current), n_b=len(candidate),
-                                mean_a=mean_a, mean_b=mean_b, unit=unit,
+                                mean_a=mean_a, mean_b=mean_b, unit=unit, paired="requests",
                                 detail={"pairs": len(pairs), "file": SERVER_FILE,
                                         "ratio": "candidate/current" if higher else "current/candidate"}))
     return out

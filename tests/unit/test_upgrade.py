@@ -119,6 +119,9 @@ def test_speed_verdicts_at_the_margin():
     assert result.verdict == "fail"
     assert result.figures == ("candidate/current 0.500x [0.450, 0.550] (95% interval; 20.00 vs 40.00 t/s, n=6 and 6), "
                               "margin 0.95x")
+    few = _interval(1.0, 0.99, 1.01)
+    assert g.speed_verdict(Interval(1.0, 0.99, 1.01, 4, 1000, 0.95, "indices"), 0.95) == "undecided"  # 4 pairs
+    assert g.speed_verdict(few, 0.95) == "pass"
 
 
 def test_paired_log_ratio_is_the_geometric_mean_of_the_pairs_and_cancels_shared_load():

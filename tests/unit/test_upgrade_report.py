@@ -36,7 +36,7 @@ CURRENT, CANDIDATE = build("b11434-2baf2037762e", "2baf2037762e"), build("b11434
 def store(tmp_path: Path) -> ResultsStore:
     cells = []
     builds = {}
-    for index in range(1, 7):  # three rounds, alternating current and candidate
+    for index in range(1, 11):  # five rounds, alternating current and candidate
         slow = index % 2 == 0
         cells.append(("smol", [bench_record((64, 0), [200.0 / (4 if slow else 1), 204.0 / (4 if slow else 1)]),
                                bench_record((0, 16), [40.0 / (5 if slow else 1), 41.0 / (5 if slow else 1)])]))
@@ -45,15 +45,29 @@ def store(tmp_path: Path) -> ResultsStore:
     return ResultsStore(tmp_path / "results")
 
 
-def test_bench_gates_take_each_build_s_cells_from_one_alternating_run(store: ResultsStore):
+def test_bench_gates_pair_each_round_s_cells_of_one_alternating_run(store: ResultsStore, tmp_path: Path):
     results, failed = bench_results(store, ["desktop/bench-20261203T090000Z-aaaa"], Side("current", CURRENT),
                                     Side("candidate", CANDIDATE), 0.9, 0.95)
     by_gate = {r.gate: r for r in results}
     assert set(by_gate) == {"bench pp64", "bench tg16"} and failed == {"current": 0, "candidate": 0}
     assert by_gate["bench tg16"].verdict == "fail" and by_gate["bench tg16"].estimate == pytest.approx(0.2)
-    assert by_gate["bench pp64"].estimate == pytest.approx(0.25) and by_gate["bench pp64"].n == 6
+    assert by_gate["bench pp64"].estimate == pytest.approx(0.25) and by_gate["bench pp64"].n == 5  # rounds paired
+    assert "n=5 rounds paired" in by_gate["bench pp64"].figures
+    assert by_gate["bench pp64"].detail["pooled"]["n"] == 10  # every repetition, as `rigctl compare` pools them
     assert all(f.startswith("desktop/bench-20261203T090000Z-aaaa/llama-bench/cell-") for f in
                by_gate["bench tg16"].detail["files"])
+    # Load that slows both cells of a round alike cancels in the pairs; fewer than five pairs decide nothing.
+    cells, builds = [], {}
+    for index in range(1, 7):
+        load = 1 + (index - 1) // 2  # each round slower than the one before
+        slow = index % 2 == 0
+        cells.append(("smol", [bench_record((0, 16), [40.0 / load * (0.97 if slow else 1.0)] * 2)]))
+        builds[index] = CANDIDATE.name if slow else CURRENT.name
+    bench_run(tmp_path / "drift", "desktop", "bench-20261203T090500Z-dddd", cells, builds=builds)
+    drift, _ = bench_results(ResultsStore(tmp_path / "drift"), ["desktop/bench-20261203T090500Z-dddd"],
+                             Side("current", CURRENT), Side("candidate", CANDIDATE), 0.9, 0.95)
+    assert drift[0].estimate == pytest.approx(0.97) and drift[0].n == 3 and drift[0].verdict == "undecided"
+    assert "fewer than 5" in drift[0].figures
 
 
 def links_of(markdown: str, base: Path) -> list[Path]:
