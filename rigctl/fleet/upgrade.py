@@ -386,9 +386,11 @@ def upgrade(inventory: Inventory, version: str, *, canary: str | None = None, ga
             candidate.drop_candidate(inventory, canary_host.name, on_event=on_event)
             status = "done"
             raise UpgradeRefused(refusal, ref)
+        # The current build answers as the instance itself when it runs, else as a probe like the candidate.
+        running = _active(canary_host, server)
         measured = paired.measure(canary_host, server, paired.Side("current", before.current),
-                                  paired.Side("candidate", built.build), gates, store, run_dir, a_is_instance=True,
-                                  say=say, record_extra={"upgrade": ref})
+                                  paired.Side("candidate", built.build), gates, store, run_dir,
+                                  a_is_instance=running, say=say, record_extra={"upgrade": ref})
         record.extra.update(measurement=measured.to_dict())
         (run_dir / GATES_FILE).write_text(json.dumps(measured.to_dict(), indent=2, sort_keys=True, default=str) + "\n")
         if measured.verdict != "pass":
@@ -665,6 +667,13 @@ def bisect(inventory: Inventory, host_name: str, good: str, bad: str, *, metric:
     finally:
         record.extra["steps"] = len(steps)
         record.seal(run_dir, status)  # type: ignore[arg-type]
+
+
+def _active(host: Host, server: Server) -> bool:
+    from rigctl.servers import unit_states
+
+    state = unit_states(host, [server.name]).get(server.name)
+    return state is not None and state.active_state == "active"
 
 
 def _installed(host: Host, build: Build) -> bool:
