@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rigctl.deploy import run_playbook
+from rigctl.fleet.deploy import run_playbook
 from rigctl.inventory import Host, Inventory
-from rigctl.lab import Lab
+from rigctl.lab.rigs import Lab
 from rigctl.ssh import SshClient, SshTarget
 
 REPO = Path(__file__).resolve().parent.parent

@@ -16,9 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-from rigctl.deploy import run_playbook
+from rigctl.fleet.deploy import run_playbook
 from rigctl.inventory import Inventory
-from rigctl.lab import Lab
+from rigctl.lab.rigs import Lab
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -19,7 +19,6 @@ speed-up of a fan-out.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -27,16 +26,15 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from gsm8k_load import gsm8k_task
+
 from rigctl.evals import runner
-from rigctl.evals.datasets import read_records
 from rigctl.evals.fanout import FanOut
 from rigctl.evals.target import inventory_target
-from rigctl.evals.tasks import load_task
 from rigctl.inventory import Inventory
 from rigctl.results.store import ResultsStore, read_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
-QUESTIONS = REPO / "tests" / "fixtures" / "evals" / "hf" / "gsm8k.jsonl"
 
 
 def timed_run(task, fanout: FanOut, store: ResultsStore, options: runner.Options) -> tuple[float, Counter]:
@@ -68,18 +66,8 @@ def main() -> int:
     both = FanOut.of(targets)  # refuses mixed artifacts or builds
     one = FanOut.of(targets[:1])
 
-    base = read_records(QUESTIONS)
     with tempfile.TemporaryDirectory(prefix="eval-fanout-") as tmp:
-        data = Path(tmp) / "questions.jsonl"
-        with data.open("w") as out:
-            for i in range(args.requests):
-                row = base[i % len(base)]
-                # Distinct prompts, so no server's prompt cache shortens repeats.
-                out.write(json.dumps({"question": f"({i + 1}) {row['question']}", "answer": row["answer"]}) + "\n")
-        task_file = Path(tmp) / "fanout.yaml"
-        task_file.write_text(f"name: fanout\nscorer: gsm8k\ndataset: {{path: {data.name}}}\n"
-                             f"max_tokens: {args.max_tokens}\n")
-        task = load_task(str(task_file))
+        task = gsm8k_task(Path(tmp), "fanout", args.requests, args.max_tokens)
         options = runner.Options(concurrency=args.concurrency)
         store = ResultsStore(Path(tmp) / "results")
         timed_run(task, both, store, options)  # warm both servers (model pages, first-request costs)

@@ -30,16 +30,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from rigctl.evals import runner, scorers
-from rigctl.evals.datasets import read_records
+from gsm8k_load import gsm8k_task
+
+from rigctl.evals import runner
 from rigctl.evals.target import inventory_target, url_target
-from rigctl.evals.tasks import load_task
+from rigctl.hostside import scorers
 from rigctl.inventory import Inventory
+from rigctl.llama_http import AsyncServerClient, Endpoint, ServerClient
 from rigctl.results.store import ResultsStore, read_jsonl
-from rigctl.server import AsyncServerClient, Endpoint, ServerClient
 
 REPO = Path(__file__).resolve().parent.parent
-QUESTIONS = REPO / "tests" / "fixtures" / "evals" / "hf" / "gsm8k.jsonl"
 AIM_BUSY, AIM_CPU_MS = 0.99, 3.0
 
 
@@ -94,18 +94,8 @@ def main() -> int:
         if props.total_slots != 1:
             print(f"warning: {target.endpoint} has {props.total_slots} slots; the aim is for --parallel 1")
 
-    base = read_records(QUESTIONS)
     with tempfile.TemporaryDirectory(prefix="eval-saturation-") as tmp:
-        data = Path(tmp) / "questions.jsonl"
-        with data.open("w") as out:
-            for i in range(args.requests):
-                row = base[i % len(base)]
-                # Distinct prompts, so the server's prompt cache does not shorten repeats.
-                out.write(json.dumps({"question": f"({i + 1}) {row['question']}", "answer": row["answer"]}) + "\n")
-        task_file = Path(tmp) / "saturation.yaml"
-        task_file.write_text(f"name: saturation\nscorer: gsm8k\ndataset: {{path: {data.name}}}\n"
-                             f"max_tokens: {args.max_tokens}\n")
-        task = load_task(str(task_file))
+        task = gsm8k_task(Path(tmp), "saturation", args.requests, args.max_tokens)
         options = runner.Options(concurrency=args.concurrency)
         run_dir, record = runner.start_run(task, target.endpoint, ResultsStore(Path(tmp) / "results"), target.host,
                                            options=options)

@@ -24,10 +24,10 @@ from urllib.parse import urlsplit
 import httpx
 import numpy as np
 
-from rigctl.exporter import DEFAULT_INTERVAL, Exporter
 from rigctl.inventory import Inventory
-from rigctl.lab import Lab
+from rigctl.lab.rigs import Lab
 from rigctl.results.store import ResultsStore
+from rigctl.services.exporter import DEFAULT_INTERVAL, Exporter
 from rigctl.ssh import SshClient, SshTarget
 
 REPO = Path(__file__).resolve().parent.parent

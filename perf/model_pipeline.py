@@ -27,10 +27,10 @@ sys.path.insert(0, str(REPO / "tests" / "fixtures"))
 
 from make_hf_checkout import make_checkout  # noqa: E402
 
-from rigctl.deploy import run_playbook  # noqa: E402
+from rigctl.fleet.deploy import run_playbook  # noqa: E402
+from rigctl.fleet.models import parse_manifest  # noqa: E402
 from rigctl.inventory import Inventory  # noqa: E402
-from rigctl.lab import Lab  # noqa: E402
-from rigctl.models import parse_manifest  # noqa: E402
+from rigctl.lab.rigs import Lab  # noqa: E402
 from rigctl.ssh import SshClient, SshTarget  # noqa: E402
 
 ARTIFACTS = ("bench-bf16", "bench-q4_0")

@@ -42,12 +42,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rigctl.bench.matrix import BenchSpec
 from rigctl.errors import ConfigError, EvalError, JobBusyError, RigctlError
-from rigctl.inputs import read_text, yaml_problem
+from rigctl.inputs import read_mapping, read_text
 from rigctl.inventory import Inventory
 from rigctl.results.store import ResultsStore, StoredRun
 
@@ -184,7 +183,7 @@ class CampaignLoad(_Strict):
 
 
 class CampaignUpgrade(_Strict):
-    """A gated llama.cpp upgrade (rigctl.fleet.upgrade.upgrade) of the canary's fleet, as a step: run once;
+    """A gated llama.cpp upgrade (rigctl.upgrade.upgrade.upgrade) of the canary's fleet, as a step: run once;
     its record (passed or refused) is the step's result and the report's "Upgrades" section."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
@@ -279,13 +278,7 @@ class LoadedCampaign:
 
 
 def load_campaign(path: Path) -> LoadedCampaign:
-    text = read_text(path, "campaign")
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"campaign {path}: not YAML: {yaml_problem(exc)}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"campaign {path}: expected a mapping at the top")
+    data = read_mapping(path, "campaign")
     try:
         return LoadedCampaign(Campaign.model_validate(data), path)
     except ValidationError as exc:
@@ -456,7 +449,7 @@ def _run_bench(inventory: Inventory, bench: CampaignBench, host_name: str, store
 
 def _ensure_server(inventory: Inventory, member: ServerRef, on_step: OnStep) -> bool:
     """Start a llama-server unit when it is not answering; True when this call started it."""
-    from rigctl.server import ServerClient
+    from rigctl.llama_http import ServerClient
     from rigctl.servers import operator_start
     from rigctl.ssh import session
 
@@ -636,7 +629,7 @@ def _run_drafting(inventory: Inventory, race: CampaignDrafting, store: ResultsSt
 
 def _run_upgrade(inventory: Inventory, loaded: LoadedCampaign, step: CampaignUpgrade, store: ResultsStore,
                  on_step: OnStep) -> StepOutcome:
-    from rigctl.fleet.upgrade import UpgradeRefused, upgrade
+    from rigctl.upgrade.upgrade import UpgradeRefused, upgrade
 
     name = f"upgrade {step.name} to {step.to} (canary {step.canary})"
     gates = (loaded.path.parent / step.gates) if step.gates else None

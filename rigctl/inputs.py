@@ -1,12 +1,15 @@
-"""Reading input files at the boundary: text that must be UTF-8 and YAML whose errors name file, line and column.
+"""Reading input files at the boundary: text that must be UTF-8, and user files that must be a YAML (or JSON,
+which YAML reads too) mapping, whose errors name file, line and column.
 
-Each helper returns or raises with a message that names the file (and line), so every loader reports a bad
-file the same way: one line, never a bare UnicodeDecodeError or a multi-line YAML complaint.
+Each helper returns or raises with a message that names the file (and line), so every loader (task files,
+campaigns, bench specs, prompt sets) reports a bad file the same way: one line, never a bare
+UnicodeDecodeError or a multi-line YAML complaint.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -42,3 +45,26 @@ def yaml_problem(exc: yaml.YAMLError) -> str:
         return what
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def parse_mapping(text: str, origin: str | Path, *, expected: str = "expected a mapping at the top",
+                  empty: bool = False, error: type[RigctlError] = ConfigError) -> dict[Any, Any]:
+    """``text``, a user file's YAML, as the mapping it must be; ``error`` naming ``origin`` (with line and column)
+    when it is not YAML, and saying ``expected`` when it is YAML but no mapping. ``empty``: an empty file (or
+    one of comments only) reads as ``{}``."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise error(f"{origin}: not YAML: {yaml_problem(exc)}") from None
+    if data is None and empty:
+        return {}
+    if not isinstance(data, dict):
+        raise error(f"{origin}: {expected}")
+    return data
+
+
+def read_mapping(path: Path, what: str, *, expected: str = "expected a mapping at the top", empty: bool = False,
+                 error: type[RigctlError] = ConfigError) -> dict[Any, Any]:
+    """The file at ``path`` as :func:`parse_mapping` reads it, named ``what`` (``campaign``, ``bench spec``) in
+    every message."""
+    return parse_mapping(read_text(path, what, error), f"{what} {path}", expected=expected, empty=empty, error=error)

@@ -91,6 +91,7 @@ from rigctl.errors import (
     one_line,
 )
 from rigctl.hostside import ship
+from rigctl.hostside.bench_cells import CELLS_FILE, cell_files
 from rigctl.hostside.jobfiles import FINAL_STATES
 from rigctl.inventory import Host, Inventory
 from rigctl.results.record import (
@@ -449,8 +450,6 @@ def _vetted_record(host: str, run_id: str, data: Any) -> RunRecord:
 def _check_references(run_dir: Path, record: RunRecord) -> None:
     """Every raw-file path a record inside the run names (cells.jsonl's raw and log files) is one of the
     run's own files."""
-    from rigctl.bench.matrix import CELLS_FILE, cell_files
-
     files = {raw.path for raw in record.files}
     if CELLS_FILE not in files:
         return

@@ -3,7 +3,7 @@
 Each instance is the systemd unit ``llama-server@<name>.service`` that roles/llama_server installs from
 the inventory's ``llama_server_instances``. This module asks systemd over SSH (``systemctl show``,
 ``journalctl``) and the server itself over HTTP (``/health``, ``/props``, through
-:mod:`rigctl.server`); the parsers of what systemd prints are pure functions.
+:mod:`rigctl.llama_http`); the parsers of what systemd prints are pure functions.
 
 Fleet calls return one record per instance and keep going when a host cannot be reached: that host's
 instances come back with ``state="unreachable"`` and the reason in ``error``.
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from rigctl.errors import ConfigError, RigctlError, ServerError
 from rigctl.inventory import Host, Inventory, Server
 from rigctl.inventory.profiles import unit_name
-from rigctl.server import NO_RETRY, ServerClient, Timeouts
+from rigctl.llama_http import NO_RETRY, ServerClient, Timeouts
 from rigctl.ssh import session
 
 log = logging.getLogger(__name__)

@@ -40,7 +40,8 @@ import paramiko
 
 from rigctl.connections import current as current_connections
 from rigctl.errors import ConnectError, HostKeyError, RemoteCommandError, RigctlError, TransferError, one_line
-from rigctl.inventory import SHA256, Host
+from rigctl.inventory import Host
+from rigctl.inventory.keys import SHA256
 
 log = logging.getLogger(__name__)
 

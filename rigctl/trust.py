@@ -19,18 +19,19 @@ import json
 import logging
 import re
 import threading
-import urllib.parse
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from rigctl.errors import TrustError
 
+# The token's origin rule has one home, shared with the models role: it is part of this boundary.
+from rigctl.hostside.token_origin import same_origin as same_origin
+
 MASK = "***"
 # Names of settings and options that hold secrets (llama_server_api_key, models_hf_token, --api-key, ...).
 _SECRET_NAME = re.compile(r"(?:^|[_-])(?:api[_-]?key|token|secret|passw(?:or)?d|credentials?)"
                           r"(?=$|[_-](?!file|path|dir))", re.IGNORECASE)
-_DEFAULT_PORTS = {"http": 80, "https": 443}
 #: What opens a Jinja expression, statement or comment: text carrying one runs as code wherever Ansible
 #: templates it (every inventory string not tagged !unsafe).
 TEMPLATE_MARKERS = ("{{", "{%", "{#")
@@ -84,24 +85,6 @@ def printable(text: str, *, lines: bool = False) -> str:
         return text
     return "".join(ch if ch.isprintable() or (lines and ch == "\n") else ch.encode("unicode_escape").decode()
                    for ch in text)
-
-
-def origin(url: str) -> tuple[str, str, int]:
-    """(scheme, host, port) of ``url``, the port filled in for http and https."""
-    parts = urllib.parse.urlsplit(url)
-    scheme = parts.scheme.lower()
-    try:
-        port = parts.port
-    except ValueError:
-        port = None
-    return scheme, (parts.hostname or "").lower(), port or _DEFAULT_PORTS.get(scheme, 0)
-
-
-def same_origin(url: str, base: str) -> bool:
-    """Whether ``url`` is on exactly the scheme, host and port of ``base`` (a prefix is not enough:
-    ``http://127.0.0.1:1810`` is not the origin of ``http://127.0.0.1:18100/x``)."""
-    target = origin(url)
-    return bool(target[1]) and target == origin(base)
 
 
 def is_secret_name(name: str) -> bool:

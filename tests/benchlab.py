@@ -22,7 +22,7 @@ def served_inventory(request: pytest.FixtureRequest) -> Inventory:
         return request.getfixturevalue("lab_served")
     except pytest.FixtureLookupError:
         pass
-    from rigctl.deploy import run_playbook
+    from rigctl.fleet.deploy import run_playbook
 
     inventory = request.getfixturevalue("lab_up")
     run_playbook(inventory, "site.yml", timeout=3600).raise_for_failures()

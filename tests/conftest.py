@@ -36,7 +36,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return
     if lab_unavailable_reason() is None and any(Path(item.path).parent == LAB_TESTS for item in session.items):
         from rigctl.errors import RigctlError
-        from rigctl.lab_prepare import prepare
+        from rigctl.lab.prepare import prepare
 
         try:
             prepare(Inventory.load(LAB_INVENTORY))
@@ -69,7 +69,7 @@ def lab_up(lab_inventory: Inventory) -> Iterator[Inventory]:
     reason = lab_unavailable_reason()
     if reason:
         pytest.skip(reason)
-    from rigctl.lab import Lab
+    from rigctl.lab.rigs import Lab
 
     with Lab.from_inventory(lab_inventory).up_while():
         yield lab_inventory
@@ -102,7 +102,7 @@ def lab_served(lab_up: Inventory) -> Iterator[Inventory]:
     models, llama-server units) and every enabled llama-server instance answering /health 200:
     SmolLM2 as instance ``smollm2`` on port 8080 of each rig (``host.servers``, ``host.address``).
     Raises DeployError when the play fails on any host."""
-    from rigctl.deploy import run_playbook
+    from rigctl.fleet.deploy import run_playbook
 
     run_playbook(lab_up, "site.yml").raise_for_failures()
     wait_healthy(lab_up)

@@ -9,10 +9,8 @@ from pathlib import Path
 import yaml
 
 from rigctl.inventory import Inventory
-from rigctl.lab import (
-    GpuState,
-    RigSpec,
-)
+from rigctl.lab.config import RigSpec
+from rigctl.lab.gpu import GpuState
 
 REPO = Path(__file__).resolve().parents[1]
 

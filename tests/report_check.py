@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rigctl.evals.scorers import GSM8K_SCORES
+from rigctl.hostside.scorers import GSM8K_SCORES
 
 LINK = re.compile(r"\[([^\]]+)\]\(([^)]+)\)")
 

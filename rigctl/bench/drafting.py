@@ -31,16 +31,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
 from rigctl.errors import ConfigError, RemoteCommandError
-from rigctl.inputs import read_text, yaml_problem
+from rigctl.inputs import parse_mapping, read_text
 from rigctl.inventory import Host, Server
 from rigctl.inventory.profiles import unit_name
+from rigctl.llama_http import ServerClient, Timeouts
 from rigctl.results.record import RunRecord
 from rigctl.results.stamp import collect_stamp, inventory_server, with_props
 from rigctl.results.store import ResultsStore
-from rigctl.server import ServerClient, Timeouts
 from rigctl.servers import operator_start
 from rigctl.ssh import session
 
@@ -134,11 +133,9 @@ def load_prompts(path: Path | None = None, kinds: Sequence[str] | None = None) -
     else:
         text = read_text(path, "prompts")
         origin = str(path)
-    try:
-        data = yaml.safe_load(text) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"prompts {origin}: not YAML: {yaml_problem(exc)}") from None
-    if not isinstance(data, dict) or not all(isinstance(v, list) and v for v in data.values()):
+    expected = "expected a mapping of prompt kind to a list of chat messages"
+    data = parse_mapping(text, f"prompts {origin}", expected=expected, empty=True)
+    if not all(isinstance(v, list) and v for v in data.values()):
         raise ConfigError(f"{origin}: expected a mapping of prompt kind to a list of chat messages")
     if kinds:
         unknown = [k for k in kinds if k not in data]

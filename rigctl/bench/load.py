@@ -146,7 +146,7 @@ def drive_level(endpoint: Any, concurrency: int, requests: int, max_tokens: int,
                 prompts: Sequence[tuple[str, list[dict[str, str]]]]) -> tuple[list[LoadRequest], float]:
     """``concurrency`` clients sending back to back until ``requests`` are sent or ``timeout_s`` passed;
     the requests (in the order they were taken) and the level's wall time."""
-    from rigctl.server import ServerClient, Timeouts
+    from rigctl.llama_http import ServerClient, Timeouts
 
     lock = threading.Lock()
     taken = [0]
@@ -188,8 +188,8 @@ def run_load(
     """The load curve of ``instance`` on ``host`` through a probe with a slot per client; saved to ``store``.
     ``requests``: per level (default four per client, at least 8)."""
     from rigctl.bench.server import instance_stopped, probe_server
+    from rigctl.llama_http import ServerClient
     from rigctl.results.stamp import collect_stamp, inventory_server, with_props
-    from rigctl.server import ServerClient
     from rigctl.ssh import session
 
     levels = parse_levels(list(concurrency))

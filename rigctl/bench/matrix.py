@@ -42,27 +42,27 @@ import json
 import logging
 import math
 import statistics  # not numpy: starting a bench imports this module, and numpy costs a tenth of a second
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rigctl.errors import ConfigError, RigctlError
+from rigctl.hostside.bench_cells import CELLS_FILE
 from rigctl.hostside.bench_task import plan_cells
+from rigctl.inputs import read_mapping
 from rigctl.inventory import Host, Inventory
 from rigctl.results.record import parse_json
 from rigctl.results.store import StoredRun, read_jsonl
 from rigctl.trust import inside
 
-if TYPE_CHECKING:  # rigctl.jobs brings paramiko; summaries (and rigctl.compare) do not need it
+if TYPE_CHECKING:  # rigctl.jobs brings paramiko; summaries (and rigctl.analysis.compare) do not need it
     from rigctl import jobs
 
 log = logging.getLogger(__name__)
 
-CELLS_FILE = "cells.jsonl"
 #: The host-side module a bench job runs (rigctl/hostside/bench_task.py).
 BENCH_TASK = "bench_task"
 RAW_DIR = "llama-bench"
@@ -132,14 +132,7 @@ def parse_spec(data: Mapping[str, Any], origin: str) -> BenchSpec:
 
 def load_spec(path: Path, overrides: Mapping[str, Any] | None = None) -> BenchSpec:
     """A YAML bench spec, with ``overrides`` (from CLI flags) on top."""
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except OSError as exc:
-        raise ConfigError(f"bench spec {path}: {exc.strerror or exc}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"bench spec {path}: not YAML: {str(exc).splitlines()[0]}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"bench spec {path}: expected a mapping at the top")
+    data = read_mapping(path, "bench spec", empty=True)
     for key, value in (overrides or {}).items():
         if key == "matrix":
             data["matrix"] = {**(data.get("matrix") or {}), **value}
@@ -295,14 +288,6 @@ def samples_from_cell(
             throttled=bool(throttle.get("throttled")), throttle_why=tuple(throttle.get("why") or ()),
         ))
     return out
-
-
-def cell_files(cells: Sequence[Mapping[str, Any]]) -> Iterator[tuple[str, Any]]:
-    """(where, path) of every raw file the lines of a ``cells.jsonl`` name (pure)."""
-    for number, cell in enumerate(cells, 1):
-        for key in ("raw", "log"):
-            if cell.get(key) is not None:
-                yield f"line {number} {key}", cell[key]
 
 
 def load_run_samples(run: StoredRun) -> list[BenchSample]:

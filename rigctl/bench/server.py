@@ -32,10 +32,10 @@ from rigctl.errors import ConfigError, ServerError
 from rigctl.hostside.sandbox import run_options
 from rigctl.inventory import Host, Server
 from rigctl.inventory.profiles import args_lines_to_argv
+from rigctl.llama_http import Endpoint, ServerClient, Timeouts
 from rigctl.results.record import RunRecord
 from rigctl.results.stamp import collect_stamp, inventory_server, with_props
 from rigctl.results.store import ResultsStore
-from rigctl.server import Endpoint, ServerClient, Timeouts
 from rigctl.servers import operator_start
 from rigctl.ssh import SshClient, session
 

@@ -1,5 +1,5 @@
 """``python -m rigctl.cli``: the ``rigctl`` command."""
 
-from rigctl.cli import main
+from rigctl.cli.main import main
 
 main()

@@ -1,5 +1,5 @@
 """The ``rigctl`` app: the command groups put together, the global options, logging and exit codes.
-:func:`rigctl.cli.main` imports this once it has started what may start before it."""
+:func:`rigctl.cli.main.main` imports this once it has started what may start before it."""
 
 from __future__ import annotations
 
@@ -108,7 +108,7 @@ def usage_message(exc: ClickException) -> str:
 
 
 def run(preload: InventoryPreload | None = None) -> None:
-    """Run the command line in ``sys.argv``; ``preload``: the inventory :func:`rigctl.cli.main` started
+    """Run the command line in ``sys.argv``; ``preload``: the inventory :func:`rigctl.cli.main.main` started
     loading before this module was imported."""
     state.preload = preload
     try:

@@ -88,7 +88,7 @@ def bench_run(
     spec = load_spec(spec_file, overrides) if spec_file else parse_spec(overrides, "command line")
     jobs.task_sources(BENCH_TASK)  # read and parsed while the inventory loads
     inv = load_inventory()
-    # The command's connection scope (see rigctl.cli.main): starting, following and pulling share one per host.
+    # The command's connection scope (see rigctl.cli.main.main): starting, following and pulling share one per host.
     started = start_bench(inv, spec)
     failed = False
     for host, outcome in started.items():

@@ -19,7 +19,7 @@ app = typer.Typer(no_args_is_help=True, help="llama.cpp builds on the hosts: sta
 @app.command("status")
 def build_status(limit: LimitOption = None) -> None:
     """The llama.cpp build each host runs (current) and keeps for rollback (previous)."""
-    from rigctl.build import read_builds
+    from rigctl.fleet.build import read_builds
 
     table = Table(title="llama.cpp builds")
     for column in ("host", "current", "key", "CPU", "CUDA", "built on", "previous", "candidate"):
@@ -38,7 +38,7 @@ def build_status(limit: LimitOption = None) -> None:
 def build_rollback(host: Annotated[str, typer.Argument(help="Host from the inventory.")]) -> None:
     """Make HOST's previous llama.cpp build current again. The next `rigctl provision` restores the
     inventory's pin."""
-    from rigctl.build import rollback
+    from rigctl.fleet.build import rollback
 
     result = rollback(load_inventory(), host, on_event=print_event, on_task=print_task)
     console.print(f"{result.host}: current is now {result.after} (was {result.before})", highlight=False)
@@ -90,7 +90,7 @@ def build_upgrade(
     the CVE floor and every profile's flags, measured paired (llama-bench, server TTFT and decode, greedy identity,
     an eval slice); every gate passed, the pin is written and rolled out host by host, else refused in one line."""
     from rigctl.fleet.candidate import parse_cmake_options
-    from rigctl.fleet.upgrade import upgrade
+    from rigctl.upgrade.upgrade import upgrade
 
     result = upgrade(load_inventory(), to, canary=canary, gates_file=gates,
                      cmake_options=parse_cmake_options(cmake or []), allow=_named(allow_advisory, "--allow-advisory"),
@@ -120,7 +120,7 @@ def build_bisect(
     measured paired against the good end; rerun to continue an interrupted bisect."""
     import yaml
 
-    from rigctl.fleet.upgrade import bisect, parse_candidates
+    from rigctl.upgrade.bisect import bisect, parse_candidates
 
     listed = None
     if candidates is not None:
@@ -150,11 +150,11 @@ def build_bisect(
 def build_advisories(limit: LimitOption = None) -> None:
     """The CVE floor: llama.cpp's published advisories by build number, and each host's pinned and running
     build against them."""
-    from rigctl.build import read_builds
     from rigctl.errors import RigctlError
-    from rigctl.fleet import advisories
+    from rigctl.fleet.build import read_builds
+    from rigctl.inventory import advisories
 
-    table = Table(title="llama.cpp advisories (rigctl/fleet/data/llama_cpp_advisories.yaml)")
+    table = Table(title="llama.cpp advisories (rigctl/inventory/data/llama_cpp_advisories.yaml)")
     for column in ("advisory", "CVE", "severity", "builds", "fixed in", "summary"):
         table.add_column(column)
     for advisory in advisories.table():

@@ -20,14 +20,14 @@ app = typer.Typer(no_args_is_help=True,
 
 
 def _reference(hf: Path, python: Path | None):
-    from rigctl.check import HfReference
+    from rigctl.analysis.runtime_check import HfReference
 
     return HfReference(hf.expanduser(), python=(python or Path(os.environ.get("RIGCTL_VERIFY_PYTHON")
                                                                   or sys.executable)).expanduser())
 
 
 def _endpoints(host: str | None, servers: list[str] | None, urls: list[str] | None):
-    from rigctl.server import Endpoint
+    from rigctl.llama_http import Endpoint
 
     if urls:
         return [Endpoint(u) for u in urls]
@@ -38,7 +38,7 @@ def _endpoints(host: str | None, servers: list[str] | None, urls: list[str] | No
 
 
 def _prompts(path: Path | None):
-    from rigctl.check import BUILTIN_PROMPTS, load_prompts
+    from rigctl.analysis.runtime_check import BUILTIN_PROMPTS, load_prompts
 
     return load_prompts(path) if path else list(BUILTIN_PROMPTS)
 
@@ -67,8 +67,8 @@ def check_template_cmd(
 ) -> None:
     """Render prompts through the server's /apply-template and transformers' apply_chat_template: how many
     are byte-identical, and the first differing position with context for the rest. Exits 1 on a difference."""
-    from rigctl.check import check_template, context
-    from rigctl.server import ServerClient
+    from rigctl.analysis.runtime_check import check_template, context
+    from rigctl.llama_http import ServerClient
 
     reference = _reference(hf, python)
     template = chat_template.read_text() if chat_template else None
@@ -100,8 +100,8 @@ def check_logits_cmd(
 ) -> None:
     """Next-token probabilities of each served artifact against a float32 transformers reference on the
     CPU: top-1 agreement and the KL divergence over the server's top-k."""
-    from rigctl.check import check_logits
-    from rigctl.server import ServerClient
+    from rigctl.analysis.runtime_check import check_logits
+    from rigctl.llama_http import ServerClient
 
     reference = _reference(hf, python)
     conversations = _prompts(prompts)

@@ -36,7 +36,7 @@ state = State()
 def preload_inventory() -> None:
     """Start loading the inventory in a child process (:mod:`rigctl.inventory.preload`), for a command
     that will :func:`load_inventory`: its group's callback calls this before the command's own arguments
-    are parsed and its imports run. One already started by :func:`rigctl.cli.main` (a command line
+    are parsed and its imports run. One already started by :func:`rigctl.cli.main.main` (a command line
     without ``-i``: the default inventory, as ``-i`` resolves it) is kept."""
     from rigctl.inventory.preload import InventoryPreload
 

@@ -1,5 +1,5 @@
 """``rigctl compare``: paired eval gaps with intervals and tests, bench and load ratios; rendering only,
-the work is in :mod:`rigctl.compare`."""
+the work is in :mod:`rigctl.analysis.compare`."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from rigctl.cli.common import ResultsOption, console, err_console, results_store
 from rigctl.cli.render import outside_text
 from rigctl.errors import ConfigError
 
-if TYPE_CHECKING:  # rigctl.compare pulls in the bench and pydantic: imported where used
-    from rigctl.compare import Comparison, RunHabits
+if TYPE_CHECKING:  # rigctl.analysis.compare pulls in the bench and pydantic: imported where used
+    from rigctl.analysis.compare import Comparison
+    from rigctl.analysis.habits import RunHabits
 
 # No default here: rigctl.stats' (the report's too) applies, and importing it to show one costs numpy.
 SeedOption = Annotated[int | None, typer.Option(help="Bootstrap seed (default: the one the report uses).")]
@@ -32,7 +33,7 @@ def _labels(counts: dict[str, int], limit: int = 4) -> str:
 
 def _test_cells(gap) -> list[str]:
     """b / c (discordant questions) and the exact test's p-value of a gap."""
-    from rigctl.compare import p_text
+    from rigctl.analysis.format import p_text
 
     test = gap.test
     if test is None:
@@ -48,8 +49,8 @@ def _verdict_cell(gap, margin: float | None, p: float | None = None) -> str:
 
 
 def print_eval_comparison(result: Comparison) -> None:
-    from rigctl.compare import p_text, points, ratio_text
-    from rigctl.evals.scorers import GSM8K_SCORES
+    from rigctl.analysis.format import p_text, points, ratio_text
+    from rigctl.hostside.scorers import GSM8K_SCORES
 
     for index, pair in enumerate(result.pairs):
         title = f"{pair.b.name} ({pair.b.label}) - {pair.a.name} ({pair.a.label}): task {pair.task}"
@@ -112,7 +113,7 @@ def _clip(text: str, width: int = 70) -> str:
 
 def print_flips(result: Comparison) -> None:
     """Per pair: right→wrong and wrong→right counts per set, then every flipped question with both replies."""
-    from rigctl.compare import flip_counts
+    from rigctl.analysis.compare import flip_counts
 
     for pair in result.pairs:
         counts = Table(title=outside_text(f"flips, {pair.a.name} → {pair.b.name} (as recorded)"))
@@ -138,7 +139,8 @@ def print_flips(result: Comparison) -> None:
 def print_plan(result: Comparison) -> None:
     """The smallest gap each pair can detect (two-sided 5 %, 80 % power) with its observed discordance,
     at the questions in hand and at multiples of them."""
-    from rigctl.compare import PLAN_SCALES, gap_points, plan
+    from rigctl.analysis.compare import PLAN_SCALES, plan
+    from rigctl.analysis.format import gap_points
 
     table = Table(title="smallest gap detectable at 80 % power (two-sided 5 %), from the observed discordance")
     for column in ("pair", "set", "n", "discordant", *(f"{k}x n" if k > 1 else "at n" for k in PLAN_SCALES)):
@@ -163,8 +165,8 @@ def print_habits(habits: list[RunHabits]) -> None:
 
 
 def print_load_comparison(stored, **bootstrap: int) -> None:
+    from rigctl.analysis.format import ratio_text
     from rigctl.bench.load import compare_load
-    from rigctl.compare import ratio_text
 
     if len(stored) != 2:
         raise ConfigError(f"a load comparison needs two load runs, got {len(stored)}")
@@ -213,7 +215,10 @@ def compare(
     two runs), McNemar's exact test (right/wrong) or a sign-flip test (graded) with the discordant counts,
     how the gap moves under each sensitivity switch, and answer habits; for bench runs, t/s ratios per
     test with intervals from the per-repetition samples."""
-    from rigctl.compare import answer_habits, compare_bench_runs, compare_runs, ratio_text
+    from rigctl.analysis.compare import compare_runs
+    from rigctl.analysis.format import ratio_text
+    from rigctl.analysis.habits import answer_habits
+    from rigctl.analysis.speed import compare_bench_runs
 
     bootstrap = {k: v for k, v in {"seed": seed, "resamples": resamples}.items() if v is not None}
     store = results_store(results)

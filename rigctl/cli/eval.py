@@ -13,7 +13,7 @@ from rich.table import Table
 
 from rigctl.cli.common import console, load_inventory
 from rigctl.errors import ConfigError
-from rigctl.evals.scorers import GSM8K_SCORES
+from rigctl.hostside.scorers import GSM8K_SCORES
 
 app = typer.Typer(no_args_is_help=True, help="Quality evals (GSM8K, BFCL simple, choice suites) against a server.")
 

@@ -28,7 +28,7 @@ def exporter(
 ) -> None:
     """Serve the fleet's state as Prometheus metrics: reachability, builds and model pins against the
     inventory, llama-server units, GPUs, and the latest pulled bench and eval results."""
-    from rigctl.exporter import Exporter
+    from rigctl.services.exporter import Exporter
 
     inventory = load_inventory()
     overrides = {**({"ansible_ssh_private_key_file": str(ssh_key)} if ssh_key else {}),

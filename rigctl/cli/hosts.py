@@ -15,7 +15,7 @@ from rigctl.cli.render import outside_text, print_deploy_summary, print_event, p
 from rigctl.errors import ConfigError
 
 if TYPE_CHECKING:
-    from rigctl.probe import HostFacts
+    from rigctl.fleet.host_facts import HostFacts
 
 app = typer.Typer(invoke_without_command=True, help="The fleet: list it (no subcommand); add, probe or remove a host.")
 
@@ -84,8 +84,8 @@ def hosts_add(
     playbooks/bootstrap.yml makes the fleet user with the controller's key and sudo; one probe writes
     host_vars/NAME.yml and adds NAME to hosts.yml; inventory check must pass. Run again: no change.
     """
-    from rigctl.deploy import run_playbook
-    from rigctl.enroll import AddOptions, add_host, check_fingerprint_option, check_host_name
+    from rigctl.fleet.deploy import run_playbook
+    from rigctl.fleet.enroll import AddOptions, add_host, check_fingerprint_option, check_host_name
     from rigctl.inventory import Inventory
 
     check_host_name(name)
@@ -129,7 +129,7 @@ def hosts_add(
 @app.command("remove")
 def hosts_remove(name: Annotated[str, typer.Argument(help="Host in the inventory.")]) -> None:
     """Take NAME out of hosts.yml, its host_vars file and known_hosts; nothing on the host changes."""
-    from rigctl.enroll import remove_host
+    from rigctl.fleet.enroll import remove_host
 
     result = remove_host(load_inventory(), name)
     parts = [what for what, done in (("hosts.yml", result.hosts_file), ("host_vars", result.host_vars),
@@ -146,7 +146,7 @@ def hosts_probe(
 
     Exits 1 when there is drift, unless --write updates host_vars/NAME.yml.
     """
-    from rigctl.enroll import probe_host
+    from rigctl.fleet.enroll import probe_host
 
     result = probe_host(load_inventory(), name, write=write)
     _print_facts(name, result.facts)

@@ -13,7 +13,7 @@ app = typer.Typer(no_args_is_help=True, help="The inventory: validate it.")
 @app.command("check")
 def inventory_check() -> None:
     """Validate the inventory: types, required keys, unique ports, models and profiles defined, pins."""
-    from rigctl.deploy import project_root
+    from rigctl.fleet.deploy import project_root
     from rigctl.inventory.check import check
 
     inv = load_inventory()

@@ -17,7 +17,7 @@ app = typer.Typer(no_args_is_help=True, help="Local lab rigs (systemd-nspawn con
 
 
 def _lab():
-    from rigctl.lab import Lab
+    from rigctl.lab.rigs import Lab
 
     return Lab.from_inventory(load_inventory())
 
@@ -63,7 +63,7 @@ def lab_prepare() -> None:
     (compiled on a rig brought up for it and left as found). Seconds when the cache has them; `make test`
     and `make demo` run this first, so no test's time limit pays for a cold compile."""
     from rigctl.cli.render import print_event, print_task
-    from rigctl.lab_prepare import prepare
+    from rigctl.lab.prepare import prepare
 
     started = time.monotonic()
     with console.status("lab prepare: base image") as status:

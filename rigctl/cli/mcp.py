@@ -20,7 +20,7 @@ def mcp(
 ) -> None:
     """Serve the fleet as MCP tools over stdio (for Claude Code or any MCP client); read-only unless
     --allow-actions."""
-    from rigctl.mcp_server import build_server
+    from rigctl.services.mcp_server import build_server
 
     build_server(load_inventory(), allow_actions=allow_actions, results_root=results,
                  task_dirs=task_dirs or ()).run("stdio")

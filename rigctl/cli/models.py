@@ -15,7 +15,7 @@ app = typer.Typer(no_args_is_help=True, help="Model artifacts on the hosts: list
 @app.command("list")
 def models_list(limit: LimitOption = None) -> None:
     """Per host: artifact, size, quantisation mix, sha256 and pin status (from the manifests)."""
-    from rigctl.models import list_artifacts, rows
+    from rigctl.fleet.models import list_artifacts, rows
 
     table = Table(title="model artifacts")
     for column in ("host", "artifact", "size", "quant mix", "sha256", "pin"):
@@ -36,7 +36,7 @@ def models_list(limit: LimitOption = None) -> None:
 @app.command("verify")
 def models_verify(limit: LimitOption = None) -> None:
     """Re-hash every host's model files against their pins; rebuild nothing."""
-    from rigctl.models import problems, verify
+    from rigctl.fleet.models import problems, verify
 
     results = verify(load_inventory(), limit)
     found = problems(results)
@@ -52,7 +52,7 @@ def models_verify(limit: LimitOption = None) -> None:
 @app.command("pin")
 def models_pin(limit: LimitOption = None) -> None:
     """Write the hashes observed on each host into its host_vars (models_pins), for review with git diff."""
-    from rigctl.models import pin
+    from rigctl.fleet.models import pin
 
     for host, pins in pin(load_inventory(), limit).items():
         console.print(f"{host}: pinned {len(pins)} artifacts", highlight=False)

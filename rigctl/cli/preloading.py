@@ -1,4 +1,4 @@
-"""Which command lines load the inventory, known before the app is imported (:func:`rigctl.cli.main`)."""
+"""Which command lines load the inventory, known before the app is imported (:func:`rigctl.cli.main.main`)."""
 
 from __future__ import annotations
 

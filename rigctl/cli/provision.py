@@ -18,8 +18,8 @@ def provision(
 ) -> None:
     """Run playbooks/site.yml through ansible-runner; per-task progress, then a per-host summary. A llama.cpp
     pin inside a published advisory's range (the CVE floor) is refused before anything runs."""
-    from rigctl.deploy import run_playbook
-    from rigctl.fleet.advisories import refuse_vulnerable_pins
+    from rigctl.fleet.deploy import run_playbook
+    from rigctl.inventory.advisories import refuse_vulnerable_pins
 
     inventory = load_inventory()
     refuse_vulnerable_pins(inventory.select(limit))

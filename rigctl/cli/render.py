@@ -13,7 +13,7 @@ from rigctl.errors import RigctlError
 from rigctl.trust import printable
 
 if TYPE_CHECKING:
-    from rigctl.deploy import DeployResult, TaskEvent
+    from rigctl.fleet.deploy import DeployResult, TaskEvent
 
 
 def outside_text(value: object, *, lines: bool = False) -> Text:

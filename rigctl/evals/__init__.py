@@ -1,24 +1,25 @@
 """Quality evals against any llama-server (or OpenAI-compatible endpoint): tasks as data, datasets
 pinned by hash, three scorers, an async runner with resumable runs.
 
-Modules: ``tasks`` (task files, questions), ``datasets`` (download, sha256, cache, lock file),
-``scorers`` (pure: GSM8K extraction, BFCL's AST checker, missed-call detector, choice), ``runner``
-(asking, answers.jsonl, run records, summaries).
+Modules: ``tasks`` (task files, questions), ``datasets`` (download, sha256, cache, lock file), ``runner``
+(asking, answers.jsonl, run records, summaries), ``fanout`` (one task over several servers), ``remote`` (the
+eval as a job on the host), ``target`` (the server asked and its provenance). The scorers run on both sides, so
+they are host-side code: :mod:`rigctl.hostside.scorers` (GSM8K extraction, choice, request bodies, records,
+summaries) and :mod:`rigctl.hostside.bfcl` (BFCL's AST checker and missed-call detector).
 
 Run directory (``<results>/<host>/<run id>/``, see :mod:`rigctl.results`)::
 
-    run.json        RunRecord, kind "eval"
+    run.json        a RunRecord (:mod:`rigctl.results.record`) of kind "eval"
     answers.jsonl   one JSON object per answered question, appended and flushed as each completes
 
-``run.json`` for evals: ``server`` = {endpoint, label, build_info, model_path, total_slots, n_ctx (from
-``/props``), and for inventory servers name, host, profile, flags (the profile's settings)};
-``artifacts`` = [{name, path, sha256, manifest}] from the host's model manifest; ``task`` = {name,
-scorer, file, file_sha256, dataset_sha256: {source key: sha256}, questions}; ``seed``; ``concurrency``;
-``extra`` = {thinking, limit, timeout_s, summary, label_tokens (choice), resumed: [times], and for
-bfcl_simple template_carries_tools ([bool] per server) and deviations ({from, settings, reason}, only when
-the task departs from BFCL's own request)}. ``summary`` is
-``{"sets": {set: block}, "overall": block + {"macro"}}`` with block = {n, score, cutoffs, and
-lmeval_strict_match, lmeval_flexible_extract (gsm8k) or toolless, missed_calls (bfcl_simple)}.
+``run.json`` carries the record's one provenance stamp: ``servers`` (each with its argv as deployed, endpoint,
+label, and build_info, model_path, total_slots, n_ctx from ``/props``), ``artifacts`` ([{name, path, sha256,
+manifest}] from the host's model manifest), ``task`` ({name, scorer, file, file_sha256, dataset_sha256: {source
+key: sha256}, questions}), ``seed`` and ``concurrency``. The eval's own parameters are in ``extra`` = {thinking,
+limit, timeout_s, summary, label_tokens (choice), resumed: [times], and for bfcl_simple template_carries_tools
+([bool] per server) and deviations ({from, settings, reason}, only when the task departs from BFCL's own
+request)}. ``summary`` is ``{"sets": {set: block}, "overall": block + {"macro"}}`` with block = {n, score,
+cutoffs, and lmeval_strict_match, lmeval_flexible_extract (gsm8k) or toolless, missed_calls (bfcl_simple)}.
 
 ``answers.jsonl`` keys, every scorer:
 
@@ -31,7 +32,7 @@ gsm8k adds: reply, reasoning (only with thinking on), finish_reason, tokens (com
 number (the reply's last number, normalised, or null; ``score`` is rigctl's normalised match of it against
 gold), and lm-eval 0.4's two scores as its gsm8k task computes them: lmeval_strict (the strict-match filter's
 output, ``[invalid]`` when nothing matched) with lmeval_strict_match (0/1), lmeval_flexible with
-lmeval_flexible_extract (0/1) (:data:`rigctl.evals.scorers.GSM8K_SCORES` names the three).
+lmeval_flexible_extract (0/1) (:data:`rigctl.hostside.scorers.GSM8K_SCORES` names the three).
 
 bfcl_simple adds: reply (text content), reasoning, finish_reason, tokens, tool_calls ([{name, arguments}],
 arguments parsed to an object when they are JSON), error and error_type (BFCL's checker; empty when

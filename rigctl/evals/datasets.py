@@ -30,9 +30,10 @@ import httpx
 
 from rigctl.errors import EvalError
 from rigctl.files import HashLock, cache_dir
+from rigctl.hostside.token_origin import bearer_header
 from rigctl.inputs import read_text
 from rigctl.results.record import file_sha256
-from rigctl.trust import register_secret, same_origin
+from rigctl.trust import register_secret
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +154,7 @@ def _download(key: str, url: str, local: Path, timeout: float) -> str:
             current = url
             for _ in range(_MAX_REDIRECTS + 1):
                 # The token goes to the endpoint's own scheme, host and port only, redirects included.
-                headers = {"Authorization": f"Bearer {token}"} if token and same_origin(current, hf_endpoint()) else {}
+                headers = bearer_header(token, current, hf_endpoint())
                 with client.stream("GET", current, headers=headers) as response:
                     if response.is_redirect and "location" in response.headers:
                         current = str(response.url.join(response.headers["location"]))

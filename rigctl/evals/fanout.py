@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from rigctl.errors import ConfigError
 from rigctl.evals.target import Target
-from rigctl.server import Endpoint
+from rigctl.llama_http import Endpoint
 
 
 def _name(target: Target) -> str:

@@ -2,10 +2,10 @@
 
 The rigs have Python 3.11 and no rigctl, and may have no network, so the controller does what needs
 rigctl's dependencies or the network — loading the task file, fetching and verifying its datasets,
-building the questions — and ships the questions with a copy of the stdlib-only
-:mod:`rigctl.evals.scorers`; :mod:`rigctl.hostside.eval_task` then asks the local server (127.0.0.1) over
-urllib with the same request bodies and scoring rules, and the job machinery pulls the run home
-(sha256-checked). The job takes the host's ``gpu`` lock, so an eval never overlaps a bench.
+building the questions — and ships the questions; :mod:`rigctl.hostside.eval_task` (carrying the
+stdlib-only :mod:`rigctl.hostside.scorers` with it) then asks the local server (127.0.0.1) over urllib with the
+same request bodies and scoring rules, and the job machinery pulls the run home (sha256-checked). The job
+takes the host's ``gpu`` lock, so an eval never overlaps a bench.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from typing import Any
 
 from rigctl import jobs
 from rigctl.errors import ConfigError, EvalError
-from rigctl.evals import scorers
 from rigctl.evals.runner import Options, task_stamp
 from rigctl.evals.target import Target
 from rigctl.evals.tasks import LoadedTask
@@ -51,7 +50,7 @@ def job_spec(task: LoadedTask, target: Target, options: Options, questions_file:
                   **({"deviations": task.deviations} if task.deviations else {})},
     }
     return jobs.JobSpec(kind="eval", task="eval_task", params=params, lock="gpu", record=record,
-                        files={"questions.jsonl": questions_file, "eval_scorers.py": Path(scorers.__file__)},
+                        files={"questions.jsonl": questions_file},
                         max_runtime_s=int(options.timeout * max(1, len(task.questions))),
                         artifacts=(params["artifact"]["path"],) if "artifact" in params else ())
 

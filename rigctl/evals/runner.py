@@ -25,14 +25,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rigctl.errors import ConfigError, EvalError, RigctlError, ServerError, UnreadableAnswer
-from rigctl.evals import scorers
-from rigctl.evals.scorers import summarise
 from rigctl.evals.target import Target
 from rigctl.evals.tasks import LoadedTask, Question, load_task
+from rigctl.hostside import scorers
+from rigctl.hostside.scorers import summarise
+from rigctl.llama_http import DEFAULT_SEED, AsyncServerClient, Endpoint, Props, Retry, ServerClient, Timeouts
 from rigctl.results.record import ANSWERS_FILE, Artifact, Provenance, RunRecord, Server, Task, rigctl_version, utc_now
 from rigctl.results.stamp import with_props
 from rigctl.results.store import ResultsStore, read_jsonl
-from rigctl.server import DEFAULT_SEED, AsyncServerClient, Endpoint, Props, Retry, ServerClient, Timeouts
 from rigctl.trust import redact_argv
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ from typing import Any
 
 from rigctl.errors import RigctlError
 from rigctl.inventory import Artifact, Host, Server
-from rigctl.server import Endpoint
+from rigctl.llama_http import Endpoint
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +53,8 @@ def inventory_target(host: Host, server: str, *, url: str | None = None, api_key
 
 
 def _read_facts(target: Target, host: Host, artifact: Artifact) -> None:
-    from rigctl.build import read_builds
-    from rigctl.models import inspect_host
+    from rigctl.fleet.build import read_builds
+    from rigctl.fleet.models import inspect_host
 
     try:
         statuses = {s.artifact: s for s in inspect_host(host, rehash=False)}

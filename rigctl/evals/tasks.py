@@ -33,14 +33,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rigctl.errors import EvalError
 from rigctl.evals import datasets
 from rigctl.evals.datasets import DatasetFile
-from rigctl.evals.scorers import BFCL_TEMPERATURE, gsm8k_gold
-from rigctl.inputs import decode_utf8, yaml_problem
+from rigctl.hostside.bfcl import BFCL_TEMPERATURE
+from rigctl.hostside.scorers import gsm8k_gold
+from rigctl.inputs import decode_utf8, parse_mapping
 
 TASKS_DIR = Path(__file__).resolve().parent.parent / "tasks"
 
@@ -198,7 +198,7 @@ class LoadedTask:
 
     @property
     def request(self) -> dict[str, Any]:
-        """The chat request's settings (:func:`rigctl.evals.scorers.chat_request`); empty for choice tasks."""
+        """The chat request's settings (:func:`rigctl.hostside.scorers.chat_request`); empty for choice tasks."""
         spec = self.spec
         if isinstance(spec, BfclTask):
             return {"temperature": spec.temperature, "max_tokens": spec.max_tokens, "bfcl_notes": spec.bfcl_notes}
@@ -230,12 +230,7 @@ def find_task(ref: str) -> Path:
 
 
 def parse_task(text: str, where: str) -> Task:
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise EvalError(f"{where}: not YAML: {yaml_problem(exc)}") from None
-    if not isinstance(data, dict):
-        raise EvalError(f"{where}: a task file is a mapping")
+    data = parse_mapping(text, where, expected="a task file is a mapping", error=EvalError)
     try:
         return TaskFile(task=data).task
     except ValidationError as exc:

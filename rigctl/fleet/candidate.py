@@ -30,20 +30,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rigctl.build import Build, read_builds
-from rigctl.deploy import TaskEvent, run_playbook
 from rigctl.errors import BuildError, ConfigError
 from rigctl.files import HashLock, cache_dir
-from rigctl.fleet import advisories
+from rigctl.fleet.build import Build, read_builds
+from rigctl.fleet.deploy import TaskEvent, run_playbook
 from rigctl.hostside import sdist_fetch
-from rigctl.inventory import Host, Inventory, Server
+from rigctl.inventory import Host, Inventory, Server, advisories
 
 log = logging.getLogger(__name__)
 
 #: The lock file of archives fetched without a known hash (trust on first use), in the controller's cache.
 LOCK_FILE = "sources/lock.json"
-#: The CPU priority a candidate compiles at (the role's llama_cpp_build_nice).
-CANDIDATE_NICE = 10
 #: The role's tag that builds llama.cpp.
 BUILD_TAG = "llama_cpp"
 #: Seconds `--help` may take.
@@ -86,8 +83,6 @@ class CandidatePin:
     def extravars(self, host: Host) -> dict[str, Any]:
         """The role's variables for building this pin as a candidate on ``host``."""
         out: dict[str, Any] = {"llama_cpp_version": self.version, "llama_cpp_candidate": True,
-                               # The canary serves while the candidate compiles.
-                               "llama_cpp_build_nice": CANDIDATE_NICE,
                                # The stamp is derived from the pin: an explicit one belongs to the old pin.
                                "llama_cpp_build_commit": "", "llama_cpp_build_number": ""}
         if self.source == "archive":

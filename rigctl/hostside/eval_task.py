@@ -1,9 +1,9 @@
 """The eval task of an eval job, run on the host by :mod:`rigctl.hostside.jobrun`. Stdlib only.
 
 The controller loads the task and its datasets (the hosts may have no network) and ships
-``questions.jsonl`` (one ``{"id", "set", "data"}`` per line) with ``eval_scorers.py`` (a copy of
-:mod:`rigctl.evals.scorers`, stdlib only): the request bodies, scoring rules and records are the same
-functions the controller's runner uses. This module only speaks HTTP to the local llama-server with
+``questions.jsonl`` (one ``{"id", "set", "data"}`` per line); the job carries :mod:`rigctl.hostside.scorers`
+with this module: the request bodies, scoring rules and records are the same functions the controller's runner
+uses. This module only speaks HTTP to the local llama-server with
 urllib, ``concurrency`` requests at a time, and writes ``answers.jsonl`` in the run directory, one line
 per answer, flushed as each completes (format: :mod:`rigctl.evals`).
 
@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
+from rigctl.hostside import scorers
 from rigctl.hostside.llama_server_http import (
     RETRY_ATTEMPTS,
     UnreadableJSON,
@@ -85,9 +85,6 @@ def _api_key(path: str | None, error: type[Exception]) -> str | None:
 
 
 def run(job: Any) -> None:
-    sys.path.insert(0, str(job.dir))
-    import eval_scorers as scorers
-
     params = job.params
     scorer = params["scorer"]
     questions = [json.loads(line) for line in (job.dir / "questions.jsonl").read_text().splitlines() if line]

@@ -3,7 +3,7 @@
 one. Standard library only.
 
 The one reader of that file: the job runtime records the current build from it on the host, and
-:func:`rigctl.build.parse_fact` makes its typed :class:`rigctl.build.Build` from the same dicts.
+:func:`rigctl.fleet.build.parse_fact` makes its typed :class:`rigctl.fleet.build.Build` from the same dicts.
 """
 
 from __future__ import annotations

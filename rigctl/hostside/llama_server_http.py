@@ -1,6 +1,6 @@
 """What rigctl knows of llama-server's HTTP API that the host side needs too. Standard library only.
 
-:mod:`rigctl.server` (the controller's httpx clients) and :mod:`rigctl.hostside.eval_task` (urllib, on
+:mod:`rigctl.llama_http` (the controller's httpx clients) and :mod:`rigctl.hostside.eval_task` (urllib, on
 the host) share the retry policy and the reading of ``/props``:
 
 * a connection error or a 5xx answer (503 while the model loads) is retried with exponential backoff

@@ -1,7 +1,7 @@
 """Model files on a host: their sha256, their identity, the manifest the models role left beside them.
 
 Standard library only. The job runtime (:mod:`rigctl.hostside.jobrun`), the exporter's probe
-(:mod:`rigctl.hostside.fleet_probe`) and ``rigctl models`` use these, the last two as one-shot commands
+(:mod:`rigctl.hostside.fleet_state`) and ``rigctl models`` use these, the last two as one-shot commands
 (:func:`rigctl.hostside.ship.python_command`):
 
 * ``inspect PATHS REHASH``: ``{artifact: {"manifest": text, "sha256": hex}}`` for ``PATHS`` (JSON,

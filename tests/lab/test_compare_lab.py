@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def reference():
     """SmolLM2's HF checkout (tokenizer and weights saved from the GGUF) and the tools venv's Python."""
-    from rigctl.check import HfReference
+    from rigctl.analysis.runtime_check import HfReference
 
     cache = cache_dir()
     return HfReference(make_checkout(cache), python=tools_python(cache))
@@ -31,14 +31,14 @@ def reference():
 
 @pytest.fixture
 def client(lab_served: Inventory):
-    from rigctl.server import ServerClient
+    from rigctl.llama_http import ServerClient
 
     with ServerClient(lab_served.host("desktop").server("smollm2").endpoint) as server:
         yield server
 
 
 def test_check_template_identical_and_a_different_template_caught(client, reference):
-    from rigctl.check import BUILTIN_PROMPTS, check_template
+    from rigctl.analysis.runtime_check import BUILTIN_PROMPTS, check_template
 
     result = check_template(client, reference, BUILTIN_PROMPTS)
     assert len(result.results) == len(BUILTIN_PROMPTS) and any(c.tools for c in BUILTIN_PROMPTS)
@@ -58,7 +58,7 @@ def test_check_template_identical_and_a_different_template_caught(client, refere
 
 
 def test_check_logits_agree_with_the_float32_reference(client, reference):
-    from rigctl.check import BUILTIN_PROMPTS, check_logits
+    from rigctl.analysis.runtime_check import BUILTIN_PROMPTS, check_logits
 
     result = check_logits(client, reference, BUILTIN_PROMPTS[:3], top_k=20)
     assert result.model_path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf") or "smollm2" in result.model_path.lower()
@@ -69,9 +69,10 @@ def test_check_logits_agree_with_the_float32_reference(client, reference):
 
 
 def test_lab_campaign_end_to_end(lab_served: Inventory, tmp_path: Path):
+    from rigctl.analysis.compare import compare_runs
+    from rigctl.analysis.habits import answer_habits
+    from rigctl.analysis.report import build_report
     from rigctl.campaign import load_campaign, run_campaign
-    from rigctl.compare import answer_habits, compare_runs
-    from rigctl.report import build_report
 
     loaded = load_campaign(REPO / "campaigns" / "lab.yml")
     store = ResultsStore(tmp_path / "results")

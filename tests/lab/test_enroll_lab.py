@@ -19,9 +19,9 @@ import pytest
 from conftest import REPO, lab_unavailable_reason
 from ruamel.yaml import YAML
 
-from rigctl.enroll import bootstrap, ensure_key_pair
+from rigctl.fleet.enroll import bootstrap, ensure_key_pair
 from rigctl.inventory import Inventory
-from rigctl.lab import Lab
+from rigctl.lab.rigs import Lab
 
 pytestmark = pytest.mark.lab
 

@@ -7,7 +7,6 @@ artifact."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ from rigctl.ssh import SshClient, SshTarget
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 from benchlab import REPO, RIGCTL, cli_env, served_inventory  # noqa: E402
-from hf_server import HfRepo, HfServer  # noqa: E402
+from hf_server import eval_fixtures_hub  # noqa: E402
 
 pytestmark = pytest.mark.lab
 
@@ -42,10 +41,8 @@ def lab(request):
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hub") / "repo"
-    shutil.copytree(FIXTURES / "hf", root)
     results = tmp_path_factory.mktemp("results")
-    with HfServer(HfRepo("datasets/rigctl/eval-fixtures", "5f3c9a1e0b2d4c6e8f7a9b1c3d5e7f9a0b2c4d6e", root)) as hub:
+    with eval_fixtures_hub(tmp_path_factory.mktemp("hub")) as hub:
         yield results, {**cli_env(results), "HF_ENDPOINT": hub.endpoint,
                         "RIGCTL_CACHE_DIR": str(tmp_path_factory.mktemp("cache"))}
 
@@ -137,7 +134,7 @@ def test_fan_out_over_different_artifacts_is_refused(lab, env):
 
 
 def test_compare_fan_out_against_one_server(lab, env):
-    from rigctl.compare import compare_runs
+    from rigctl.analysis.compare import compare_runs
 
     store = ResultsStore(env[0])
     before = set(env[0].glob("*/eval-*"))

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rigctl.evals import scorers
+from rigctl.hostside import bfcl
 from rigctl.results.record import RunRecord
 from rigctl.results.store import ResultsStore, read_jsonl
 from rigctl.ssh import SshClient, SshTarget
@@ -27,7 +26,7 @@ from rigctl.ssh import SshClient, SshTarget
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 from benchlab import REPO, RIGCTL, assert_deployed, cli_env, served_inventory  # noqa: E402
-from hf_server import HfRepo, HfServer  # noqa: E402
+from hf_server import eval_fixtures_hub  # noqa: E402
 
 pytestmark = pytest.mark.lab
 
@@ -44,9 +43,7 @@ def lab(request):
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hub") / "repo"
-    shutil.copytree(FIXTURES / "hf", root)
-    with HfServer(HfRepo("datasets/rigctl/eval-fixtures", "5f3c9a1e0b2d4c6e8f7a9b1c3d5e7f9a0b2c4d6e", root)) as server:
+    with eval_fixtures_hub(tmp_path_factory.mktemp("hub")) as server:
         yield server
 
 
@@ -124,9 +121,9 @@ def test_scores_follow_from_the_raw_replies(lab, env, name, n):
                             if json.loads(line)["id"] == row["id"])
             truth = next(json.loads(line) for line in (FIXTURES / "hf" / "possible_answer" / "bfcl_simple.json")
                          .open() if json.loads(line)["id"] == row["id"])["ground_truth"][0]
-            assert row["score"] == int(scorers.check_simple_call(question["function"][0], calls, truth).valid)
+            assert row["score"] == int(bfcl.check_simple_call(question["function"][0], calls, truth).valid)
             assert row["toolless"] == (not calls)
-            assert row["missed_call"] == (not calls and scorers.looks_like_missed_call(row["reply"]))
+            assert row["missed_call"] == (not calls and bfcl.looks_like_missed_call(row["reply"]))
             if not calls:
                 assert row["score"] == 0
     if name == "fixture-bfcl":

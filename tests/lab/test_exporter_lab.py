@@ -19,11 +19,11 @@ import httpx
 import pytest
 from exporter_support import PROMTOOL, dashboard_metric_names, parse_samples, promtool_check, sample_value, seed_results
 
-from rigctl.exporter import (
-    Exporter,
-)
 from rigctl.inventory import Inventory
 from rigctl.results.store import ResultsStore
+from rigctl.services.exporter import (
+    Exporter,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -79,7 +79,7 @@ def _wait(predicate, timeout: float, what: str):
 
 
 def _lab_obj(inv: Inventory):
-    from rigctl.lab import Lab
+    from rigctl.lab.rigs import Lab
 
     return Lab.from_inventory(inv)
 
@@ -183,7 +183,7 @@ def test_monitoring_role_runs_the_exporter_and_its_prometheus_scrapes_it(lab: In
     """roles/monitoring writes the exporter's unit and a prometheus.yml with its scrape job; the unit's own
     command line serves the lab's metrics and Debian's Prometheus, on the role's configuration, scrapes them
     beside every llama-server. (No systemd here to start the unit: its ExecStart runs as a process.)"""
-    from rigctl.deploy import run_playbook
+    from rigctl.fleet.deploy import run_playbook
 
     prometheus = shutil.which("prometheus")
     if prometheus is None:

@@ -19,10 +19,10 @@ from benchlab import RIGCTL, cli_env, rigctl, served_inventory
 
 from rigctl import jobs
 from rigctl.bench.matrix import bench_job_spec, load_run_samples, parse_spec
-from rigctl.deploy import run_playbook
 from rigctl.errors import DeployError
+from rigctl.fleet.deploy import run_playbook
 from rigctl.inventory import Inventory
-from rigctl.lab import Lab
+from rigctl.lab.rigs import Lab
 from rigctl.results.store import ResultsStore
 from rigctl.ssh import SshClient, SshTarget
 

@@ -12,10 +12,10 @@ import yaml
 from conftest import LAB_INVENTORY, REPO, wait_healthy
 
 from rigctl.bench.server import deployed_argv, probe_server
-from rigctl.deploy import run_playbook
 from rigctl.evals.target import inventory_target
+from rigctl.fleet.deploy import run_playbook
 from rigctl.inventory import Inventory
-from rigctl.server import ServerClient
+from rigctl.llama_http import ServerClient
 from rigctl.ssh import SshClient, SshTarget
 
 OVERRIDE_CTX = 1024

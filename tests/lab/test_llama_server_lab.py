@@ -12,10 +12,10 @@ import pytest
 import yaml
 from conftest import wait_healthy
 
-from rigctl.deploy import run_playbook
 from rigctl.errors import DeployError
+from rigctl.fleet.deploy import run_playbook
 from rigctl.inventory import Inventory
-from rigctl.server import Endpoint, ServerClient
+from rigctl.llama_http import Endpoint, ServerClient
 from rigctl.servers import list_servers, restart, unit_states
 from rigctl.ssh import SshClient, SshTarget
 

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rigctl.deploy import run_playbook
+from rigctl.fleet.deploy import run_playbook
+from rigctl.fleet.models import list_artifacts, parse_manifest, pin, problems, verify
 from rigctl.inventory import Inventory
-from rigctl.models import list_artifacts, parse_manifest, pin, problems, verify
 from rigctl.ssh import SshClient, SshTarget
 
 REPO = Path(__file__).resolve().parents[2]

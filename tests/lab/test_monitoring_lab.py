@@ -13,9 +13,9 @@ import httpx
 import pytest
 import yaml
 
-from rigctl.deploy import run_playbook
+from rigctl.fleet.deploy import run_playbook
 from rigctl.inventory import Inventory
-from rigctl.server import ServerClient
+from rigctl.llama_http import ServerClient
 
 SCRAPE = {"monitoring_install": False, "monitoring_manage_service": False, "monitoring_scrape_interval": "2s",
           "monitoring_scrape_timeout": "2s"}

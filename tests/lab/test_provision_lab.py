@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rigctl.deploy import run_playbook
 from rigctl.errors import DeployError
+from rigctl.fleet.deploy import run_playbook
 from rigctl.inventory import Inventory
 
 REPO = Path(__file__).resolve().parents[2]
@@ -78,7 +78,7 @@ def test_unreachable_host_is_named_and_the_other_host_still_reported(lab_up: Inv
 
 
 def test_plain_ansible_playbook_uses_the_same_config(lab_up: Inventory) -> None:
-    from rigctl.deploy import ansible_env
+    from rigctl.fleet.deploy import ansible_env
 
     env = {**os.environ, **ansible_env(REPO)}
     ansible_playbook = Path(sys.executable).parent / "ansible-playbook"

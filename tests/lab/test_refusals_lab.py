@@ -29,8 +29,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rigctl.deploy import ansible_env, run_playbook
 from rigctl.errors import DeployError
+from rigctl.fleet.deploy import ansible_env, run_playbook
 from rigctl.inventory import Host, Inventory
 from rigctl.ssh import SshClient, SshTarget
 

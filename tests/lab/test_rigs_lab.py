@@ -21,15 +21,10 @@ from labrigs_support import TEST_NETWORK, TEST_PREFIX, lab_skip_reason, make_tes
 
 from rigctl.errors import ConfigError, LabError
 from rigctl.inventory import Inventory
-from rigctl.lab import (
-    GPU_STATE_IN_RIG,
-    Lab,
-    RigStatus,
-    lab_mac,
-    mounts_under,
-    rig_tag,
-    veth_name,
-)
+from rigctl.lab.gpu import GPU_STATE_IN_RIG
+from rigctl.lab.network import lab_mac, rig_tag, veth_name
+from rigctl.lab.rigs import Lab, RigStatus
+from rigctl.lab.system import mounts_under
 
 GPU_QUERY = "--query-gpu=name,temperature.gpu,memory.total,memory.used,compute_cap --format=csv,noheader,nounits"
 

@@ -15,7 +15,7 @@ import pytest
 from benchlab import REPO, RIGCTL, cli_env, served_inventory
 from labkeys import RESTORE_HOST_KEYS, ROTATE_HOST_KEYS
 
-from rigctl.deploy import run_playbook
+from rigctl.fleet.deploy import run_playbook
 from rigctl.inventory import Inventory
 from rigctl.jobs import JOBS_DIR, RESULTS_DIR
 from rigctl.results.record import RawFile, RunRecord

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from rigctl.exporter import Exporter
 from rigctl.inventory import Inventory
 from rigctl.results.store import ResultsStore
+from rigctl.services.exporter import Exporter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchlab import REPO, RIGCTL, cli_env  # noqa: E402

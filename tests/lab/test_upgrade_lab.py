@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from rigctl.build import read_builds
+from rigctl.fleet.build import read_builds
 from rigctl.inventory import Inventory
 from rigctl.results.record import RunRecord
 from rigctl.results.store import ResultsStore, read_jsonl
@@ -115,7 +115,7 @@ def older(lab_up: Inventory, tmp_path_factory: pytest.TempPathFactory, hub: HfSe
     """A copy of the lab inventory pinning b11401 (its archive's sha256 recorded on first fetch, written by the
     upgrade's own pin writer), provisioned on both rigs; the environment the CLI runs with."""
     from rigctl.fleet import candidate
-    from rigctl.fleet.upgrade import PinFiles, write_pin
+    from rigctl.upgrade.upgrade import PinFiles, write_pin
 
     copy = tmp_path_factory.mktemp("inventory") / "lab"
     shutil.copytree(REPO / "inventory" / "lab", copy)

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rigctl.build import Build, Builds
 from rigctl.errors import BuildError, ConfigError
-from rigctl.exporter import HostFacts, HostPlan, Snapshot, exposition, metric_families
-from rigctl.fleet import advisories
-from rigctl.fleet.advisories import Advisory, check_build, covering, parse_table
-from rigctl.inventory import Inventory
+from rigctl.fleet.build import Build, Builds
+from rigctl.fleet.state import HostPlan, HostState
+from rigctl.inventory import Inventory, advisories
+from rigctl.inventory.advisories import Advisory, check_build, covering, parse_table
 from rigctl.inventory.check import check
+from rigctl.services.exporter import Snapshot, exposition, metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from inventory_support import edit_yaml  # noqa: E402
@@ -120,7 +120,7 @@ def _running(build_number: int) -> Builds:
     return Builds("h", build, None)
 
 
-def _vulnerable_lines(plans: dict[str, HostPlan], facts: HostFacts) -> list[str]:
+def _vulnerable_lines(plans: dict[str, HostPlan], facts: HostState) -> list[str]:
     snapshot = Snapshot(completed_at=1.0, duration_seconds=0.1, hosts={"h": facts})
     text = exposition(metric_families(snapshot, plans)).decode()
     return sorted(line for line in text.splitlines() if line.startswith("rigctl_build_vulnerable{"))
@@ -128,22 +128,22 @@ def _vulnerable_lines(plans: dict[str, HostPlan], facts: HostFacts) -> list[str]
 
 def test_the_exporter_shows_the_pinned_and_the_running_build_against_the_floor():
     clear = _vulnerable_lines({"h": HostPlan("h", "b11434", "archive", {})},
-                              HostFacts("h", True, builds=_running(11434)))
+                              HostState("h", True, builds=_running(11434)))
     assert clear == ['rigctl_build_vulnerable{advisories="",build="pinned",host="h",version="b11434"} 0.0',
                      'rigctl_build_vulnerable{advisories="",build="running",host="h",version="b11434"} 0.0']
     flipped = _vulnerable_lines({"h": HostPlan("h", "b9060", "archive", {})},
-                                HostFacts("h", True, builds=_running(9000)))
+                                HostState("h", True, builds=_running(9000)))
     assert flipped == [
         'rigctl_build_vulnerable{advisories="GHSA-6hc7-9rph-cm99",build="pinned",host="h",version="b9060"} 1.0',
         'rigctl_build_vulnerable{advisories="GHSA-6hc7-9rph-cm99",build="running",host="h",version="b9000"} 1.0']
     accepted = HostPlan("h", "b9060", "archive", {}, allowed_advisories={"GHSA-6hc7-9rph-cm99": "reviewed"})
-    assert all(line.endswith(" 0.0") for line in _vulnerable_lines({"h": accepted}, HostFacts("h", False)))
+    assert all(line.endswith(" 0.0") for line in _vulnerable_lines({"h": accepted}, HostState("h", False)))
     # A git pin says no build number: only the running build is judged.
-    git = _vulnerable_lines({"h": HostPlan("h", "7182ef71e", "git", {})}, HostFacts("h", True, builds=_running(9000)))
+    git = _vulnerable_lines({"h": HostPlan("h", "7182ef71e", "git", {})}, HostState("h", True, builds=_running(9000)))
     assert [line.split("build=")[1][:9] for line in git] == ['"running"']
 
 
 def test_the_table_file_is_yaml_with_a_header_that_explains_its_semantics():
-    text = (REPO / "rigctl" / "fleet" / "data" / "llama_cpp_advisories.yaml").read_text()
+    text = (REPO / "rigctl" / "inventory" / "data" / "llama_cpp_advisories.yaml").read_text()
     assert "last_affected" in text.split("advisories:")[0] and "GHSA-8947-pfff-2f3c" in text.split("advisories:")[0]
     assert isinstance(yaml.safe_load(text)["advisories"], list)

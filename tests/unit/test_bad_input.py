@@ -47,12 +47,13 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from inventory_support import edit_yaml
 
-from rigctl.compare import compare_pair, compare_runs, load_answers
+from rigctl.analysis.compare import compare_pair, compare_runs, load_answers
+from rigctl.analysis.latest import ResultsReader
 from rigctl.errors import ConfigError, EvalError, RigctlError
 from rigctl.evals.tasks import load_task
-from rigctl.exporter import ResultsReader
 from rigctl.inventory import Host, Inventory
-from rigctl.inventory.check import SCHEMA, check_host
+from rigctl.inventory.check import check_host
+from rigctl.inventory.schema import SCHEMA
 from rigctl.results.record import RUN_FILE, RunRecord
 from rigctl.results.store import ResultsStore
 

@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 
 from rigctl.errors import EvalError
-from rigctl.evals import scorers
 from rigctl.evals.tasks import load_task, parse_task
+from rigctl.hostside import bfcl, scorers
 
 PINS = Path(__file__).parent / "data" / "bfcl_tools.json"
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "evals" / "hf" / "bfcl_simple.json"
@@ -75,7 +75,7 @@ def test_tools_are_the_pinned_bfcl_tools_key_for_key():
     pins = json.loads(PINS.read_text(encoding="utf-8"))
     assert [pin["function"] for pin in pins["rows"]] == documents()
     for pin in pins["rows"]:
-        assert _canonical(scorers.bfcl_tools([pin["function"]])) == _canonical(pin["tools"]), pin["function"]["name"]
+        assert _canonical(bfcl.bfcl_tools([pin["function"]])) == _canonical(pin["tools"]), pin["function"]["name"]
     float_props = pins["rows"][-2]["tools"][0]["function"]["parameters"]["properties"]
     assert float_props["scale"] == {"type": "number", "description": "d. This is a float type value.",
                                     "format": "float"}
@@ -83,12 +83,12 @@ def test_tools_are_the_pinned_bfcl_tools_key_for_key():
 
 def test_the_documents_are_left_as_they_are():
     before = copy.deepcopy(EDGE_CASES)
-    scorers.bfcl_tools(EDGE_CASES)
+    bfcl.bfcl_tools(EDGE_CASES)
     assert before == EDGE_CASES
 
 
 def test_without_notes_nothing_is_added():
-    (tool,) = scorers.bfcl_tools(EDGE_CASES[:1], notes=False)
+    (tool,) = bfcl.bfcl_tools(EDGE_CASES[:1], notes=False)
     function = tool["function"]
     assert function["description"] == "Distance between two points."
     assert function["parameters"]["properties"]["scale"] == {"type": "number", "description": "d."}
@@ -111,7 +111,7 @@ def test_every_shipped_simple_python_question_gets_bfcls_own_tools():
     floats = 0
     for question in questions:
         (function,) = question["function"]
-        ours = scorers.bfcl_tools([function])
+        ours = bfcl.bfcl_tools([function])
         assert _canonical(ours) == _canonical(bfcl_eval_tools(function)), question["id"]
         floats += sum(p.get("format") == "float" for p in ours[0]["function"]["parameters"]["properties"].values())
     assert floats > 0
@@ -125,7 +125,7 @@ def test_the_request_is_bfcls_own_by_default(tmp_path):
     data = task.questions[0].data
     body = scorers.chat_request("bfcl_simple", data, task.request, seed=7)
     assert body["temperature"] == 0.001 and "max_tokens" not in body
-    assert body["tools"] == scorers.bfcl_tools([data["function"]])
+    assert body["tools"] == bfcl.bfcl_tools([data["function"]])
     description = body["tools"][0]["function"]["description"]
     assert description.endswith(" Note that the provided function is in Python 3 syntax.")
     assert [m["role"] for m in body["messages"]] == ["user"]

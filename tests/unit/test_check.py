@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from rigctl.check import BUILTIN_PROMPTS, HfReference, context, first_difference, kl_over_top, load_prompts
+from rigctl.analysis.runtime_check import (
+    BUILTIN_PROMPTS,
+    HfReference,
+    context,
+    first_difference,
+    kl_over_top,
+    load_prompts,
+)
 from rigctl.errors import ConfigError
 
 

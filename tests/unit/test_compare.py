@@ -8,7 +8,10 @@ import numpy as np
 import pytest
 from handmade_runs import bench_record, bench_run, eval_run
 
-from rigctl.compare import answer_habits, compare_bench_runs, compare_runs, points
+from rigctl.analysis.compare import compare_runs
+from rigctl.analysis.format import points
+from rigctl.analysis.habits import answer_habits
+from rigctl.analysis.speed import compare_bench_runs
 from rigctl.errors import ConfigError
 from rigctl.results.store import ResultsStore
 
@@ -221,7 +224,7 @@ def test_pairs_carry_mcnemar_flips_and_the_detectable_gap(store):
 
 
 def test_flips_keep_both_replies(tmp_path):
-    from rigctl.compare import flip_counts
+    from rigctl.analysis.compare import flip_counts
 
     a = [{"id": "q1", "set": "math", "score": 1, "reply": "#### 72"},
          {"id": "q2", "set": "math", "score": 0, "reply": "I think 5"},
@@ -306,7 +309,7 @@ def test_flipped_replies_are_shown_as_text(tmp_path):
 
 
 def test_gsm8k_pairs_carry_lm_evals_scores_by_name(tmp_path):
-    from rigctl.evals.scorers import score_gsm8k
+    from rigctl.hostside.scorers import score_gsm8k
 
     answer = "4 * 250 = <<4*250=1000>>1000\n#### 1000"
     # A writes "#### 1,000" (every score reads it); B writes "$1000" in prose (lm-eval's strict-match does not).
@@ -386,7 +389,7 @@ def test_compare_cli_names_each_gsm8k_score(tmp_path):
 
     from benchlab import RIGCTL
 
-    from rigctl.evals.scorers import score_gsm8k
+    from rigctl.hostside.scorers import score_gsm8k
 
     answer = "4 * 250 = <<4*250=1000>>1000\n#### 1000"
     for run, reply in (("eval-a", "#### 1000"), ("eval-b", "It costs $1000.")):

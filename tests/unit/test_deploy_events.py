@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rigctl.deploy import TaskEvent, _EventCollector
+from rigctl.fleet.deploy import TaskEvent, _EventCollector
 
 
 def _ok(host: str, task: str, action: str, res: dict) -> dict:

@@ -17,21 +17,21 @@ from pathlib import Path
 import paramiko
 import pytest
 
-from rigctl.enroll import (
+from rigctl.errors import ConfigError, EnrollError, HostKeyError, ProbeError
+from rigctl.fleet.enroll import (
     InventoryFiles,
     check_fingerprint_option,
     first_contact,
     remove_host,
     remove_known_host,
 )
-from rigctl.errors import ConfigError, EnrollError, HostKeyError, ProbeError
+from rigctl.fleet.host_facts import drift, inventory_vars, parse_probe, probe_command
 from rigctl.inventory import Inventory
 from rigctl.inventory.check import check
-from rigctl.probe import drift, inventory_vars, parse_probe, probe_command
 
 REPO = Path(__file__).resolve().parents[2]
 ROLES = [REPO / "roles"]
-STAND_IN = REPO / "rigctl" / "lab_assets" / "nvidia-smi"
+STAND_IN = REPO / "rigctl" / "lab" / "assets" / "nvidia-smi"
 
 TWO_GPUS = {
     "name": "Lab stand-in for RTX 3090", "memory_total_mib": 24576, "compute_cap": "8.6", "uuid": "GPU-aaaa",
@@ -329,7 +329,7 @@ def test_lab_config_knows_a_stranger_rig_until_it_is_enrolled(lab_copy: Path) ->
     from ruamel.yaml import YAML
 
     from rigctl.errors import LabError
-    from rigctl.lab import Lab
+    from rigctl.lab.rigs import Lab
 
     yaml = YAML()
     lab_vars = lab_copy / "group_vars" / "all" / "lab.yml"
@@ -359,7 +359,7 @@ def test_lab_config_knows_a_stranger_rig_until_it_is_enrolled(lab_copy: Path) ->
 
 
 def test_add_asks_for_the_password_only_after_the_host_key_is_vouched_for(ssh_server, lab_copy: Path) -> None:
-    from rigctl.enroll import AddOptions, add_host
+    from rigctl.fleet.enroll import AddOptions, add_host
 
     port, _key, server = ssh_server
     before = {p: p.read_text() for p in lab_copy.rglob("*.yml")}
@@ -416,7 +416,7 @@ def test_probe_keeps_odd_but_printable_text_as_it_is(smi_path: dict[str, str]) -
 
 
 def host_facts(name: str = "RTX 3090", os_name: str = "Debian GNU/Linux 12 (bookworm)") -> dict[str, object]:
-    from rigctl.probe import GpuFacts, HostFacts, HostText
+    from rigctl.fleet.host_facts import GpuFacts, HostFacts, HostText
 
     gpu = GpuFacts(0, HostText(name), 24576, "8.6", HostText("GPU-aaaa"))
     return inventory_vars(HostFacts(gpus=(gpu,), driver_version="550", cuda_version="12.4",

@@ -11,9 +11,9 @@ from rigctl.campaign import EvalTarget, eval_matches, load_campaign
 from rigctl.errors import ConfigError
 from rigctl.evals.fanout import FanOut
 from rigctl.evals.target import Target
+from rigctl.llama_http import Endpoint
 from rigctl.results.record import RunRecord, Server
 from rigctl.results.store import ResultsStore
-from rigctl.server import Endpoint
 
 SHA = "5" * 64
 BUILD = {"commit": "7182ef71e", "version": "b7100", "build_key": "cpu-avx2"}

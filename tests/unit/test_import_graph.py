@@ -23,7 +23,7 @@ def module_name(path: Path) -> str:
 
 
 def modules() -> dict[str, Path]:
-    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py")) if "lab_assets" not in p.parts}
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py")) if "assets" not in p.parts}
 
 
 def _import_nodes(tree: ast.Module, deferred: bool) -> list[ast.Import | ast.ImportFrom]:
@@ -118,6 +118,14 @@ def test_rigctl_has_no_import_cycle() -> None:
     assert found is None, "import cycle: " + " -> ".join(found or [])
 
 
+def test_rigctl_has_no_import_cycle_counting_the_imports_deferred_into_functions() -> None:
+    """A deferred import only postpones a circle: each shared piece has one home both sides import."""
+    edges = graph(deferred=True)
+    assert "rigctl.cli.app" in edges["rigctl.cli.main"]  # the walk sees imports inside functions
+    found = cycle(edges)
+    assert found is None, "import cycle (deferred imports included): " + " -> ".join(found or [])
+
+
 def test_nothing_outside_the_cli_imports_it() -> None:
     edges = graph(deferred=True)
     offenders = sorted(f"{name} imports {dep}" for name, deps in edges.items() if not name.startswith("rigctl.cli")
@@ -136,7 +144,7 @@ def test_no_command_module_imports_the_cli_package_back() -> None:
 
 def test_the_cli_package_itself_imports_nothing_heavy() -> None:
     """``rigctl``'s entry point may start the inventory's preload before the app is imported."""
-    code = ("import sys, rigctl.cli, rigctl.cli.preloading, rigctl.inventory.preload; "
+    code = ("import sys, rigctl.cli.main, rigctl.cli.preloading, rigctl.inventory.preload; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'typer', 'rich', 'click', 'ansible', 'paramiko', "
             "'pydantic', 'yaml', 'numpy'}))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)

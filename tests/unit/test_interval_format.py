@@ -1,11 +1,11 @@
-"""One interval format for `rigctl compare` and the report: rigctl.compare.points and ratio_text."""
+"""One interval format for `rigctl compare` and the report: rigctl.analysis.format's points and ratio_text."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from rigctl.compare import points, ratio_text
+from rigctl.analysis.format import points, ratio_text
 from rigctl.stats import Interval
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

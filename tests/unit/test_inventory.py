@@ -128,6 +128,22 @@ def test_archive_pin_needs_a_sha256(tmp_path: Path) -> None:
     assert len(got) == 1 and got[0].startswith("group all: llama_cpp_archive.sha256: String should match pattern")
 
 
+def test_cuda_wheel_pins_are_checked(tmp_path: Path) -> None:
+    lab = tmp_path / "lab"
+    shutil.copytree(REPO / "inventory" / "lab", lab)
+
+    def spoil(data: dict) -> None:
+        data["gpu_host_cuda_wheels"][0]["sha256"] = "deadbeef"
+        del data["gpu_host_cuda_wheels"][1]["version"]
+        data["gpu_host_cuda_source"] = "conda"
+
+    edit_yaml(lab / "group_vars/all/cuda.yml", spoil)
+    got = lines(lab)
+    assert any(line.startswith("group all: gpu_host_cuda_wheels.0.sha256: String should match pattern") for line in got)
+    assert "group all: gpu_host_cuda_wheels.1.version: required but not set" in got, got
+    assert any(line.startswith("group all: gpu_host_cuda_source: Input should be 'apt' or 'wheels'") for line in got)
+
+
 def test_select_unknown_host_is_a_one_line_config_error() -> None:
     inv = Inventory.load(REPO / "inventory" / "lab")
     assert [h.name for h in inv.select("lab")] == ["desktop", "laptop"]

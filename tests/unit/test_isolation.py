@@ -25,11 +25,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rigctl import jobs
-from rigctl.compare import compare_runs, load_answers
+from rigctl.analysis.compare import compare_runs, load_answers
+from rigctl.analysis.latest import ResultsReader
 from rigctl.errors import ConfigError, RigctlError, one_line
-from rigctl.exporter import Exporter, ResultsReader
 from rigctl.inventory import Host, Inventory
-from rigctl.mcp_server import FleetTools
 from rigctl.results.record import (
     DEFERRED_DEPTH,
     JSON_DEPTH,
@@ -45,6 +44,8 @@ from rigctl.results.record import (
     parse_json,
 )
 from rigctl.results.store import ResultsStore, read_jsonl
+from rigctl.services.exporter import Exporter
+from rigctl.services.mcp_server import FleetTools
 from rigctl.ssh import on_each_host
 
 REPO = Path(__file__).resolve().parents[2]
@@ -356,16 +357,16 @@ def test_a_hostile_probe_answer_and_hostile_runs_leave_every_other_hosts_metrics
 def test_results_reader_leaves_out_a_run_whose_files_provoke_anything(tmp_path: Path, monkeypatch, caplog) -> None:
     root = tmp_path / "results"
     seed_results(root)
-    import rigctl.exporter as exporter_module
+    import rigctl.analysis.latest as latest_module
 
-    real = exporter_module.bench_results
+    real = latest_module.bench_results
 
     def bench_results(run):
         if run.id == "bench-a":
             raise ZeroDivisionError("what a run's numbers could do")
         return real(run)
 
-    monkeypatch.setattr(exporter_module, "bench_results", bench_results)
+    monkeypatch.setattr(latest_module, "bench_results", bench_results)
     with caplog.at_level(logging.WARNING):
         bench, evals = ResultsReader(ResultsStore(root)).latest()
     assert [b.run_id for b in bench] == ["bench-b"] and [e.run_id for e in evals] == ["eval-a"]
@@ -393,7 +394,7 @@ def test_mcp_list_results_gives_a_bad_run_its_error_and_lists_the_rest(tmp_path:
 
 @pytest.mark.parametrize("hostile", ["[1]", "not json", nested(200_000), "an artifact's entry not an object"])
 def test_one_hosts_unreadable_model_answer_leaves_the_others_listed(monkeypatch, hostile: str) -> None:
-    from rigctl.models import list_artifacts
+    from rigctl.fleet.models import list_artifacts
 
     inventory = Inventory.load(LAB_INVENTORY)
     if hostile.startswith("an artifact"):

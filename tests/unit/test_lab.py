@@ -18,28 +18,14 @@ from labrigs_support import REPO, TEST_NETWORK, lab_skip_reason, make_test_inven
 
 from rigctl.errors import ConfigError, LabError
 from rigctl.inventory import Inventory
-from rigctl.lab import (
-    BASE_PACKAGES,
-    IMAGE_RECIPE_REVISION,
-    GpuState,
-    Lab,
-    apt_mirror,
-    cgroup_roots,
-    check_lab_network,
-    check_lab_paths,
-    dead_end_gateway,
-    find_host_conflicts,
-    gpu_seed,
-    image_file_name,
-    known_hosts_lines,
-    lab_mac,
-    mounts_under,
-    render_etc_hosts,
-    rig_tag,
-    veth_name,
-)
+from rigctl.lab.config import check_lab_paths, known_hosts_lines, render_etc_hosts
+from rigctl.lab.gpu import GpuState, gpu_seed
+from rigctl.lab.image import BASE_PACKAGES, IMAGE_RECIPE_REVISION, apt_mirror, image_file_name
+from rigctl.lab.network import check_lab_network, dead_end_gateway, find_host_conflicts, lab_mac, rig_tag, veth_name
+from rigctl.lab.rigs import Lab
+from rigctl.lab.system import cgroup_roots, mounts_under
 
-NVIDIA_SMI = REPO / "rigctl" / "lab_assets" / "nvidia-smi"
+NVIDIA_SMI = REPO / "rigctl" / "lab" / "assets" / "nvidia-smi"
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 
 
@@ -316,7 +302,7 @@ def test_up_refuses_when_not_root() -> None:
     home.mkdir()
     os.chown(home, 65534, 65534)
     code = (
-        "from rigctl.inventory import Inventory\nfrom rigctl.lab import Lab\nfrom rigctl.errors import LabError\n"
+        "from rigctl.inventory import Inventory\nfrom rigctl.lab.rigs import Lab\nfrom rigctl.errors import LabError\n"
         f"lab = Lab.from_inventory(Inventory.load({str(inv)!r}))\n"
         "try:\n    lab.up()\nexcept LabError as exc:\n    print(exc)\n"
     )

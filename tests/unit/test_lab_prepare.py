@@ -10,8 +10,8 @@ from labrigs_support import make_test_inventory, real_inventory
 
 from rigctl.errors import ConfigError
 from rigctl.inventory import Inventory
-from rigctl.lab import Lab
-from rigctl.lab_prepare import Prepared, artifact_path, deciding_digest, file_sha256, is_prepared
+from rigctl.lab.prepare import Prepared, artifact_path, deciding_digest, file_sha256, is_prepared
+from rigctl.lab.rigs import Lab
 
 IMAGE = "bookworm-minbase-abc123-r3.tar.zst"
 

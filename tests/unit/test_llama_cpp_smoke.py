@@ -15,7 +15,7 @@ from types import ModuleType
 
 import pytest
 
-from rigctl.build import parse_fact
+from rigctl.fleet.build import parse_fact
 
 LIBRARY = Path(__file__).resolve().parents[2] / "roles" / "llama_cpp" / "library"
 
@@ -108,10 +108,16 @@ def test_a_real_hang_is_killed_at_the_timeout() -> None:
              "  current device: 0, in function ggml_cuda_compute_forward at ggml-cuda.cu:2713\n"
              "  err\n/src/ggml/src/ggml-cuda/ggml-cuda.cu:88: CUDA error\n",
      "CUDA error: no kernel image is available for execution on the device"),
-    # A driver older than the toolkit: CUDA never starts and llama-bench computes on the CPU instead.
+    # No driver library (a host with no GPU), or a driver older than the toolkit: CUDA never starts and
+    # llama-bench computes on the CPU instead. The cause names the missing device, in llama.cpp's words.
     (0, _bench_json(backends="CUDA"),
      "ggml_cuda_init: failed to initialize CUDA: CUDA driver version is insufficient for CUDA runtime version\n",
-     "ggml_cuda_init: failed to initialize CUDA: CUDA driver version is insufficient for CUDA runtime version"),
+     "no CUDA device: the CUDA backend found none (ggml_cuda_init: failed to initialize CUDA: CUDA driver version"
+     " is insufficient for CUDA runtime version)"),
+    (0, _bench_json(backends="CUDA"),
+     "ggml_cuda_init: failed to initialize CUDA: no CUDA-capable device is detected\n",
+     "no CUDA device: the CUDA backend found none (ggml_cuda_init: failed to initialize CUDA: no CUDA-capable device"
+     " is detected)"),
 ])
 def test_cuda_errors_refuse_with_their_first_line(rc: int, stdout: str, stderr: str, expected: str) -> None:
     assert smoke.judge(rc, stdout, stderr, cuda=True, timeout=120).cause == expected
@@ -119,7 +125,13 @@ def test_cuda_errors_refuse_with_their_first_line(rc: int, stdout: str, stderr: 
 
 def test_a_cuda_build_that_ran_on_the_cpu_is_refused() -> None:
     cause = smoke.judge(0, _bench_json(backends="CUDA", ngl=99), "", cuda=True, timeout=120).cause
-    assert cause == "the CUDA build computed without a CUDA device (backends 'CUDA', GPUs '')"
+    assert cause == "no CUDA device: the CUDA build computed on the CPU (backends 'CUDA', GPUs '')"
+
+
+def test_a_build_without_the_cuda_backend_is_refused_as_such() -> None:
+    cause = smoke.judge(0, _bench_json(backends="CPU", ngl=99), "", cuda=True, timeout=120).cause
+    assert cause == "the build has no CUDA backend (llama-bench's backends: 'CPU')"
+
 
 
 @pytest.mark.parametrize(("rc", "stdout", "stderr", "expected"), [

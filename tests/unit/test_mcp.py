@@ -57,7 +57,7 @@ def test_host_text_comes_back_marked_as_untrusted_and_capped(tmp_path: Path):
     import shutil
 
     from rigctl.inventory import Inventory
-    from rigctl.mcp_server import INSTRUCTIONS, UNTRUSTED_MAX, FleetTools, untrusted
+    from rigctl.services.mcp_server import INSTRUCTIONS, UNTRUSTED_MAX, FleetTools, untrusted
 
     lab = tmp_path / "lab"
     shutil.copytree(Path(__file__).resolve().parents[2] / "inventory" / "lab", lab)

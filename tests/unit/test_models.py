@@ -1,4 +1,4 @@
-"""roles/models and rigctl.models without rigs: manifests against the gguf package's reader, pins."""
+"""roles/models and rigctl.fleet.models without rigs: manifests against the gguf package's reader, pins."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import pytest
 import role_modules
 import yaml
 
+from rigctl.fleet.models import parse_manifest, set_pins_text
 from rigctl.hostside.model_checkout import CheckoutError, confined_name, remote_code
 from rigctl.inventory import Inventory
 from rigctl.inventory.check import check
-from rigctl.models import parse_manifest, set_pins_text
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))

@@ -12,10 +12,10 @@ from handmade_runs import bench_record, bench_run, eval_run, spec_run
 from report_check import check_report, tables
 from test_compare import _rows
 
+from rigctl.analysis.report import build_report
 from rigctl.bench.matrix import Matrix
 from rigctl.campaign import load_campaign, locate
 from rigctl.errors import ConfigError
-from rigctl.report import build_report
 from rigctl.results.store import ResultsStore
 
 CAMPAIGN = {

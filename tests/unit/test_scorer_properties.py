@@ -10,7 +10,7 @@ import re
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from rigctl.evals import scorers
+from rigctl.hostside import bfcl, scorers
 
 SETTINGS = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -165,7 +165,7 @@ def test_choice_record_survives_any_answer(answer):
 @SETTINGS
 @given(st.one_of(st.text(), malformed_json, st.text().map(lambda s: "{" * 3000 + s)))
 def test_missed_call_detector_survives_any_text(text):
-    assert isinstance(scorers.looks_like_missed_call(text), bool)
+    assert isinstance(bfcl.looks_like_missed_call(text), bool)
 
 
 @SETTINGS

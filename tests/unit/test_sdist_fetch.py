@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from rigctl.deploy import mitogen_strategy_dir
+from rigctl.fleet.deploy import mitogen_strategy_dir
 from rigctl.hostside import sdist_fetch
 from rigctl.hostside.sdist_fetch import SdistFetchError, fetch_sdist, pip_index_urls
 

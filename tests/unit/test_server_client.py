@@ -1,4 +1,4 @@
-"""rigctl.server without a llama-server: the pure parsers on llama-server's answer shapes, and retries,
+"""rigctl.llama_http.client without a llama-server: the pure parsers on llama-server's answer shapes, and retries,
 timeouts and the API key against a scripted HTTP server on loopback."""
 
 from __future__ import annotations
@@ -12,20 +12,15 @@ import pytest
 
 from rigctl.errors import ConfigError, ServerError
 from rigctl.inventory import Host
-from rigctl.server import (
-    NO_RETRY,
-    AsyncServerClient,
+from rigctl.llama_http.api import (
     ChatStreamAssembler,
-    Endpoint,
-    Retry,
-    ServerClient,
-    Timeouts,
     chat_body,
     parse_chat,
     parse_completion,
     parse_metrics,
     parse_sse_line,
 )
+from rigctl.llama_http.client import NO_RETRY, AsyncServerClient, Endpoint, Retry, ServerClient, Timeouts
 
 FAST = Retry(attempts=3, backoff=0.01, max_wait=0.02)
 
@@ -273,7 +268,7 @@ def test_json_python_cannot_hold_is_told_apart_from_text_that_is_no_json(body, r
 
 
 def test_a_stream_chunk_python_cannot_hold_is_a_server_error_not_a_crash():
-    from rigctl.server import _Base, _Call
+    from rigctl.llama_http.client import _Base, _Call
 
     client = _Base("http://127.0.0.1:9")
     deep = "data: " + "[" * 50_000 + "]" * 50_000

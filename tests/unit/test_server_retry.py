@@ -1,4 +1,4 @@
-"""The sync and async llama-server clients share one retry loop (rigctl.server._Attempts): the same calls,
+"""The sync and async llama-server clients share one retry loop (rigctl.llama_http.client._Attempts): the same calls,
 streamed or not, are retried the same way and fail with the same one-line error. A scripted loopback server."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from rigctl.errors import ServerError
-from rigctl.server import AsyncServerClient, Retry, ServerClient
+from rigctl.llama_http.client import AsyncServerClient, Retry, ServerClient
 
 FAST = Retry(attempts=3, backoff=0.01, max_wait=0.02)
 LOADING = (503, b'{"error": {"message": "Loading model"}}', "application/json")

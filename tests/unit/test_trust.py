@@ -15,13 +15,14 @@ import pytest
 import role_modules
 
 from rigctl import jobs
-from rigctl.deploy import ansible_env
 from rigctl.errors import ConfigError, TrustError
 from rigctl.evals import datasets
+from rigctl.fleet.deploy import ansible_env
 from rigctl.inventory import Inventory
-from rigctl.inventory.check import SCHEMA, check_host
+from rigctl.inventory.check import check_host
+from rigctl.inventory.schema import SCHEMA
+from rigctl.llama_http import Endpoint
 from rigctl.results.record import RUN_ID, RawFile, RunRecord, new_run_id
-from rigctl.server import Endpoint
 from rigctl.trust import (
     RedactingFilter,
     inside,
@@ -207,6 +208,24 @@ def test_origin_is_scheme_host_and_port_exactly() -> None:
     assert not same_origin("http://127.0.0.1.evil:1810/x", "http://127.0.0.1:1810")
 
 
+def test_the_token_origin_rule_has_one_home() -> None:
+    """The controller's downloads and the models role's fetch module take the rule from one host-side module."""
+    import ast
+
+    from rigctl import trust
+    from rigctl.evals import datasets as datasets_module
+    from rigctl.hostside import token_origin
+
+    assert trust.same_origin is token_origin.same_origin
+    assert datasets_module.bearer_header is token_origin.bearer_header
+    source = (REPO / "roles" / "models" / "library" / "models_fetch.py").read_text()
+    tree = ast.parse(source)
+    assert any(isinstance(n, ast.ImportFrom) and n.module == "ansible.module_utils.token_origin" for n in tree.body)
+    own = [n.name for n in ast.walk(tree)
+           if isinstance(n, ast.FunctionDef | ast.ClassDef) and "origin" in n.name.lower()]
+    assert not own, f"models_fetch defines its own origin rule: {own}"
+
+
 def test_dataset_token_never_goes_to_a_lookalike_endpoint(lookalike, tmp_path, monkeypatch) -> None:
     endpoint, other = lookalike
     monkeypatch.setenv("HF_ENDPOINT", _url(endpoint))
@@ -286,7 +305,7 @@ def test_cells_pointing_outside_the_run_are_refused(tmp_path: Path) -> None:
 
 
 def test_mcp_run_and_task_references_stay_inside(tmp_path: Path) -> None:
-    from rigctl.mcp_server import FleetTools
+    from rigctl.services.mcp_server import FleetTools
 
     store = tmp_path / "results"
     run_id = "eval-20261201T101500Z-0a1b"

@@ -17,18 +17,12 @@ import pytest
 
 from rigctl.errors import BuildError, ConfigError, ProblemsError
 from rigctl.fleet import candidate
-from rigctl.fleet import gates as g
-from rigctl.fleet.paired import Side, identity_result, server_results
-from rigctl.fleet.upgrade import (
-    PinFiles,
-    metric_gates,
-    offered_versions,
-    parse_candidates,
-    scope,
-    write_pin,
-)
 from rigctl.inventory import Inventory
 from rigctl.stats import Interval
+from rigctl.upgrade import gates as g
+from rigctl.upgrade.bisect import metric_gates, offered_versions, parse_candidates
+from rigctl.upgrade.paired import Side, identity_result, server_results
+from rigctl.upgrade.upgrade import PinFiles, scope, write_pin
 
 REPO = Path(__file__).resolve().parents[2]
 RIGCTL = [str(Path(sys.executable).parent / "rigctl")]

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from rigctl.build import Build
-from rigctl.fleet import gates as g
-from rigctl.fleet.paired import IDENTITY_FILE, SERVER_FILE, Side, bench_results
-from rigctl.fleet.upgrade import STEPS_FILE
-from rigctl.fleet.upgrade_report import build_run_report
+from rigctl.analysis.report.build import build_run_report
+from rigctl.fleet.build import Build
 from rigctl.results.record import RunRecord
 from rigctl.results.store import ResultsStore
+from rigctl.upgrade import gates as g
+from rigctl.upgrade.bisect import STEPS_FILE
+from rigctl.upgrade.paired import IDENTITY_FILE, SERVER_FILE, Side, bench_results
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from handmade_runs import bench_record, bench_run  # noqa: E402

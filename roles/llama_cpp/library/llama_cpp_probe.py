@@ -8,8 +8,9 @@ DOCUMENTATION = r"""
 module: llama_cpp_probe
 short_description: Report what a llama.cpp build needs to know about the host
 description:
-  - Versions of cmake, the C++ compiler, ccache, git and nvcc; the driver's CUDA version and the
-    GPUs' compute capabilities from nvidia-smi; the CPU model and the instruction-set extensions
+  - Versions of cmake, the C++ compiler, ccache, git and nvcc; where a linker finds the CUDA driver
+    library C(libcuda.so) (the driver's, or the toolkit's stub), if anywhere; the driver's CUDA version
+    and the GPUs' compute capabilities from nvidia-smi; the CPU model and the instruction-set extensions
     C(-march=native) compiles for (from /proc/cpuinfo flags) with their short hash; free space under
     the given paths.
   - Never changes the host; supports check mode.
@@ -55,6 +56,14 @@ def _version(argv: list[str], pattern: str) -> str | None:
         return None
     match = re.search(pattern, out)
     return match.group(1) if match else out.strip().splitlines()[0] if out.strip() else None
+
+
+def driver_library(cuda_home: str, machine: str) -> str | None:
+    """Where CMake's FindCUDAToolkit would find ``libcuda.so`` for CUDA::cuda_driver: the toolkit's stubs
+    and library directories, then the system's. None: a CUDA build cannot link the driver library here."""
+    dirs = [os.path.join(cuda_home, sub) for sub in ("lib64/stubs", "lib/stubs", "lib64", "lib")]
+    dirs += [f"/usr/lib/{machine}-linux-gnu", f"/lib/{machine}-linux-gnu", "/usr/lib64", "/usr/lib"]
+    return next((os.path.join(d, "libcuda.so") for d in dirs if os.path.exists(os.path.join(d, "libcuda.so"))), None)
 
 
 def _free_mib(path: str) -> int:
@@ -133,7 +142,8 @@ def main() -> None:
         "ccache_version": _version(["ccache", "--version"], r"ccache version (\S+)"),
         "git_version": _version(["git", "--version"], r"git version (\S+)"),
         "nvcc_path": nvcc or None,
-        "nvcc_version": _version([nvcc], r"release (\d+\.\d+)") if nvcc else None,
+        "nvcc_version": _version([nvcc, "--version"], r"release (\d+\.\d+)") if nvcc else None,
+        "cuda_driver_library": driver_library(p["cuda_home"], platform.machine()),
         "driver_cuda_version": None,
         "driver_version": None,
         "compute_caps": [],

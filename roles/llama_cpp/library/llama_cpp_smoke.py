@@ -19,8 +19,9 @@ short_description: Run a staged llama.cpp build on a tiny random-weight model an
 description:
   - Writes a tiny llama-architecture GGUF (2 layers, 256 wide, Q4_0 weights, random) into I(work_dir)
     and runs C(llama-bench) from I(bin_dir) on it with a timeout (C(-ngl 99) when I(cuda)).
-  - Returns C(passed), a one-line C(cause) when it did not (signal name, timeout, first CUDA error line,
-    exit status), the measured rates, and the path of the run's log, kept for inspection on failure.
+  - Returns C(passed), a one-line C(cause) when it did not (no CUDA device, as llama.cpp's CUDA backend
+    says; signal name, timeout, first CUDA error line, exit status), the measured rates, and the path of
+    the run's log, kept for inspection on failure.
 options:
   bin_dir: {description: The staged build's bin directory., type: path, required: true}
   work_dir: {description: Where the model and the logs go., type: path, required: true}
@@ -147,9 +148,13 @@ def tiny_model_gguf(seed: int = SMOKE_SEED) -> bytes:
 
 # ------------------------------------------------------------------------------------ the verdict
 
-#: Lines the CUDA backend prints when it cannot run: a kernel error ("CUDA error: no kernel image is
-#: available for execution on the device"), a failed initialisation (driver older than the runtime),
-#: a failed allocation.
+#: Lines the CUDA backend prints when it found no device to run on: ggml_cuda_init could not even count
+#: the devices (no driver library, no GPU, a driver older than the runtime: "failed to initialize CUDA: CUDA
+#: driver version is insufficient for CUDA runtime version", "...: no CUDA-capable device is detected"),
+#: or counted none.
+_CUDA_NO_DEVICE = re.compile(r"ggml_cuda_init: failed to initialize|ggml_cuda_init: found 0 |no CUDA-capable device")
+#: Lines the CUDA backend prints when it cannot run on the device it found: a kernel error ("CUDA error: no
+#: kernel image is available for execution on the device"), a failed allocation.
 _CUDA_ERROR = re.compile(r"CUDA error|cudaError|ggml_cuda_init: failed|failed to initialize CUDA"
                          r"|CUDA driver version is insufficient")
 _ERROR_LINE = re.compile(r"GGML_ASSERT|error|failed|Illegal|Segmentation|terminate called|Aborted", re.IGNORECASE)
@@ -179,6 +184,9 @@ def judge(rc: int | None, stdout: str, stderr: str, *, cuda: bool, timeout: floa
     """What one llama-bench run (``-o json``) says about the build. ``rc`` None: killed at the timeout;
     negative: killed by that signal (subprocess's convention)."""
     lines = [line.strip() for line in (stderr + "\n" + stdout).splitlines() if line.strip()]
+    no_device = _first(_CUDA_NO_DEVICE, lines) if cuda else None
+    if no_device:
+        return SmokeVerdict(cause=f"no CUDA device: the CUDA backend found none ({no_device[:240]})")
     cuda_error = _first(_CUDA_ERROR, lines)
     if cuda_error:
         return SmokeVerdict(cause=cuda_error[:300])
@@ -205,10 +213,11 @@ def judge(rc: int | None, stdout: str, stderr: str, *, cuda: bool, timeout: floa
     backends, gpu_info = str(prompt[0].get("backends", "")), str(prompt[0].get("gpu_info", ""))
     verdict = SmokeVerdict(cause=None, prompt_ts=float(rates[0]), gen_ts=float(rates[1]),
                            backends=backends, gpu_info=gpu_info)
-    if cuda and ("CUDA" not in backends or not gpu_info.strip() or int(prompt[0].get("n_gpu_layers", 0)) <= 0):
-        init = _first(re.compile(r"ggml_cuda_init|no CUDA-capable device"), lines)
-        return SmokeVerdict(cause="the CUDA build computed without a CUDA device"
-                            + (f": {init[:200]}" if init else f" (backends '{backends}', GPUs '{gpu_info}')"))
+    if cuda and "CUDA" not in backends:
+        return SmokeVerdict(cause=f"the build has no CUDA backend (llama-bench's backends: '{backends}')")
+    if cuda and (not gpu_info.strip() or int(prompt[0].get("n_gpu_layers", 0)) <= 0):
+        return SmokeVerdict(cause="no CUDA device: the CUDA build computed on the CPU "
+                                  f"(backends '{backends}', GPUs '{gpu_info}')")
     return verdict
 
 

@@ -51,6 +51,7 @@ import urllib.request
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.model_checkout import CheckoutError, confined_name, describe, is_code, remote_code
+from ansible.module_utils.token_origin import OriginBoundRedirects, bearer_header
 
 MARKER = ".rigctl-source.json"
 _FULL_COMMIT = re.compile(r"^[0-9a-f]{40}$")
@@ -61,37 +62,10 @@ class FetchError(Exception):
     pass
 
 
-def _origin(url: str) -> tuple:
-    parts = urllib.parse.urlsplit(url)
-    scheme = parts.scheme.lower()
-    try:
-        port = parts.port
-    except ValueError:
-        port = None
-    return scheme, (parts.hostname or "").lower(), port or {"http": 80, "https": 443}.get(scheme, 0)
-
-
-class _TokenOrigin(urllib.request.HTTPRedirectHandler):
-    """Follows redirects, keeping the token only while the target is on the token's own origin (scheme,
-    host and port exactly): a redirect to a CDN or anywhere else never carries it."""
-
-    def __init__(self, token_origin: tuple):
-        self.token_origin = token_origin
-
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        new = super().redirect_request(req, fp, code, msg, headers, newurl)
-        if new is not None and _origin(newurl) != self.token_origin:
-            new.remove_header("Authorization")
-            new.unredirected_hdrs.pop("Authorization", None)
-        return new
-
-
 def _open(url: str, token: str, endpoint: str, timeout: int):
     """GET ``url``; the token is sent only when ``url`` is on the endpoint's exact origin."""
-    headers = {"User-Agent": "rigctl-models"}
-    if token and endpoint and _origin(url) == _origin(endpoint):
-        headers["Authorization"] = f"Bearer {token}"
-    opener = urllib.request.build_opener(_TokenOrigin(_origin(endpoint) if endpoint else ()))
+    headers = {"User-Agent": "rigctl-models", **bearer_header(token, url, endpoint)}
+    opener = urllib.request.build_opener(OriginBoundRedirects(endpoint))
     return opener.open(urllib.request.Request(url, headers=headers), timeout=timeout)
 
 

@@ -1,0 +1,1 @@
+"""What the pulled runs say: paired comparisons, the campaign report, runtime checks."""

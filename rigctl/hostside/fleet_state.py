@@ -1,0 +1,76 @@
+"""One host's state as :class:`rigctl.fleet.state.FleetState` reads it: every raw output it
+parses, as one JSON object, in one round trip. Standard library only; run as a one-shot command. It changes
+nothing on the host.
+
+``main([ARGS])``: ``ARGS`` is JSON with ``fact`` (the llama_cpp role's fact file), ``gpu_fields`` and
+``timeout`` (for ``nvidia-smi``), ``unit_pattern``, ``unit_properties`` and ``units`` (for ``systemctl``)
+and ``models`` (artifact -> path). Prints ``fact`` (its text or null), ``nvidia_smi`` and ``units``
+({rc, out, err} of those commands) and ``models`` (artifact -> path, :func:`model_files.identity` or
+null, manifest text or null).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+from rigctl.hostside import model_files
+
+
+def run(argv: list[str], timeout: float) -> dict[str, Any]:
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+    except FileNotFoundError:
+        return {"rc": 127, "out": "", "err": f"{argv[0]}: not found"}
+    except subprocess.TimeoutExpired:
+        return {"rc": 124, "out": "", "err": f"{argv[0]}: timed out"}
+    return {"rc": done.returncode, "out": done.stdout, "err": done.stderr[-2000:]}
+
+
+def read_text(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read()
+    except OSError:
+        return None
+
+
+def listed_units(listing: str, known: list[str]) -> list[str]:
+    """``known`` and the services ``systemctl list-units --plain --no-legend`` lists besides."""
+    units = list(known)
+    for line in listing.splitlines():
+        name = line.split(None, 1)[0] if line.strip() else ""
+        if name.endswith(".service") and name not in units:
+            units.append(name)
+    return units
+
+
+def read_state(args: dict[str, Any]) -> dict[str, Any]:
+    timeout = float(args["timeout"])
+    out: dict[str, Any] = {"fact": read_text(args["fact"])}
+    out["nvidia_smi"] = run(["nvidia-smi", "--query-gpu=" + args["gpu_fields"], "--format=csv,noheader,nounits"],
+                            timeout)
+    listed = run(["systemctl", "list-units", "--all", "--plain", "--no-legend", "--no-pager", args["unit_pattern"]],
+                 timeout)
+    units = listed_units(listed["out"], list(args["units"]))
+    out["units"] = run(["systemctl", "show", "--no-pager", "--property=" + args["unit_properties"], "--", *units],
+                       timeout) if units else {"rc": 0, "out": "", "err": ""}
+    models = out["models"] = {}
+    for name, path in args["models"].items():
+        try:
+            stat: list[int] | None = model_files.identity(path)
+        except OSError:
+            stat = None
+        models[name] = {"path": path, "stat": stat, "manifest": model_files.read_manifest(path)}
+    return out
+
+
+def main(argv: list[str]) -> int:
+    print(json.dumps(read_state(json.loads(argv[0]))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,370 @@
+"""The schema of every inventory variable rigctl itself reads (:data:`SCHEMA`, pydantic), and the one function
+that parses a value by it (:func:`validate_value`): what :mod:`rigctl.inventory.model`'s typed views and
+``rigctl inventory check`` (:mod:`rigctl.inventory.check`) both hold an inventory to."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from rigctl.errors import ConfigError
+from rigctl.inventory.keys import SHA256
+from rigctl.trust import MASK, is_secret_name, mask_secret_values
+
+#: A name that becomes part of a systemd unit (llama-server@NAME.service), a file name and a shell word.
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def _plain_name(value: str) -> str:
+    if not _NAME.match(value):
+        raise ValueError(f"{value!r} is not usable as a systemd unit, file name and shell word "
+                         "(1-64 of letters, digits, _ . -; starting with a letter or digit)")
+    return value
+
+
+Name = Annotated[str, AfterValidator(_plain_name)]
+#: Compute capabilities NVIDIA has shipped (and CUDA's matching architectures, 8.6 -> 86).
+COMPUTE_CAPABILITIES = ("3.5", "3.7", "5.0", "5.2", "5.3", "6.0", "6.1", "6.2", "7.0", "7.2", "7.5", "8.0", "8.6",
+                        "8.7", "8.8", "8.9", "9.0", "10.0", "10.1", "10.3", "11.0", "12.0", "12.1")
+CUDA_ARCHS = tuple(cc.replace(".", "") for cc in COMPUTE_CAPABILITIES)
+#: Past the memory of any GPU made (the largest hold 288 GB): a bigger vram_mib is a unit mistake.
+MAX_VRAM_MIB = 512 * 1024
+_ARCH_ITEM = re.compile(r"^(\d{2,3})([af]?)(-real|-virtual)?$")
+
+
+def _known_cc(value: str) -> str:
+    if value not in COMPUTE_CAPABILITIES:
+        raise ValueError(f"{value!r} is not a compute capability of any NVIDIA GPU "
+                         f"({', '.join(COMPUTE_CAPABILITIES)})")
+    return value
+
+
+def _cuda_archs(value: str) -> str:
+    for item in value.split(";"):
+        found = _ARCH_ITEM.match(item)
+        if not found or found.group(1) not in CUDA_ARCHS:
+            raise ValueError(f"{item!r} in {value!r} is not a CUDA architecture (one of {', '.join(CUDA_ARCHS)}, "
+                             "optionally with a/f and -real/-virtual, separated by ;)")
+    return value
+
+
+def arch_runs_on(item: str, compute_capability: str) -> Literal["native", "jit", "no"]:
+    """Whether code built for CMake architecture ``item`` (``86``, ``90a``, ``80-real``) runs on a GPU of
+    ``compute_capability``: natively (SASS of the same major, not newer), by JIT from PTX, or not at all."""
+    found = _ARCH_ITEM.match(item)
+    if not found:
+        return "no"
+    number, suffix, kind = found.groups()
+    arch, gpu = int(number), int(compute_capability.replace(".", ""))
+    same_major = arch // 10 == gpu // 10 and arch <= gpu
+    if suffix == "a":  # arch-specific features: that exact GPU only
+        return "native" if arch == gpu else "no"
+    if suffix == "f":  # family-specific: same major only
+        return "native" if same_major else "no"
+    if same_major and kind != "-virtual":
+        return "native"
+    if arch <= gpu and kind != "-real":
+        return "jit"
+    return "no"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=False)
+
+
+class GpuSpec(_Strict):
+    name: str = Field(min_length=1)
+    vram_mib: int = Field(gt=0, le=MAX_VRAM_MIB)
+    compute_capability: Annotated[str, AfterValidator(_known_cc)]
+    bandwidth_gbs: float | None = Field(default=None, gt=0)
+
+
+class IndexedGpuSpec(GpuSpec):
+    """One of several GPUs: ``index`` is nvidia-smi's (and CUDA_VISIBLE_DEVICES')."""
+
+    index: int = Field(ge=0)
+
+
+class HostFactsSpec(_Strict):
+    """What `rigctl hosts add` / `hosts probe --write` recorded about the host."""
+
+    driver_version: str = Field(min_length=1)
+    cuda_version: Annotated[str, Field(pattern=r"^\d+\.\d+$")]
+    cpu_model: str = Field(min_length=1)
+    cpu_flags: list[str]
+    cpus: int = Field(gt=0)
+    memory_mib: int = Field(gt=0)
+    os: str = Field(min_length=1)
+
+
+class CudaWheelSpec(_Strict):
+    """One wheel of a CUDA toolkit from wheels (gpu_host_cuda_source: wheels)."""
+
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
+    version: Annotated[str, Field(pattern=r"^[0-9][0-9A-Za-z.+!-]*$")]
+    sha256: Annotated[str, Field(pattern=SHA256.pattern)]
+
+
+class ArchiveSpec(_Strict):
+    url: str | None = None
+    path: str | None = None
+    sha256: Annotated[str, Field(pattern=SHA256.pattern)]
+    subdir: str | None = None
+
+    @model_validator(mode="after")
+    def _one_location(self) -> ArchiveSpec:
+        if (self.url is None) == (self.path is None):
+            raise ValueError("give exactly one of url or path")
+        return self
+
+
+class HfSource(_Strict):
+    type: Literal["hf"]
+    repo: Annotated[str, Field(pattern=r"^[\w.-]+/[\w.-]+$")]
+    revision: str = Field(min_length=1)
+    files: list[str] | None = None
+    token: str | None = None
+
+
+class UrlSource(_Strict):
+    type: Literal["url"]
+    url: str = Field(min_length=1)
+    sha256: Annotated[str, Field(pattern=SHA256.pattern)]
+
+
+class ControllerSource(_Strict):
+    type: Literal["controller"]
+    path: str = Field(min_length=1)
+
+
+class FileArtifact(_Strict):
+    type: Literal["file"]
+    file: str = Field(min_length=1)
+
+
+class ConvertArtifact(_Strict):
+    type: Literal["convert"]
+    outtype: Literal["bf16", "f16", "f32", "q8_0"]
+
+
+class ImatrixSpec(_Strict):
+    """llama-imatrix over the quantization's input with a calibration text from the controller."""
+
+    calibration: str = Field(min_length=1)
+    chunks: int | None = Field(default=None, ge=1)
+    ctx_size: int = Field(default=512, ge=16)
+    extra_args: list[str] = Field(default_factory=list)
+
+
+class QuantizeArtifact(_Strict):
+    type: Literal["quantize"]
+    from_: str = Field(alias="from", min_length=1)
+    qtype: Annotated[str, Field(pattern=r"^[A-Za-z0-9_]+$")]
+    imatrix: ImatrixSpec | None = None
+
+
+class ModelSpec(_Strict):
+    source: Annotated[HfSource | UrlSource | ControllerSource, Field(discriminator="type")]
+    # The converter loads a checkout with transformers' trust_remote_code=True: a checkout carrying
+    # Python files or an auto_map is refused unless its entry says, by this name, to run that code.
+    trust_remote_code: StrictBool = False
+    artifacts: dict[Name, Annotated[FileArtifact | ConvertArtifact | QuantizeArtifact,
+                                   Field(discriminator="type")]] = Field(min_length=1)
+
+
+class SpecDecoding(_Strict):
+    type: Literal["draft-mtp", "draft-simple"]
+    draft_n_max: int = Field(ge=1, le=16)
+    draft_model: str | None = None
+    n_gpu_layers_draft: int | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _drafter_needs_model(self) -> SpecDecoding:
+        # At this llama.cpp build `-md` alone drafts nothing: draft-simple needs both.
+        if self.type == "draft-simple" and not self.draft_model:
+            raise ValueError("draft-simple needs draft_model (an artifact name)")
+        # draft-mtp drafts with the model's own MTP head, or with a separate one given as draft_model
+        # (Gemma 4's "assistant" drafters load with -md and --spec-type draft-mtp).
+        return self
+
+
+class ProfileSpec(_Strict):
+    extends: str | None = None
+    host: str | None = None
+    n_gpu_layers: int | None = Field(default=None, ge=0)
+    ctx_size: int | None = Field(default=None, ge=0)
+    cache_type_k: Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"] | None = None
+    cache_type_v: Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"] | None = None
+    flash_attn: Literal["on", "off", "auto", "1", "0"] | None = None
+    threads: int | None = Field(default=None, ge=1)
+    threads_batch: int | None = Field(default=None, ge=1)
+    parallel: int | None = Field(default=None, ge=1)
+    reasoning: Literal["on", "off", "auto"] | None = None
+    metrics: bool | None = None
+    alias: str | None = None
+    override_tensor: str | list[str] | None = None
+    spec: SpecDecoding | None = None
+    extra_args: list[str] | None = None
+
+    @field_validator("flash_attn", "reasoning", mode="before")
+    @classmethod
+    def _yaml_booleans(cls, value: Any) -> Any:
+        # YAML reads an unquoted on/off as a boolean; accept what the user meant.
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        return value
+
+
+class SpecOverride(_Strict):
+    """A host's change to a profile's spec block: any of its keys, merged over the profile's."""
+
+    type: Literal["draft-mtp", "draft-simple"] | None = None
+    draft_n_max: int | None = Field(default=None, ge=1, le=16)
+    draft_model: str | None = None
+    n_gpu_layers_draft: int | None = Field(default=None, ge=0)
+
+
+class ProfileOverride(ProfileSpec):
+    """llama_server_profile_overrides.NAME: keys merged over profile NAME for one host (spec key by key)."""
+
+    spec: SpecOverride | None = None  # type: ignore[assignment]
+
+    @model_validator(mode="after")
+    def _no_extends(self) -> ProfileOverride:
+        if self.extends is not None:
+            raise ValueError("extends has no effect in an override (the profile's own chain is used)")
+        return self
+
+
+class InstanceSpec(_Strict):
+    artifact: str = Field(min_length=1)
+    profile: str = Field(min_length=1)
+    port: int = Field(ge=1, le=65535)
+    enabled: bool = True
+    #: The GPU (gpu_host_gpus index) the instance is pinned to with CUDA_VISIBLE_DEVICES.
+    gpu: int | None = Field(default=None, ge=0)
+
+
+class UnenrolledRigSpec(_Strict):
+    """A lab rig that starts as a stranger: root with a password only, no fleet user, not in hosts.yml."""
+
+    address: Annotated[str, Field(pattern=r"^\d+\.\d+\.\d+\.\d+$")]
+    gpus: list[GpuSpec] = Field(min_length=1)
+
+
+class LabSpec(_Strict):
+    dir: str = Field(min_length=1)
+    bridge: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,15}$")]
+    bridge_address: Annotated[str, Field(pattern=r"^\d+\.\d+\.\d+\.\d+/\d+$")]
+    unenrolled: dict[str, UnenrolledRigSpec] | None = None
+
+
+#: Every variable rigctl itself reads, with its schema.
+SCHEMA: dict[str, Any] = {
+    "gpu_host_gpu": GpuSpec,
+    "gpu_host_gpus": list[IndexedGpuSpec],
+    "rigctl_host_facts": HostFactsSpec,
+    "rigctl_fleet_user": Annotated[str, Field(pattern=r"^[a-z_][a-z0-9_-]{0,31}$")],
+    "llama_cpp_source": Literal["git", "archive"],
+    "llama_cpp_repo": str,
+    "llama_cpp_version": str,
+    "llama_cpp_archive": ArchiveSpec,
+    "llama_cpp_cuda": bool,
+    "llama_cpp_cuda_architectures": Annotated[str, AfterValidator(_cuda_archs)],
+    "llama_cpp_cuda_fleet_build": bool,
+    "gpu_host_cuda_source": Literal["apt", "wheels"],
+    "gpu_host_cuda_wheels": list[CudaWheelSpec],
+    "models_catalog": dict[Name, ModelSpec],
+    "llama_server_profiles": dict[Name, ProfileSpec],
+    "llama_server_instances": dict[Name, InstanceSpec],
+    "llama_server_profile_overrides": dict[str, ProfileOverride],
+    "llama_server_bind_address": str,
+    "llama_server_api_key": str,
+    "models_pins": dict[str, Annotated[str, Field(pattern=SHA256.pattern)]],
+    "models_pin_policy": Literal["fail", "warn"],
+    "rigctl_lab": LabSpec,
+    "rigctl_lab_slot": Annotated[str, Field(pattern=r"^[0-6]$")],
+    "rigctl_known_hosts": str,
+    "rigctl_cache_dir": str,
+    # {advisory id: the reason the fleet accepts a build inside its range} (rigctl/inventory/advisories.py)
+    "rigctl_allowed_advisories": dict[str, Annotated[str, Field(min_length=1)]],
+    # A mapping here; `rigctl build upgrade` reads its keys (rigctl/upgrade/gates.py, a layer above this one)
+    # and names every bad one.
+    "rigctl_upgrade_gates": dict[str, Any],
+    "ansible_port": Annotated[int, Field(ge=1, le=65535)],
+}
+
+
+@dataclass(frozen=True, order=True)
+class Problem:
+    where: str  # "host NAME" or "group NAME"
+    key: str  # dotted path
+    message: str
+    severity: Literal["error", "warning"] = "error"
+
+    def __str__(self) -> str:
+        tag = "" if self.severity == "error" else "warning: "
+        return f"{self.where}: {self.key}: {tag}{self.message}"
+
+
+_ADAPTERS: dict[str, TypeAdapter[Any]] = {}
+
+
+def _adapter(key: str) -> TypeAdapter[Any]:
+    if key not in _ADAPTERS:
+        _ADAPTERS[key] = TypeAdapter(SCHEMA[key])
+    return _ADAPTERS[key]
+
+
+def validate_value(where: str, key: str, value: Any) -> Any:
+    """``value`` of variable ``key`` parsed by its schema; ConfigError with the first problem, naming
+    ``where`` and the key path."""
+    try:
+        return _adapter(key).validate_python(value)
+    except ValidationError as exc:
+        raise ConfigError(str(pydantic_problems(where, key, exc)[0])) from None
+
+
+def _without_union_tags(loc: tuple[Any, ...]) -> list[str]:
+    """The error's key path without the discriminated unions' tags (a source's or an artifact's
+    ``type``), which pydantic puts right after ``source`` and after an artifact's name."""
+    # A key with a line break or a blank in it is shown quoted: the problem stays one readable line.
+    parts = [str(p) if str(p).isprintable() and str(p).strip() == str(p) else repr(str(p)) for p in loc]
+    return [p for i, p in enumerate(parts)
+            if not ((i >= 1 and parts[i - 1] == "source") or (i >= 2 and parts[i - 2] == "artifacts"))]
+
+
+def pydantic_problems(where: str, key: str, exc: ValidationError) -> list[Problem]:
+    problems = []
+    for err in exc.errors():
+        # A dict key's own error ends in "[key]": the path already ends with that key.
+        loc = [p for p in err["loc"] if p != "[key]"]
+        path = ".".join([key, *_without_union_tags(tuple(loc))]).replace(".from_", ".from")
+        message = err["msg"]
+        if err["type"] == "extra_forbidden":
+            message = "unknown key"
+        elif err["type"] == "missing":
+            message = "required but not set"
+        elif err["type"] == "value_error":  # our own validators' messages name the value already
+            message = str(err["ctx"]["error"]) if "ctx" in err else message.removeprefix("Value error, ")
+        elif "input" in err and err["type"] not in {"union_tag_invalid"}:
+            # A secret's value (llama_server_api_key, a source's token) is never echoed, nor is one inside the
+            # value shown (a source that names no type, quoted whole).
+            shown = (MASK if any(is_secret_name(part) for part in path.split("."))
+                     else repr(mask_secret_values(err["input"])))
+            message = f"{message} (got {shown})"
+        problems.append(Problem(where, path, message))
+    return problems

@@ -1,0 +1,1 @@
+"""Long-running services over the library: the Prometheus exporter and the MCP server."""
