@@ -39,14 +39,13 @@ REPO = Path(__file__).resolve().parent.parent
 
 def timed_run(task, fanout: FanOut, store: ResultsStore, options: runner.Options) -> tuple[float, Counter]:
     """Wall seconds of one eval run over the fan-out's servers, and the answers per server."""
-    run_dir, record = runner.start_run(task, fanout.endpoints, store, fanout.first.host, options=options,
-                                       stamp=runner.target_stamp(fanout.targets))
+    run = runner.start(task, fanout.targets, store, options=options)
     started = time.perf_counter()
-    runner.run(task, fanout.endpoints, run_dir, record, options)
+    runner.run(task, fanout.endpoints, run, options)
     wall = time.perf_counter() - started
-    rows = read_jsonl(run_dir / "answers.jsonl")
+    rows = read_jsonl(run.path / "answers.jsonl")
     if sorted((r["set"], r["id"]) for r in rows) != sorted((q.set, q.id) for q in task.questions):
-        raise SystemExit(f"{run_dir}: the questions were not each answered once")
+        raise SystemExit(f"{run.path}: the questions were not each answered once")
     return wall, Counter(r["server"] for r in rows)
 
 
@@ -81,8 +80,8 @@ def main() -> int:
 
     print(f"questions   {args.requests} (gsm8k-style, max_tokens {args.max_tokens}), {args.concurrency} in flight "
           "per server")
-    print(f"artifact    {both.first.server.get('artifact')} sha256 {both.first.artifacts[0]['sha256'][:12]}, "
-          f"build {both.first.llama_cpp.get('commit')}")
+    stamp = both.first.provenance()
+    print(f"artifact    {both.first.artifact} sha256 {stamp.artifacts[0].sha256[:12]}, build {stamp.llama_cpp.commit}")
     print(f"{'one server':12}" + "".join(f"{w:8.2f} s" for w in one_walls) + f"   {args.first}")
     print(f"{'fan-out':12}" + "".join(f"{w:8.2f} s" for w in two_walls) + "   answers: "
           + ", ".join(f"{k} {v}" for k, v in sorted(shares.items())))

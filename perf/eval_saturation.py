@@ -97,14 +97,14 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="eval-saturation-") as tmp:
         task = gsm8k_task(Path(tmp), "saturation", args.requests, args.max_tokens)
         options = runner.Options(concurrency=args.concurrency)
-        run_dir, record = runner.start_run(task, target.endpoint, ResultsStore(Path(tmp) / "results"), target.host,
-                                           options=options)
+        run = runner.start_run(task, target.endpoint, ResultsStore(Path(tmp) / "results"), target.host,
+                               options=options)
         warm0 = time.process_time()
         asyncio.run(warm_up(target.endpoint))
         warm_ms = 1000 * (time.process_time() - warm0)
         wall, cpu, busy = measure(target.endpoint,
-                                  lambda: runner.run(task, target.endpoint, run_dir, record, options))
-        answers = len(read_jsonl(run_dir / "answers.jsonl"))
+                                  lambda: runner.run(task, target.endpoint, run, options))
+        answers = len(read_jsonl(run.path / "answers.jsonl"))
         bodies = [scorers.chat_request("gsm8k", {**q.data, "prompt": f"[bare] {q.data['prompt']}"}, task.request)
                   for q in task.questions]
         bare_wall, bare_cpu, bare_busy = measure(

@@ -36,8 +36,10 @@ so it can be interrupted and started again.
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
@@ -51,9 +53,6 @@ from rigctl.inventory import Inventory
 from rigctl.results.store import ResultsStore, StoredRun
 
 log = logging.getLogger(__name__)
-
-SERVER_START_TIMEOUT_S = 180.0
-
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -373,21 +372,21 @@ def locate(loaded: LoadedCampaign, store: ResultsStore) -> Located:
     campaign = loaded.campaign
     runs = list(store.runs())
     found = Located()
+
+    def newest(matches: Callable[[StoredRun], bool]) -> StoredRun | None:
+        return max((r for r in runs if matches(r)), key=lambda r: r.record.started, default=None)
+
     for bench in campaign.benches:
         for host in bench.hosts:
-            matching = [r for r in runs if bench_matches(r, bench, host)]
-            found.benches[(bench.name, host)] = max(matching, key=lambda r: r.record.started, default=None)
+            found.benches[(bench.name, host)] = newest(lambda r, b=bench, h=host: bench_matches(r, b, h))
     for load in campaign.loads:
-        matching = [r for r in runs if load_matches(r, load)]
-        found.loads[load.name] = max(matching, key=lambda r: r.record.started, default=None)
+        found.loads[load.name] = newest(functools.partial(load_matches, load=load))
     for race in campaign.drafting:
-        matching = [r for r in runs if drafting_matches(r, race)]
-        found.drafting[race.name] = max(matching, key=lambda r: r.record.started, default=None)
+        found.drafting[race.name] = newest(functools.partial(drafting_matches, race=race))
     for step in campaign.upgrades:
         tag = upgrade_tag(campaign, step)
-        matching = [r for r in runs if r.record.kind == "upgrade" and r.record.status == "done"
-                    and r.record.extra.get("campaign") == tag]
-        found.upgrades[step.name] = max(matching, key=lambda r: r.record.started, default=None)
+        found.upgrades[step.name] = newest(lambda r, t=tag: r.record.kind == "upgrade" and r.record.status == "done"
+                                           and r.record.extra.get("campaign") == t)
     for evaluation in campaign.evals:
         name = task_name(loaded, evaluation)
         found.task_names[evaluation.name] = name
@@ -424,224 +423,178 @@ class StepOutcome:
 OnStep = Callable[[str], None]
 
 
-def _run_bench(inventory: Inventory, bench: CampaignBench, host_name: str, store: ResultsStore,
-               on_step: OnStep) -> str:
+@dataclass(frozen=True)
+class _Context:
+    loaded: LoadedCampaign
+    inventory: Inventory
+    store: ResultsStore
+    found: Located
+    on_step: OnStep
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One thing the campaign asks for: the pulled run that answers it, else how to run it (``host/run id``)."""
+
+    name: str
+    found: StoredRun | None
+    run: Callable[[], str]
+    resumes: bool = False  # running it continues a stopped run
+    #: The error by which running it declines (outcome "refused", its record kept in the error's ``run``)
+    #: rather than fails.
+    refusal: type[RigctlError] | None = None
+
+
+def _bench_steps(ctx: _Context) -> Iterator[_Step]:
+    for bench in ctx.loaded.campaign.benches:
+        for host in bench.hosts:
+            yield _Step(f"bench {bench.name} on {host}", ctx.found.benches[(bench.name, host)],
+                        functools.partial(_run_bench, ctx, bench, host))
+
+
+def _load_steps(ctx: _Context) -> Iterator[_Step]:
+    from rigctl.bench.load import run_load
+
+    for load in ctx.loaded.campaign.loads:
+        def run(load: CampaignLoad = load) -> str:
+            ctx.on_step(f"load {load.name} on {load.host}: {load.server} at concurrency "
+                        f"{','.join(map(str, load.concurrency))}")
+            result = run_load(ctx.inventory.host(load.host), load.server, concurrency=load.concurrency,
+                              requests=load.requests, max_tokens=load.max_tokens, slot_ctx=load.slot_ctx,
+                              level_timeout_s=load.level_timeout_s, store=ctx.store,
+                              on_step=lambda m: ctx.on_step(f"load {load.name}: {m}"))
+            return f"{load.host}/{result.run_dir.name if result.run_dir else '?'}"
+
+        yield _Step(f"load {load.name} on {load.host}", ctx.found.loads[load.name], run)
+
+
+def _eval_steps(ctx: _Context) -> Iterator[_Step]:
+    for evaluation in ctx.loaded.campaign.evals:
+        for target in evaluation.runs:
+            key = (evaluation.name, target.id)
+            unfinished = ctx.found.unfinished.get(key)
+            yield _Step(f"eval {evaluation.name} {target.id}", ctx.found.evals[key],
+                        functools.partial(_run_eval, ctx, evaluation, target, unfinished), resumes=bool(unfinished))
+
+
+def _drafting_steps(ctx: _Context) -> Iterator[_Step]:
+    from rigctl.bench.drafting import run_race
+
+    for race in ctx.loaded.campaign.drafting:
+        def run(race: CampaignDrafting = race) -> str:
+            ctx.on_step(f"drafting {race.name} on {race.host}: {race.baseline} against "
+                        f"{', '.join(race.drafters) or 'its drafting instances'}")
+            result = run_race(ctx.inventory.host(race.host), race.baseline, race.drafters or None,
+                              repeats=race.repeats, max_tokens=race.max_tokens, temperatures=race.temperatures,
+                              store=ctx.store)
+            return f"{race.host}/{result.run_dir.name if result.run_dir else '?'}"
+
+        yield _Step(f"drafting {race.name} on {race.host}", ctx.found.drafting[race.name], run)
+
+
+def _upgrade_steps(ctx: _Context) -> Iterator[_Step]:
+    from rigctl.upgrade.upgrade import UpgradeRefused, upgrade
+
+    campaign = ctx.loaded.campaign
+    for step in campaign.upgrades:
+        def run(step: CampaignUpgrade = step) -> str:
+            gates = (ctx.loaded.path.parent / step.gates) if step.gates else None
+            result = upgrade(ctx.inventory, step.to, canary=step.canary, gates_file=gates, cmake_options=step.cmake,
+                             store=ctx.store, say=lambda m: ctx.on_step(f"upgrade {step.name}: {m}"),
+                             tag=upgrade_tag(campaign, step))
+            return result.run
+
+        yield _Step(f"upgrade {step.name} to {step.to} (canary {step.canary})", ctx.found.upgrades[step.name], run,
+                    refusal=UpgradeRefused)
+
+
+#: What a campaign runs, kind by kind, in this order: each kind's steps (a new kind is one more entry).
+STEP_KINDS: dict[str, Callable[[_Context], Iterator[_Step]]] = {
+    "bench": _bench_steps, "load": _load_steps, "eval": _eval_steps, "upgrade": _upgrade_steps,
+    "drafting": _drafting_steps}
+
+
+def _run_bench(ctx: _Context, bench: CampaignBench, host_name: str) -> str:
     from rigctl import jobs
     from rigctl.bench.matrix import bench_job_spec
 
-    host = inventory.host(host_name)
+    host = ctx.inventory.host(host_name)
     try:
         info = jobs.start(host, bench_job_spec(host, bench.spec(host_name)))
-        on_step(f"bench {bench.name} on {host_name}: started job {info.id}")
+        ctx.on_step(f"bench {bench.name} on {host_name}: started job {info.id}")
         job_id = info.id
     except JobBusyError as exc:
         # A campaign run stopped earlier left its bench running: follow that one instead.
-        on_step(f"bench {bench.name} on {host_name}: following running job {exc.running}")
+        ctx.on_step(f"bench {bench.name} on {host_name}: following running job {exc.running}")
         job_id = exc.running
-    final = jobs.wait(host, job_id, on_progress=lambda i: on_step(i.describe()))
+    final = jobs.wait(host, job_id, on_progress=lambda i: ctx.on_step(i.describe()))
     if final.state != "done":
         raise RigctlError(f"bench job {job_id} on {host_name} ended {final.state}" +
                           (f": {final.error}" if final.error else ""))
-    for line in jobs.pull(host, store).refused:
-        on_step(line)
+    for line in jobs.pull(host, ctx.store).refused:
+        ctx.on_step(line)
     return f"{host_name}/{job_id}"
 
 
-def _ensure_server(inventory: Inventory, member: ServerRef, on_step: OnStep) -> bool:
-    """Start a llama-server unit when it is not answering; True when this call started it."""
-    from rigctl.llama_http import ServerClient
-    from rigctl.servers import operator_start
-    from rigctl.ssh import session
-
-    host = inventory.host(member.host)
-    served = host.server(member.server)
-    with ServerClient(served.endpoint) as client:
-        if client.health().ok:
-            return False
-        on_step(f"{member.host}: starting llama-server@{member.server} for the eval")
-        with session(host) as ssh:
-            ssh.run(operator_start([served.unit]), timeout=60, check=True)
-        client.wait_healthy(SERVER_START_TIMEOUT_S)
-    return True
-
-
-def _stop_server(inventory: Inventory, member: ServerRef) -> None:
-    from rigctl.ssh import session
-
-    host = inventory.host(member.host)
-    with session(host) as ssh:
-        ssh.run(f"systemctl stop {host.server(member.server).unit}", timeout=60, check=True)
-
-
-def _start_single(inventory: Inventory, loaded: LoadedCampaign, evaluation: CampaignEval, target: EvalTarget,
-                  task, options, store: ResultsStore):
+def _run_eval(ctx: _Context, evaluation: CampaignEval, target: EvalTarget, unfinished: StoredRun | None) -> str:
+    """The eval's servers started where they are down (and stopped after), then the stopped run resumed or a
+    new one started, as ``rigctl eval run`` does (:func:`rigctl.evals.runner.start`)."""
+    from rigctl import servers
     from rigctl.evals import runner
     from rigctl.evals.target import inventory_target
-
-    member = inventory_target(inventory.host(target.host), target.server, facts=False)
-    return runner.start_run(task, member.endpoint, store, target.host, options=options, limit=evaluation.limit,
-                            stamp=runner.target_stamp([member]), extra={"campaign": loaded.campaign.name})
-
-
-def _start_fanout(inventory: Inventory, loaded: LoadedCampaign, evaluation: CampaignEval, target: EvalTarget,
-                  task, options, store: ResultsStore):
-    """A fan-out target: every server's artifact sha256 and build read from its host and checked alike."""
-    from rigctl.evals import runner
-    from rigctl.evals.fanout import FanOut
-    from rigctl.evals.target import inventory_target
-
-    fanout = FanOut.of([inventory_target(inventory.host(m.host), m.server) for m in target.members])
-    for member in fanout.targets:
-        if member.server.get("artifact") != target.artifact:
-            raise ConfigError(f"{member.host}/{member.server.get('name')} serves {member.server.get('artifact')}, "
-                              f"not {target.artifact}")
-    first = fanout.first
-    return runner.start_run(task, fanout.endpoints, store, first.host, options=options, limit=evaluation.limit,
-                            stamp=runner.target_stamp(fanout.targets), extra={"campaign": loaded.campaign.name})
-
-
-def _run_eval(inventory: Inventory, loaded: LoadedCampaign, evaluation: CampaignEval, target: EvalTarget,
-              store: ResultsStore, unfinished: StoredRun | None, on_step: OnStep) -> str:
-    from rigctl.evals import runner
     from rigctl.evals.tasks import load_task
 
-    endpoints = [inventory.host(m.host).server(m.server).endpoint for m in target.members]
-    started_here: list[ServerRef] = []
-    try:
-        for member in target.members:
-            if _ensure_server(inventory, member, on_step):
-                started_here.append(member)
+    members = target.members
+    with ExitStack() as up:
+        for host_name in target.hosts:
+            names = [m.server for m in members if m.host == host_name]
+            up.enter_context(servers.running(ctx.inventory.host(host_name), names, on_step=ctx.on_step))
+        endpoints = [ctx.inventory.host(m.host).server(m.server).endpoint for m in members]
         if unfinished is not None:
-            run_dir, record, task, options = runner.resume_run(store, f"{unfinished.host}/{unfinished.id}", endpoints)
+            run, task, options = runner.resume_run(ctx.store, f"{unfinished.host}/{unfinished.id}", endpoints)
         else:
-            task = load_task(loaded.task_ref(evaluation), limit=evaluation.limit)
-            options = runner.Options(concurrency=evaluation.concurrency, seed=loaded.campaign.seed)
-            start = _start_fanout if target.fanout else _start_single
-            run_dir, record = start(inventory, loaded, evaluation, target, task, options, store)
-        on_step(f"eval {evaluation.name} {target.id}: run {record.id} ({len(task.questions)} questions)")
-        runner.run(task, endpoints, run_dir, record, options)
-    finally:
-        for member in started_here:
-            _stop_server(inventory, member)
-    return f"{target.host}/{record.id}"
+            task = load_task(ctx.loaded.task_ref(evaluation), limit=evaluation.limit)
+            options = runner.Options(concurrency=evaluation.concurrency, seed=ctx.loaded.campaign.seed)
+            targets = [inventory_target(ctx.inventory.host(m.host), m.server) for m in members]
+            run = runner.start(task, targets, ctx.store, options=options, limit=evaluation.limit,
+                               artifact=target.artifact, extra={"campaign": ctx.loaded.campaign.name})
+        ctx.on_step(f"eval {evaluation.name} {target.id}: run {run.record.id} ({len(task.questions)} questions)")
+        runner.run(task, endpoints, run, options)
+    return run.ref
 
 
 def run_campaign(loaded: LoadedCampaign, inventory: Inventory, store: ResultsStore, *,
                  on_step: OnStep = lambda _: None) -> list[StepOutcome]:
-    """Pull every host, then run each bench and eval the campaign still lacks; per step the outcome.
+    """Pull every host, then run each bench, load, eval and race the campaign still lacks; per step the outcome.
 
     A failed step is reported and the others go on (their results are kept); running again picks up
     only what is still missing, and resumes eval runs that stopped part-way. Each host is talked to over
     one SSH connection for the whole run."""
+    from rigctl import jobs
     from rigctl.connections import connections
 
     with connections():
-        return _run_steps(loaded, inventory, store, on_step)
-
-
-def _run_steps(loaded: LoadedCampaign, inventory: Inventory, store: ResultsStore, on_step: OnStep
-               ) -> list[StepOutcome]:
-    from rigctl import jobs
-
-    campaign = loaded.campaign
-    for name in campaign.hosts:
-        try:
-            for line in jobs.pull(inventory.host(name), store).refused:
-                on_step(line)
-        except RigctlError as exc:
-            on_step(f"{name}: pull failed: {exc}")
-    found = locate(loaded, store)
-    outcomes: list[StepOutcome] = []
-    for bench in campaign.benches:
-        for host in bench.hosts:
-            step = f"bench {bench.name} on {host}"
-            run = found.benches[(bench.name, host)]
-            if run is not None:
-                outcomes.append(StepOutcome(step, "pulled", f"{run.host}/{run.id}"))
-                continue
+        for name in loaded.campaign.hosts:
             try:
-                outcomes.append(StepOutcome(step, "ran", _run_bench(inventory, bench, host, store, on_step)))
+                for line in jobs.pull(inventory.host(name), store).refused:
+                    on_step(line)
             except RigctlError as exc:
-                outcomes.append(StepOutcome(step, "failed", error=str(exc)))
-    for load in campaign.loads:
-        step = f"load {load.name} on {load.host}"
-        run = found.loads[load.name]
-        if run is not None:
-            outcomes.append(StepOutcome(step, "pulled", f"{run.host}/{run.id}"))
-            continue
-        try:
-            outcomes.append(StepOutcome(step, "ran", _run_load(inventory, load, store, on_step)))
-        except RigctlError as exc:
-            outcomes.append(StepOutcome(step, "failed", error=str(exc)))
-    for evaluation in campaign.evals:
-        for target in evaluation.runs:
-            step = f"eval {evaluation.name} {target.id}"
-            key = (evaluation.name, target.id)
-            run = found.evals[key]
-            if run is not None:
-                outcomes.append(StepOutcome(step, "pulled", f"{run.host}/{run.id}"))
-                continue
-            unfinished = found.unfinished.get(key)
-            try:
-                ref = _run_eval(inventory, loaded, evaluation, target, store, unfinished, on_step)
-                outcomes.append(StepOutcome(step, "resumed" if unfinished else "ran", ref))
-            except RigctlError as exc:
-                outcomes.append(StepOutcome(step, "failed", error=str(exc)))
-    for upgrade_step in campaign.upgrades:
-        step = f"upgrade {upgrade_step.name} to {upgrade_step.to} (canary {upgrade_step.canary})"
-        run = found.upgrades[upgrade_step.name]
-        if run is not None:
-            outcomes.append(StepOutcome(step, "pulled", f"{run.host}/{run.id}"))
-            continue
-        outcomes.append(_run_upgrade(inventory, loaded, upgrade_step, store, on_step))
-    for race in campaign.drafting:
-        step = f"drafting {race.name} on {race.host}"
-        run = found.drafting[race.name]
-        if run is not None:
-            outcomes.append(StepOutcome(step, "pulled", f"{run.host}/{run.id}"))
-            continue
-        try:
-            outcomes.append(StepOutcome(step, "ran", _run_drafting(inventory, race, store, on_step)))
-        except RigctlError as exc:
-            outcomes.append(StepOutcome(step, "failed", error=str(exc)))
-    return outcomes
-
-
-def _run_load(inventory: Inventory, load: CampaignLoad, store: ResultsStore, on_step: OnStep) -> str:
-    from rigctl.bench.load import run_load
-
-    on_step(f"load {load.name} on {load.host}: {load.server} at concurrency {','.join(map(str, load.concurrency))}")
-    result = run_load(inventory.host(load.host), load.server, concurrency=load.concurrency, requests=load.requests,
-                      max_tokens=load.max_tokens, slot_ctx=load.slot_ctx, level_timeout_s=load.level_timeout_s,
-                      store=store, on_step=lambda m: on_step(f"load {load.name}: {m}"))
-    return f"{load.host}/{result.run_dir.name if result.run_dir else '?'}"
-
-
-def _run_drafting(inventory: Inventory, race: CampaignDrafting, store: ResultsStore, on_step: OnStep) -> str:
-    from rigctl.bench.drafting import run_race
-
-    against = ", ".join(race.drafters) or "its drafting instances"
-    on_step(f"drafting {race.name} on {race.host}: {race.baseline} against {against}")
-    result = run_race(inventory.host(race.host), race.baseline, race.drafters or None, repeats=race.repeats,
-                      max_tokens=race.max_tokens, temperatures=race.temperatures, store=store)
-    return f"{race.host}/{result.run_dir.name if result.run_dir else '?'}"
-
-
-def _run_upgrade(inventory: Inventory, loaded: LoadedCampaign, step: CampaignUpgrade, store: ResultsStore,
-                 on_step: OnStep) -> StepOutcome:
-    from rigctl.upgrade.upgrade import UpgradeRefused, upgrade
-
-    name = f"upgrade {step.name} to {step.to} (canary {step.canary})"
-    gates = (loaded.path.parent / step.gates) if step.gates else None
-    try:
-        result = upgrade(inventory, step.to, canary=step.canary, gates_file=gates, cmake_options=step.cmake,
-                         store=store, say=lambda m: on_step(f"upgrade {step.name}: {m}"),
-                         tag=upgrade_tag(loaded.campaign, step))
-    except UpgradeRefused as exc:
-        return StepOutcome(name, "refused", exc.run, error=str(exc))
-    except RigctlError as exc:
-        return StepOutcome(name, "failed", error=str(exc))
-    return StepOutcome(name, "ran", result.run)
+                on_step(f"{name}: pull failed: {exc}")
+        ctx = _Context(loaded, inventory, store, locate(loaded, store), on_step)
+        outcomes: list[StepOutcome] = []
+        for steps in STEP_KINDS.values():
+            for step in steps(ctx):
+                if step.found is not None:
+                    outcomes.append(StepOutcome(step.name, "pulled", f"{step.found.host}/{step.found.id}"))
+                    continue
+                try:
+                    outcomes.append(StepOutcome(step.name, "resumed" if step.resumes else "ran", step.run()))
+                except RigctlError as exc:
+                    if step.refusal is not None and isinstance(exc, step.refusal):
+                        outcomes.append(StepOutcome(step.name, "refused", getattr(exc, "run", None), error=str(exc)))
+                    else:
+                        outcomes.append(StepOutcome(step.name, "failed", error=str(exc)))
+        return outcomes
 
 
 def describe(outcomes: list[StepOutcome]) -> list[str]:

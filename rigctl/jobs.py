@@ -40,8 +40,9 @@ holder whose unit is gone (host rebooted) does not block.
 module in ``rigctl/hostside/<name>.py`` with ``run(job) -> None``. ``job`` (:class:`rigctl.hostside.
 jobrun.Job`) gives ``job.params`` (the JobSpec's params, JSON), ``job.dir`` (the job directory,
 where ``JobSpec.files`` were shipped), ``job.run_dir`` (write raw files here), ``job.record`` (the
-run record dict: fill ``task``, ``server``, ``artifacts``, ``seed``, ``concurrency``, ``extra``;
-``gpu``, ``llama_cpp`` and ``extra.host_facts`` are filled before ``run``),
+run record, :class:`rigctl.hostside.runrecord.RunRecord`: the spec's ``record`` fields with the stamp
+completed on the host — ``gpu``, ``llama_cpp``, the servers' argv — and ``extra.host_facts``; fill
+``artifacts``, ``extra``, ...),
 ``job.progress(done, total, message)``, ``job.run(argv, timeout=, stdout=, stderr=)`` (recorded in
 ``commands``), ``job.artifact(name, path)`` (sha256 + manifest), ``job.save_record()``,
 ``job.log(msg)``, ``job.gpu_query(fields)``, ``job.TaskError`` (raise it for a one-line failure)
@@ -66,6 +67,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import functools
 import hashlib
 import json
@@ -103,6 +105,7 @@ from rigctl.results.record import (
     parse_json,
     rigctl_version,
 )
+from rigctl.results.stamp import inventory_gpu
 from rigctl.results.store import ResultsStore, read_jsonl
 from rigctl.ssh import SshClient, on_each_host, session
 from rigctl.trust import inside, relative_path
@@ -219,7 +222,9 @@ def job_host_spec(host: Host, spec: JobSpec, job_id: str) -> dict[str, Any]:
     return {
         "id": job_id, "kind": spec.kind, "host": host.name, "unit": unit_name(job_id), "task": spec.task,
         "params": dict(spec.params), "lock": spec.lock, "lock_file": lock_file, "job_dir": job_dir,
-        "results_dir": RESULTS_DIR, "record": dict(spec.record), "rigctl_version": rigctl_version(),
+        # The stamp as the inventory knows it (the GPU here); the job completes it on the host.
+        "results_dir": RESULTS_DIR, "record": {"gpu": dataclasses.asdict(inventory_gpu(host)), **spec.record},
+        "rigctl_version": rigctl_version(),
         "max_runtime_s": int(spec.max_runtime_s), "stop_servers": spec.stop_servers,
         "artifacts": list(spec.artifacts), "account": {"user": account.user, "group": account.group},
         # Writable: the run directory, nothing else.

@@ -21,10 +21,22 @@ LAB_INVENTORY = REPO / "inventory" / "lab"
 TEST_PREFIX = "lt-"
 
 
-TEST_NETWORK = "10.213.7"
+# The lab tests' own rigs live beside the slot labs (10.213.0-6, one per RIGCTL_LAB_SLOT) on subnets and
+# bridges of their own, also per slot: two slots testing at once, or a test beside a developer's slot lab,
+# never meet on an address or a bridge name.
+LAB_SLOT = int(os.environ.get("RIGCTL_LAB_SLOT", "0") or "0")
 
 
-TEST_BRIDGE = "rigctl-ltbr0"
+TEST_NETWORK = f"10.213.{20 + LAB_SLOT}"
+
+
+TEST_BRIDGE = f"rigctl-ltbr{LAB_SLOT}"
+
+
+FAILING_NETWORK = f"10.213.{30 + LAB_SLOT}"
+
+
+FAILING_BRIDGE = f"rigctl-lfbr{LAB_SLOT}"
 
 
 def lab_skip_reason() -> str | None:
@@ -75,4 +87,3 @@ def make_test_inventory(
     settings["rigctl_lab"] = {"dir": str(lab_dir), "bridge": bridge, "bridge_address": f"{network}.1/24"}
     lab_yml.write_text(yaml.safe_dump(settings))
     return dest
-

@@ -12,19 +12,20 @@ speedup over the baseline (overall: the geometric mean of the per-prompt speedup
 baseline's reply to the same prompt.
 
 Instances that are not running (drafting instances are often kept disabled) are started for the
-race and stopped after, unless ``start=False``. The run is written to the controller's results
-store as a ``spec`` run: ``requests.jsonl`` (one line per request: contender, prompt, temperature,
-repeat, tokens, tokens_per_s, draft_n, draft_n_accepted, text, finish_reason), ``metrics.json``
-(``llamacpp:spec_decode_*`` deltas per contender) and ``run.json``.
+race and stopped after, unless ``start=False`` (:func:`rigctl.servers.running`). The run is written to
+the controller's results store as a ``spec`` run: ``requests.jsonl`` (one line per request: contender,
+prompt, temperature, repeat, tokens, tokens_per_s, draft_n, draft_n_accepted, text, finish_reason), ``metrics.json``
+(``llamacpp:spec_decode_*`` deltas per contender) and ``run.json``, made before the race starts
+(:func:`rigctl.results.run.open_run`): a race that fails (a contender that will not start) is sealed
+``failed`` with the reason.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import shlex
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 from pathlib import Path
@@ -32,15 +33,14 @@ from typing import Any
 
 import numpy as np
 
-from rigctl.errors import ConfigError, RemoteCommandError
+from rigctl.errors import ConfigError
 from rigctl.inputs import parse_mapping, read_text
 from rigctl.inventory import Host, Server
-from rigctl.inventory.profiles import unit_name
 from rigctl.llama_http import ServerClient, Timeouts
-from rigctl.results.record import RunRecord
-from rigctl.results.stamp import collect_stamp, inventory_server, with_props
+from rigctl.results.run import open_run
+from rigctl.results.stamp import inventory_server, inventory_stamp, with_props
 from rigctl.results.store import ResultsStore
-from rigctl.servers import operator_start
+from rigctl.servers import running
 from rigctl.ssh import session
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,6 @@ REQUESTS_FILE = "requests.jsonl"
 METRICS_FILE = "metrics.json"
 SPEC_METRIC_PREFIX = "llamacpp:spec_decode_"
 DEFAULT_TEMPERATURES = (0.0, 0.8)
-HEALTH_TIMEOUT_S = 300.0
 DEFAULT_TIMEOUTS = Timeouts()
 
 
@@ -259,22 +258,6 @@ def to_markdown(rows: Sequence[RaceRow]) -> str:
 # ----------------------------------------------------------------------------------------------- the race
 
 
-def _systemctl(host: Host, action: str, names: Sequence[str]) -> list[str]:
-    """``systemctl ACTION`` on the named instances' units; for ``is-active``, the active ones."""
-    units = [unit_name(n) for n in names]
-    with session(host) as ssh:
-        if action == "is-active":
-            result = ssh.run(f"systemctl is-active {shlex.join(units)}", timeout=60, check=False)
-            states = result.stdout.split()
-            return [n for n, s in zip(names, states, strict=False) if s == "active"]
-        command = operator_start(units, action) if action in ("start", "restart") else \
-            f"systemctl {action} {shlex.join(units)}"
-        result = ssh.run(command, timeout=300, check=False)
-        if result.rc != 0:
-            raise RemoteCommandError(host.name, f"systemctl {action} {' '.join(units)}", result.rc, result.stderr)
-    return list(names)
-
-
 def run_race(
     host: Host,
     baseline: str,
@@ -291,57 +274,48 @@ def run_race(
     on_request: Callable[[RaceRequest], None] | None = None,
     timeouts: Timeouts = DEFAULT_TIMEOUTS,
 ) -> RaceResult:
-    """Race ``baseline`` against its drafting instances on ``host``; the run is saved to ``store``."""
+    """Race ``baseline`` against its drafting instances on ``host``; the run is saved to ``store`` (sealed
+    failed, with the reason, when a contender will not start or a request fails)."""
     if repeats < 1 or max_tokens < 1:
         raise ConfigError(f"repeats and max_tokens must be at least 1 (got {repeats}, {max_tokens})")
     field_ = contenders(host, baseline, drafters)
     prompts = load_prompts(prompts_file, kinds)
     names = [c.name for c in field_]
-    started = [n for n in names if n not in _systemctl(host, "is-active", names)] if start else []
-    if started:
-        log.info("%s: starting %s for the race", host.name, ", ".join(started))
-        _systemctl(host, "start", started)
-    clients = {c.name: ServerClient(host.server(c.name).endpoint, timeouts=timeouts) for c in field_}
     result = RaceResult(host=host.name, baseline=baseline, contenders=field_, requests=[])
-    try:
-        props = {}
-        for name, client in clients.items():
-            client.wait_healthy(HEALTH_TIMEOUT_S)
-            props[name] = client.props()
-        with session(host) as ssh:  # while every contender runs: their argv as deployed
-            stamp = collect_stamp(host, ssh, [inventory_server(host, c.name) for c in field_],
-                                  artifacts=[field_[0].artifact], seed=seed, concurrency=1)
-        record = RunRecord.begin("spec", stamp, host=host.name)
-        for server, c in zip(record.servers, field_, strict=True):
-            with_props(server, props[c.name], clients[c.name].endpoint).draft = dict(c.spec) if c.spec else None
-        before = {name: dict(client.metrics().samples) for name, client in clients.items()}
-        for temperature in temperatures:
-            for repeat in range(1, repeats + 1):
-                for kind, messages in prompts.items():
-                    for c in field_:
-                        reply = clients[c.name].chat(messages, max_tokens=max_tokens, temperature=temperature,
-                                                     seed=seed + repeat)
-                        request = parse_request(c.name, kind, temperature, repeat, reply.raw, reply.wall_s or 0.0)
-                        result.requests.append(request)
-                        if on_request:
-                            on_request(request)
-        result.metrics = {name: metric_deltas(before[name], client.metrics().samples)
-                          for name, client in clients.items()}
-    finally:
-        for client in clients.values():
-            client.close()
-        if started:
-            _systemctl(host, "stop", started)
-    result.rows = summarize_race(result.requests, baseline)
-    store = store or ResultsStore()
-    run_dir = store.run_dir(host.name, record.id)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / REQUESTS_FILE).write_text("".join(json.dumps(asdict(r), sort_keys=True) + "\n"
-                                                 for r in result.requests))
-    (run_dir / METRICS_FILE).write_text(json.dumps(result.metrics, indent=2, sort_keys=True) + "\n")
-    record.extra = {"baseline": baseline, "prompts": prompts, "repeats": repeats, "temperatures": list(temperatures),
-                    "max_tokens": max_tokens, "started_instances": started,
-                    "summary": [asdict(r) for r in result.rows]}
-    record.seal(run_dir)
-    result.run_dir = run_dir
+    stamp = inventory_stamp(host, [inventory_server(host, name) for name in names], artifacts=[field_[0].artifact],
+                            seed=seed, concurrency=1)
+    extra = {"baseline": baseline, "prompts": prompts, "repeats": repeats, "temperatures": list(temperatures),
+             "max_tokens": max_tokens}
+    with open_run("spec", stamp, store or ResultsStore(), extra=extra) as run:
+        result.run_dir = run.path
+        with running(host, names, start=start) as started, ExitStack() as clients_open:
+            run.record.extra["started_instances"] = started
+            clients = {c.name: clients_open.enter_context(ServerClient(host.server(c.name).endpoint, timeouts=timeouts))
+                       for c in field_}
+            with session(host) as ssh:  # while every contender runs: their argv as deployed
+                run.complete_stamp(ssh)
+            for server, c in zip(run.record.servers, field_, strict=True):
+                with_props(server, clients[c.name].props(), clients[c.name].endpoint).draft = \
+                    dict(c.spec) if c.spec else None
+            run.save()
+            before = {name: dict(client.metrics().samples) for name, client in clients.items()}
+            try:
+                for temperature in temperatures:
+                    for repeat in range(1, repeats + 1):
+                        for kind, messages in prompts.items():
+                            for c in field_:
+                                reply = clients[c.name].chat(messages, max_tokens=max_tokens,
+                                                             temperature=temperature, seed=seed + repeat)
+                                request = parse_request(c.name, kind, temperature, repeat, reply.raw,
+                                                        reply.wall_s or 0.0)
+                                result.requests.append(request)
+                                if on_request:
+                                    on_request(request)
+                result.metrics = {name: metric_deltas(before[name], client.metrics().samples)
+                                  for name, client in clients.items()}
+            finally:  # the requests answered before a failure stay with the failed run
+                run.write_jsonl(REQUESTS_FILE, map(asdict, result.requests))
+                run.write_json(METRICS_FILE, result.metrics)
+        result.rows = summarize_race(result.requests, baseline)
+        run.record.extra["summary"] = [asdict(r) for r in result.rows]
     return result

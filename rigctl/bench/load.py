@@ -38,8 +38,7 @@ from typing import Any
 import numpy as np
 
 from rigctl.errors import ConfigError, RigctlError
-from rigctl.results.record import RunRecord
-from rigctl.results.store import ResultsStore, StoredRun, read_jsonl
+from rigctl.results.store import ResultsStore, StoredRun, read_rows
 from rigctl.stats import DEFAULT_RESAMPLES, DEFAULT_SEED, Interval, bootstrap_rate_ratio, bootstrap_ratio
 
 log = logging.getLogger(__name__)
@@ -49,6 +48,7 @@ LEVELS_FILE = "levels.jsonl"
 PERCENTILES = (50, 95, 99)
 MAX_CONCURRENCY = 64
 MAX_REQUESTS = 1000
+PROBE_PURPOSE = "load"
 
 
 @dataclass(frozen=True)
@@ -187,9 +187,10 @@ def run_load(
 ) -> LoadResult:
     """The load curve of ``instance`` on ``host`` through a probe with a slot per client; saved to ``store``.
     ``requests``: per level (default four per client, at least 8)."""
-    from rigctl.bench.server import instance_stopped, probe_server
     from rigctl.llama_http import ServerClient
-    from rigctl.results.stamp import collect_stamp, inventory_server, with_props
+    from rigctl.results.run import open_run
+    from rigctl.results.stamp import inventory_server, inventory_stamp, with_props
+    from rigctl.servers import probe_server, probe_unit, stopped
     from rigctl.ssh import session
 
     levels = parse_levels(list(concurrency))
@@ -208,43 +209,36 @@ def run_load(
     result = LoadResult(host=host.name, instance=instance)
     port = probe_port or served.port + 200
     settings = {"parallel": slots, "ctx_size": slots * slot_ctx}
-    with session(host) as ssh, instance_stopped(ssh, served), \
-            probe_server(ssh, served, settings, port, "load") as probe:
+    # The probe serves the requests: its argv as it runs is the record's, not the instance's file.
+    stamp = inventory_stamp(host, [inventory_server(host, instance, unit=probe_unit(served, PROBE_PURPOSE),
+                                                    port=port)],
+                            artifacts=[served.artifact], concurrency=slots)
+    extra = {"slots": slots, "slot_ctx": slot_ctx, "levels": levels, "requests": requests, "max_tokens": max_tokens,
+             "level_timeout_s": level_timeout_s, "prompts": [kind for kind, _ in prompts]}
+    with open_run("load", stamp, store or ResultsStore(), extra=extra) as run, session(host) as ssh, \
+            stopped(ssh, served), probe_server(ssh, served, settings, port, PROBE_PURPOSE) as probe:
+        result.run_dir = run.path
         with ServerClient(probe.endpoint) as client:
             props = client.props()
-        # The probe served the requests: its argv as it runs is the record's, not the instance's file.
-        stamp = collect_stamp(host, ssh, [inventory_server(host, instance, unit=probe.unit, port=port)],
-                              artifacts=[served.artifact], concurrency=slots)
-        record = RunRecord.begin("load", stamp, host=host.name)
-        with_props(record.servers[0], props, probe.endpoint)
+        run.complete_stamp(ssh)
+        with_props(run.record.servers[0], props, probe.endpoint)
+        run.save()
         say(f"probe {probe.unit} on port {port}: {slots} slots of {slot_ctx} tokens")
         drive_level(probe.endpoint, 1, 1, max_tokens, level_timeout_s, prompts)  # warm-up, not recorded
-        for level in levels:
-            count = requests or max(8, 4 * level)
-            done, wall = drive_level(probe.endpoint, level, count, max_tokens, level_timeout_s, prompts)
-            summary = summarize_level(level, done, wall)
-            result.requests += done
-            result.levels.append(summary)
-            say(f"concurrency {level}: {summary.requests} requests in {wall:.2f} s, {summary.output_tps:.2f} "
-                f"output t/s, TTFT p50 {_ms(summary.ttft_s['p50'])}, TPOT p50 {_ms(summary.tpot_s['p50'])}, "
-                f"{summary.errors} errors")
-    store = store or ResultsStore()
-    run_dir = store.run_dir(host.name, record.id)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    _write_jsonl(run_dir / REQUESTS_FILE, [asdict(r) for r in result.requests])
-    _write_jsonl(run_dir / LEVELS_FILE, [asdict(s) for s in result.levels])
-    record.extra = {"slots": slots, "slot_ctx": slot_ctx, "levels": levels, "requests": requests,
-                    "max_tokens": max_tokens, "level_timeout_s": level_timeout_s,
-                    "prompts": [kind for kind, _ in prompts]}
-    record.seal(run_dir)
-    result.run_dir = run_dir
+        try:
+            for level in levels:
+                count = requests or max(8, 4 * level)
+                done, wall = drive_level(probe.endpoint, level, count, max_tokens, level_timeout_s, prompts)
+                summary = summarize_level(level, done, wall)
+                result.requests += done
+                result.levels.append(summary)
+                say(f"concurrency {level}: {summary.requests} requests in {wall:.2f} s, {summary.output_tps:.2f} "
+                    f"output t/s, TTFT p50 {_ms(summary.ttft_s['p50'])}, TPOT p50 {_ms(summary.tpot_s['p50'])}, "
+                    f"{summary.errors} errors")
+        finally:  # the levels measured before a failure stay with the failed run
+            run.write_jsonl(REQUESTS_FILE, map(asdict, result.requests))
+            run.write_jsonl(LEVELS_FILE, map(asdict, result.levels))
     return result
-
-
-def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
-    import json
-
-    path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
 
 
 def _ms(seconds: float | None) -> str:
@@ -255,25 +249,11 @@ def _ms(seconds: float | None) -> str:
 
 
 def load_requests(run: StoredRun) -> list[LoadRequest]:
-    if run.record.kind != "load":
-        raise ConfigError(f"{run.host}/{run.id}: a {run.record.kind} run, not a load run")
-    path = run.path / REQUESTS_FILE
-    if not path.is_file():
-        raise ConfigError(f"{run.host}/{run.id}: no {REQUESTS_FILE}")
-    try:
-        return [LoadRequest(**row) for row in read_jsonl(path)]
-    except TypeError as exc:
-        raise ConfigError(f"{path}: not a load run's requests: {exc}") from None
+    return read_rows(run, "load", REQUESTS_FILE, LoadRequest)
 
 
 def load_levels(run: StoredRun) -> list[LevelSummary]:
-    path = run.path / LEVELS_FILE
-    if run.record.kind != "load" or not path.is_file():
-        raise ConfigError(f"{run.host}/{run.id}: no {LEVELS_FILE} (not a load run)")
-    try:
-        return [LevelSummary(**row) for row in read_jsonl(path)]
-    except TypeError as exc:
-        raise ConfigError(f"{path}: not a load run's levels: {exc}") from None
+    return read_rows(run, "load", LEVELS_FILE, LevelSummary)
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,7 @@ from rigctl.hostside.bench_task import plan_cells
 from rigctl.inputs import read_mapping
 from rigctl.inventory import Host, Inventory
 from rigctl.results.record import parse_json
-from rigctl.results.store import StoredRun, read_jsonl
+from rigctl.results.store import StoredRun, read_jsonl, run_file
 from rigctl.trust import inside
 
 if TYPE_CHECKING:  # rigctl.jobs brings paramiko; summaries (and rigctl.analysis.compare) do not need it
@@ -292,11 +292,7 @@ def samples_from_cell(
 
 def load_run_samples(run: StoredRun) -> list[BenchSample]:
     """Every sample of a pulled bench run, read from its raw files (cells.jsonl + llama-bench JSON)."""
-    if run.record.kind != "bench":
-        raise ConfigError(f"{run.host}/{run.id}: a {run.record.kind} run, not a bench run")
-    cells_path = run.path / CELLS_FILE
-    if not cells_path.is_file():
-        raise ConfigError(f"{run.host}/{run.id}: no {CELLS_FILE}")
+    cells_path = run_file(run, "bench", CELLS_FILE)
     recorded = run.record.llama_cpp.commit
     samples: list[BenchSample] = []
     for number, cell in enumerate(read_jsonl(cells_path), 1):

@@ -6,37 +6,32 @@ Three measurements, each optional, written to the results store as a ``server-sp
   filler text and checked with the server's ``/tokenize``) a streamed chat request, prompt cache
   off: time to first token (client clock), prefill and decode tokens/s (server timings).
 * **Model load time** (``load.jsonl``): ``systemctl restart llama-server@NAME`` until ``/health``
-  answers 200, ``load_runs`` times.
+  answers 200, ``load_runs`` times (:func:`rigctl.servers.restart_instance`).
 * **GPU memory per context size** (``memory.jsonl``): the instance is stopped; for each context
   size a probe server with the instance's own arguments but ``-c SIZE`` (and a spare port) runs as a
-  transient unit, and ``nvidia-smi``'s memory.used is read once it is healthy; the instance is
-  started again after. The KV-cache growth per token is the slope of a least-squares line through
-  (context size, MiB), in bytes per token.
+  transient unit (:func:`rigctl.servers.probe_server`), and ``nvidia-smi``'s memory.used is read once it
+  is healthy; the instance is started again after. The KV-cache growth per token is the slope of a
+  least-squares line through (context size, MiB), in bytes per token.
+
+The run directory and its record are made before anything is measured (:func:`rigctl.results.run.open_run`):
+a run that fails part-way is sealed ``failed`` with the reason, beside the files it finished.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import shlex
-import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from rigctl.errors import ConfigError, ServerError
-from rigctl.hostside.sandbox import run_options
 from rigctl.inventory import Host, Server
-from rigctl.inventory.profiles import args_lines_to_argv
-from rigctl.llama_http import Endpoint, ServerClient, Timeouts
-from rigctl.results.record import RunRecord
-from rigctl.results.stamp import collect_stamp, inventory_server, with_props
+from rigctl.llama_http import ServerClient, Timeouts
+from rigctl.results.run import open_run
+from rigctl.results.stamp import inventory_server, inventory_stamp, with_props
 from rigctl.results.store import ResultsStore
-from rigctl.servers import operator_start
+from rigctl.servers import probe_server, restart_instance, stopped, wait_ready
 from rigctl.ssh import SshClient, session
 
 log = logging.getLogger(__name__)
@@ -44,7 +39,6 @@ log = logging.getLogger(__name__)
 SWEEP_FILE = "sweep.jsonl"
 LOAD_FILE = "load.jsonl"
 MEMORY_FILE = "memory.jsonl"
-HEALTH_TIMEOUT_S = 600.0
 _FILLER = ("The committee reviewed the quarterly figures, compared them with last year's results and noted "
            "that shipping costs had risen while the number of returned parcels had fallen slightly. ")
 
@@ -123,128 +117,45 @@ def run_server_bench(
     store: ResultsStore | None = None,
     on_step: Callable[[str], None] | None = None,
 ) -> ServerBenchResult:
-    """Measure ``instance`` on ``host``; the run is saved to ``store``."""
+    """Measure ``instance`` on ``host``; the run is saved to ``store`` (sealed failed, with the reason, when a
+    step fails)."""
     served = host.server(instance)
     say = on_step or (lambda message: None)
     endpoint = served.endpoint
-    unit = served.unit
     result = ServerBenchResult(host=host.name, instance=instance)
-    with session(host) as ssh, ServerClient(endpoint, timeouts=Timeouts(read=900)) as server:
-        server.wait_healthy(HEALTH_TIMEOUT_S)
+    stamp = inventory_stamp(host, [inventory_server(host, instance)], artifacts=[served.artifact], concurrency=1)
+    extra = {"prompt_lengths": list(prompt_lengths), "max_tokens": max_tokens, "ctx_sizes": list(ctx_sizes)}
+    with open_run("server-speed", stamp, store or ResultsStore(), extra=extra) as run, session(host) as ssh, \
+            ServerClient(endpoint, timeouts=Timeouts(read=900)) as server:
+        result.run_dir = run.path
+        wait_ready(ssh, served.unit, endpoint)
         props = server.props()
-        stamp = collect_stamp(host, ssh, [inventory_server(host, instance)], artifacts=[served.artifact],
-                              concurrency=1)
-        record = RunRecord.begin("server-speed", stamp, host=host.name)
-        with_props(record.servers[0], props, endpoint)
+        run.complete_stamp(ssh)
+        with_props(run.record.servers[0], props, endpoint)
+        run.save()
         for length in prompt_lengths:
             point = measure_prompt(server, filler_prompt(length, lambda text: len(server.tokenize(text))), max_tokens)
             result.sweep.append(point)
             say(f"prompt {point.prompt_tokens} tokens: ttft {point.ttft_s:.3f} s, "
                 f"decode {point.decode_per_s:.2f} tok/s")
+        run.write_jsonl(SWEEP_FILE, map(asdict, result.sweep))
         for _ in range(load_runs):
-            began = time.monotonic()
-            ssh.run(operator_start([unit], "restart"), timeout=300, check=True)
-            server.wait_healthy(HEALTH_TIMEOUT_S)
-            result.load_s.append(time.monotonic() - began)
+            result.load_s.append(restart_instance(ssh, served))
             say(f"load (restart to /health 200): {result.load_s[-1]:.2f} s")
+        run.write_jsonl(LOAD_FILE, [{"load_s": s} for s in result.load_s])
         if ctx_sizes:
             port = probe_port or served.port + 100
             result.memory = _memory_sweep(ssh, served, ctx_sizes, port, say)
-            server.wait_healthy(HEALTH_TIMEOUT_S)
             result.kv_bytes_per_token = kv_bytes_per_token(result.memory)
-    store = store or ResultsStore()
-    run_dir = store.run_dir(host.name, record.id)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for name, rows in ((SWEEP_FILE, result.sweep), (MEMORY_FILE, result.memory),
-                       (LOAD_FILE, [{"load_s": s} for s in result.load_s])):
-        (run_dir / name).write_text("".join(json.dumps(r if isinstance(r, dict) else asdict(r)) + "\n" for r in rows))
-    record.extra = {"prompt_lengths": list(prompt_lengths), "max_tokens": max_tokens, "ctx_sizes": list(ctx_sizes),
-                    "kv_bytes_per_token": result.kv_bytes_per_token}
-    record.seal(run_dir)
-    result.run_dir = run_dir
+        run.write_jsonl(MEMORY_FILE, map(asdict, result.memory))
+        run.record.extra["kv_bytes_per_token"] = result.kv_bytes_per_token
     return result
-
-
-@dataclass(frozen=True)
-class Probe:
-    """A running probe server: its transient unit, endpoint and command-line arguments."""
-
-    unit: str
-    endpoint: Endpoint
-    argv: list[str]
-
-
-@contextmanager
-def instance_stopped(ssh: SshClient, server: Server) -> Iterator[None]:
-    """``server``'s unit stopped (its card and port free for probes); on exit, when it was running
-    before, started again and waited for until it answers /health (what follows finds it as it was)."""
-    running = ssh.run(f"systemctl is-active --quiet {shlex.quote(server.unit)}", timeout=30, check=False).ok
-    ssh.run(f"systemctl stop {shlex.quote(server.unit)}", timeout=300, check=True)
-    try:
-        yield
-    finally:
-        if running:
-            ssh.run(operator_start([server.unit]), timeout=300, check=True)
-            with ServerClient(server.endpoint) as client:
-                client.wait_healthy(HEALTH_TIMEOUT_S)
-
-
-def deployed_argv(ssh: SshClient, server: Server) -> list[str]:
-    """The arguments ``server``'s unit starts llama-server with: its arguments file on the host, split as
-    the role's launcher splits it."""
-    text = ssh.run(f"cat {shlex.quote(server.args_file)}", timeout=30, check=True).stdout
-    return args_lines_to_argv(text.splitlines())
-
-
-def probe_command(server: Server, unit: str, argv: Sequence[str], binary: str | None = None) -> list[str]:
-    """The ``systemd-run`` command line of a probe of ``server``: its llama-server (or ``binary``, another
-    build's) with ``argv`` as the transient unit ``unit``, with the ``llama-server@`` unit's account, sandbox
-    and GPU pin (the probe sees the card the instance sees), writable nothing but a private /tmp (the
-    instance's state directory is its own)."""
-    properties = [*server.account.unit_properties(), f"EnvironmentFile={server.env_file}", "UMask=0077"]
-    return ["systemd-run", "--unit", unit, "--collect", "--quiet", *run_options(properties),
-            binary or server.binary, *argv]
-
-
-def probe_unit_name(server: Server, purpose: str) -> str:
-    """The transient unit a probe of ``server`` for ``purpose`` runs as: ``rigctl-<first word>probe-<instance>``."""
-    return f"rigctl-{purpose.split()[0]}probe-{server.name}"
-
-
-@contextmanager
-def probe_server(ssh: SshClient, server: Server, settings: Mapping[str, Any], port: int,
-                 purpose: str, binary: str | None = None) -> Iterator[Probe]:
-    """A probe of ``server`` with ``settings`` over its profile (``{"ctx_size": 4096}``) on ``port``, as the
-    transient unit ``rigctl-<purpose>probe-<instance>`` as the unit's user, with its sandbox and GPU pin, once
-    it is healthy; stopped on exit. ``binary``: another build's llama-server (an upgrade's candidate, served
-    beside the instance on the same artifact and profile). Refused when the host's arguments file is not what
-    the inventory plans (the probe would measure flags the instance does not run): deploy first."""
-    deployed = deployed_argv(ssh, server)
-    if deployed != server.argv:
-        extra = sorted(set(deployed) - set(server.argv)) or sorted(set(server.argv) - set(deployed))
-        raise ConfigError(f"{server.host}/{server.name}: {server.args_file} on the host differs from the inventory "
-                          f"({' '.join(extra[:4]) or 'order'}); deploy before probing it")
-    argv = server.argv_with(port=port, **settings)
-    probe = probe_unit_name(server, purpose)
-    endpoint = Endpoint(f"http://{server.address}:{port}", api_key=server.api_key, label=f"{server.host}/{probe}")
-    ssh.run(shlex.join(probe_command(server, probe, argv, binary)), timeout=60, check=True)
-    try:
-        try:
-            with ServerClient(endpoint) as client:
-                client.wait_healthy(HEALTH_TIMEOUT_S)
-        except ServerError:
-            tail = ssh.run(f"journalctl -u {probe} -n 5 --no-pager", timeout=30, check=False).stdout
-            raise ServerError(f"{server.host}/{probe}", purpose, tail.strip().splitlines()[-1] if tail else
-                              "not healthy") from None
-        yield Probe(probe, endpoint, argv)
-    finally:
-        ssh.run(f"systemctl stop {probe}", timeout=120, check=False)
 
 
 def _memory_sweep(ssh: SshClient, server: Server, ctx_sizes: Sequence[int], port: int,
                   say: Callable[[str], None]) -> list[MemoryPoint]:
     points = []
-    with instance_stopped(ssh, server):
+    with stopped(ssh, server):
         for size in ctx_sizes:
             with probe_server(ssh, server, {"ctx_size": int(size)}, port, f"ctx {size}"):
                 points.append(MemoryPoint(size, _memory_used(ssh)))

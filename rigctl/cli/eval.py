@@ -139,9 +139,8 @@ def eval_run(
     if resume:
         if remote:
             raise ConfigError("--resume runs from here; a remote run is redone with --remote")
-        run_dir, record, loaded, options = runner.resume_run(store, resume, endpoints)
-        console.print(f"resuming {record.host}/{record.id}: {loaded.name} against {fanout.describe()}",
-                      highlight=False)
+        run, loaded, options = runner.resume_run(store, resume, endpoints)
+        console.print(f"resuming {run.ref}: {loaded.name} against {fanout.describe()}", highlight=False)
     else:
         if task is None:
             raise ConfigError("--task is required (or --resume RUN)")
@@ -157,28 +156,27 @@ def eval_run(
             console.print(f"{loaded.name}: {len(loaded.questions)} questions, job on {target.host}", highlight=False)
             bar = _Bar(len(loaded.questions), 0)
             with bar.progress:
-                run = run_remote(loaded, target, options, store, limit=limit, on_progress=bar.job)
-            summary = run.record.extra.get("summary") or {}
+                pulled = run_remote(loaded, target, options, store, limit=limit, on_progress=bar.job)
+            summary = pulled.record.extra.get("summary") or {}
             print_summary(summary, loaded.scorer, f"{loaded.name} on {target.endpoint} (job)")
-            console.print(f"{run.host}/{run.id}: pulled to {run.path}", highlight=False)
+            console.print(f"{pulled.host}/{pulled.id}: pulled to {pulled.path}", highlight=False)
             return
-        run_dir, record = runner.start_run(loaded, endpoints, store, target.host, options=options, limit=limit,
-                                           stamp=runner.target_stamp(fanout.targets))
-        console.print(f"{record.host}/{record.id}: {loaded.name}, {len(loaded.questions)} questions against "
+        run = runner.start(loaded, fanout.targets, store, options=options, limit=limit)
+        console.print(f"{run.ref}: {loaded.name}, {len(loaded.questions)} questions against "
                       f"{fanout.describe()}, {options.concurrency} at a time" +
                       (" per server" if len(endpoints) > 1 else ""), highlight=False)
-    done = len(runner.answered(run_dir / "answers.jsonl"))
+    done = len(runner.answered(run.path / "answers.jsonl"))
     bar = _Bar(len(loaded.questions), done)
     started = time.monotonic()
     with bar.progress:
-        summary = runner.run(loaded, endpoints, run_dir, record, options, on_answer=bar.answer)
+        summary = runner.run(loaded, endpoints, run, options, on_answer=bar.answer)
     print_summary(summary, loaded.scorer, f"{loaded.name} on {fanout.describe()}")
     if len(endpoints) > 1:
-        rows = read_jsonl(run_dir / "answers.jsonl")
+        rows = read_jsonl(run.path / "answers.jsonl")
         shares = ", ".join(f"{e.label} {sum(r.get('server') == e.label for r in rows)}" for e in endpoints)
         console.print(f"answers per server: {shares}", markup=False, highlight=False)
-    console.print(f"{record.host}/{record.id}: {time.monotonic() - started:.0f} s, answers in "
-                  f"{run_dir / 'answers.jsonl'}", highlight=False)
+    console.print(f"{run.ref}: {time.monotonic() - started:.0f} s, answers in {run.path / 'answers.jsonl'}",
+                  highlight=False)
 
 
 def read_api_key(path: Path | None) -> str | None:

@@ -12,14 +12,17 @@ Run directory (``<results>/<host>/<run id>/``, see :mod:`rigctl.results`)::
     run.json        a RunRecord (:mod:`rigctl.results.record`) of kind "eval"
     answers.jsonl   one JSON object per answered question, appended and flushed as each completes
 
-``run.json`` carries the record's one provenance stamp: ``servers`` (each with its argv as deployed, endpoint,
-label, and build_info, model_path, total_slots, n_ctx from ``/props``), ``artifacts`` ([{name, path, sha256,
-manifest}] from the host's model manifest), ``task`` ({name, scorer, file, file_sha256, dataset_sha256: {source
-key: sha256}, questions}), ``seed`` and ``concurrency``. The eval's own parameters are in ``extra`` = {thinking,
-limit, timeout_s, summary, label_tokens (choice), resumed: [times], and for bfcl_simple template_carries_tools
-([bool] per server) and deviations ({from, settings, reason}, only when the task departs from BFCL's own
-request)}. ``summary`` is ``{"sets": {set: block}, "overall": block + {"macro"}}`` with block = {n, score,
-cutoffs, and lmeval_strict_match, lmeval_flexible_extract (gsm8k) or toolless, missed_calls (bfcl_simple)}.
+``run.json`` for evals (the one record shape, :mod:`rigctl.hostside.runrecord`): ``servers`` = one per
+server that answered (a fan-out's several, each with its ``gpu``): {endpoint, label, build_info,
+model_path, total_slots, n_ctx (from ``/props``), and for inventory servers name, host, unit, profile,
+port, artifact and the argv as deployed (read from the host)}; ``artifacts`` = [{name, path, sha256,
+manifest}] from the host's model manifest; ``task`` = {name, scorer, file, file_sha256, dataset_sha256:
+{source key: sha256}, questions}; ``seed``; ``concurrency``; ``extra`` = {thinking, limit, timeout_s,
+summary, label_tokens (choice), resumed: [times], error (a failed or stopped run's reason), and for
+bfcl_simple template_carries_tools ([bool] per server) and deviations ({from, settings, reason}, only when
+the task departs from BFCL's own request)}. ``summary`` is
+``{"sets": {set: block}, "overall": block + {"macro"}}`` with block = {n, score, cutoffs, and
+lmeval_strict_match, lmeval_flexible_extract (gsm8k) or toolless, missed_calls (bfcl_simple)}.
 
 ``answers.jsonl`` keys, every scorer:
 

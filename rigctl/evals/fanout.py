@@ -1,8 +1,8 @@
 """Fan-out: one eval run over several servers that serve the same artifact with the same build.
 
-Each server is an inventory server (:func:`rigctl.evals.target.inventory_target`, facts read over SSH);
-they may join one run only when the artifact's sha256 (from the model manifest on each host) and the
-llama.cpp build (commit and build key from each host's build facts) are the same everywhere, so every
+Each server is an inventory server (:func:`rigctl.evals.target.inventory_target`, its stamp read over
+SSH); they may join one run only when the artifact's sha256 (from the model manifest on each host) and the
+llama.cpp build (commit and build key from each host's build fact) are the same everywhere, so every
 answer of the run comes from the same weights through the same code. The runner then deals the
 questions to whichever server is free (:func:`rigctl.evals.runner.execute`) and the servers' own
 ``/props`` builds are checked once more when the run starts.
@@ -19,25 +19,25 @@ from rigctl.llama_http import Endpoint
 
 
 def _name(target: Target) -> str:
-    return f"{target.host}/{target.server.get('name', '?')}"
+    return target.label
 
 
 def _sha256(target: Target) -> str:
-    artifact = target.artifacts[0] if target.artifacts else {}
-    digest = artifact.get("sha256")
+    artifacts = target.provenance().artifacts
+    digest = artifacts[0].sha256 if artifacts else None
     if not digest:
-        raise ConfigError(f"{_name(target)}: the sha256 of artifact {target.server.get('artifact')!r} could not be "
+        raise ConfigError(f"{_name(target)}: the sha256 of artifact {target.artifact!r} could not be "
                           "read from the host's model manifest; a fan-out needs it to know every server serves "
                           "the same file")
     return str(digest)
 
 
 def _build(target: Target) -> tuple[str, str]:
-    build = target.llama_cpp
-    if not build.get("commit") or not build.get("build_key"):
+    build = target.provenance().llama_cpp
+    if not build.commit or not build.build_key:
         raise ConfigError(f"{_name(target)}: the llama.cpp build (commit and build key) could not be read from "
                           "the host; a fan-out needs it to know every server runs the same build")
-    return str(build["commit"]), str(build["build_key"])
+    return build.commit, build.build_key
 
 
 def check_same_artifact(targets: Sequence[Target]) -> None:
@@ -54,8 +54,8 @@ def check_same_artifact(targets: Sequence[Target]) -> None:
         if _sha256(other) != digest:
             raise ConfigError(
                 f"refusing a fan-out over different artifacts: {_name(first)} serves "
-                f"{first.server.get('artifact')} (sha256 {digest[:12]}), {_name(other)} serves "
-                f"{other.server.get('artifact')} (sha256 {_sha256(other)[:12]})")
+                f"{first.artifact} (sha256 {digest[:12]}), {_name(other)} serves "
+                f"{other.artifact} (sha256 {_sha256(other)[:12]})")
         if _build(other) != build:
             raise ConfigError(
                 f"refusing a fan-out over different llama.cpp builds: {_name(first)} runs {build[0]} "
@@ -64,8 +64,8 @@ def check_same_artifact(targets: Sequence[Target]) -> None:
 
 @dataclass(frozen=True)
 class FanOut:
-    """Several checked targets as the runner's arguments: the first one's facts name the run (its host
-    is the results directory), every server's facts go into the record's ``fanout`` list."""
+    """Several checked targets as the runner's arguments: the first one's stamp names the run (its host
+    is the results directory), every server goes into the record's ``servers`` with its own GPU."""
 
     targets: tuple[Target, ...]
 

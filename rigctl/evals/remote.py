@@ -23,6 +23,7 @@ from rigctl.evals.runner import Options, task_stamp
 from rigctl.evals.target import Target
 from rigctl.evals.tasks import LoadedTask
 from rigctl.results.record import ANSWERS_FILE
+from rigctl.results.stamp import inventory_server, inventory_stamp
 from rigctl.results.store import ResultsStore, StoredRun, read_jsonl
 
 
@@ -39,16 +40,16 @@ def job_spec(task: LoadedTask, target: Target, options: Options, questions_file:
         "request": task.request, "n_probs": getattr(task.spec, "n_probs", None),
         "allow_template_without_tools": getattr(task.spec, "allow_template_without_tools", False),
     }
-    if target.artifacts:
-        params["artifact"] = {"name": target.artifacts[0]["name"], "path": target.artifacts[0]["path"]}
-    record = {
-        # Inventory names only: the job's runtime reads the server's argv as deployed on the host.
-        "servers": [{k: target.server.get(k) for k in ("name", "host", "profile", "port", "artifact")}],
-        "task": dataclasses.asdict(task_stamp(task)),
-        "seed": options.seed, "concurrency": options.concurrency,
-        "extra": {"thinking": options.thinking, "limit": limit, "timeout_s": options.timeout, "remote": True,
-                  **({"deviations": task.deviations} if task.deviations else {})},
-    }
+    host = target.inventory_host
+    assert host is not None and target.name
+    if target.artifact:
+        params["artifact"] = {"name": target.artifact, "path": host.artifact(target.artifact).path}
+    # The stamp as the inventory knows it: the job's runtime completes it on the host (the argv as deployed).
+    stamp = inventory_stamp(host, [inventory_server(host, target.name)], task=task_stamp(task), seed=options.seed,
+                            concurrency=options.concurrency)
+    record = {**dataclasses.asdict(stamp),
+              "extra": {"thinking": options.thinking, "limit": limit, "timeout_s": options.timeout, "remote": True,
+                        **({"deviations": task.deviations} if task.deviations else {})}}
     return jobs.JobSpec(kind="eval", task="eval_task", params=params, lock="gpu", record=record,
                         files={"questions.jsonl": questions_file},
                         max_runtime_s=int(options.timeout * max(1, len(task.questions))),

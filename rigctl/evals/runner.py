@@ -1,6 +1,7 @@
 """The async eval runner: N requests in flight, one JSON line per answer, resumable runs.
 
-``start_run`` makes the run directory and its record; ``execute`` asks every question not yet in
+``start`` makes the run directory and its record (:class:`rigctl.results.run.Run`) for one server or a
+checked fan-out, every command's one way to begin an eval run; ``execute`` asks every question not yet in
 ``answers.jsonl`` (so a resumed run answers each question exactly once), appending and flushing one line
 per answer as it completes, with the label of the server that gave it. Given several servers of one
 artifact and build (a fan-out), the questions wait in one queue and each server's N workers take the
@@ -25,18 +26,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rigctl.errors import ConfigError, EvalError, RigctlError, ServerError, UnreadableAnswer
+from rigctl.evals.fanout import FanOut
 from rigctl.evals.target import Target
 from rigctl.evals.tasks import LoadedTask, Question, load_task
 from rigctl.hostside import scorers
 from rigctl.hostside.scorers import summarise
 from rigctl.llama_http import DEFAULT_SEED, AsyncServerClient, Endpoint, Props, Retry, ServerClient, Timeouts
-from rigctl.results.record import ANSWERS_FILE, Artifact, Provenance, RunRecord, Server, Task, rigctl_version, utc_now
+from rigctl.results.record import ANSWERS_FILE, Provenance, Server, Task, rigctl_version
+from rigctl.results.run import Run
 from rigctl.results.stamp import with_props
 from rigctl.results.store import ResultsStore, read_jsonl
 from rigctl.trust import redact_argv
 
 if TYPE_CHECKING:
-    from rigctl.evals.target import Target
     from rigctl.inventory import Inventory
     from rigctl.results.store import StoredRun
 
@@ -174,28 +176,12 @@ def task_stamp(task: LoadedTask) -> Task:
 
 
 def target_stamp(targets: Sequence[Target]) -> Provenance:
-    """The stamp of a run against ``targets`` (one, or a fan-out's): for inventory servers, read from their
-    hosts as they run now (:func:`rigctl.results.stamp.collect_stamp`, the argv as deployed among it); for a
-    bare URL only its endpoint. A fan-out's first target gives the host, GPU, build and artifacts; each
-    server keeps its own GPU."""
-    from rigctl.results.stamp import collect_stamp, inventory_server
-    from rigctl.ssh import session
-
-    stamps = []
-    for target in targets:
-        host = target.inventory_host
-        if host is None or not target.server.get("name"):
-            stamps.append(Provenance(host=target.host, servers=[Server(endpoint=target.endpoint.url)]))
-            continue
-        name, artifact = str(target.server["name"]), target.server.get("artifact")
-        try:
-            with session(host) as ssh:
-                stamps.append(collect_stamp(host, ssh, [inventory_server(host, name)],
-                                            artifacts=[str(artifact)] if artifact else []))
-        except RigctlError as exc:  # the server may answer over HTTP while SSH does not: the record says so
-            log.warning("%s: provenance not read (the record names the server, no argv): %s", host.name, exc)
-            stamps.append(Provenance(host=target.host, servers=[inventory_server(host, name)],
-                                     artifacts=[Artifact(name=str(artifact))] if artifact else []))
+    """The stamp of a run against ``targets`` (one, or a fan-out's): each target's own
+    (:meth:`rigctl.evals.target.Target.provenance`, read from its host once). A fan-out's first target gives
+    the host, GPU, build and artifacts; each server keeps its own GPU."""
+    stamps = [copy.deepcopy(target.provenance()) for target in targets]
+    for note in (note for target in targets for note in target.notes):
+        log.warning("%s", note)
     first = stamps[0]
     if len(stamps) > 1:
         for stamp in stamps:
@@ -204,12 +190,26 @@ def target_stamp(targets: Sequence[Target]) -> Provenance:
     return first
 
 
+def start(task: LoadedTask, targets: Sequence[Target], store: ResultsStore, *, options: Options,
+          limit: int | None = None, artifact: str | None = None, extra: Mapping[str, Any] | None = None) -> Run:
+    """A new eval run of ``task`` against ``targets``: one server, or several serving the same artifact file
+    with the same build (a fan-out, checked: :class:`rigctl.evals.fanout.FanOut`), each of them serving
+    ``artifact`` when given. The run files under the first target's host."""
+    fanout = FanOut.of(targets)
+    if artifact is not None:
+        for target in fanout.targets:
+            if target.artifact != artifact:
+                raise ConfigError(f"{target.label} serves {target.artifact}, not {artifact}")
+    return start_run(task, fanout.endpoints, store, fanout.first.host, options=options, limit=limit,
+                     stamp=target_stamp(fanout.targets), extra=extra)
+
+
 def start_run(task: LoadedTask, endpoint: Endpoints, store: ResultsStore, host: str, *, options: Options,
               limit: int | None = None, stamp: Provenance | None = None,
-              extra: Mapping[str, Any] | None = None) -> tuple[Path, RunRecord]:
-    """A new run directory with its record (status running). ``stamp`` (:func:`target_stamp`) holds one
-    server per endpoint, in order; each gets what its ``/props`` says. Servers whose ``/props`` report
-    different builds are refused (a fan-out is one build)."""
+              extra: Mapping[str, Any] | None = None) -> Run:
+    """A new run directory with its record (status running, :meth:`rigctl.results.run.Run.create`). ``stamp``
+    (:func:`target_stamp`) holds one server per endpoint, in order; each gets what its ``/props`` says.
+    Servers whose ``/props`` report different builds are refused (a fan-out is one build)."""
     endpoints = endpoint_list(endpoint)
     props = [_props(e, options.retry) for e in endpoints]
     for other, other_props in zip(endpoints[1:], props[1:], strict=True):
@@ -223,15 +223,11 @@ def start_run(task: LoadedTask, endpoint: Endpoints, store: ResultsStore, host: 
     stamp.servers = [with_props(s, p, e) for s, p, e in zip(servers, props, endpoints, strict=False)]
     stamp.task = task_stamp(task)
     stamp.seed, stamp.concurrency, stamp.rigctl_version = options.seed, options.concurrency, rigctl_version()
-    record = RunRecord.begin(
-        "eval", stamp, host=host, commands=[" ".join(redact_argv(sys.argv))],
+    return Run.create(
+        "eval", stamp, store, host=host, commands=[" ".join(redact_argv(sys.argv))],
         extra={"thinking": options.thinking, "limit": limit, "timeout_s": options.timeout,
                **({"deviations": task.deviations} if task.deviations else {}),
                **({"template_carries_tools": tools} if tools else {}), **dict(extra or {})})
-    run_dir = store.run_dir(host, record.id)
-    run_dir.mkdir(parents=True, exist_ok=False)
-    record.save(run_dir)
-    return run_dir, record
 
 
 def _check_tools(task: LoadedTask, endpoint: Endpoint, props: Props, retry: Retry) -> bool:
@@ -268,7 +264,7 @@ def recorded_targets(run: StoredRun, inventory: Callable[[], Inventory], api_key
     return targets
 
 
-def resume_run(store: ResultsStore, ref: str, endpoint: Endpoints) -> tuple[Path, RunRecord, LoadedTask, Options]:
+def resume_run(store: ResultsStore, ref: str, endpoint: Endpoints) -> tuple[Run, LoadedTask, Options]:
     """Reopen a stopped run: same task file, same datasets, same model and build on every server, and
     (for a fan-out) only servers the run started with."""
     run = store.find(ref)
@@ -299,24 +295,21 @@ def resume_run(store: ResultsStore, ref: str, endpoint: Endpoints) -> tuple[Path
                 raise EvalError(f"run {run.id}: {current}'s {key} is now {now!r}, the run started with {was!r}")
     options = Options(concurrency=record.concurrency or DEFAULT_CONCURRENCY, seed=record.seed or DEFAULT_SEED,
                       thinking=bool(record.extra.get("thinking")), timeout=float(record.extra.get("timeout_s", 600)))
-    record.status = "running"
-    record.ended = None
-    record.extra.setdefault("resumed", []).append(utc_now())
-    record.save(run.path)
-    return run.path, record, task, options
+    return Run.reopen(run), task, options
 
 
 OnAnswer = Callable[[dict[str, Any], int, int], None]
 
 
-async def execute(task: LoadedTask, endpoint: Endpoints, run_dir: Path, record: RunRecord, options: Options,
+async def execute(task: LoadedTask, endpoint: Endpoints, run: Run, options: Options,
                   on_answer: OnAnswer | None = None) -> dict[str, Any]:
-    """Ask every question not yet answered in ``run_dir`` (``options.concurrency`` at a time per server;
-    several servers share one queue); seal the run and return its summary.
+    """Ask every question not yet answered in ``run``'s directory (``options.concurrency`` at a time per
+    server; several servers share one queue); seal the run and return its summary.
 
-    A request that still fails after its retries stops the run (status failed, answers kept for
-    ``resume``); so does Ctrl-C (status stopped)."""
-    answers_path = run_dir / ANSWERS_FILE
+    A request that still fails after its retries stops the run (status failed with the reason, answers kept
+    for ``resume``); so does Ctrl-C (status stopped)."""
+    record = run.record
+    answers_path = run.path / ANSWERS_FILE
     done = answered(answers_path)
     pending = [q for q in task.questions if (q.set, q.id) not in done]
     total = len(task.questions)
@@ -325,57 +318,53 @@ async def execute(task: LoadedTask, endpoint: Endpoints, run_dir: Path, record: 
     queue: asyncio.Queue[Question] = asyncio.Queue()
     for question in pending:
         queue.put_nowait(question)
-    status = "failed"
     endpoints = endpoint_list(endpoint)
-    try:
-        async with contextlib.AsyncExitStack() as stack:
-            clients = [await stack.enter_async_context(
-                AsyncServerClient(e, timeouts=Timeouts(read=options.timeout), retry=options.retry,
-                                  max_connections=options.concurrency)) for e in endpoints]
-            prepared = await _prepare(asker, clients)
-            if prepared:
-                record.extra.update(prepared)
-                record.save(run_dir)
-            with answers_path.open("a", encoding="utf-8") as out:
+    with run.sealing():
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                clients = [await stack.enter_async_context(
+                    AsyncServerClient(e, timeouts=Timeouts(read=options.timeout), retry=options.retry,
+                                      max_connections=options.concurrency)) for e in endpoints]
+                prepared = await _prepare(asker, clients)
+                if prepared:
+                    record.extra.update(prepared)
+                    run.save()
+                with answers_path.open("a", encoding="utf-8") as out:
 
-                async def worker(client: AsyncServerClient) -> None:
-                    nonlocal count
-                    while True:
-                        try:
-                            question = queue.get_nowait()
-                        except asyncio.QueueEmpty:
-                            return
-                        answer = await asker.ask(client, question)
-                        row = {"id": question.id, "set": question.set, "server": client.endpoint.label, **answer}
-                        out.write(json.dumps(row, ensure_ascii=False) + "\n")
-                        out.flush()
-                        count += 1
-                        if on_answer:
-                            on_answer(row, count, total)
+                    async def worker(client: AsyncServerClient) -> None:
+                        nonlocal count
+                        while True:
+                            try:
+                                question = queue.get_nowait()
+                            except asyncio.QueueEmpty:
+                                return
+                            answer = await asker.ask(client, question)
+                            row = {"id": question.id, "set": question.set, "server": client.endpoint.label,
+                                   **answer}
+                            out.write(json.dumps(row, ensure_ascii=False) + "\n")
+                            out.flush()
+                            count += 1
+                            if on_answer:
+                                on_answer(row, count, total)
 
-                per_server = max(1, min(options.concurrency, len(pending)))
-                workers = [asyncio.create_task(worker(c)) for c in clients for _ in range(per_server)]
-                try:
-                    await asyncio.gather(*workers)
-                finally:
-                    for pending_worker in workers:
-                        pending_worker.cancel()
-                    await asyncio.gather(*workers, return_exceptions=True)
-                    os.fsync(out.fileno())
-        status = "done"
-    except (KeyboardInterrupt, asyncio.CancelledError):
-        status = "stopped"
-        raise
-    except RigctlError as exc:
-        raise EvalError(f"run {record.id} stopped after {count} of {total} answers: {exc} "
-                        f"(continue with --resume {record.host}/{record.id})") from None
-    finally:
-        rows = read_jsonl(answers_path) if answers_path.is_file() else []
-        summary = summarise(rows, task.scorer)
-        record.extra["summary"] = summary
-        record.seal(run_dir, status=status if status == "done" and count == total else
-                    ("failed" if status == "done" else status))
-    return summary
+                    per_server = max(1, min(options.concurrency, len(pending)))
+                    workers = [asyncio.create_task(worker(c)) for c in clients for _ in range(per_server)]
+                    try:
+                        await asyncio.gather(*workers)
+                    finally:
+                        for pending_worker in workers:
+                            pending_worker.cancel()
+                        await asyncio.gather(*workers, return_exceptions=True)
+                        os.fsync(out.fileno())
+        except RigctlError as exc:
+            raise EvalError(f"run {record.id} stopped after {count} of {total} answers: {exc} "
+                            f"(continue with --resume {run.ref})") from None
+        finally:
+            rows = read_jsonl(answers_path) if answers_path.is_file() else []
+            record.extra["summary"] = summarise(rows, task.scorer)
+        if count != total:
+            raise EvalError(f"run {record.id}: {count} answers for {total} questions")
+    return record.extra["summary"]
 
 
 async def _prepare(asker: _Asker, clients: Sequence[AsyncServerClient]) -> dict[str, Any]:
@@ -390,7 +379,7 @@ async def _prepare(asker: _Asker, clients: Sequence[AsyncServerClient]) -> dict[
     return prepared[0]
 
 
-def run(task: LoadedTask, endpoint: Endpoints, run_dir: Path, record: RunRecord, options: Options,
+def run(task: LoadedTask, endpoint: Endpoints, run: Run, options: Options,
         on_answer: OnAnswer | None = None) -> dict[str, Any]:
     """``execute`` from synchronous code."""
-    return asyncio.run(execute(task, endpoint, run_dir, record, options, on_answer))
+    return asyncio.run(execute(task, endpoint, run, options, on_answer))

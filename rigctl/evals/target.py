@@ -1,81 +1,99 @@
-"""What an eval runs against: an inventory server (with its provenance) or a bare OpenAI-compatible URL."""
+"""What an eval runs against: an inventory server (with its provenance stamp) or a bare OpenAI-compatible URL.
+
+An inventory server's provenance is the one run stamp (:func:`rigctl.results.stamp.collect_stamp`: the
+artifact's sha256 from its manifest, the llama.cpp build, the argv as deployed, the GPU), read from its host
+once, when the target is made: what a fan-out checks its servers against and what the run's record keeps.
+"""
 
 from __future__ import annotations
 
-import logging
 import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
 from rigctl.errors import RigctlError
-from rigctl.inventory import Artifact, Host, Server
+from rigctl.inventory import Host, Server
 from rigctl.llama_http import Endpoint
-
-log = logging.getLogger(__name__)
+from rigctl.results.record import Artifact, Provenance
+from rigctl.results.record import Server as ServerRecord
 
 
 @dataclass
 class Target:
-    """Where answers come from, and the facts a run record keeps about it."""
+    """Where answers come from, and what the run's record keeps about it."""
 
     host: str  # the results tree's host directory
     endpoint: Endpoint
-    server: dict[str, Any] = field(default_factory=dict)  # name, host, profile, flags, port, artifact
-    artifacts: list[dict[str, Any]] = field(default_factory=list)
-    gpu: dict[str, Any] = field(default_factory=dict)
-    llama_cpp: dict[str, Any] = field(default_factory=dict)
+    name: str | None = None  # the llama_server instance; None for a bare URL
+    artifact: str | None = None
+    stamp: Provenance | None = None  # read from the host (inventory servers), or the endpoint alone
     inventory_host: Host | None = None
     inventory_server: Server | None = None
+    #: What the host could not read for the stamp (a server not running has no argv): said when a run
+    #: starts with it (:func:`rigctl.evals.runner.target_stamp`), not when a fan-out is refused.
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return f"{self.host}/{self.name or '?'}"
+
+    @property
+    def flags(self) -> dict[str, Any]:
+        """The profile as the host serves it (extends chain and host overrides), and the GPU pin."""
+        served = self.inventory_server
+        if served is None:
+            return {}
+        flags = dict(served.profile.settings)
+        if served.gpu is not None:
+            flags["gpu"] = served.gpu
+        return flags
+
+    def provenance(self) -> Provenance:
+        """The target's stamp: read from its host now when it was not (:func:`read_stamp`), the endpoint's
+        alone for a bare URL."""
+        if self.stamp is None:
+            self.stamp = read_stamp(self)
+        return self.stamp
+
+
+def read_stamp(target: Target) -> Provenance:
+    """``target``'s stamp read from its host as its server runs now (one SSH round trip). A host that cannot
+    be read over SSH (the server may answer over HTTP while SSH does not) is logged, and the stamp names
+    the server and artifact from the inventory, without what the host would have said."""
+    from rigctl.results.stamp import collect_stamp, inventory_server
+    from rigctl.ssh import session
+
+    host = target.inventory_host
+    if host is None or not target.name:
+        return Provenance(host=target.host, servers=[ServerRecord(endpoint=target.endpoint.url)])
+    artifacts = [target.artifact] if target.artifact else []
+    try:
+        with session(host) as ssh:
+            return collect_stamp(host, ssh, [inventory_server(host, target.name)], artifacts=artifacts,
+                                 notes=target.notes)
+    except RigctlError as exc:
+        target.notes.append(f"{host.name}: provenance not read (the record names the server, no argv): {exc}")
+        return Provenance(host=target.host, servers=[inventory_server(host, target.name)],
+                          artifacts=[Artifact(name=name) for name in artifacts])
 
 
 def inventory_target(host: Host, server: str, *, url: str | None = None, api_key: str | None = None,
                      facts: bool = True) -> Target:
-    """An inventory server: endpoint and key from the inventory (``url``/``api_key`` override them), the
-    profile as the host serves it (extends chain and host overrides) as the server's flags, and with
-    ``facts`` the model's manifest and the llama.cpp build read from the host over SSH (a host that cannot
-    be read is logged and left out)."""
+    """An inventory server: endpoint and key from the inventory (``url``/``api_key`` override them), and with
+    ``facts`` its stamp read from the host now (:func:`read_stamp`; else when the run needs it)."""
     served = host.server(server)
     endpoint = served.endpoint
     if url or api_key:
         endpoint = Endpoint(url or endpoint.url, api_key or endpoint.api_key, f"{host.name}/{server}")
-    flags = dict(served.profile.settings)
-    if served.gpu is not None:
-        flags["gpu"] = served.gpu
-    target = Target(host=host.name, endpoint=endpoint, inventory_host=host, inventory_server=served,
-                    server={"name": server, "host": host.name, "profile": served.profile.name, "flags": flags,
-                            "port": served.port, "artifact": served.artifact})
-    gpu = host.gpu
-    if gpu:
-        target.gpu = {"name": gpu.name, "vram_mib": gpu.vram_mib, "compute_capability": gpu.compute_capability}
+    target = Target(host=host.name, endpoint=endpoint, name=server, artifact=served.artifact, inventory_host=host,
+                    inventory_server=served)
     if facts:
-        _read_facts(target, host, served.model)
+        target.provenance()
     return target
-
-
-def _read_facts(target: Target, host: Host, artifact: Artifact) -> None:
-    from rigctl.fleet.build import read_builds
-    from rigctl.fleet.models import inspect_host
-
-    try:
-        statuses = {s.artifact: s for s in inspect_host(host, rehash=False)}
-        status = statuses.get(artifact.name)
-        manifest = status.manifest if status else None
-        target.artifacts = [{"name": artifact.name, "path": artifact.path,
-                             "sha256": manifest.sha256 if manifest else None,
-                             "manifest": manifest.raw if manifest else None}]
-    except RigctlError as exc:
-        log.warning("%s: model manifest not read: %s", host.name, exc)
-    try:
-        current = read_builds(host).current
-        if current:
-            target.llama_cpp = {"name": current.name, "commit": current.commit, "version": current.version,
-                                "build_key": current.key, "cuda": current.cuda}
-    except RigctlError as exc:
-        log.warning("%s: llama.cpp build fact not read: %s", host.name, exc)
 
 
 def url_target(url: str, *, api_key: str | None = None, host: str | None = None) -> Target:
     """Any OpenAI-compatible endpoint; results file under ``host`` (default: the URL's host name)."""
     endpoint = Endpoint(url, api_key)
     label = host or urllib.parse.urlparse(endpoint.url).hostname or "url"
-    return Target(host=label, endpoint=endpoint, server={"url": endpoint.url})
+    return Target(host=label, endpoint=endpoint)

@@ -299,18 +299,20 @@ def run(job: Any) -> None:
     threshold = cooldown.get("threshold_c")
     min_fraction = float(clocks.get("min_sm_fraction", 0.8))
     cells = plan_cells(models, int(p.get("rounds", 1)), p.get("order", "alternate"))
-    job.record["matrix"] = {**matrix, "rounds": p.get("rounds", 1), "order": p.get("order", "alternate"),
+    job.record.matrix = {**matrix, "rounds": p.get("rounds", 1), "order": p.get("order", "alternate"),
                             "cooldown": cooldown, "clocks": clocks, "cells": len(cells)}
     if p.get("bandwidth_gbs") is not None:
-        job.record["gpu"]["bandwidth_gbs"] = p["bandwidth_gbs"]
+        job.record.gpu.bandwidth_gbs = p["bandwidth_gbs"]
     job.progress(0, len(cells), "hashing the model files")
     unique = {m["name"]: m["path"] for m in models}  # one model may be benched with several builds
-    job.record["artifacts"] = [{**job.artifact(name, path), "gguf": gguf_shape(path)} for name, path in unique.items()]
+    job.record.artifacts = [job.artifact(name, path) for name, path in unique.items()]
+    for artifact in job.record.artifacts:
+        artifact.gguf = gguf_shape(artifact.path)
     job.save_record()
     raw_dir = job.run_dir / "llama-bench"
     raw_dir.mkdir(parents=True, exist_ok=True)
     gpu = GpuReader(job)
-    job.record["extra"].setdefault("servers_stopped", [])
+    job.record.extra.setdefault("servers_stopped", [])
     for index, (round_no, model) in enumerate(cells, 1):
         name = model["name"]
         job.progress(index - 1, len(cells), f"cell {index}/{len(cells)} {name}: cooling down")
@@ -329,7 +331,7 @@ def run(job: Any) -> None:
         verdict = throttle_verdict(poller.readings, min_fraction)
         temps = [r["temp_c"] for r in poller.readings if r.get("temp_c") is not None]
         line = {"index": index, "round": round_no, "artifact": name, "path": model["path"],
-                "command": job.record["commands"][-1], "started": started, "ended": ended, "cooldown": wait,
+                "command": job.record.commands[-1], "started": started, "ended": ended, "cooldown": wait,
                 "llama_bench_s": llama_bench_s,
                 "temp_start_c": wait["readings"][-1] if wait["readings"] else None,
                 "temp_end_c": temps[-1] if temps else None,

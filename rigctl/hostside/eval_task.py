@@ -97,13 +97,15 @@ def run(job: Any) -> None:
         carries, how = scorers.tool_support(raw_props, lambda body: server.call("POST", "/apply-template", body))
         if not carries and not params.get("allow_template_without_tools"):
             raise job.TaskError(scorers.no_tools_problem(params["task_name"], how))
-        job.record["extra"]["template_carries_tools"] = [carries]
+        job.record.extra["template_carries_tools"] = [carries]
     # The runtime put the server (its argv as deployed among it) in the record; /props adds the rest.
-    job.record["servers"][0].update(endpoint=server.base,
-                                    **{k: props[k] for k in ("build_info", "model_path", "total_slots", "n_ctx")})
+    served = job.record.servers[0]
+    served.endpoint = server.base
+    served.build_info, served.model_path = props["build_info"], props["model_path"]
+    served.total_slots, served.n_ctx = props["total_slots"], props["n_ctx"]
     artifact = params.get("artifact")
     if artifact:
-        job.record["artifacts"] = [job.artifact(artifact["name"], artifact["path"])]
+        job.record.artifacts = [job.artifact(artifact["name"], artifact["path"])]
     seed, thinking = int(params["seed"]), bool(params["thinking"])
     tokens: dict[str, dict[str, Any]] = {}
     if scorer == "choice":
@@ -115,7 +117,7 @@ def run(job: Any) -> None:
             clash = scorers.clashing_labels(labels, tokens)
             if clash:
                 raise job.TaskError(f"set {set_name}: labels {clash[0]!r} and {clash[1]!r} share their first token")
-        job.record["extra"]["label_tokens"] = tokens
+        job.record.extra["label_tokens"] = tokens
     job.save_record()
 
     def answer(path: str, body: Any) -> Any:
@@ -163,4 +165,4 @@ def run(job: Any) -> None:
         finally:
             for future in futures:
                 future.cancel()
-    job.record["extra"]["summary"] = scorers.summarise(rows, scorer)
+    job.record.extra["summary"] = scorers.summarise(rows, scorer)

@@ -26,6 +26,7 @@ command one round trip that prints one JSON document:
 from __future__ import annotations
 
 import base64
+import dataclasses
 import fcntl
 import grp
 import json
@@ -50,6 +51,7 @@ from rigctl.hostside.jobfiles import (
     sandboxed,
     unit_active,
 )
+from rigctl.hostside.runrecord import Server
 from rigctl.hostside.sandbox import run_options
 
 PROGRESS_KEYS = ("state", "done", "total", "message")
@@ -137,16 +139,12 @@ def stop_servers(spec: dict[str, Any]) -> dict[str, Any]:
     starts again)."""
     record = spec.setdefault("record", {})
     names = stamp.active_servers()
-    servers = []
-    for name in names:
-        server = {"name": name, "host": spec["host"], "unit": stamp.SERVER_UNIT.format(name)}
-        found = stamp.deployed(server["unit"])
-        if found["argv"]:
-            server.update(argv=found["argv"], argv_from=found["argv_from"], pid=found["pid"])
-        servers.append(server)
-    record["servers"] = servers
+    servers = [Server(name=name, host=spec["host"]) for name in names]
+    for server in servers:
+        stamp.deployed_server(server)  # one it cannot read is read again by the job, and noted there
+    record["servers"] = [dataclasses.asdict(s) for s in servers]
     record.setdefault("extra", {})["servers_stopped"] = names
-    spec["stop_units"] = [s["unit"] for s in servers]
+    spec["stop_units"] = [s.unit for s in servers]
     return spec
 
 

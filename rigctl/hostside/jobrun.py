@@ -16,11 +16,12 @@ and ``output.log``, stdout and stderr of the unit (systemd appends; also in the 
 writes ``.state.json`` (progress: state running|done|failed|stopped|lost, done/total, message, run_dir,
 error) in the run directory.
 
-The run directory ``<results_dir>/<host>/<id>/`` gets ``run.json`` (the run record, the layout of
-:class:`rigctl.results.record.RunRecord`) as soon as the job starts (status ``running``) and again, sealed
-with every raw file's sha256, when it ends. Host facts, the GPU (from ``nvidia-smi``), the
-llama.cpp build (from the llama_cpp role's fact file) and each server's argv as deployed (its unit's
-main process, by :mod:`rigctl.hostside.stamp`) are filled in before the task runs.
+The run directory ``<results_dir>/<host>/<id>/`` gets ``run.json`` (the run record,
+:class:`rigctl.hostside.runrecord.RunRecord`) as soon as the job starts (status ``running``) and again,
+sealed with every raw file's sha256, when it ends. The spec's ``record`` holds its first fields, the stamp as
+the controller knows it from the inventory among them; before the task runs, the stamp is completed here by
+the one builder, :func:`rigctl.hostside.stamp.complete` (the GPU, the llama.cpp build, each server's argv as
+deployed), and host facts are added.
 
 On SIGTERM (``systemctl stop``, RuntimeMaxSec) the running child is terminated, the task's
 ``finally`` blocks run and the run is sealed as ``stopped``.
@@ -41,7 +42,6 @@ write; it refuses while the unit is active.
 
 from __future__ import annotations
 
-import configparser
 import contextlib
 import errno
 import importlib.util
@@ -53,12 +53,12 @@ import socket
 import subprocess
 import sys
 import traceback
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from rigctl.hostside import jobfiles, llama_cpp_fact, model_files, stamp
-from rigctl.hostside.model_files import file_sha256
+from rigctl.hostside import jobfiles, stamp, units
+from rigctl.hostside.model_files import file_sha256, identity
+from rigctl.hostside.runrecord import RUN_FILE, Artifact, RunRecord, RunStatus, utc_now, write_json_atomically
 
 #: Space set aside in the run directory when the job starts and freed to seal it: a disk that fills up
 #: mid-run still gets its sealed record saying why, instead of a run left "running" (then "lost").
@@ -66,9 +66,6 @@ RESERVE_FILE = ".reserve"
 RESERVE_BYTES = 1 << 20
 #: Less free space than this after a failure: the failure is (most likely) the disk being full.
 DISK_FULL_BYTES = 16 << 20
-RUN_FILE = "run.json"
-#: :data:`rigctl.results.record.RECORD_VERSION` of the records this runtime writes.
-RECORD_VERSION = 2
 #: sha256 of model files by path and file identity, beside the jobs directory.
 HASH_CACHE_FILE = "sha256-cache.json"
 SPEC_FILE = jobfiles.SPEC_FILE
@@ -98,16 +95,6 @@ def describe_os_error(exc: OSError) -> str:
     if exc.errno == errno.ENOSPC:
         return f"disk full: {where}no space left on device"
     return f"{where}{exc.strerror or exc}"
-
-
-def utc_now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def write_json_atomically(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
 
 
 def host_facts() -> dict[str, Any]:
@@ -145,18 +132,13 @@ class Job:
         self.params: dict[str, Any] = self.spec.get("params") or {}
         self.run_dir = Path(jobfiles.run_dir(self.spec))
         self.state_file = Path(jobfiles.state_path(self.spec))
-        self.record: dict[str, Any] = {
-            "id": self.id, "kind": self.spec["kind"], "host": self.spec["host"], "started": utc_now(),
-            "version": RECORD_VERSION, "ended": None, "status": "running", "gpu": {}, "llama_cpp": {},
-            "servers": [], "artifacts": [],
-            "task": None, "matrix": None, "seed": None, "concurrency": None, "commands": [],
-            "rigctl_version": self.spec.get("rigctl_version", ""), "files": [], "extra": {},
-        }
-        self.record.update(self.spec.get("record") or {})
+        self.record = RunRecord.from_plain({
+            "rigctl_version": self.spec.get("rigctl_version", ""), **(self.spec.get("record") or {}),
+            "id": self.id, "kind": self.spec["kind"], "host": self.spec["host"], "started": utc_now()})
         self._state: dict[str, Any] = {
             "id": self.id, "kind": self.spec["kind"], "host": self.spec["host"], "unit": self.spec["unit"],
             "state": "running", "done": 0, "total": 0, "message": "starting", "run_dir": str(self.run_dir),
-            "started": self.record["started"], "updated": self.record["started"], "ended": None, "error": None,
+            "started": self.record.started, "updated": self.record.started, "ended": None, "error": None,
         }
         self._child: subprocess.Popen[bytes] | None = None
         self.stopping = False
@@ -176,26 +158,16 @@ class Job:
         print(f"{utc_now()} {message}", flush=True)
 
     def save_record(self) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        write_json_atomically(self.run_dir / RUN_FILE, self.record)
+        self.record.save(self.run_dir)
 
     def reserve_space(self) -> None:
         with contextlib.suppress(OSError), open(self.run_dir / RESERVE_FILE, "wb") as handle:
             handle.write(b"\0" * RESERVE_BYTES)
 
-    def seal(self, status: str, error: str | None) -> None:
+    def seal(self, status: RunStatus, error: str | None) -> None:
         (self.run_dir / RESERVE_FILE).unlink(missing_ok=True)
-        self.record["files"] = [
-            {"path": str(p.relative_to(self.run_dir)), "sha256": file_sha256(p), "bytes": p.stat().st_size}
-            for p in sorted(self.run_dir.rglob("*"))
-            if p.is_file() and p.name != RUN_FILE and not p.name.startswith(".")
-        ]
-        self.record["status"] = status
-        self.record["ended"] = utc_now()
-        if error:
-            self.record["extra"]["error"] = error
-        self.save_record()
-        self._state.update(state=status, ended=self.record["ended"], updated=self.record["ended"], error=error)
+        self.record.seal(self.run_dir, status, error)
+        self._state.update(state=status, ended=self.record.ended, updated=self.record.ended, error=error)
         if status == "done":
             self._state["done"] = self._state["total"]
             self._state["message"] = "done"
@@ -211,7 +183,7 @@ class Job:
         if self.stopping:
             raise Stopped()
         if record:
-            self.record["commands"].append(shlex.join(argv))
+            self.record.commands.append(shlex.join(argv))
         out = open(stdout, "wb") if stdout else subprocess.PIPE  # noqa: SIM115 (closed below)
         err = open(stderr, "wb") if stderr else subprocess.PIPE  # noqa: SIM115
         try:
@@ -236,50 +208,27 @@ class Job:
         """``nvidia-smi --query-gpu=FIELDS`` (csv, no header, no units); None without nvidia-smi."""
         return stamp.gpu_query(fields)
 
-    def artifact(self, name: str, path: str) -> dict[str, Any]:
-        """A model file as the run record lists it: name, path, sha256, bytes, manifest. The sha256 is
-        hashed now, or taken from the host's hash cache when the file's identity (device, inode, size,
-        mtime and ctime, which no write or rename leaves as they were) is the one it was hashed with;
+    def artifact(self, name: str, path: str) -> Artifact:
+        """A model file as the run record lists it (:func:`rigctl.hostside.stamp.artifact`), its sha256
+        hashed now, or taken from the host's hash cache when the file's identity (device, inode, size, mtime
+        and ctime, which no write or rename leaves as they were) is the one it was hashed with;
         ``sha256_from`` says which."""
         if not os.path.isfile(path):
             raise TaskError(f"artifact {name}: {path} does not exist on {self.spec['host']}")
-        digest, source = self._cached_sha256(path)
-        entry: dict[str, Any] = {"name": name, "path": path, "sha256": digest, "sha256_from": source,
-                                 "bytes": os.path.getsize(path), "manifest": None}
-        try:
-            entry["manifest"] = json.loads(model_files.read_manifest(path) or "")
-        except ValueError:
-            self.log(f"artifact {name}: no readable manifest beside {path}")
+        entry, note = stamp.artifact(name, path, lambda p: cached_sha256(hash_cache_path(self.spec), p))
+        if note:
+            self.log(f"artifact {name}: {note}")
         return entry
 
-    def _cached_sha256(self, path: str) -> tuple[str, str]:
-        return cached_sha256(hash_cache_path(self.spec), path)
-
     def collect_facts(self) -> None:
-        """Host, GPU, llama.cpp build and the servers' argv as deployed: the servers the spec's record
-        names (an eval's), else every llama-server running now (what a bench found, and stops)."""
-        self.record["extra"]["host_facts"] = host_facts()
-        servers = self.record["servers"] or [{"name": name, "host": self.spec["host"]}
-                                             for name in stamp.active_servers()]
-        for server in servers:
-            server.setdefault("unit", stamp.SERVER_UNIT.format(server["name"]))
-            if server.get("argv"):  # stamped as root at the start, before the job stopped it
-                continue
-            found = stamp.deployed(server["unit"])
-            if found["argv"]:
-                server.update(argv=found["argv"], argv_from=found["argv_from"], pid=found["pid"])
-            else:
-                self.log(f"no deployed argv for {server['unit']}: {found.get('error')}")
-        self.record["servers"] = servers
-        gpu = self.gpu_query(stamp.GPU_FIELDS)
-        if gpu:
-            self.record["gpu"] = stamp.parse_gpu_query(gpu)
-        try:
-            current = llama_cpp_fact.parse_builds(Path(llama_cpp_fact.FACT_PATH).read_text())["current"]
-        except (OSError, ValueError, configparser.Error) as exc:
-            self.log(f"no llama.cpp fact: {exc}")
-        else:
-            self.record["llama_cpp"] = llama_cpp_fact.record_fields(current) if current else {}
+        """The stamp completed on this host (:func:`rigctl.hostside.stamp.complete`) and host facts: the
+        servers the spec's record names (an eval's), else every llama-server running now (what a bench
+        found, and stops; stamped as root at the start, before the job stopped them)."""
+        self.record.extra["host_facts"] = host_facts()
+        completed, notes = stamp.complete(self.record.provenance, running_servers=not self.record.servers)
+        self.record.restamp(completed)
+        for note in notes:
+            self.log(note)
 
     # ------------------------------------------------------------------ stopping
 
@@ -298,27 +247,18 @@ def hash_cache_path(spec: dict[str, Any]) -> Path:
 def cached_sha256(cache_path: Path, path: str) -> tuple[str, str]:
     """``path``'s sha256 and where it came from: the cache when the file's identity is the one it was hashed
     with, else hashed now (and kept in the cache, where the caller may write it)."""
-    identity = model_files.identity(path)
+    identity_now = identity(path)
     cache = jobfiles.read_json(str(cache_path))
     hit = cache.get(path) if isinstance(cache, dict) else None
-    if isinstance(hit, dict) and hit.get("identity") == identity and isinstance(hit.get("sha256"), str):
+    if isinstance(hit, dict) and hit.get("identity") == identity_now and isinstance(hit.get("sha256"), str):
         return hit["sha256"], f"cache (hashed {hit.get('hashed', '?')}, file unchanged since)"
     digest = file_sha256(path)
     if not isinstance(cache, dict):
         cache = {}
-    cache[path] = {"identity": identity, "sha256": digest, "hashed": utc_now()}
+    cache[path] = {"identity": identity_now, "sha256": digest, "hashed": utc_now()}
     with contextlib.suppress(OSError):  # read-only to a job: hashed now, again next time
         write_json_atomically(cache_path, cache)
     return digest, "hashed now"
-
-
-def _systemctl(*args: str) -> str | None:
-    """``systemctl ARGS``; None when it worked, else its one-line complaint."""
-    try:
-        done = subprocess.run(["systemctl", *args], capture_output=True, text=True, timeout=300, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return str(exc)
-    return None if done.returncode == 0 else (done.stderr.strip() or f"exit {done.returncode}")
 
 
 def prepare(job_dir: Path) -> int:
@@ -332,7 +272,7 @@ def prepare(job_dir: Path) -> int:
             print(f"{utc_now()} {path}: sha256 {digest} ({source})", flush=True)
     for unit in spec.get("stop_units") or []:
         print(f"{utc_now()} stopping {unit} for the job", flush=True)
-        problem = _systemctl("stop", unit)
+        problem = units.run("stop", [unit])
         if problem:
             error = f"cannot stop {unit}: {problem}"
             print(f"{utc_now()} {error}", flush=True)
@@ -348,9 +288,7 @@ def finish(job_dir: Path) -> int:
     problems = []
     for unit in spec.get("stop_units") or []:
         print(f"{utc_now()} starting {unit} again", flush=True)
-        # Not a crash loop: clear the unit's start-limit counter, which counts every start.
-        _systemctl("reset-failed", unit)
-        problem = _systemctl("start", unit)
+        problem = units.run("start", [unit])
         if problem:
             problems.append(f"{unit}: {problem}")
             print(f"{utc_now()} cannot start {unit}: {problem}", flush=True)
@@ -411,13 +349,15 @@ def seal_lost(job_dir: Path) -> int:
         print(f"job {job.id}: unit {job.spec['unit']} is still active", file=sys.stderr)
         return 1
     # A file the unit died before writing leaves the fresh one standing.
-    for path, into in ((job.run_dir / RUN_FILE, job.record), (job.state_file, job._state)):
-        found = jobfiles.read_json(str(path))
-        if isinstance(found, dict):
-            into.update(found)
-    if job.record["status"] == "running":
+    found = jobfiles.read_json(str(job.run_dir / RUN_FILE))
+    if isinstance(found, dict):
+        job.record = RunRecord.from_plain(found)
+    state = jobfiles.read_json(str(job.state_file))
+    if isinstance(state, dict):
+        job._state.update(state)
+    if job.record.status == "running":
         job.seal("lost", LOST_ERROR)
-    print(json.dumps(job.record))
+    print(json.dumps(job.record.to_dict()))
     return 0
 
 

@@ -11,7 +11,12 @@ link every number to the file it came from. Eval runs write one JSON line per qu
 ``answers.jsonl`` (``ANSWERS_FILE``) with at least the keys ``id``, ``set``, ``score`` (0/1 or a float)
 and ``cutoff``; scorers add their own keys.
 
-* :mod:`.record`: the typed record and its provenance stamp, and the reading of older records.
-* :mod:`.stamp`: collecting the stamp from a host (the server's argv as deployed among it).
+* :mod:`.record`: the typed record and its provenance stamp (the shape is
+  :mod:`rigctl.hostside.runrecord`'s, which jobs build on the host), read as untrusted input, and the
+  reading of older records.
+* :mod:`.stamp`: the stamp as the inventory knows it, completed by the host's one builder
+  (:mod:`rigctl.hostside.stamp`: the server's argv as deployed among it) over SSH.
+* :mod:`.run`: a run's lifecycle, :func:`rigctl.results.run.open_run`: the directory at once, the seal
+  however the run ends (where a new run kind starts).
 * :mod:`.store`: the controller's tree of runs.
 """

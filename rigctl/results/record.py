@@ -1,9 +1,10 @@
-"""The run record (``run.json``): one typed shape for every run kind, with one provenance stamp.
+"""The run record (``run.json``) as the controller reads it: one typed shape for every run kind, with one
+provenance stamp.
 
-A record is an outcome (id, kind, status, times, commands, raw files, the kind's ``extra``) plus a
-:class:`Provenance` — what ran, where: the host, its GPU, the llama.cpp build (the host's fact), the
-artifacts (sha256 and manifest), every server with the argv *as deployed* (read from the host, see
-:mod:`rigctl.hostside.stamp`), the task or the matrix, seed, concurrency and rigctl's version.
+The shape is :mod:`rigctl.hostside.runrecord`'s (standard library only, so jobs build the same classes on
+the host); this module re-exports it and adds what only the controller does: reading records from files and
+hosts as untrusted input (:meth:`RunRecord.from_dict`: bounded JSON, every type checked) and reading older
+records.
 
 Records carry ``version`` (:data:`RECORD_VERSION`). Records written before it (version 1: no ``version``
 key, ``server`` a dict of one of four shapes, ``gpu``/``llama_cpp``/``task`` free dicts) still load:
@@ -13,25 +14,41 @@ key, ``server`` a dict of one of four shapes, ``gpu``/``llama_cpp``/``task`` fre
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import re
-import secrets
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from rigctl.errors import ConfigError
-from rigctl.files import write_atomically
+from rigctl.hostside import runrecord
+from rigctl.hostside.model_files import file_sha256
+from rigctl.hostside.runrecord import (
+    ANSWERS_FILE,
+    CTX_FLAGS,
+    PROVENANCE_FIELDS,
+    RECORD_VERSION,
+    RUN_FILE,
+    RUN_ID,
+    RUN_KINDS,
+    Artifact,
+    Gpu,
+    LlamaCppBuild,
+    Provenance,
+    RawFile,
+    RunKind,
+    RunStatus,
+    Server,
+    Task,
+    flag_value,
+    new_run_id,
+    utc_now,
+)
 
-RUN_FILE = "run.json"
-ANSWERS_FILE = "answers.jsonl"
-RECORD_VERSION = 2
-RunKind = Literal["bench", "eval", "spec", "server-speed", "load", "upgrade", "bisect"]
-RunStatus = Literal["running", "done", "failed", "stopped", "lost"]
-CTX_FLAGS = ("-c", "--ctx-size")
-_CHUNK = 1 << 20
+__all__ = ["ANSWERS_FILE", "CTX_FLAGS", "DEFERRED_DEPTH", "JSON_DEPTH", "PROVENANCE_FIELDS", "RECORD_VERSION",
+           "RUN_FILE", "RUN_ID", "RUN_KINDS", "Artifact", "Gpu", "LlamaCppBuild", "Provenance", "RawFile",
+           "RunKind", "RunRecord", "RunStatus", "Server", "Task", "check_json", "file_sha256", "flag_value",
+           "new_run_id", "parse_json", "rigctl_version", "upgrade", "utc_now"]
+
 #: Deepest nesting read from a record, a JSONL row or a host's answer: records nest a few levels, and what
 #: walks them afterwards (pydantic, dataclasses.asdict, json.dumps, rich) recurses once or more per level.
 JSON_DEPTH = 64
@@ -51,40 +68,6 @@ def rigctl_version() -> str:
         return metadata.version("rigctl")
     except metadata.PackageNotFoundError:
         return ""
-
-
-def utc_now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def new_run_id(kind: str) -> str:
-    """Sortable by start time, unique without coordination: ``eval-20261130T051200Z-3f9a``."""
-    return f"{kind}-{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}-{secrets.token_hex(2)}"
-
-
-# The shape new_run_id makes; a run id from anywhere else (a rig's listing, a record) must have it.
-RUN_ID = re.compile(r"^(bench|eval|spec|server-speed|load)-[0-9]{8}T[0-9]{6}Z-[0-9a-f]{4}$")
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def flag_value(argv: list[str], names: tuple[str, ...]) -> str | None:
-    """The value of the last of ``names`` in ``argv`` (``-c 4096`` or ``--ctx-size=4096``), as llama.cpp's
-    parser takes it."""
-    value = None
-    for i, arg in enumerate(argv):
-        name, eq, rest = arg.partition("=")
-        if arg in names and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif eq and name in names:
-            value = rest
-    return value
 
 
 def parse_json(text: str, origin: str, *, deferred: bool = False) -> Any:
@@ -174,154 +157,9 @@ def check_json(value: Any, origin: str) -> None:
                 raise ConfigError(f"{origin}: an integer of {child.bit_length()} bits (at most 64 are read)")
 
 
-@dataclass
-class RawFile:
-    path: str  # relative to the run directory
-    sha256: str
-    bytes: int
-
-
-@dataclass
-class Gpu:
-    name: str | None = None
-    driver: str | None = None
-    vram_mib: int | None = None
-    compute_capability: str | None = None
-    bandwidth_gbs: float | None = None  # the inventory's figure, for bandwidth bounds
-
-
-@dataclass
-class LlamaCppBuild:
-    """The build ``current`` points to, as the llama_cpp role's fact says."""
-
-    name: str = ""
-    dir: str = ""
-    commit: str = ""
-    version: str = ""
-    build_key: str = ""
-    build_number: int = 0
-    cuda: bool = False
-    binaries: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def label(self) -> str:
-        return self.commit or self.version
-
-
-@dataclass
-class Artifact:
-    name: str
-    path: str | None = None
-    sha256: str | None = None
-    sha256_from: str | None = None  # "manifest", "hashed now", "cache (...)"
-    bytes: int | None = None
-    manifest: dict[str, Any] | None = None
-    gguf: dict[str, Any] | None = None  # architecture and attention shape (bench)
-
-
-@dataclass
-class Server:
-    """One llama-server a run talked to (or, for a bench, found running): inventory names, what its
-    ``/props`` said, and its argv as deployed."""
-
-    name: str | None = None  # the llama_server instance; None for a bare URL
-    host: str | None = None
-    unit: str | None = None  # llama-server@<name>.service, or the probe's transient unit
-    argv: list[str] = field(default_factory=list)  # as deployed; secrets masked
-    argv_from: str | None = None  # /proc/<pid>/cmdline it was read from; None: not read
-    pid: int | None = None
-    profile: str | None = None
-    artifact: str | None = None
-    port: int | None = None
-    endpoint: str | None = None
-    label: str | None = None
-    build_info: str | None = None
-    model_path: str | None = None
-    n_ctx: int | None = None  # per slot, as /props says
-    total_slots: int | None = None
-    draft: dict[str, Any] | None = None  # the profile's spec block (drafting races)
-    gpu: Gpu | None = None  # a fan-out's member on another host
-
-    @property
-    def ctx_size(self) -> int | None:
-        """``-c`` as deployed (the whole context, all slots)."""
-        value = flag_value(self.argv, CTX_FLAGS)
-        return int(value) if value and value.isdigit() else None
-
-    def flag(self, *names: str) -> str | None:
-        return flag_value(self.argv, names)
-
-
-@dataclass
-class Task:
-    name: str
-    scorer: str | None = None
-    file: str | None = None
-    file_sha256: str | None = None
-    dataset_sha256: dict[str, str] = field(default_factory=dict)
-    questions: int | None = None
-
-
-@dataclass
-class Provenance:
-    """The stamp every run kind carries: collected by :func:`rigctl.results.stamp.collect_stamp` (runs
-    the controller drives) or by the job runtime on the host (:mod:`rigctl.hostside.jobrun`)."""
-
-    host: str
-    gpu: Gpu = field(default_factory=Gpu)
-    llama_cpp: LlamaCppBuild = field(default_factory=LlamaCppBuild)
-    artifacts: list[Artifact] = field(default_factory=list)
-    servers: list[Server] = field(default_factory=list)
-    task: Task | None = None
-    matrix: dict[str, Any] | None = None  # bench parameters
-    seed: int | None = None
-    concurrency: int | None = None
-    rigctl_version: str = ""
-
-
-PROVENANCE_FIELDS = tuple(f.name for f in dataclasses.fields(Provenance))
-
-
-@dataclass
-class RunRecord:
-    """Provenance of one run and its outcome: enough to tell whether two runs may be compared, and to redo one."""
-
-    id: str
-    kind: RunKind
-    host: str
-    started: str
-    version: int = RECORD_VERSION
-    ended: str | None = None
-    status: RunStatus = "running"
-    gpu: Gpu = field(default_factory=Gpu)
-    llama_cpp: LlamaCppBuild = field(default_factory=LlamaCppBuild)
-    artifacts: list[Artifact] = field(default_factory=list)
-    servers: list[Server] = field(default_factory=list)
-    task: Task | None = None
-    matrix: dict[str, Any] | None = None
-    seed: int | None = None
-    concurrency: int | None = None
-    rigctl_version: str = ""
-    commands: list[str] = field(default_factory=list)
-    files: list[RawFile] = field(default_factory=list)
-    extra: dict[str, Any] = field(default_factory=dict)  # the kind's own parameters and summary
-
-    @classmethod
-    def begin(cls, kind: RunKind, stamp: Provenance, **outcome: Any) -> RunRecord:
-        """A new record (status running) of ``kind`` with ``stamp``'s provenance; ``outcome``: the other
-        fields (``host``: the results tree's host directory, when it is not the stamp's)."""
-        fields = {name: getattr(stamp, name) for name in PROVENANCE_FIELDS}
-        fields.update(outcome)
-        fields.setdefault("id", new_run_id(kind))
-        return cls(kind=kind, started=utc_now(), **fields)
-
-    @property
-    def server(self) -> Server | None:
-        """The run's server (a fan-out's first, a race's baseline); None when it talked to none."""
-        return self.servers[0] if self.servers else None
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+class RunRecord(runrecord.RunRecord):
+    """:class:`rigctl.hostside.runrecord.RunRecord`, read as the controller reads it: from files and hosts,
+    checked, of any version."""
 
     @classmethod
     def from_dict(cls, data: Any, origin: str = "run record") -> RunRecord:
@@ -357,24 +195,6 @@ class RunRecord:
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{path}: not JSON ({exc.msg} at line {exc.lineno})") from None
         return cls.from_dict(data, str(path))
-
-    def save(self, run_dir: Path) -> Path:
-        """Written to a temp name and renamed, so a reader never sees half a record."""
-        run_dir.mkdir(parents=True, exist_ok=True)
-        path = run_dir / RUN_FILE
-        write_atomically(path, json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
-        return path
-
-    def seal(self, run_dir: Path, status: RunStatus = "done") -> None:
-        """Record every raw file in the run directory with its hash, mark the end and save."""
-        self.files = [
-            RawFile(path=str(p.relative_to(run_dir)), sha256=file_sha256(p), bytes=p.stat().st_size)
-            for p in sorted(run_dir.rglob("*"))
-            if p.is_file() and p.name != RUN_FILE and not p.name.startswith(".")
-        ]
-        self.status = status
-        self.ended = utc_now()
-        self.save(run_dir)
 
 
 _RECORD_ADAPTER: Any = None

@@ -1,29 +1,26 @@
-"""Collecting a run's provenance stamp (:class:`rigctl.results.record.Provenance`) from a host.
+"""A run's provenance stamp (:class:`rigctl.results.record.Provenance`) for runs the controller drives.
 
-Runs the controller drives (eval, spec, server-speed, load) call :func:`collect_stamp` while their servers
-run: one SSH round trip runs :mod:`rigctl.hostside.stamp` on the host, which reads each server unit's
-main process and its ``/proc/<pid>/cmdline`` (the argv as deployed), the llama_cpp role's fact, the GPU
-(``nvidia-smi``) and the artifacts' manifests. Jobs on the host (bench, remote eval) collect the same
-fields there, with the same host-side code, before their task runs (:mod:`rigctl.hostside.jobrun`): the
-host is where the job's record lives while it runs, and a bench stops the servers right after.
-
-The host-side parsers (:func:`rigctl.hostside.llama_cpp_fact.parse_builds`, ``parse_gpu_query``) are the
-ones jobs use, so a record reads the same whichever side collected it.
+The stamp has one builder, on the host (:func:`rigctl.hostside.stamp.complete`). This module states what
+the inventory says of a run (:func:`inventory_stamp`: the host, its GPU, the servers' names, units and
+ports, the artifacts' paths, the task...), which is also what a run's record begins with before any host
+was asked (:func:`rigctl.results.run.open_run`), and ships it to the host to be completed
+(:func:`complete_on_host`: one SSH round trip). What comes back is data: only what the host was asked to
+read (each server's argv as deployed, the GPU, the build, the artifacts' sha256 and manifests) is taken
+from it, checked against the record's types, argv redacted once more.
 """
 
 from __future__ import annotations
 
-import configparser
+import dataclasses
 import json
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from rigctl.errors import RigctlError
-from rigctl.hostside import llama_cpp_fact, ship
-from rigctl.hostside.stamp import parse_gpu_query
+from rigctl.errors import ConfigError, RigctlError
+from rigctl.hostside import ship
 from rigctl.inventory import Host, profiles
-from rigctl.results.record import Artifact, Gpu, LlamaCppBuild, Provenance, Server, Task, parse_json, rigctl_version
+from rigctl.results.record import Artifact, Gpu, Provenance, Server, Task, parse_json, rigctl_version
 from rigctl.trust import redact_argv
 
 if TYPE_CHECKING:
@@ -32,6 +29,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STAMP_TIMEOUT = 60.0
+#: What a host's answer may set on a server and an artifact of the stamp: what it was asked to read.
+_HOST_SERVER_FIELDS = ("argv", "argv_from", "pid")
+_HOST_ARTIFACT_FIELDS = ("sha256", "sha256_from", "bytes", "manifest")
 
 
 def inventory_server(host: Host, instance: str, *, unit: str | None = None, port: int | None = None) -> Server:
@@ -43,72 +43,81 @@ def inventory_server(host: Host, instance: str, *, unit: str | None = None, port
                   port=port if port is not None else (known.port if known else None))
 
 
-def host_facts(ssh: SshClient, units: Sequence[str], manifest_paths: Sequence[str] = ()) -> dict[str, Any]:
-    """The answer of :mod:`rigctl.hostside.stamp` on the host (one round trip)."""
-    request = json.dumps({"units": list(units), "manifests": list(manifest_paths)})
+def inventory_gpu(host: Host) -> Gpu:
+    """The inventory's word on ``host``'s GPU (the host's nvidia-smi replaces it, keeping the bandwidth)."""
+    gpu = host.gpu
+    if gpu is None:
+        return Gpu()
+    return Gpu(name=gpu.name, vram_mib=gpu.vram_mib, compute_capability=gpu.compute_capability,
+               bandwidth_gbs=gpu.bandwidth_gbs)
+
+
+def inventory_stamp(host: Host, servers: Sequence[Server] = (), *, artifacts: Sequence[str] = (),
+                    task: Task | None = None, matrix: dict[str, Any] | None = None, seed: int | None = None,
+                    concurrency: int | None = None) -> Provenance:
+    """The stamp of a run on ``host`` as far as the inventory knows it: ``servers`` (their names; no argv),
+    ``artifacts`` (names, with their paths on the host), the GPU, and the run's task or matrix, seed,
+    concurrency."""
+    return Provenance(host=host.name, gpu=inventory_gpu(host), servers=list(servers),
+                      artifacts=[Artifact(name=name, path=host.artifact(name).path) for name in artifacts],
+                      task=task, matrix=matrix, seed=seed, concurrency=concurrency, rigctl_version=rigctl_version())
+
+
+def complete_on_host(ssh: SshClient, stamp: Provenance, *, notes: list[str] | None = None) -> Provenance:
+    """``stamp`` completed by :func:`rigctl.hostside.stamp.complete` on the host (one round trip): each
+    server's argv as deployed, the GPU, the build, the artifacts' manifests. What the host could not read is
+    left as the inventory says and logged, or added to ``notes`` for the caller to say when it matters."""
+    request = json.dumps({"stamp": dataclasses.asdict(stamp)})
     result = ssh.run(ship.python_command("stamp", request), timeout=STAMP_TIMEOUT, check=True)
-    answer = parse_json(result.stdout, f"{ssh.host}: its provenance stamp")  # bounded: it goes into run.json
-    if not isinstance(answer, dict):
-        raise RigctlError(f"{ssh.host}: the provenance stamp came back as {type(answer).__name__}")
-    return answer
-
-
-def _deployed(server: Server, entry: Any, host: str) -> Server:
-    if not isinstance(entry, dict):
-        return server
-    argv = entry.get("argv")
-    if isinstance(argv, list) and all(isinstance(a, str) for a in argv) and argv:
-        server.argv = redact_argv(argv)
-        server.argv_from = str(entry.get("argv_from") or "")
-        server.pid = int(entry["pid"]) if isinstance(entry.get("pid"), int) else None
-    else:
-        log.warning("%s: no deployed argv for %s: %s", host, server.unit, entry.get("error") or "not read")
-    return server
+    origin = f"{ssh.host}: its provenance stamp"
+    answer = parse_json(result.stdout, origin)  # bounded: it goes into run.json
+    if not isinstance(answer, dict) or not isinstance(answer.get("stamp"), dict):
+        raise RigctlError(f"{origin} came back as {type(answer).__name__}, not an object with a stamp")
+    read = _checked(answer["stamp"], origin)
+    for note in answer.get("notes") if isinstance(answer.get("notes"), list) else []:
+        line = f"{ssh.host}: {str(note)[:500]}"
+        if notes is None:
+            log.warning("%s", line)
+        else:
+            notes.append(line)
+    done = dataclasses.replace(stamp, gpu=read.gpu, llama_cpp=read.llama_cpp,
+                               servers=[dataclasses.replace(s) for s in stamp.servers],
+                               artifacts=[dataclasses.replace(a) for a in stamp.artifacts])
+    for mine, theirs in zip(done.servers, read.servers, strict=False):
+        for name in _HOST_SERVER_FIELDS:
+            setattr(mine, name, getattr(theirs, name))
+        mine.argv = redact_argv(mine.argv)
+        mine.unit = mine.unit or theirs.unit  # the instance's default unit, which the host read
+    for mine_artifact, theirs_artifact in zip(done.artifacts, read.artifacts, strict=False):
+        for name in _HOST_ARTIFACT_FIELDS:
+            setattr(mine_artifact, name, getattr(theirs_artifact, name))
+    return done
 
 
 def collect_stamp(host: Host, ssh: SshClient, servers: Sequence[Server], *, artifacts: Sequence[str] = (),
                   task: Task | None = None, matrix: dict[str, Any] | None = None, seed: int | None = None,
-                  concurrency: int | None = None) -> Provenance:
+                  concurrency: int | None = None, notes: list[str] | None = None) -> Provenance:
     """The stamp of a run on ``host`` with ``servers`` (their argv read from the host as they run now),
     ``artifacts`` (names; sha256 from their manifests), and the run's task or matrix, seed, concurrency."""
-    from rigctl.fleet.models import parse_manifest
+    return complete_on_host(ssh, inventory_stamp(host, servers, artifacts=artifacts, task=task, matrix=matrix,
+                                                 seed=seed, concurrency=concurrency), notes=notes)
 
-    paths = {name: host.artifact(name).path for name in artifacts}
-    answer = host_facts(ssh, [s.unit or profiles.unit_name(str(s.name)) for s in servers], list(paths.values()))
-    entries = answer.get("servers") if isinstance(answer.get("servers"), list) else []
-    stamped = [_deployed(s, entries[i] if i < len(entries) else None, host.name) for i, s in enumerate(servers)]
-    build = LlamaCppBuild()
-    if isinstance(answer.get("llama_cpp_fact"), str):
-        try:
-            current = llama_cpp_fact.parse_builds(answer["llama_cpp_fact"])["current"]
-        except (configparser.Error, ValueError) as exc:  # a fact the role did not write: recorded as absent
-            log.warning("%s: llama.cpp fact not read: %s", host.name, exc)
-        else:
-            build = LlamaCppBuild(**llama_cpp_fact.record_fields(current)) if current else build
-    gpu = Gpu(bandwidth_gbs=host.gpu.bandwidth_gbs if host.gpu else None)
-    if isinstance(answer.get("gpu_query"), str) and answer["gpu_query"].strip():
-        try:
-            gpu = Gpu(**parse_gpu_query(answer["gpu_query"]), bandwidth_gbs=gpu.bandwidth_gbs)
-        except ValueError as exc:
-            log.warning("%s: nvidia-smi answer not read: %s", host.name, exc)
-    elif host.gpu:  # no nvidia-smi answer: the inventory's word, marked by the absent driver
-        gpu = Gpu(name=host.gpu.name, vram_mib=host.gpu.vram_mib, compute_capability=host.gpu.compute_capability,
-                  bandwidth_gbs=host.gpu.bandwidth_gbs)
-    manifests = answer.get("manifests") if isinstance(answer.get("manifests"), dict) else {}
-    stamped_artifacts = []
-    for name, path in paths.items():
-        artifact = Artifact(name=name, path=path)
-        text = manifests.get(path)
-        if isinstance(text, str):
-            try:
-                manifest = parse_manifest(text, host.name)
-                artifact.sha256, artifact.sha256_from, artifact.bytes = manifest.sha256, "manifest", manifest.bytes
-                artifact.manifest = manifest.raw
-            except RigctlError as exc:
-                log.warning("%s: manifest of %s not read: %s", host.name, name, exc)
-        stamped_artifacts.append(artifact)
-    return Provenance(host=host.name, gpu=gpu, llama_cpp=build, artifacts=stamped_artifacts, servers=stamped,
-                      task=task, matrix=matrix, seed=seed, concurrency=concurrency, rigctl_version=rigctl_version())
+
+_PROVENANCE_ADAPTER: Any = None
+
+
+def _checked(data: dict[str, Any], origin: str) -> Provenance:
+    """A host's stamp checked against the record's types."""
+    global _PROVENANCE_ADAPTER
+    from pydantic import TypeAdapter, ValidationError
+
+    if _PROVENANCE_ADAPTER is None:
+        _PROVENANCE_ADAPTER = TypeAdapter(Provenance)
+    try:
+        return _PROVENANCE_ADAPTER.validate_python(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise ConfigError(f"{origin}: {'.'.join(str(p) for p in err['loc']) or '-'}: {err['msg']}") from None
 
 
 def with_props(server: Server, props: Any, endpoint: Any = None) -> Server:

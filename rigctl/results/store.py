@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from rigctl.errors import ConfigError, TrustError
 from rigctl.results.record import RUN_FILE, RunRecord, file_sha256, parse_json
@@ -114,3 +114,26 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
             raise ConfigError(f"{path}:{number}: a {type(row).__name__}, not a JSON object")
         rows.append(row)
     return rows
+
+
+def run_file(run: StoredRun, kind: str, name: str) -> Path:
+    """The raw file ``name`` of ``run``, which must be a ``kind`` run that has it (ConfigError naming the run)."""
+    if run.record.kind != kind:
+        raise ConfigError(f"{run.host}/{run.id}: a {run.record.kind} run, not a {kind} run")
+    path = run.path / name
+    if not path.is_file():
+        raise ConfigError(f"{run.host}/{run.id}: no {name}")
+    return path
+
+
+_Row = TypeVar("_Row")
+
+
+def read_rows(run: StoredRun, kind: str, name: str, row: Callable[..., _Row]) -> list[_Row]:
+    """The JSON lines of ``run``'s raw file ``name`` (:func:`run_file`) as ``row(**line)`` each; a line that
+    does not fit is a ConfigError naming the file."""
+    path = run_file(run, kind, name)
+    try:
+        return [row(**line) for line in read_jsonl(path)]
+    except TypeError as exc:
+        raise ConfigError(f"{path}: not a {kind} run's {name}: {exc}") from None

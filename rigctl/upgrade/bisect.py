@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,12 +21,12 @@ from typing import Any
 from rigctl.errors import BuildError, ConfigError
 from rigctl.fleet import candidate
 from rigctl.fleet.candidate import CandidateBuild
-from rigctl.inventory import Host, Inventory, advisories
-from rigctl.results.record import RunRecord
+from rigctl.inventory import Host, Inventory, Server, advisories
+from rigctl.results.run import Run
 from rigctl.results.store import ResultsStore, StoredRun, read_jsonl
 from rigctl.upgrade import gates as g
 from rigctl.upgrade import paired
-from rigctl.upgrade.upgrade import UpgradeRefused, _build_dict, _installed, _open_record, instance_of
+from rigctl.upgrade.upgrade import UpgradeRefused, _build_dict, _installed, instance_of, upgrade_run
 
 Say = Callable[[str], None]
 STEPS_FILE = "steps.jsonl"
@@ -171,21 +170,26 @@ def bisect(inventory: Inventory, host_name: str, good: str, bad: str, *, metric:
     server = instance_of(host, gates if gates.server else g.Gates())
     identity = _identity(host.name, metric, [c.label for c in order], gates)
     previous = _unfinished(store, host.name, identity)
-    if previous is not None:
-        run_dir, record = previous.path, RunRecord.load(previous.path)
-        record.status = "running"
-        record.extra.setdefault("resumed", []).append(time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-        record.save(run_dir)
-        say(f"resuming bisect {host.name}/{record.id}")
-    else:
-        run_dir, record = _open_record("bisect", host, server, store, {
-            "identity": identity, "metric": metric, "gate": gate_name, "good": order[0].label,
-            "bad": order[-1].label, "builds": [c.label for c in order], "gates": gates.model_dump()})
-    ref = f"{host.name}/{record.id}"
-    steps = {row["label"]: Step(**row) for row in read_jsonl(run_dir / STEPS_FILE)} \
-        if (run_dir / STEPS_FILE).is_file() else {}
+    extra = {"identity": identity, "metric": metric, "gate": gate_name, "good": order[0].label,
+             "bad": order[-1].label, "builds": [c.label for c in order], "gates": gates.model_dump()}
+    with upgrade_run("bisect", host, server, store, extra, previous) as run:
+        if previous is not None:
+            say(f"resuming bisect {run.ref}")
+        steps = {row["label"]: Step(**row) for row in read_jsonl(run.path / STEPS_FILE)} \
+            if (run.path / STEPS_FILE).is_file() else {}
+        try:
+            return _bisect(inventory, host, server, order, gates, gate_name, run, steps, store, say, on_event)
+        finally:
+            run.record.extra["steps"] = len(steps)
+
+
+def _bisect(inventory: Inventory, host: Host, server: Server, order: Sequence[BisectCandidate], gates: g.Gates,
+            gate_name: str, run: Run, steps: dict[str, Step], store: ResultsStore, say: Say,
+            on_event: Callable[[Any], None] | None) -> BisectResult:
+    """Measure the bad end, then midpoints, each step appended to the run's steps file (``steps``: those
+    measured before, taken as they are)."""
+    record, ref = run.record, run.ref
     resumed = len(steps)
-    status = "failed"
 
     def build(item: BisectCandidate) -> CandidateBuild:
         pin = candidate.fetch_archive(candidate.pin_for(host, item.version, cmake_options=item.cmake,
@@ -194,69 +198,53 @@ def bisect(inventory: Inventory, host_name: str, good: str, bad: str, *, metric:
         say(f"{item.label}: {made.build.name} ({made.plan}, {made.seconds:.0f} s)")
         return made
 
-    try:
-        good_build = build(order[0])
-        record.extra["good_build"] = _build_dict(good_build.build)
-        record.save(run_dir)
+    good_build = build(order[0])
+    record.extra["good_build"] = _build_dict(good_build.build)
+    run.save()
 
-        def step(index: int) -> Step:
-            item = order[index]
-            if item.label in steps:
-                say(f"{item.label}: {steps[item.label].verdict} (measured before)")
-                return steps[item.label]
-            nonlocal good_build
-            made = build(item)
-            if not _installed(host, good_build.build):  # a provision in between pruned it
-                good_build = build(order[0])
-            measured = paired.measure(host, server, paired.Side("good", good_build.build),
-                                      paired.Side(item.version, made.build), gates, store, run_dir,
-                                      a_is_instance=False, say=say, record_extra={"bisect": ref})
-            result = next(r for r in measured.results if r.gate == gate_name)
-            verdict = {"pass": "good", "fail": "bad"}.get(result.verdict, "undecided")
-            found = Step(item.version, item.label, made.build.name, made.plan, round(made.seconds, 1), verdict,
-                         result.to_dict(), measured.bench_runs + list(measured.eval_runs.values()))
-            steps[item.label] = found
-            with (run_dir / STEPS_FILE).open("a") as out:
-                out.write(json.dumps(asdict(found), sort_keys=True, default=str) + "\n")
-            say(f"{item.label}: {verdict}: {result.figures}")
-            return found
+    def step(index: int) -> Step:
+        item = order[index]
+        if item.label in steps:
+            say(f"{item.label}: {steps[item.label].verdict} (measured before)")
+            return steps[item.label]
+        nonlocal good_build
+        made = build(item)
+        if not _installed(host, good_build.build):  # a provision in between pruned it
+            good_build = build(order[0])
+        measured = paired.measure(host, server, paired.Side("good", good_build.build),
+                                  paired.Side(item.version, made.build), gates, store, run.path,
+                                  a_is_instance=False, say=say, record_extra={"bisect": ref})
+        result = next(r for r in measured.results if r.gate == gate_name)
+        verdict = {"pass": "good", "fail": "bad"}.get(result.verdict, "undecided")
+        found = Step(item.version, item.label, made.build.name, made.plan, round(made.seconds, 1), verdict,
+                     result.to_dict(), measured.bench_runs + list(measured.eval_runs.values()))
+        steps[item.label] = found
+        with (run.path / STEPS_FILE).open("a") as out:
+            out.write(json.dumps(asdict(found), sort_keys=True, default=str) + "\n")
+        say(f"{item.label}: {verdict}: {result.figures}")
+        return found
 
-        first_bad = last_good = None
-        end = step(len(order) - 1)
-        if end.verdict != "bad":
-            raise UpgradeRefused([f"bisect: the bad end {order[-1].label} is {end.verdict} against {order[0].label} "
-                                  f"on {gate_name}: {end.gate['figures']}"], ref)
-        lo, hi = 0, len(order) - 1
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            verdict = step(mid).verdict
-            if verdict == "good":
-                lo = mid
-            elif verdict == "bad":
-                hi = mid
-            else:
-                break
-        if hi - lo == 1:
-            first_bad, last_good = order[hi].label, order[lo].label
-            record.extra.update(first_bad=first_bad, last_good=last_good)
-            say(f"first bad build: {first_bad} (last good: {last_good})")
+    first_bad = last_good = None
+    end = step(len(order) - 1)
+    if end.verdict != "bad":
+        raise UpgradeRefused([f"bisect: the bad end {order[-1].label} is {end.verdict} against {order[0].label} "
+                              f"on {gate_name}: {end.gate['figures']}"], ref)
+    lo, hi = 0, len(order) - 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        verdict = step(mid).verdict
+        if verdict == "good":
+            lo = mid
+        elif verdict == "bad":
+            hi = mid
         else:
-            record.extra.update(undecided_between=[order[lo].label, order[hi].label])
-            say(f"undecided: the first bad build is after {order[lo].label} and at or before {order[hi].label}")
-        candidate.drop_candidate(inventory, host.name, on_event=on_event)
-        status = "done"
-        return BisectResult(ref, first_bad, last_good, [steps[c.label] for c in order if c.label in steps], resumed)
-    except KeyboardInterrupt:
-        status = "stopped"
-        raise
-    except UpgradeRefused:
-        status = "done"
-        raise
-    except BaseException as exc:
-        record.extra["error"] = str(exc)
-        raise
-    finally:
-        record.extra["steps"] = len(steps)
-        record.seal(run_dir, status)  # type: ignore[arg-type]
-
-
+            break
+    if hi - lo == 1:
+        first_bad, last_good = order[hi].label, order[lo].label
+        record.extra.update(first_bad=first_bad, last_good=last_good)
+        say(f"first bad build: {first_bad} (last good: {last_good})")
+    else:
+        record.extra.update(undecided_between=[order[lo].label, order[hi].label])
+        say(f"undecided: the first bad build is after {order[lo].label} and at or before {order[hi].label}")
+    candidate.drop_candidate(inventory, host.name, on_event=on_event)
+    return BisectResult(ref, first_bad, last_good, [steps[c.label] for c in order if c.label in steps], resumed)

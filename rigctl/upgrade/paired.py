@@ -7,7 +7,7 @@ installed builds on the host. Everything reuses the bench, server, eval and comp
   alternate the builds' llama-bench on each model, clock-gated like every bench; the ratios are
   :func:`rigctl.compare.compare_bench`'s. The job stops the host's servers for its run, as every bench does.
 * **server**: each side's llama-server serving the instance's artifact with the instance's profile — the
-  instance itself for the current build, a probe (:func:`rigctl.bench.server.probe_server`, the build's own
+  instance itself for the current build, a probe (:func:`rigctl.servers.probe_server`, the build's own
   llama-server, another port) otherwise — asked the same filler prompts back to back, alternating which
   side goes first (:func:`rigctl.bench.server.measure_prompt`).
 * **identity**: greedy replies of both sides to the drafter race's prompts
@@ -37,6 +37,8 @@ from rigctl.fleet.build import Build
 from rigctl.inventory import Host, Server
 from rigctl.llama_http import Endpoint, ServerClient, Timeouts
 from rigctl.results.store import ResultsStore
+from rigctl.servers import probe_server, probe_unit, wait_ready
+from rigctl.ssh import session
 from rigctl.upgrade import gates as g
 
 log = logging.getLogger(__name__)
@@ -165,16 +167,13 @@ def serving(host: Host, server: Server, side: Side, *, port: int, purpose: str,
             is_instance: bool) -> Iterator[Endpoint]:
     """Where ``side`` answers: the instance itself (``is_instance``: it runs this build), else a probe of the
     instance with the side's llama-server on ``port``, stopped on exit."""
-    if is_instance:
-        with ServerClient(server.endpoint) as client:
-            client.wait_healthy(600)
-        yield server.endpoint
-        return
-    from rigctl.bench.server import probe_server
-    from rigctl.ssh import session
-
-    with session(host) as ssh, probe_server(ssh, server, {}, port, purpose, binary=side.llama_server) as probe:
-        yield probe.endpoint
+    with session(host) as ssh:
+        if is_instance:
+            wait_ready(ssh, server.unit, server.endpoint, purpose=purpose)
+            yield server.endpoint
+            return
+        with probe_server(ssh, server, {}, port, purpose, binary=side.llama_server) as probe:
+            yield probe.endpoint
 
 
 def _server_rows(clients: dict[str, ServerClient], prompts: Sequence[str], gate: g.ServerGate, repeats: range,
@@ -261,9 +260,9 @@ def _eval_side(host: Host, server: Server, side: Side, endpoint: Endpoint, gate:
     only the new questions are asked); the run's host/id."""
     from rigctl.evals import runner
     from rigctl.evals.tasks import load_task
-    from rigctl.results.record import LlamaCppBuild, RunRecord
+    from rigctl.results.record import LlamaCppBuild
+    from rigctl.results.run import Run
     from rigctl.results.stamp import collect_stamp, inventory_server
-    from rigctl.ssh import session
 
     task = load_task(gate.task, limit=limit)
     options = runner.Options(concurrency=gate.concurrency)
@@ -276,17 +275,15 @@ def _eval_side(host: Host, server: Server, side: Side, endpoint: Endpoint, gate:
                                         version=side.build.version, build_key=side.build.key,
                                         build_number=side.build.build_number, cuda=side.build.cuda,
                                         binaries=dict(side.build.binaries))
-        run_dir, record = runner.start_run(task, endpoint, store, host.name, options=options, limit=limit,
-                                           stamp=stamp, extra=extra)
-    else:
-        run = store.find(run_ref)
-        run_dir, record = run.path, RunRecord.load(run.path)
-        record.task = runner.task_stamp(task)
-        record.extra["limit"] = limit
-        record.status = "running"
-        record.save(run_dir)
-    runner.run(task, endpoint, run_dir, record, options)
-    return f"{host.name}/{record.id}"
+        run = runner.start_run(task, endpoint, store, host.name, options=options, limit=limit, stamp=stamp,
+                               extra=extra)
+    else:  # the same run asked the questions it lacks: the bigger slice
+        run = Run.reopen(store.find(run_ref))
+        run.record.task = runner.task_stamp(task)
+        run.record.extra["limit"] = limit
+        run.save()
+    runner.run(task, endpoint, run, options)
+    return run.ref
 
 
 def quality_result(store: ResultsStore, ref_a: str, ref_b: str, gate: g.QualityGate) -> tuple[g.GateResult,
@@ -380,14 +377,12 @@ def measure(host: Host, server: Server, a: Side, b: Side, gates: g.Gates, store:
                 errors[row["side"]] += 1 if "error" in row else 0
             say(f"identity: {result.results[-1].figures}")
         if gates.quality is not None:
-            from rigctl.bench.server import probe_unit_name
-
             limit = gates.quality.limit
             refs: dict[str, str | None] = {a.label: None, b.label: None}
             while True:
                 for side, port in ((a, server.port + offset + 1), (b, server.port + offset)):
                     instance = side is a and a_is_instance
-                    unit = None if instance else probe_unit_name(server, f"{side.label} build")
+                    unit = None if instance else probe_unit(server, f"{side.label} build")
                     refs[side.label] = _eval_side(host, server, side, endpoints[side.label], gates.quality, limit,
                                                   store, refs[side.label], unit, server.port if instance else port,
                                                   {**(record_extra or {}), "side": side.label})

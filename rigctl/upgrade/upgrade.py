@@ -22,10 +22,10 @@ the bench and eval runs it made, the verdict, the rollout); ``rigctl report`` re
 from __future__ import annotations
 
 import io
-import json
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,8 +36,12 @@ from rigctl.fleet import candidate
 from rigctl.fleet.build import Build, read_builds
 from rigctl.fleet.candidate import CandidateBuild, CandidatePin
 from rigctl.inventory import Host, Inventory, Server, advisories
-from rigctl.results.record import RunRecord
-from rigctl.results.store import ResultsStore
+from rigctl.results.record import Provenance, RunKind
+from rigctl.results.run import Run
+from rigctl.results.stamp import inventory_server, inventory_stamp
+from rigctl.results.store import ResultsStore, StoredRun
+from rigctl.servers import host_status, unit_states
+from rigctl.ssh import session
 from rigctl.upgrade import gates as g
 from rigctl.upgrade import paired
 
@@ -191,23 +195,33 @@ def write_pin(inventory: Inventory, canary: Host, pin: CandidatePin, allowed: Ma
 # ----------------------------------------------------------------------------------------------- records
 
 
-def _open_record(kind: str, host: Host, server: Server | None, store: ResultsStore,
-                 extra: Mapping[str, Any]) -> tuple[Path, RunRecord]:
-    """A new run of ``kind`` for ``host`` (status running), stamped with ``server`` as it runs (a stopped one is
-    measured through probes, whose argv the measurements' own records carry). The smallest stand-in for the one
-    run lifecycle (rigctl/results/run.py) until it lands here."""
-    from rigctl.results.stamp import collect_stamp, inventory_server
-    from rigctl.ssh import session
-
+def run_stamp(host: Host, server: Server | None) -> Provenance:
+    """The stamp an upgrade or bisect record begins with: ``server`` (when it runs now: a stopped one is
+    measured through probes, whose argv the measurements' own records carry) and its artifact."""
     running = server is not None and _active(host, server)
-    with session(host) as ssh:
-        stamp = collect_stamp(host, ssh, [inventory_server(host, server.name)] if server and running else [],
-                              artifacts=[server.artifact] if server else [])
-    record = RunRecord.begin(kind, stamp, host=host.name, extra=dict(extra))  # type: ignore[arg-type]
-    run_dir = store.run_dir(host.name, record.id)
-    run_dir.mkdir(parents=True, exist_ok=False)
-    record.save(run_dir)
-    return run_dir, record
+    return inventory_stamp(host, [inventory_server(host, server.name)] if server and running else [],
+                           artifacts=[server.artifact] if server else [])
+
+
+@contextmanager
+def upgrade_run(kind: RunKind, host: Host, server: Server | None, store: ResultsStore,
+                extra: Mapping[str, Any], previous: StoredRun | None = None) -> Iterator[Run]:
+    """The ``upgrade`` or ``bisect`` run (:func:`rigctl.results.run.open_run`, or ``previous`` reopened: a
+    bisect resumed), its stamp completed by the host. A refusal (:class:`UpgradeRefused`) is a verdict, not a
+    failure: the run is sealed ``done`` with it, and the refusal goes on to the caller."""
+    run = Run.reopen(previous) if previous is not None else Run.create(kind, run_stamp(host, server), store,
+                                                                       host=host.name, extra=dict(extra))
+    refusal: UpgradeRefused | None = None
+    with run.sealing():
+        if previous is None:
+            with session(host) as ssh:
+                run.complete_stamp(ssh)
+        try:
+            yield run
+        except UpgradeRefused as exc:
+            refusal = exc
+    if refusal is not None:
+        raise refusal
 
 
 def _build_dict(build: Build | None) -> dict[str, Any] | None:
@@ -285,8 +299,6 @@ class UpgradeResult:
 
 def _serving_check(host: Host, build: str) -> list[dict[str, Any]]:
     """Every enabled instance of ``host`` answering on a build whose /props names ``build``'s number."""
-    from rigctl.servers import host_status
-
     rows = []
     for status in host_status(host):
         if not status.enabled:
@@ -358,66 +370,59 @@ def upgrade(inventory: Inventory, version: str, *, canary: str | None = None, ga
     before = read_builds(canary_host)
     if before.current is None:
         raise BuildError(f"{canary_host.name}: no current llama.cpp build to upgrade from; provision it first")
-    run_dir, record = _open_record("upgrade", canary_host, server, store, {
-        "to": pin.version, "label": pin.label, "from": current_pin.version, "canary": canary_host.name,
-        "scope": [h.name for h in hosts], "instance": server.name, "gates": gates.model_dump(),
-        "pin": pin_values(pin, allowed), "current": _build_dict(before.current),
-        "accepted_advisories": {k: v for k, v in allowed.items()}, **({"campaign": tag} if tag else {})})
-    ref = f"{canary_host.name}/{record.id}"
-    status = "failed"
+    extra = {"to": pin.version, "label": pin.label, "from": current_pin.version, "canary": canary_host.name,
+             "scope": [h.name for h in hosts], "instance": server.name, "gates": gates.model_dump(),
+             "pin": pin_values(pin, allowed), "current": _build_dict(before.current),
+             "accepted_advisories": dict(allowed), **({"campaign": tag} if tag else {})}
+    with upgrade_run("upgrade", canary_host, server, store, extra) as run:
+        return _canary_and_rollout(inventory, run, canary_host, hosts, server, pin, before.current, gates, allowed,
+                                   store, say, on_event)
+
+
+def _canary_and_rollout(inventory: Inventory, run: Run, canary: Host, hosts: Sequence[Host], server: Server,
+                        pin: CandidatePin, current: Build, gates: g.Gates, allowed: Mapping[str, str],
+                        store: ResultsStore, say: Say, on_event: Callable[[Any], None] | None) -> UpgradeResult:
+    """The candidate built, checked and measured on the canary; the pin written and rolled out, or the candidate
+    dropped and :class:`UpgradeRefused` raised (the record in ``run`` says which)."""
+    record, ref = run.record, run.ref
+    say(f"upgrade {ref}: candidate {pin.label} on {canary.name}, gates {GATES_FILE}")
+    built = candidate.build_candidate(inventory, canary.name, pin, on_event=on_event)
+    record.extra["candidate"] = {**(_build_dict(built.build) or {}), "plan": built.plan,
+                                 "seconds": round(built.seconds, 1)}
+    run.save()
+    say(f"candidate {built.build.name}: {built.plan} in {built.seconds:.0f} s")
+    refusal = _pre_measure_refusal(pin, built, hosts, canary, gates, allowed, run.path)
+    if refusal:
+        record.extra.update(verdict="refused", refused_by="flags" if "profile" in refusal[0] or "bench matrix"
+                            in refusal[0] else "advisory", problems=refusal)
+        candidate.drop_candidate(inventory, canary.name, on_event=on_event)
+        raise UpgradeRefused(refusal, ref)
+    # The current build answers as the instance itself when it runs, else as a probe like the candidate.
+    measured = paired.measure(canary, server, paired.Side("current", current),
+                              paired.Side("candidate", built.build), gates, store, run.path,
+                              a_is_instance=_active(canary, server), say=say, record_extra={"upgrade": ref})
+    record.extra.update(measurement=measured.to_dict())
+    run.write_json(GATES_FILE, measured.to_dict())
+    if measured.verdict != "pass":
+        failed = g.first_failure(measured.results)
+        assert failed is not None
+        state = "failed" if failed.verdict == "fail" else "could not decide within its budget"
+        line = (f"upgrade to {pin.label} refused by gate {failed.gate} ({state}): {failed.figures}; "
+                f"{canary.name} serves {current.name}, the inventory is unchanged (record {ref})")
+        candidate.drop_candidate(inventory, canary.name, on_event=on_event)
+        record.extra.update(verdict="refused", refused_by=failed.gate, problems=[line],
+                            current_after=_build_dict(read_builds(canary).current))
+        raise UpgradeRefused([line], ref)
+    reloaded, written = write_pin(inventory, canary, pin, allowed, [h.name for h in hosts])
+    record.extra.update(verdict="pass", written=[str(p) for p in written])
+    run.save()
+    say(f"every gate passed; pin {pin.label} written to {', '.join(str(p) for p in written)}")
+    rolled: list[HostRollout] = []
     try:
-        say(f"upgrade {ref}: candidate {pin.label} on {canary_host.name}, gates {GATES_FILE}")
-        built = candidate.build_candidate(inventory, canary_host.name, pin, on_event=on_event)
-        record.extra["candidate"] = {**(_build_dict(built.build) or {}), "plan": built.plan,
-                                     "seconds": round(built.seconds, 1)}
-        record.save(run_dir)
-        say(f"candidate {built.build.name}: {built.plan} in {built.seconds:.0f} s")
-        refusal = _pre_measure_refusal(pin, built, hosts, canary_host, gates, allowed, run_dir)
-        if refusal:
-            record.extra.update(verdict="refused", refused_by="flags" if "profile" in refusal[0] or "bench matrix"
-                                in refusal[0] else "advisory", problems=refusal)
-            candidate.drop_candidate(inventory, canary_host.name, on_event=on_event)
-            status = "done"
-            raise UpgradeRefused(refusal, ref)
-        # The current build answers as the instance itself when it runs, else as a probe like the candidate.
-        running = _active(canary_host, server)
-        measured = paired.measure(canary_host, server, paired.Side("current", before.current),
-                                  paired.Side("candidate", built.build), gates, store, run_dir,
-                                  a_is_instance=running, say=say, record_extra={"upgrade": ref})
-        record.extra.update(measurement=measured.to_dict())
-        (run_dir / GATES_FILE).write_text(json.dumps(measured.to_dict(), indent=2, sort_keys=True, default=str) + "\n")
-        if measured.verdict != "pass":
-            failed = g.first_failure(measured.results)
-            assert failed is not None
-            state = "failed" if failed.verdict == "fail" else "could not decide within its budget"
-            line = (f"upgrade to {pin.label} refused by gate {failed.gate} ({state}): {failed.figures}; "
-                    f"{canary_host.name} serves {before.current.name}, the inventory is unchanged (record {ref})")
-            candidate.drop_candidate(inventory, canary_host.name, on_event=on_event)
-            after = read_builds(canary_host).current
-            record.extra.update(verdict="refused", refused_by=failed.gate, problems=[line],
-                                current_after=_build_dict(after))
-            status = "done"
-            raise UpgradeRefused([line], ref)
-        reloaded, written = write_pin(inventory, canary_host, pin, allowed, [h.name for h in hosts])
-        record.extra.update(verdict="pass", written=[str(p) for p in written])
-        record.save(run_dir)
-        say(f"every gate passed; pin {pin.label} written to {', '.join(str(p) for p in written)}")
-        rolled: list[HostRollout] = []
-        try:
-            rolled = rollout(reloaded, [h.name for h in hosts], pin.version, say, on_event)
-        finally:
-            record.extra["rollout"] = [asdict(r) for r in rolled]
-        status = "done"
-        return UpgradeResult(ref, "pass", pin.version, measured.results, written, rolled)
-    except UpgradeRefused:
-        raise
-    except BaseException as exc:
-        record.extra["error"] = str(exc)
-        if isinstance(exc, KeyboardInterrupt):
-            status = "stopped"
-        raise
+        rolled = rollout(reloaded, [h.name for h in hosts], pin.version, say, on_event)
     finally:
-        record.seal(run_dir, status)  # type: ignore[arg-type]
+        record.extra["rollout"] = [asdict(r) for r in rolled]
+    return UpgradeResult(ref, "pass", pin.version, measured.results, written, rolled)
 
 
 def _pre_measure_refusal(pin: CandidatePin, built: CandidateBuild, hosts: Sequence[Host], canary: Host,
@@ -432,14 +437,10 @@ def _pre_measure_refusal(pin: CandidatePin, built: CandidateBuild, hosts: Sequen
 
 
 def _active(host: Host, server: Server) -> bool:
-    from rigctl.servers import unit_states
-
     state = unit_states(host, [server.name]).get(server.name)
     return state is not None and state.active_state == "active"
 
 
 def _installed(host: Host, build: Build) -> bool:
-    from rigctl.ssh import session
-
     with session(host) as ssh:
         return ssh.run(f"test -f {build.dir}/build.json", timeout=30, check=False).rc == 0

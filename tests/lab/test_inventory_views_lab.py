@@ -11,11 +11,11 @@ import pytest
 import yaml
 from conftest import LAB_INVENTORY, REPO, wait_healthy
 
-from rigctl.bench.server import deployed_argv, probe_server
 from rigctl.evals.target import inventory_target
 from rigctl.fleet.deploy import run_playbook
 from rigctl.inventory import Inventory
 from rigctl.llama_http import ServerClient
+from rigctl.servers import deployed_argv, probe_server
 from rigctl.ssh import SshClient, SshTarget
 
 OVERRIDE_CTX = 1024
@@ -46,7 +46,7 @@ def test_a_host_ctx_override_is_what_the_rig_serves(lab_served: Inventory, tmp_p
             with ServerClient(server.endpoint) as client:
                 assert client.props().n_ctx == OVERRIDE_CTX  # what the running server took
             target = inventory_target(laptop, "smollm2", facts=False)
-            assert target.server["flags"]["ctx_size"] == OVERRIDE_CTX
+            assert target.flags["ctx_size"] == OVERRIDE_CTX
             # A probe beside the instance: the role's flags with only ctx and port changed, run by the
             # view's binary link as the unit's user.
             with probe_server(ssh, server, {"ctx_size": 512}, server.port + 300, "ctx 512") as probe:

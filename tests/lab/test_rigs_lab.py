@@ -17,7 +17,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from labrigs_support import TEST_NETWORK, TEST_PREFIX, lab_skip_reason, make_test_inventory, real_inventory
+from labrigs_support import (
+    FAILING_BRIDGE,
+    FAILING_NETWORK,
+    TEST_NETWORK,
+    TEST_PREFIX,
+    lab_skip_reason,
+    make_test_inventory,
+    real_inventory,
+)
 
 from rigctl.errors import ConfigError, LabError
 from rigctl.inventory import Inventory
@@ -30,10 +38,6 @@ GPU_QUERY = "--query-gpu=name,temperature.gpu,memory.total,memory.used,compute_c
 
 
 # ----------------------------------------------------------------------------------------------- pure helpers
-
-
-
-
 
 
 # ----------------------------------------------------------------------------------------------- the lifecycle
@@ -299,12 +303,12 @@ def test_down_leaves_nothing_and_is_safe_to_repeat(test_lab: LabRun) -> None:
 
 
 def failing_lab(tmp_path: Path) -> Lab:
-    """A lab of its own (lf- rigs on 10.213.6.0/24) whose base image lives in ``tmp_path``."""
+    """A lab of its own (lf- rigs on FAILING_NETWORK) whose base image lives in ``tmp_path``."""
     reason = lab_skip_reason()
     if reason:
         pytest.skip(reason)
     inventory = make_test_inventory(
-        tmp_path / "inv", tmp_path / "lab", prefix="lf-", network="10.213.6", bridge="rigctl-lfbr0"
+        tmp_path / "inv", tmp_path / "lab", prefix="lf-", network=FAILING_NETWORK, bridge=FAILING_BRIDGE
     )
     config = Lab.from_inventory(Inventory.load(inventory)).config
     lab = Lab(dataclasses.replace(config, cache_dir=tmp_path / "cache"))

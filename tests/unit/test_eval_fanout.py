@@ -12,7 +12,7 @@ from rigctl.errors import ConfigError
 from rigctl.evals.fanout import FanOut
 from rigctl.evals.target import Target
 from rigctl.llama_http import Endpoint
-from rigctl.results.record import RunRecord, Server
+from rigctl.results.record import Artifact, Gpu, LlamaCppBuild, Provenance, RunRecord, Server
 from rigctl.results.store import ResultsStore
 
 SHA = "5" * 64
@@ -21,16 +21,17 @@ BUILD = {"commit": "7182ef71e", "version": "b7100", "build_key": "cpu-avx2"}
 
 def _target(host: str, name: str = "smollm2", *, artifact: str = "smollm2-135m-q4_1", sha256: str | None = SHA,
             build: dict | None = None) -> Target:
+    llama_cpp = LlamaCppBuild(**(BUILD if build is None else build))
+    stamp = Provenance(host=host, gpu=Gpu(name=f"{host} gpu"), llama_cpp=llama_cpp,
+                       artifacts=[Artifact(name=artifact, sha256=sha256)])
     return Target(host=host, endpoint=Endpoint(f"http://10.0.0.{len(host)}:8080", None, f"{host}/{name}"),
-                  server={"name": name, "host": host, "artifact": artifact},
-                  artifacts=[{"name": artifact, "sha256": sha256}], llama_cpp=dict(BUILD if build is None else build),
-                  gpu={"name": f"{host} gpu"})
+                  name=name, artifact=artifact, stamp=stamp)
 
 
 def test_same_artifact_and_build_fan_out():
     fanout = FanOut.of([_target("desktop"), _target("laptop")])
     assert [str(e) for e in fanout.endpoints] == ["desktop/smollm2", "laptop/smollm2"]
-    assert [t.server["host"] for t in fanout.targets] == ["desktop", "laptop"]
+    assert [t.host for t in fanout.targets] == ["desktop", "laptop"]
 
 
 @pytest.mark.parametrize(("other", "message"), [

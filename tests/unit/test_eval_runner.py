@@ -95,22 +95,22 @@ def task_dir(tmp_path, monkeypatch):
     return tmp_path
 
 
-def _start(stand_in: StandIn, store: ResultsStore) -> tuple[Path, object, object]:
+def _start(stand_in: StandIn, store: ResultsStore) -> tuple[object, object]:
     task = load_task("tasks/mini.yaml")
     options = runner.Options(concurrency=2, retry=NO_RETRY)
-    run_dir, record = runner.start_run(task, stand_in.endpoint, store, "stand-in", options=options)
-    return task, run_dir, record
+    return task, runner.start_run(task, stand_in.endpoint, store, "stand-in", options=options)
 
 
 def test_hostile_bodies_are_wrong_answers_with_reasons(task_dir):
     stand_in = StandIn(HOSTILE.__getitem__)
     store = ResultsStore(task_dir / "results")
     try:
-        task, run_dir, record = _start(stand_in, store)
-        summary = runner.run(task, stand_in.endpoint, run_dir, record, runner.Options(concurrency=2, retry=NO_RETRY))
+        task, run = _start(stand_in, store)
+        summary = runner.run(task, stand_in.endpoint, run, runner.Options(concurrency=2, retry=NO_RETRY))
     finally:
         stand_in.close()
-    rows = {row["id"].split("-")[-1]: row for row in read_jsonl(run_dir / "answers.jsonl")}
+    record = run.record
+    rows = {row["id"].split("-")[-1]: row for row in read_jsonl(run.path / "answers.jsonl")}
     assert sorted(rows) == ["1", "2", "3", "4", "5"]
     assert rows["1"]["score"] == 1 and rows["5"]["score"] == 0
     assert rows["2"]["error"] == "unreadable answer: a string with a lone UTF-16 surrogate, which UTF-8 cannot carry"
@@ -125,21 +125,24 @@ def test_a_200_without_choices_stops_the_run_and_resume_finishes_it(task_dir):
     broken = StandIn(lambda q: b'{"error": {"message": "upstream gone"}}' if q == "q3" else chat("#### 72"))
     store = ResultsStore(task_dir / "results")
     try:
-        task, run_dir, record = _start(broken, store)
+        task, run = _start(broken, store)
         with pytest.raises(EvalError) as info:
-            runner.run(task, broken.endpoint, run_dir, record, runner.Options(concurrency=1, retry=NO_RETRY))
+            runner.run(task, broken.endpoint, run, runner.Options(concurrency=1, retry=NO_RETRY))
     finally:
         broken.close()
+    record, run_dir = run.record, run.path
     message = str(info.value)
     assert "no choices in the answer" in message and f"--resume stand-in/{record.id}" in message
-    assert store.find(f"stand-in/{record.id}").record.status == "failed"
+    failed = store.find(f"stand-in/{record.id}").record
+    assert failed.status == "failed" and failed.extra["error"] == message  # the reason, sealed with the run
     before = {row["id"] for row in read_jsonl(run_dir / "answers.jsonl")}
     assert "mini-3" not in before
 
     fixed = StandIn(lambda q: chat("#### 72"))
     try:
-        run_path, resumed, task, options = runner.resume_run(store, f"stand-in/{record.id}", fixed.endpoint)
-        summary = runner.run(task, fixed.endpoint, run_path, resumed, options)
+        resumed, task, options = runner.resume_run(store, f"stand-in/{record.id}", fixed.endpoint)
+        assert resumed.record.status == "running" and "error" not in resumed.record.extra
+        summary = runner.run(task, fixed.endpoint, resumed, options)
     finally:
         fixed.close()
     rows = read_jsonl(run_dir / "answers.jsonl")
@@ -174,8 +177,9 @@ def test_bfcl_sends_bfcls_own_request(tmp_path):
     store = ResultsStore(tmp_path / "results")
     task = _bfcl_task(tmp_path)
     try:
-        run_dir, record = runner.start_run(task, stand_in.endpoint, store, "stand-in", options=runner.Options())
-        runner.run(task, stand_in.endpoint, run_dir, record, runner.Options(retry=NO_RETRY))
+        run = runner.start_run(task, stand_in.endpoint, store, "stand-in", options=runner.Options())
+        runner.run(task, stand_in.endpoint, run, runner.Options(retry=NO_RETRY))
+        record = run.record
     finally:
         stand_in.close()
     chats = [body for path, body in stand_in.requests if path == "/v1/chat/completions"]
@@ -209,8 +213,8 @@ def test_a_template_without_tools_is_refused_in_one_line(tmp_path, props, templa
         assert not stand_in.asked
         # A task that measures exactly that runs, and its record says the template carried no tools.
         task = _bfcl_task(tmp_path, "allow_template_without_tools: true\n")
-        _, record = runner.start_run(task, stand_in.endpoint, store, "stand-in", options=runner.Options())
-        assert record.extra["template_carries_tools"] == [False]
+        run = runner.start_run(task, stand_in.endpoint, store, "stand-in", options=runner.Options())
+        assert run.record.extra["template_carries_tools"] == [False]
     finally:
         stand_in.close()
 
@@ -218,11 +222,11 @@ def test_a_template_without_tools_is_refused_in_one_line(tmp_path, props, templa
 def test_a_probe_that_shows_the_tool_lets_the_run_start(tmp_path):
     stand_in = StandIn(lambda q: CALL.encode(), template="<tools>rigctl_probe_tool</tools>")
     try:
-        _, record = runner.start_run(_bfcl_task(tmp_path), stand_in.endpoint, ResultsStore(tmp_path / "r"),
-                                     "stand-in", options=runner.Options())
+        run = runner.start_run(_bfcl_task(tmp_path), stand_in.endpoint, ResultsStore(tmp_path / "r"),
+                               "stand-in", options=runner.Options())
     finally:
         stand_in.close()
-    assert record.extra["template_carries_tools"] == [True]
+    assert run.record.extra["template_carries_tools"] == [True]
     (probe,) = [body for path, body in stand_in.requests if path == "/apply-template"]
     assert probe["tools"][0]["function"]["name"] == "rigctl_probe_tool"
 
@@ -241,7 +245,9 @@ class _Job:
         self.dir.mkdir(parents=True)
         (self.dir / "questions.jsonl").write_text("".join(json.dumps(q) + "\n" for q in questions))
         self.params = params
-        self.record = {"servers": [{}], "extra": {}}
+        from rigctl.hostside.runrecord import Provenance, RunRecord, Server
+
+        self.record = RunRecord.begin("eval", Provenance(host="desktop", servers=[Server(name="smollm2")]))
         self.run_dir = tmp_path / "run"
 
     def save_record(self) -> None:

@@ -92,8 +92,8 @@ def test_the_roles_modules_use_the_one_gguf_reader_and_model_file_helpers() -> N
 def test_the_import_closure_is_what_a_module_imports(tmp_path: Path) -> None:
     assert ship.closure(["fleet_state"]) == ["model_files", "fleet_state"]
     assert set(ship.closure(["jobrun", "eval_task"])) == {"jobrun", "eval_task", "jobfiles", "model_files",
-                                                         "llama_cpp_fact", "llama_server_http", "stamp", "scorers",
-                                                         "bfcl"}
+                                                         "llama_cpp_fact", "llama_server_http", "stamp", "runrecord",
+                                                         "units", "scorers", "bfcl"}
     with pytest.raises(ConfigError, match="no rigctl/hostside/nope.py"):
         ship.closure(["nope"])
 

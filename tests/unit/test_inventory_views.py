@@ -32,7 +32,7 @@ OVERRIDE_CTX = 1536
 
 GROUP_VARS = {
     "llama_cpp_source": "archive",
-    "llama_cpp_version": "b1",
+    "llama_cpp_version": "b11434",
     "llama_cpp_archive": {"path": "/src/llama.cpp.tar.gz", "sha256": "0" * 64},
     "models_catalog": {"smollm2": {"source": {"type": "controller", "path": "/m/s.gguf"}, "artifacts": {
         "smollm2-q4_1": {"type": "file", "file": "s.gguf"},
@@ -192,7 +192,7 @@ def test_a_host_override_of_ctx_size_reaches_every_consumer(fleet: tuple[Invento
             assert server.profile.ctx_size == expected
             # eval: the record's server flags
             target = inventory_target(host, instance, facts=False)
-            assert target.server["flags"]["ctx_size"] == expected and target.inventory_server == server
+            assert target.flags["ctx_size"] == expected and target.inventory_server == server
             # bench server / load: the settings recorded and what a probe on a spare port runs
             assert _ctx(server.argv_with(port=9999)) == expected
             assert _ctx(server.argv_with(port=9999, ctx_size=4096)) == 4096

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 from rigctl import jobs
-from rigctl.bench.server import probe_command
 from rigctl.errors import ConfigError
 from rigctl.hostside import jobfiles, jobhost, sandbox, ship
 from rigctl.inventory import Host, Inventory
 from rigctl.inventory.model import ServiceAccount
+from rigctl.servers import probe_command
 
 # ----------------------------------------------------------------------------------------------- pure
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from labrigs_support import REPO, TEST_NETWORK, lab_skip_reason, make_test_inventory, real_inventory, rig
+from labrigs_support import LAB_SLOT, REPO, TEST_NETWORK, lab_skip_reason, make_test_inventory, real_inventory, rig
 
 from rigctl.errors import ConfigError, LabError
 from rigctl.inventory import Inventory
@@ -360,9 +360,11 @@ def test_up_refuses_a_bridge_name_used_by_a_stranger(tmp_path: Path) -> None:
     reason = lab_skip_reason()
     if reason:
         pytest.skip(reason)
-    stranger = "rigctl-ltbr9"
+    stranger = f"rigctl-lsbr{LAB_SLOT}"
     lab = Lab.from_inventory(
-        Inventory.load(make_test_inventory(tmp_path / "inv", tmp_path / "lab", network="10.213.8", bridge=stranger))
+        Inventory.load(
+            make_test_inventory(tmp_path / "inv", tmp_path / "lab", network=f"10.213.{40 + LAB_SLOT}", bridge=stranger)
+        )
     )
     subprocess.run(["ip", "link", "add", stranger, "type", "bridge"], check=True, timeout=10)
     try:
@@ -448,8 +450,9 @@ def test_stand_in_temperature_sequence_is_consumed_and_the_last_value_sticks(gpu
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv")
-def test_stand_in_sequences_move_on_for_a_reader_who_cannot_write_the_state(gpu_state: Path,
-                                                                           request: pytest.FixtureRequest) -> None:
+def test_stand_in_sequences_move_on_for_a_reader_who_cannot_write_the_state(
+    gpu_state: Path, request: pytest.FixtureRequest
+) -> None:
     """rigctl's jobs read the card as the service account in a read-only sandbox: their readings move on
     through the sequences too (a cursor in the reader's own /tmp), the state itself stays as root left it."""
     state = json.loads(gpu_state.read_text())
@@ -463,10 +466,23 @@ def test_stand_in_sequences_move_on_for_a_reader_who_cannot_write_the_state(gpu_
     reader_tmp.chmod(0o777)
 
     def read() -> str:
-        done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
-                               str(NVIDIA_SMI), "--query-gpu=temperature.gpu", "--format=csv,noheader,nounits"],
-                              capture_output=True, text=True, timeout=30, check=False,
-                              env={**os.environ, "RIGCTL_LAB_GPU_STATE": str(gpu_state), "TMPDIR": str(reader_tmp)})
+        done = subprocess.run(
+            [
+                "setpriv",
+                "--reuid=65534",
+                "--regid=65534",
+                "--clear-groups",
+                sys.executable,
+                str(NVIDIA_SMI),
+                "--query-gpu=temperature.gpu",
+                "--format=csv,noheader,nounits",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+            env={**os.environ, "RIGCTL_LAB_GPU_STATE": str(gpu_state), "TMPDIR": str(reader_tmp)},
+        )
         assert done.returncode == 0, done.stderr
         return done.stdout.strip()
 
@@ -486,7 +502,6 @@ def test_stand_in_persistence_mode_and_summary_table(gpu_state: Path) -> None:
     assert all(len(line) == 89 for line in table[1:] if line.startswith(("|", "+")))
     assert any("Lab stand-in for RTX 3050" in line and " On " in line for line in table)
     assert any("41C" in line and "512MiB /  8192MiB" in line for line in table)
-
 
 
 def test_set_gpu_can_rename_the_stand_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rigctl.errors import ConfigError, TrustError
+from rigctl.errors import ConfigError, RigctlError, TrustError
 from rigctl.hostside import jobrun
 from rigctl.hostside import stamp as host_stamp
 from rigctl.results.record import (
@@ -163,15 +163,24 @@ def test_an_old_bench_run_written_on_a_host_loads(tmp_path):
     assert "v1" not in record.extra
 
 
-def test_the_job_runtimes_record_is_this_version(tmp_path):
-    """The host writes records as a dict (stdlib only): its fresh record has exactly this version's shape."""
+def test_the_job_runtime_builds_the_one_record_and_the_controller_reads_it(tmp_path):
+    """The host builds the record with the very classes the controller reads (stdlib only): a job's first
+    fields (its stamp as the inventory knows it) become typed, and what it saves loads as a version-2 record."""
     (tmp_path / "spec.json").write_text(json.dumps({
-        "id": "bench-20261201T000000Z-0000", "kind": "bench", "host": "desktop", "unit": "rigctl-x", "task": "t",
-        "params": {}, "results_dir": str(tmp_path / "results"), "job_dir": str(tmp_path), "record": {}}))
-    data = jobrun.Job(tmp_path).record
-    assert data["version"] == RECORD_VERSION
-    assert set(data) == {f for f in RunRecord.__dataclass_fields__}
-    assert RunRecord.from_dict(data).servers == []
+        "id": "eval-20261201T000000Z-0000", "kind": "eval", "host": "desktop", "unit": "rigctl-x", "task": "t",
+        "params": {}, "results_dir": str(tmp_path / "results"), "job_dir": str(tmp_path), "rigctl_version": "9",
+        "record": {"servers": [{"name": "smollm2", "host": "desktop", "port": 8080}], "seed": 3,
+                   "gpu": {"name": "RTX 3050", "bandwidth_gbs": 224.0}, "task": {"name": "gsm8k"}}}))
+    job = jobrun.Job(tmp_path)
+    assert isinstance(job.record.servers[0], Server) and job.record.task == Task(name="gsm8k")
+    assert job.record.gpu.bandwidth_gbs == 224.0 and job.record.rigctl_version == "9"
+    job.record.extra["summary"] = {"n": 1}
+    job.save_record()
+    loaded = RunRecord.load(job.run_dir)
+    assert loaded.version == RECORD_VERSION and loaded.to_dict() == job.record.to_dict()
+    job.seal("failed", "the server went away")
+    sealed = RunRecord.load(job.run_dir)
+    assert (sealed.status, sealed.extra["error"]) == ("failed", "the server went away") and sealed.ended
 
 
 # ----------------------------------------------------------------------------------------------- host side
@@ -199,6 +208,66 @@ def test_the_host_reads_a_running_processs_argv_from_proc_with_secrets_masked():
 def test_a_unit_that_is_not_running_has_no_argv():
     found = host_stamp.deployed("rigctl-test-no-such-unit-7f3a.service")
     assert found["argv"] == [] and found["pid"] == 0 and found["error"]
+
+
+class _LocalSsh:
+    """An SSH client whose host is this machine: the shipped command runs here, in a shell; ``answer``
+    replaces what the host prints (a hostile host)."""
+
+    host = "local"
+
+    def __init__(self, answer: str | None = None):
+        self.answer = answer
+
+    def run(self, command: str, *, timeout: float, check: bool = False):
+        from types import SimpleNamespace
+
+        done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=timeout, check=False)
+        assert done.returncode == 0, done.stderr
+        return SimpleNamespace(stdout=self.answer if self.answer is not None else done.stdout, rc=0, ok=True)
+
+
+def test_the_controllers_stamp_is_the_hosts_builder_shipped(tmp_path, caplog):
+    """One builder: the controller ships rigctl.hostside.stamp and takes what the host read (the manifest's
+    sha256 here); what the host cannot read (no systemd unit, no nvidia-smi) is noted and the inventory's word
+    stays."""
+    from rigctl.results.stamp import complete_on_host
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    (tmp_path / "m.gguf.manifest.json").write_text(json.dumps({"sha256": "ab" * 32, "bytes": 4, "artifact": "m"}))
+    partial = Provenance(host="desktop", gpu=Gpu(name="RTX 3050", bandwidth_gbs=224.0), seed=5,
+                         servers=[Server(name="smollm2", host="desktop", port=8080)],
+                         artifacts=[Artifact(name="m", path=str(model)), Artifact(name="gone", path="/nonexistent")])
+    stamp = complete_on_host(_LocalSsh(), partial)
+    assert stamp.artifacts[0].sha256 == "ab" * 32 and stamp.artifacts[0].sha256_from == "manifest"
+    assert stamp.artifacts[0].manifest == {"sha256": "ab" * 32, "bytes": 4, "artifact": "m"}
+    assert stamp.artifacts[1].sha256 is None and "no manifest beside /nonexistent" in caplog.text
+    assert stamp.gpu == Gpu(name="RTX 3050", bandwidth_gbs=224.0) and stamp.seed == 5  # no nvidia-smi here
+    server = stamp.servers[0]
+    assert (server.name, server.unit, server.port, server.argv) == ("smollm2", "llama-server@smollm2.service", 8080,
+                                                                   [])
+    assert "no deployed argv for llama-server@smollm2.service" in caplog.text
+
+
+def test_a_hosts_stamp_sets_only_what_the_host_was_asked_to_read():
+    from rigctl.results.stamp import complete_on_host
+
+    partial = Provenance(host="desktop", servers=[Server(name="smollm2", host="desktop", unit="u")],
+                         artifacts=[Artifact(name="m", path="/m.gguf")])
+    hostile = {"host": "elsewhere", "seed": 99, "servers": [
+        {"name": "other", "unit": "x", "argv": ["llama-server", "--api-key", "k3y-secret"], "pid": 7,
+         "argv_from": "/proc/7/cmdline"}, {"name": "extra"}],
+        "artifacts": [{"name": "n", "path": "/etc/shadow", "sha256": "cd" * 32}]}
+    stamp = complete_on_host(_LocalSsh(json.dumps({"stamp": hostile, "notes": []})), partial)
+    assert stamp.host == "desktop" and stamp.seed is None and len(stamp.servers) == 1
+    assert (stamp.servers[0].name, stamp.servers[0].unit, stamp.servers[0].pid) == ("smollm2", "u", 7)
+    assert stamp.servers[0].argv == ["llama-server", "--api-key", "***"]  # redacted here too
+    assert (stamp.artifacts[0].name, stamp.artifacts[0].path, stamp.artifacts[0].sha256) == ("m", "/m.gguf", "cd" * 32)
+    with pytest.raises(ConfigError, match=r"local: its provenance stamp: servers.0.pid"):
+        complete_on_host(_LocalSsh(json.dumps({"stamp": {"host": "h", "servers": [{"pid": "seven"}]}})), partial)
+    with pytest.raises(RigctlError, match="not an object with a stamp"):
+        complete_on_host(_LocalSsh("[]"), partial)
 
 
 # ----------------------------------------------------------------------------------------------- store
