@@ -326,3 +326,31 @@ def test_an_upgrade_as_a_campaign_step_is_found_again_by_its_record_s_tag(tmp_pa
     path.write_text("name: up\ntitle: t\nhosts: [desktop]\nupgrades: [{name: next, to: b11434, canary: laptop}]\n")
     with pytest.raises(ConfigError, match="hosts not listed under hosts: laptop"):
         load_campaign(path)
+
+
+def test_a_resumed_bisect_seals_a_refusal_done_and_an_error_failed_and_both_go_on_to_the_caller(tmp_path: Path):
+    """The upgrade and bisect records go through the one run lifecycle: a refusal is the run's verdict (sealed
+    done, then raised), anything else seals it failed with the error, and a stopped run is reopened in place."""
+    from rigctl.errors import RigctlError
+    from rigctl.results.record import Provenance
+    from rigctl.results.run import Run
+    from rigctl.results.store import ResultsStore
+    from rigctl.upgrade.upgrade import UpgradeRefused, upgrade_run
+
+    store = ResultsStore(tmp_path / "results")
+    first = Run.create("bisect", Provenance(host="desktop"), store, extra={"identity": "x"})
+    first.seal("stopped", "interrupted (Ctrl-C)")
+    desktop = Inventory.load(REPO / "inventory" / "lab").host("desktop")
+    with pytest.raises(UpgradeRefused, match="the bad end is good"), \
+            upgrade_run("bisect", desktop, None, store, {}, store.find(first.ref)) as run:
+        assert run.path == first.path and run.record.status == "running"
+        (run.path / "steps.jsonl").write_text("{}\n")
+        raise UpgradeRefused(["bisect: the bad end is good"], run.ref)
+    sealed = store.find(first.ref).record
+    assert sealed.status == "done" and "error" not in sealed.extra and len(sealed.extra["resumed"]) == 1
+    assert [f.path for f in sealed.files] == ["steps.jsonl"]
+    with pytest.raises(RigctlError, match="host went away"), \
+            upgrade_run("bisect", desktop, None, store, {}, store.find(first.ref)):
+        raise RigctlError("host went away")
+    failed = store.find(first.ref).record
+    assert failed.status == "failed" and "host went away" in failed.extra["error"]
