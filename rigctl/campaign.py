@@ -565,7 +565,7 @@ def _run_eval(ctx: _Context, evaluation: CampaignEval, target: EvalTarget, unfin
 
 def run_campaign(loaded: LoadedCampaign, inventory: Inventory, store: ResultsStore, *,
                  on_step: OnStep = lambda _: None) -> list[StepOutcome]:
-    """Pull every host, then run each bench, load, eval and race the campaign still lacks; per step the outcome.
+    """Pull every host, then run each bench, load, eval, upgrade and race it lacks: per step, the outcome.
 
     A failed step is reported and the others go on (their results are kept); running again picks up
     only what is still missing, and resumes eval runs that stopped part-way. Each host is talked to over
