@@ -70,7 +70,7 @@ class PairedResult:
     results: list[g.GateResult] = field(default_factory=list)
     bench_runs: list[str] = field(default_factory=list)  # host/run id
     eval_runs: dict[str, str] = field(default_factory=dict)  # side label -> host/run id
-    errors: dict[str, int] = field(default_factory=dict)  # side label -> failed requests, cells and answers
+    errors: dict[str, int] = field(default_factory=dict)  # side label -> failed requests and bench cells
 
     @property
     def verdict(self) -> g.Verdict:
@@ -286,24 +286,23 @@ def _eval_side(host: Host, server: Server, side: Side, endpoint: Endpoint, gate:
     return run.ref
 
 
-def quality_result(store: ResultsStore, ref_a: str, ref_b: str, gate: g.QualityGate) -> tuple[g.GateResult,
-                                                                                                dict[str, int]]:
-    from rigctl.analysis.compare import compare_pair, load_answers
+def quality_result(store: ResultsStore, ref_a: str, ref_b: str, gate: g.QualityGate) -> g.GateResult:
+    """The quality gate from two eval runs paired question by question. A wrong answer (the scorer's ``error``
+    says why) counts here and only here, never as a failed request: an eval request that still fails after its
+    retries stops its run, and the measurement with it."""
+    from rigctl.analysis.compare import compare_pair
 
     run_a, run_b = store.find(ref_a), store.find(ref_b)
     pair = compare_pair(run_a, run_b, margin=gate.margin)
     overall = pair.recorded.overall
     test, tost = overall.test, overall.equivalence
-    errors = {"a": sum(1 for r in load_answers(run_a) if r.get("error")),
-              "b": sum(1 for r in load_answers(run_b) if r.get("error"))}
-    result = g.quality_gate(n=overall.n, score_a=overall.score_a, score_b=overall.score_b,
-                            b=test.b if test else None, c=test.c if test else None,
-                            p=test.p if test else math.nan, equivalent=bool(tost and tost.equivalent),
-                            tost_p=tost.p if tost else math.nan, low=tost.low if tost else math.nan,
-                            high=tost.high if tost else math.nan, margin_points=gate.margin,
-                            detail={"runs": [ref_a, ref_b], "task": pair.task,
-                                    "gap": overall.gap.to_dict(), "detectable": overall.detectable})
-    return result, errors
+    return g.quality_gate(n=overall.n, score_a=overall.score_a, score_b=overall.score_b,
+                          b=test.b if test else None, c=test.c if test else None,
+                          p=test.p if test else math.nan, equivalent=bool(tost and tost.equivalent),
+                          tost_p=tost.p if tost else math.nan, low=tost.low if tost else math.nan,
+                          high=tost.high if tost else math.nan, margin_points=gate.margin,
+                          detail={"runs": [ref_a, ref_b], "task": pair.task,
+                                  "gap": overall.gap.to_dict(), "detectable": overall.detectable})
 
 
 # ----------------------------------------------------------------------------------------------- all of it
@@ -386,7 +385,7 @@ def measure(host: Host, server: Server, a: Side, b: Side, gates: g.Gates, store:
                     refs[side.label] = _eval_side(host, server, side, endpoints[side.label], gates.quality, limit,
                                                   store, refs[side.label], unit, server.port if instance else port,
                                                   {**(record_extra or {}), "side": side.label})
-                quality, eval_errors = quality_result(store, str(refs[a.label]), str(refs[b.label]), gates.quality)
+                quality = quality_result(store, str(refs[a.label]), str(refs[b.label]), gates.quality)
                 bigger = min(limit * 2, gates.quality.max_limit)
                 if quality.verdict != "undecided" or bigger <= limit:
                     break
@@ -395,8 +394,6 @@ def measure(host: Host, server: Server, a: Side, b: Side, gates: g.Gates, store:
                 limit = bigger
             result.results.append(quality)
             result.eval_runs = {label: str(ref) for label, ref in refs.items()}
-            errors[a.label] += eval_errors["a"]
-            errors[b.label] += eval_errors["b"]
             say(f"quality: {quality.figures}")
     result.errors = errors
     result.results.append(g.errors_gate(errors[a.label], errors[b.label], gates.new_errors))

@@ -26,6 +26,7 @@ from rigctl.upgrade.upgrade import PinFiles, scope, write_pin
 
 REPO = Path(__file__).resolve().parents[2]
 RIGCTL = [str(Path(sys.executable).parent / "rigctl")]
+sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "tests" / "fixtures"))
 from package_index import PackageIndex, hostile_sdist  # noqa: E402
 
@@ -164,6 +165,26 @@ def test_quality_and_overall_verdicts():
     assert g.overall([passed, g.GateResult("identity", "undecided", "z")]) == "undecided"
     assert g.first_failure([passed, failed]) is failed
     assert g.errors_gate(1, 2, 0).verdict == "fail" and g.errors_gate(2, 2, 0).verdict == "pass"
+
+
+def test_a_wrong_answer_is_the_quality_gate_s_alone_never_a_failed_request(tmp_path: Path):
+    """60 paired questions, the candidate wrong on one more (its row's ``error`` says why, as scorers write it):
+    the quality gate judges that (equivalent within 10 points), and the errors gate, fed only failed requests
+    and bench cells, is not asked to count it."""
+    from handmade_runs import eval_run
+
+    from rigctl.results.store import ResultsStore
+    from rigctl.upgrade.paired import quality_result
+
+    def rows(wrong: int) -> list[dict]:
+        return [{"id": f"q{i}", "set": "apples", "score": int(i >= wrong),
+                 **({"error": "picked 'no', gold 'yes'"} if i < wrong else {})} for i in range(60)]
+
+    eval_run(tmp_path, "desktop", "eval-20261203T010000Z-000a", "m", rows(27))
+    eval_run(tmp_path, "desktop", "eval-20261203T010100Z-000b", "m", rows(28))
+    result = quality_result(ResultsStore(tmp_path), "desktop/eval-20261203T010000Z-000a",
+                            "desktop/eval-20261203T010100Z-000b", g.QualityGate(task="apples", margin=10))
+    assert result.gate == "quality" and result.verdict == "pass" and result.n == 60, result.figures
 
 
 # ----------------------------------------------------------------------------------------------- flags
