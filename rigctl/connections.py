@@ -1,6 +1,6 @@
 """The connections of one command: a scope in which every SSH session to a host is the same connection.
 
-:func:`connections` opens the scope (the CLI opens one per command; :func:`rigctl.campaign.run_campaign`
+:func:`connections` opens the scope (the CLI opens one per command; :func:`rigctl.analysis.campaign.run_campaign`
 one per run); :func:`rigctl.ssh.session` hands out the scope's connection to a host, made on first use,
 and the scope closes them all when it ends. Outside a scope every session is a connection of its own.
 Stdlib only, and apart from :mod:`rigctl.ssh`: opening a scope must not cost paramiko's import (most of a

@@ -68,3 +68,16 @@ def read_mapping(path: Path, what: str, *, expected: str = "expected a mapping a
     """The file at ``path`` as :func:`parse_mapping` reads it, named ``what`` (``campaign``, ``bench spec``) in
     every message."""
     return parse_mapping(read_text(path, what, error), f"{what} {path}", expected=expected, empty=empty, error=error)
+
+
+def validated(model: Any, data: Any, origin: str | Path, error: type[RigctlError] = ConfigError) -> Any:
+    """``data`` as the pydantic ``model`` (a class) validates it; ``error`` naming ``origin`` and the first bad
+    key (``origin: matrix.p.0: Input should be a valid integer``) when it does not."""
+    from pydantic import ValidationError
+
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])  # none: the model's own check, of several keys
+        raise error(f"{origin}: {where + ': ' if where else ''}{first['msg'].removeprefix('Value error, ')}") from None

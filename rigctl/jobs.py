@@ -82,6 +82,7 @@ from pathlib import Path, PurePosixPath
 from types import MappingProxyType
 from typing import Any
 
+import rigctl
 from rigctl.errors import (
     ConfigError,
     ConnectError,
@@ -103,7 +104,6 @@ from rigctl.results.record import (
     RunRecord,
     new_run_id,
     parse_json,
-    rigctl_version,
 )
 from rigctl.results.stamp import inventory_gpu
 from rigctl.results.store import ResultsStore, read_jsonl
@@ -224,7 +224,7 @@ def job_host_spec(host: Host, spec: JobSpec, job_id: str) -> dict[str, Any]:
         "params": dict(spec.params), "lock": spec.lock, "lock_file": lock_file, "job_dir": job_dir,
         # The stamp as the inventory knows it (the GPU here); the job completes it on the host.
         "results_dir": RESULTS_DIR, "record": {"gpu": dataclasses.asdict(inventory_gpu(host)), **spec.record},
-        "rigctl_version": rigctl_version(),
+        "rigctl_version": rigctl.__version__,
         "max_runtime_s": int(spec.max_runtime_s), "stop_servers": spec.stop_servers,
         "artifacts": list(spec.artifacts), "account": {"user": account.user, "group": account.group},
         # Writable: the run directory, nothing else.
@@ -263,6 +263,18 @@ def start(host: Host, spec: JobSpec, *, job_id: str | None = None, client: SshCl
     log.info("%s: started %s (unit %s)", host.name, job_id, unit_name(job_id))
     return JobInfo(host=host.name, id=job_id, kind=spec.kind, unit=unit_name(job_id), state="starting",
                    run_dir=f"{RESULTS_DIR}/{host.name}/{job_id}", lock=spec.lock)
+
+
+def start_each(hosts: Iterable[Host], spec_for: Callable[[Host], JobSpec]) -> dict[str, JobInfo | RigctlError]:
+    """One job per host, each from ``spec_for(host)``; per host name its job or what stopped it (a spec the
+    host cannot run, a busy lock, a failed start): one host's error never stops the others."""
+    out: dict[str, JobInfo | RigctlError] = {}
+    for host in hosts:
+        try:
+            out[host.name] = start(host, spec_for(host))
+        except RigctlError as exc:
+            out[host.name] = exc
+    return out
 
 
 def list_jobs(host: Host, *, client: SshClient | None = None) -> list[JobInfo]:

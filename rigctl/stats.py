@@ -9,6 +9,10 @@ of the questions. Two paths draw from the same bootstrap distribution:
   (``resamples x 3`` numbers instead of ``resamples x n``);
 * any other scores: question indices are resampled in chunks that bound memory.
 
+Values that come in clusters (the tokens of a text's chunks, scored in one context each, so not independent
+of their neighbours) are resampled as whole clusters, and any statistic of the pooled values (a mean, a
+percentile; of several paired quantities at once) is taken over each resample (:func:`bootstrap_clusters`).
+
 Bench speed ratios resample each side's per-repetition samples independently (repetitions of two
 artifacts are not paired) and take the ratio of the means.
 
@@ -32,7 +36,7 @@ Every function is deterministic per seed and safe on empty input (an :class:`Int
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -47,7 +51,7 @@ DEFAULT_LEVEL = 0.95
 #: Elements per chunk of the index path (resamples x questions): ~32 MB of int64 indices at a time.
 _CHUNK_ELEMENTS = 4_000_000
 
-Method = Literal["counts", "indices", "none"]
+Method = Literal["counts", "indices", "clusters", "none"]
 
 
 @dataclass(frozen=True)
@@ -238,6 +242,40 @@ def bootstrap_rate_ratio(
     low, high = _bounds(rate_b[valid] / rate_a[valid], level)
     estimate = (nb.sum() / db.sum()) / (na.sum() / da.sum())
     return Interval(float(estimate), low, high, int(min(na.size, nb.size)), resamples, level, "indices")
+
+
+def bootstrap_clusters(
+    values: np.ndarray,
+    statistic: Callable[[np.ndarray], np.ndarray],
+    *,
+    resamples: int = DEFAULT_RESAMPLES,
+    seed: int = DEFAULT_SEED,
+    level: float = DEFAULT_LEVEL,
+) -> Interval:
+    """``statistic`` of values in equal clusters with its percentile interval over resamples of whole
+    clusters. ``values``: ``(clusters, per_cluster)``, or ``(clusters, per_cluster, k)`` for k quantities
+    measured on the same items (paired: one resample draws the same clusters for all). ``statistic`` maps
+    pooled draws ``(r, clusters * per_cluster[, k])`` to ``(r,)`` (e.g. ``lambda d: d.mean(axis=1)``,
+    ``lambda d: np.percentile(d, 99, axis=1)``); the estimate is it over the values as they are. ``n`` counts
+    the clusters. Draws are made in chunks that bound memory."""
+    _check(resamples, level)
+    x = np.asarray(values, dtype=np.float64)
+    if x.ndim not in (2, 3):
+        raise ValueError(f"clustered values need shape (clusters, per_cluster[, k]), got {x.shape}")
+    clusters = x.shape[0]
+    if clusters == 0 or x.shape[1] == 0:
+        return _empty(resamples, level)
+    pooled = x.reshape(1, clusters * x.shape[1], *x.shape[2:])
+    estimate = float(statistic(pooled)[0])
+    rng = np.random.default_rng(seed)
+    per_chunk = max(1, _CHUNK_ELEMENTS // x.size)
+    draws = np.empty(resamples, dtype=np.float64)
+    for start in range(0, resamples, per_chunk):
+        stop = min(resamples, start + per_chunk)
+        idx = rng.integers(0, clusters, size=(stop - start, clusters))
+        draws[start:stop] = statistic(x[idx].reshape(stop - start, clusters * x.shape[1], *x.shape[2:]))
+    low, high = _bounds(draws, level)
+    return Interval(estimate, low, high, clusters, resamples, level, "clusters")
 
 
 # ----------------------------------------------------------------------------------------------- tests

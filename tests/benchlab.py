@@ -42,7 +42,7 @@ def rigctl(*args: str, results: Path, timeout: float = 600) -> subprocess.Comple
 def assert_deployed(server, inventory: Inventory, host: str, instance: str) -> None:
     """``server`` (a record's :class:`rigctl.results.record.Server`) carries the argv the unit runs: the
     instance's binary link and its arguments file as the role rendered it, read from the rig here."""
-    from rigctl.servers import deployed_argv
+    from rigctl.fleet.servers import deployed_argv
     from rigctl.ssh import SshClient, SshTarget
 
     served = inventory.host(host).server(instance)

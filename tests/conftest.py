@@ -3,8 +3,10 @@ per test session and torn down at its end."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -107,3 +109,17 @@ def lab_served(lab_up: Inventory) -> Iterator[Inventory]:
     run_playbook(lab_up, "site.yml").raise_for_failures()
     wait_healthy(lab_up)
     yield lab_up
+
+
+def check_mode_play(inventory: Inventory, extravars: dict, tags: str = "llama_cpp", limit: str = "desktop") -> str:
+    """What ``playbooks/site.yml --check`` prints for ``limit`` with these tags and variables (the roles'
+    plan lines); it must succeed. Nothing on the host changes."""
+    from rigctl.fleet.deploy import ansible_env
+
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(inventory.source), "playbooks/site.yml",
+         "--check", "--tags", tags, "--limit", limit, "-e", json.dumps(extravars)],
+        cwd=repo, env={**os.environ, **ansible_env(repo)}, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    return proc.stdout

@@ -12,7 +12,7 @@ speedup over the baseline (overall: the geometric mean of the per-prompt speedup
 baseline's reply to the same prompt.
 
 Instances that are not running (drafting instances are often kept disabled) are started for the
-race and stopped after, unless ``start=False`` (:func:`rigctl.servers.running`). The run is written to
+race and stopped after, unless ``start=False`` (:func:`rigctl.fleet.servers.running`). The run is written to
 the controller's results store as a ``spec`` run: ``requests.jsonl`` (one line per request: contender,
 prompt, temperature, repeat, tokens, tokens_per_s, draft_n, draft_n_accepted, text, finish_reason), ``metrics.json``
 (``llamacpp:spec_decode_*`` deltas per contender) and ``run.json``, made before the race starts
@@ -34,13 +34,13 @@ from typing import Any
 import numpy as np
 
 from rigctl.errors import ConfigError
+from rigctl.fleet.servers import running
 from rigctl.inputs import parse_mapping, read_text
 from rigctl.inventory import Host, Server
 from rigctl.llama_http import ServerClient, Timeouts
 from rigctl.results.run import open_run
 from rigctl.results.stamp import inventory_server, inventory_stamp, with_props
 from rigctl.results.store import ResultsStore
-from rigctl.servers import running
 from rigctl.ssh import session
 
 log = logging.getLogger(__name__)

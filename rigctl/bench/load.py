@@ -187,10 +187,10 @@ def run_load(
 ) -> LoadResult:
     """The load curve of ``instance`` on ``host`` through a probe with a slot per client; saved to ``store``.
     ``requests``: per level (default four per client, at least 8)."""
+    from rigctl.fleet.servers import probe_server, probe_unit, stopped
     from rigctl.llama_http import ServerClient
     from rigctl.results.run import open_run
     from rigctl.results.stamp import inventory_server, inventory_stamp, with_props
-    from rigctl.servers import probe_server, probe_unit, stopped
     from rigctl.ssh import session
 
     levels = parse_levels(list(concurrency))

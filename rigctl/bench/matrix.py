@@ -47,12 +47,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from rigctl.errors import ConfigError, RigctlError
 from rigctl.hostside.bench_cells import CELLS_FILE
 from rigctl.hostside.bench_task import plan_cells
-from rigctl.inputs import read_mapping
+from rigctl.inputs import read_mapping, validated
 from rigctl.inventory import Host, Inventory
 from rigctl.results.record import parse_json
 from rigctl.results.store import StoredRun, read_jsonl, run_file
@@ -122,12 +122,7 @@ class BenchSpec(_Strict):
 
 def parse_spec(data: Mapping[str, Any], origin: str) -> BenchSpec:
     """A bench spec from a mapping (YAML or CLI); ConfigError naming the first bad key."""
-    try:
-        return BenchSpec.model_validate(dict(data))
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "spec"
-        raise ConfigError(f"{origin}: {where}: {first['msg']}") from None
+    return validated(BenchSpec, dict(data), origin)
 
 
 def load_spec(path: Path, overrides: Mapping[str, Any] | None = None) -> BenchSpec:
@@ -186,13 +181,7 @@ def start_bench(inventory: Inventory, spec: BenchSpec) -> dict[str, jobs.JobInfo
     from rigctl import jobs
 
     hosts = inventory.select(spec.hosts, where="the bench's hosts (-H, or hosts: in its spec)")
-    out: dict[str, jobs.JobInfo | RigctlError] = {}
-    for host in hosts:
-        try:
-            out[host.name] = jobs.start(host, bench_job_spec(host, spec))
-        except RigctlError as exc:
-            out[host.name] = exc
-    return out
+    return jobs.start_each(hosts, lambda host: bench_job_spec(host, spec))
 
 
 # ----------------------------------------------------------------------------------------------- parsers

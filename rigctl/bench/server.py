@@ -6,10 +6,10 @@ Three measurements, each optional, written to the results store as a ``server-sp
   filler text and checked with the server's ``/tokenize``) a streamed chat request, prompt cache
   off: time to first token (client clock), prefill and decode tokens/s (server timings).
 * **Model load time** (``load.jsonl``): ``systemctl restart llama-server@NAME`` until ``/health``
-  answers 200, ``load_runs`` times (:func:`rigctl.servers.restart_instance`).
+  answers 200, ``load_runs`` times (:func:`rigctl.fleet.servers.restart_instance`).
 * **GPU memory per context size** (``memory.jsonl``): the instance is stopped; for each context
   size a probe server with the instance's own arguments but ``-c SIZE`` (and a spare port) runs as a
-  transient unit (:func:`rigctl.servers.probe_server`), and ``nvidia-smi``'s memory.used is read once it
+  transient unit (:func:`rigctl.fleet.servers.probe_server`), and ``nvidia-smi``'s memory.used is read once it
   is healthy; the instance is started again after. The KV-cache growth per token is the slope of a
   least-squares line through (context size, MiB), in bytes per token.
 
@@ -26,12 +26,12 @@ from pathlib import Path
 
 import numpy as np
 
+from rigctl.fleet.servers import probe_server, restart_instance, stopped, wait_ready
 from rigctl.inventory import Host, Server
 from rigctl.llama_http import ServerClient, Timeouts
 from rigctl.results.run import open_run
 from rigctl.results.stamp import inventory_server, inventory_stamp, with_props
 from rigctl.results.store import ResultsStore
-from rigctl.servers import probe_server, restart_instance, stopped, wait_ready
 from rigctl.ssh import SshClient, session
 
 log = logging.getLogger(__name__)

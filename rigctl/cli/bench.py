@@ -11,7 +11,6 @@ import typer
 from rigctl.cli.common import (
     ResultsOption,
     console,
-    err_console,
     load_inventory,
     parse_ints,
     parse_words,
@@ -19,8 +18,8 @@ from rigctl.cli.common import (
     results_store,
 )
 from rigctl.cli.preloading import INVENTORY_COMMANDS
-from rigctl.cli.render import outside_text, print_progress, print_pull
-from rigctl.errors import ConfigError, RigctlError
+from rigctl.cli.render import follow_started
+from rigctl.errors import ConfigError
 
 app = typer.Typer(no_args_is_help=True, help="Speed benches: llama-bench matrices, server speed, drafter race.")
 
@@ -90,21 +89,8 @@ def bench_run(
     inv = load_inventory()
     # The command's connection scope (see rigctl.cli.main.main): starting, following and pulling share one per host.
     started = start_bench(inv, spec)
-    failed = False
-    for host, outcome in started.items():
-        if isinstance(outcome, RigctlError):
-            err_console.print(outside_text(f"error: {outcome}"), soft_wrap=True)
-            failed = True
-        else:
-            console.print(f"{host}: started {outcome.id} (unit {outcome.unit})", markup=False, highlight=False)
-    if wait:
-        followed = jobs.follow_and_pull(
-            inv, {host: info.id for host, info in started.items() if not isinstance(info, RigctlError)},
-            results_store(results), on_progress=print_progress)
-        failed |= not all(isinstance(f, jobs.Followed) and f.done for f in followed.values())
-        failed |= not print_pull({host: f.pulled if isinstance(f, jobs.Followed) else f
-                                  for host, f in followed.items()})
-    if failed:
+    ok, _ = follow_started(inv, started, results_store(results) if wait else None)
+    if not ok:
         raise typer.Exit(1)
 
 

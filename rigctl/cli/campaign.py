@@ -1,4 +1,4 @@
-"""``rigctl campaign run``: run what a campaign's report still lacks; the work is in :mod:`rigctl.campaign`."""
+"""``rigctl campaign run``: run what a campaign's report still lacks; the work is in :mod:`rigctl.analysis.campaign`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ app = typer.Typer(no_args_is_help=True, help="Campaign files: run what a report 
 def campaign_run(campaign: CampaignArg, results: ResultsOption = None) -> None:
     """Pull every host, then run the benches and evals the campaign's report still lacks (stopped eval
     runs resume). Safe to interrupt and run again."""
-    from rigctl.campaign import describe, load_campaign, run_campaign
+    from rigctl.analysis.campaign import describe, load_campaign, run_campaign
 
     loaded = load_campaign(campaign)
     outcomes = run_campaign(loaded, load_inventory(), results_store(results),

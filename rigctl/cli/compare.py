@@ -184,7 +184,7 @@ def print_load_comparison(stored, **bootstrap: int) -> None:
 
 def compare(
     runs: Annotated[list[str], typer.Argument(help="Runs by id, host/id or directory (two or more; one bench run "
-                                                    "with two models also works).")],
+                                                    "with two models, or one kld run, also works).")],
     force: Annotated[bool, typer.Option("--force", help="Compare eval runs of different task files or datasets.")
                      ] = False,
     cutoff_as_right: Annotated[bool, typer.Option("--cutoff-as-right", help="Also score every cut-off reply as right."
@@ -225,6 +225,11 @@ def compare(
     stored = [store.find(ref) for ref in runs]
     if all(run.record.kind == "load" for run in stored):
         print_load_comparison(stored, **bootstrap)
+        return
+    if all(run.record.kind == "kld" for run in stored):
+        from rigctl.cli.eval import print_kld
+
+        print_kld(stored, **bootstrap)
         return
     if all(run.record.kind == "bench" for run in stored):
         bench = compare_bench_runs(stored, by=by, **bootstrap)

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from rigctl.cli.common import console, load_inventory
+from rigctl.cli.common import ResultsOption, console, load_inventory, results_store
 from rigctl.errors import ConfigError
 from rigctl.hostside.scorers import GSM8K_SCORES
 
@@ -220,3 +220,75 @@ def eval_fetch(task: Annotated[str, typer.Argument(help="Shipped task name or ta
     for file in loaded.files:
         console.print(f"{file.key}: {file.sha256} {file.path}", markup=False, highlight=False)
     console.print(f"{loaded.name}: {len(loaded.questions)} questions", highlight=False)
+
+
+@app.command("kld")
+def eval_kld(
+    hosts: Annotated[str, typer.Option("--hosts", "-H", help="Hosts or groups, comma-separated.")],
+    reference: Annotated[str, typer.Option("--reference", "-r", help="The reference artifact (bf16 or Q8_0).")],
+    models: Annotated[str, typer.Option("--models", "-m", help="Quantised artifacts, comma-separated.")],
+    text: Annotated[Path, typer.Option("--text", help="The text to score (a file here; shipped and hashed).")],
+    ctx: Annotated[int, typer.Option("--ctx", "-c", help="Tokens per chunk (llama-perplexity -c).")] = 512,
+    chunks: Annotated[int | None, typer.Option("--chunks", help="Chunks to score (default: all the text has).")]
+    = None,
+    batch: Annotated[int | None, typer.Option("--batch", "-b", help="llama-perplexity -b.")] = None,
+    threads: Annotated[int | None, typer.Option("--threads", "-t", help="llama-perplexity -t.")] = None,
+    ngl: Annotated[int | None, typer.Option("--ngl", help="GPU layers (llama-perplexity -ngl).")] = None,
+    max_logits_gib: Annotated[float, typer.Option(
+        "--max-logits-gib", help="Refuse when the reference's logits file could grow past this.")] = 16.0,
+    keep_servers: Annotated[bool, typer.Option("--keep-servers", help="Leave llama-server instances running.")]
+    = False,
+    wait: Annotated[bool, typer.Option("--wait", help="Stream progress, pull and print the results.")] = False,
+    results: ResultsOption = None,
+) -> None:
+    """KL divergence of quantised artifacts against their reference with llama-perplexity, as a job on each
+    host: mean KLD, its 99th percentile and the same-top-1 share, with intervals over the text's chunks."""
+    from rigctl import jobs
+    from rigctl.cli.render import follow_started
+    from rigctl.evals.kld import KLD_TASK, parse_spec, start_kld
+
+    spec = parse_spec({"hosts": [h for h in hosts.split(",") if h], "reference": reference,
+                       "models": [m for m in models.split(",") if m], "text": text, "ctx": ctx, "chunks": chunks,
+                       "batch": batch, "threads": threads, "ngl": ngl, "max_logits_gib": max_logits_gib,
+                       "stop_servers": not keep_servers}, "command line")
+    jobs.task_sources(KLD_TASK)
+    inventory = load_inventory()
+    started = start_kld(inventory, spec)
+    store = results_store(results) if wait else None
+    ok, done = follow_started(inventory, started, store)
+    if store is not None and done:
+        print_kld([store.find(f"{f.job.host}/{f.job.id}") for f in done])
+    if not ok:
+        raise typer.Exit(1)
+
+
+def print_kld(runs: list[Any], **bootstrap: int) -> None:
+    """Each KLD run's artifacts against their reference, then the paired gaps between runs and artifacts that
+    scored the same tokens (hosts against each other, artifacts against each other)."""
+    from rigctl.analysis.kld import (
+        GAP_HEADER,
+        ROW_HEADER,
+        gap_cells,
+        kld_results,
+        paired_gaps,
+        result_cells,
+    )
+
+    scored = [(run, result) for run in runs for result in kld_results(run, **bootstrap)]
+    if not scored:
+        raise ConfigError("no KLD results in " + ", ".join(f"{r.host}/{r.id}" for r in runs))
+    table = Table(title=f"KL divergence against the reference, llama-perplexity's numbers with 95% intervals "
+                        f"over chunks ({scored[0][1].corpus}, -c {scored[0][1].ctx})")
+    for column in ROW_HEADER:
+        table.add_column(column, justify="left" if column in ("host", "artifact", "vs") else "right")
+    for _, result in scored:
+        table.add_row(*result_cells(result))
+    console.print(table)
+    gaps = paired_gaps(scored, **bootstrap)
+    if gaps:
+        table = Table(title="paired on the same tokens")
+        for column in GAP_HEADER:
+            table.add_column(column, justify="left" if column == "B - A" else "right")
+        for gap in gaps:
+            table.add_row(*gap_cells(gap))
+        console.print(table)

@@ -76,3 +76,31 @@ def print_pull(results: dict[str, Any]) -> bool:
             err_console.print(outside_text(line), soft_wrap=True)
             ok = False
     return ok
+
+
+def follow_started(inventory: Any, started: dict[str, Any], store: Any | None) -> tuple[bool, list[Any]]:
+    """Each host's started job (a :class:`rigctl.jobs.JobInfo`) or why it did not start; with ``store``, every
+    job followed to its end (its progress printed), its host pulled and the pull printed. Returns whether all
+    of it went well, and the jobs followed that ended done (:class:`rigctl.jobs.Followed`)."""
+    from rigctl import jobs
+
+    ok = True
+    for host, outcome in started.items():
+        if isinstance(outcome, RigctlError):
+            err_console.print(outside_text(f"error: {outcome}"), soft_wrap=True)
+            ok = False
+        else:
+            console.print(f"{host}: started {outcome.id} (unit {outcome.unit})", markup=False, highlight=False)
+    if store is None:
+        return ok, []
+    followed = jobs.follow_and_pull(
+        inventory, {host: info.id for host, info in started.items() if not isinstance(info, RigctlError)}, store,
+        on_progress=print_progress)
+    done = [f for f in followed.values() if isinstance(f, jobs.Followed) and f.done]
+    for host, outcome in followed.items():
+        if isinstance(outcome, jobs.Followed) and not outcome.done:
+            err_console.print(outside_text(f"error: {host}: job {outcome.job.id} ended {outcome.job.state}"
+                                           + (f": {outcome.job.error}" if outcome.job.error else "")), soft_wrap=True)
+    ok &= len(done) == len(followed)
+    ok &= print_pull({host: f.pulled if isinstance(f, jobs.Followed) else f for host, f in followed.items()})
+    return ok, done

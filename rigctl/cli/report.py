@@ -20,8 +20,8 @@ def report(
     """Build the campaign's Markdown report with PNG charts from pulled results: speed with ratios,
     quality with intervals, comparisons, sensitivity, answer habits and a scope line; every number
     links to its raw files. Given an upgrade or bisect run instead: its builds, gates, verdict and rollout."""
+    from rigctl.analysis.campaign import load_campaign
     from rigctl.analysis.report import build_report, default_out_dir
-    from rigctl.campaign import load_campaign
 
     if not campaign.is_file() and campaign.suffix not in (".yml", ".yaml"):
         from rigctl.analysis.report.build import build_run_report

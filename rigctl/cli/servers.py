@@ -24,7 +24,7 @@ def servers_list(
     """Every instance: systemd state and main PID, port, model and build (/props), health."""
     if ctx.invoked_subcommand is not None:
         return
-    from rigctl.servers import list_servers
+    from rigctl.fleet.servers import list_servers
 
     rows = list_servers(load_inventory(), limit)
     table = Table(title="llama-server instances")
@@ -54,7 +54,7 @@ def servers_restart(
     timeout: Annotated[float, typer.Option(help="Seconds to wait for /health 200.")] = 120.0,
 ) -> None:
     """Restart one instance and wait until it answers /health 200."""
-    from rigctl.servers import restart
+    from rigctl.fleet.servers import restart
 
     status = restart(load_inventory(), host, server, timeout)
     console.print(outside_text(f"{status.host}/{status.name}: {status.state}, pid {status.main_pid}, {status.model} "
@@ -68,6 +68,6 @@ def servers_logs(
     lines: Annotated[int, typer.Option("-n", "--lines", help="Journal lines.")] = 50,
 ) -> None:
     """The last journal lines of one instance."""
-    from rigctl.servers import logs
+    from rigctl.fleet.servers import logs
 
     console.print(outside_text(logs(load_inventory(), host, server, lines), lines=True), end="")

@@ -32,7 +32,7 @@ from rigctl.errors import EvalError
 from rigctl.files import HashLock, cache_dir
 from rigctl.hostside.token_origin import bearer_header
 from rigctl.inputs import read_text
-from rigctl.results.record import file_sha256
+from rigctl.results.record import file_sha256, json_objects
 from rigctl.trust import register_secret
 
 log = logging.getLogger(__name__)
@@ -193,15 +193,5 @@ def read_records(path: Path) -> list[dict[str, Any]]:
             if not isinstance(row, dict):
                 raise EvalError(f"{path}: record {number} is a {type(row).__name__}, not a JSON object")
     else:
-        rows = []
-        for number, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise EvalError(f"{path}:{number}: not a JSON line ({exc.msg})") from None
-            if not isinstance(row, dict):
-                raise EvalError(f"{path}:{number}: a {type(row).__name__}, not a JSON object")
-            rows.append(row)
+        rows = json_objects(text.splitlines(), path, error=EvalError)
     return rows

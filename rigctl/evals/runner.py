@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import rigctl
 from rigctl.errors import ConfigError, EvalError, RigctlError, ServerError, UnreadableAnswer
 from rigctl.evals.fanout import FanOut
 from rigctl.evals.target import Target
@@ -32,7 +33,7 @@ from rigctl.evals.tasks import LoadedTask, Question, load_task
 from rigctl.hostside import scorers
 from rigctl.hostside.scorers import summarise
 from rigctl.llama_http import DEFAULT_SEED, AsyncServerClient, Endpoint, Props, Retry, ServerClient, Timeouts
-from rigctl.results.record import ANSWERS_FILE, Provenance, Server, Task, rigctl_version
+from rigctl.results.record import ANSWERS_FILE, Provenance, Server, Task
 from rigctl.results.run import Run
 from rigctl.results.stamp import with_props
 from rigctl.results.store import ResultsStore, read_jsonl
@@ -222,7 +223,7 @@ def start_run(task: LoadedTask, endpoint: Endpoints, store: ResultsStore, host: 
     servers = list(stamp.servers) + [Server() for _ in endpoints[len(stamp.servers):]]
     stamp.servers = [with_props(s, p, e) for s, p, e in zip(servers, props, endpoints, strict=False)]
     stamp.task = task_stamp(task)
-    stamp.seed, stamp.concurrency, stamp.rigctl_version = options.seed, options.concurrency, rigctl_version()
+    stamp.seed, stamp.concurrency, stamp.rigctl_version = options.seed, options.concurrency, rigctl.__version__
     return Run.create(
         "eval", stamp, store, host=host, commands=[" ".join(redact_argv(sys.argv))],
         extra={"thinking": options.thinking, "limit": limit, "timeout_s": options.timeout,

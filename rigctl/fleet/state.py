@@ -3,7 +3,7 @@ llama.cpp build, each model file's sha256, the GPUs (``nvidia-smi``) and the ``l
 exporter (:mod:`rigctl.services.exporter`) and the MCP server's ``fleet_status``.
 
 Each host is read with one SSH command (:mod:`rigctl.hostside.fleet_state`) whose raw outputs are parsed by
-pure functions (:func:`parse_nvidia_smi` here, :func:`rigctl.servers.parse_unit_show`,
+pure functions (:func:`parse_nvidia_smi` here, :func:`rigctl.fleet.servers.parse_unit_show`,
 :func:`rigctl.fleet.build.parse_fact`, :func:`rigctl.fleet.models.parse_manifest`). Every host is read at once,
 each bounded by its own timeout, so a dead host costs one timeout and never stalls the others. Model files are
 re-hashed only when their size, mtime, ctime or inode change (:func:`rigctl.hostside.model_files.identity`), on a
@@ -25,13 +25,13 @@ from typing import Any
 from rigctl.errors import ConfigError, RigctlError, one_line
 from rigctl.fleet.build import Builds, parse_fact
 from rigctl.fleet.models import expected_sha256, parse_manifest
+from rigctl.fleet.servers import UNIT_PROPERTIES, UnitState, parse_unit_show
 from rigctl.hostside import ship
 from rigctl.hostside.llama_cpp_fact import FACT_PATH
 from rigctl.inventory import Host, Inventory
 from rigctl.inventory.advisories import FloorCheck, build_number, check_build, host_allowed
 from rigctl.inventory.profiles import unit_name
 from rigctl.results.record import parse_json
-from rigctl.servers import UNIT_PROPERTIES, UnitState, parse_unit_show
 
 log = logging.getLogger(__name__)
 

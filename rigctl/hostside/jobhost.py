@@ -38,7 +38,7 @@ import sys
 import time
 from typing import Any
 
-from rigctl.hostside import stamp
+from rigctl.hostside import commands, stamp
 from rigctl.hostside.jobfiles import (
     FINAL_STATES,
     FINISHED_FILE,
@@ -293,26 +293,26 @@ def inline_files(run_dir: str, record: dict[str, Any], budget: int) -> tuple[dic
     return found, budget
 
 
+def _wait(args: list[str]) -> Any:
+    root, job_id, last, hold_s, every_s = args
+    wait_for_change(os.path.join(root, job_id), last, float(hold_s), float(every_s))
+    return list_jobs(root, job_id)
+
+
+def _runs(args: list[str]) -> Any:
+    root, unit_prefix, inline_limit, *only = args
+    return list_runs(root, unit_prefix, int(inline_limit), only)
+
+
 def main(argv: list[str]) -> int:
-    command, args = argv[0], argv[1:]
-    if command == "start":
-        answer: Any = start(json.load(sys.stdin))
-    elif command == "list":
-        answer = list_jobs(args[0], args[1] if len(args) > 1 else "")
-    elif command == "wait":
-        root, job_id, last, hold_s, every_s = args
-        wait_for_change(os.path.join(root, job_id), last, float(hold_s), float(every_s))
-        answer = list_jobs(root, job_id)
-    elif command == "seal-lost":
-        return seal_lost(args[0], args[1])
-    elif command == "runs":
-        root, unit_prefix, inline_limit, *only = args
-        answer = list_runs(root, unit_prefix, int(inline_limit), only)
-    else:
-        print(f"jobhost: unknown command {command!r}", file=sys.stderr)
-        return 2
-    print(json.dumps(answer))
-    return 0
+    if argv[:1] == ["seal-lost"]:  # answers with its exit status, not a document
+        return seal_lost(argv[1], argv[2])
+    return commands.answer("jobhost", argv, {
+        "start": lambda _args: start(json.load(sys.stdin)),
+        "list": lambda args: list_jobs(args[0], args[1] if len(args) > 1 else ""),
+        "wait": _wait,
+        "runs": _runs,
+    })
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ import socket
 import subprocess
 import sys
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -203,6 +204,26 @@ class Job:
         if self.stopping:
             raise Stopped()
         return subprocess.CompletedProcess(argv, rc, captured_out or b"", captured_err or b"")
+
+    @contextlib.contextmanager
+    def spawn(self, argv: list[str], *, stdout: Path, stderr: Path) -> Iterator[subprocess.Popen[bytes]]:
+        """Run ``argv`` (recorded in the run record's commands) while the block reads what it writes (a FIFO);
+        a SIGTERM terminates it as it does :meth:`run`'s child, and leaving the block kills it if it still
+        runs. The block waits for it (``proc.wait``) and judges its exit status."""
+        if self.stopping:
+            raise Stopped()
+        self.record.commands.append(shlex.join(argv))
+        with open(stdout, "wb") as out, open(stderr, "wb") as err:
+            self._child = subprocess.Popen(argv, stdout=out, stderr=err)
+            try:
+                yield self._child
+            finally:
+                if self._child.poll() is None:
+                    self._child.kill()
+                self._child.wait()
+                self._child = None
+        if self.stopping:
+            raise Stopped()
 
     def gpu_query(self, fields: str) -> str | None:
         """``nvidia-smi --query-gpu=FIELDS`` (csv, no header, no units); None without nvidia-smi."""

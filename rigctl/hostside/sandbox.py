@@ -1,8 +1,8 @@
 """The sandbox of everything that runs llama.cpp code on a host: the ``llama-server@`` units, rigctl's jobs
 and the bench's probe servers. Standard library only, and no sibling imports: the llama_server role's filter
 plugin loads this file by its path to render the unit's hardening from :func:`properties`, and
-:mod:`rigctl.hostside.jobhost` (on the host) and :func:`rigctl.servers.probe_server` (on the controller) pass the same
-lines to ``systemd-run -p``, so a job or a probe is exactly as confined as the server unit.
+:mod:`rigctl.hostside.jobhost` (on the host) and :func:`rigctl.fleet.servers.probe_server` (on the controller)
+pass the same lines to ``systemd-run -p``, so a job or a probe is exactly as confined as the server unit.
 
 A model file that exploits llama.cpp gets what these properties leave: the service account, no capabilities,
 no new privileges, the file system read-only except ``read_write`` (a server's state directory, a job's run

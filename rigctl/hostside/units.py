@@ -10,7 +10,7 @@ sides. Standard library only.
 
 The job runtime runs these commands itself, as root, around a bench that takes the card from the host's
 servers (:func:`rigctl.hostside.jobrun.prepare` and ``finish``, :func:`run`); the controller sends the same
-commands over SSH (:func:`shell`) from its server lifecycle, :mod:`rigctl.servers`.
+commands over SSH (:func:`shell`) from its server lifecycle, :mod:`rigctl.fleet.servers`.
 """
 
 from __future__ import annotations

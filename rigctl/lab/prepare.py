@@ -11,6 +11,10 @@ llama.cpp build (a from-source compile, minutes on two cores). Both land in the 
    smoke-tests the build and, as the lab builds each build key once (``llama_cpp_build_once``),
    publishes it in ``<cache>/builds/``, where every later provision of a lab rig copies it from; then
    models, which takes the lab's model out of its wheel into the cache.
+3. **CUDA wheels**: NVIDIA's toolkit wheels the lab's inventory pins (``gpu_host_cuda_wheels``, when
+   ``gpu_host_cuda_source`` is ``wheels``), fetched into ``<cache>/wheels/`` by the gpu_host role's own
+   fetch (:func:`rigctl.hostside.sdist_fetch.fetch_wheel`, each checked against its pin), so the CUDA
+   configure test and ``make cuda-check`` find them there and no test downloads anything.
 
 What was prepared is recorded in ``<cache>/lab/prepared.json`` under a digest of what decides it (the
 image's name and the build rig's ``llama_cpp_*`` and ``models_*`` variables). A second run that finds the
@@ -24,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import platform
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -33,6 +38,7 @@ from typing import Any
 
 from rigctl.errors import LabError
 from rigctl.files import write_atomically
+from rigctl.hostside.sdist_fetch import SdistFetchError, fetch_wheel
 from rigctl.inventory import Host, Inventory
 from rigctl.lab.rigs import Lab
 
@@ -155,7 +161,29 @@ def prepare(
             record.save(record_path)
             outcome["made"] = True
         outcome["detail"] = f"{record.build} in {record.artifact}"
+
+    wheels = build_rig.vars.get("gpu_host_cuda_wheels") or []
+    if build_rig.vars.get("gpu_host_cuda_source") == "wheels" and wheels:
+        with _timed("CUDA wheels", steps, on_step) as outcome:
+            outcome.update(fetch_cuda_wheels(wheels, config.cache_dir / "wheels"))
     return steps
+
+
+def fetch_cuda_wheels(wheels: list[dict[str, Any]], dest_dir: Path) -> dict[str, Any]:
+    """Each pinned wheel into ``dest_dir`` (where the gpu_host role's controller-side fetch puts it),
+    fetched only when no file there has its pinned sha256."""
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    before = set(dest_dir.iterdir())
+    for wheel in wheels:
+        requirement = f"{wheel['name']}=={wheel['version']}"
+        try:
+            fetch_wheel(requirement, dest_dir, wheel["sha256"], machine=platform.machine())
+        except SdistFetchError as exc:
+            raise LabError(f"lab prepare: CUDA wheel {requirement}: {exc}") from None
+    made = set(dest_dir.iterdir()) - before
+    size = sum(path.stat().st_size for path in made)
+    return {"made": bool(made), "detail": f"{len(wheels)} pinned wheels in {dest_dir}"
+            + (f", {len(made)} fetched ({size / 1e6:.0f} MB)" if made else "")}
 
 
 def _build_rig(inventory: Inventory, lab: Lab) -> Host:

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rigctl.errors import ConfigError
+from rigctl.errors import ConfigError, RigctlError
 from rigctl.hostside import runrecord
 from rigctl.hostside.model_files import file_sha256
 from rigctl.hostside.runrecord import (
@@ -44,10 +46,12 @@ from rigctl.hostside.runrecord import (
     utc_now,
 )
 
+log = logging.getLogger(__name__)
+
 __all__ = ["ANSWERS_FILE", "CTX_FLAGS", "DEFERRED_DEPTH", "JSON_DEPTH", "PROVENANCE_FIELDS", "RECORD_VERSION",
            "RUN_FILE", "RUN_ID", "RUN_KINDS", "Artifact", "Gpu", "LlamaCppBuild", "Provenance", "RawFile",
            "RunKind", "RunRecord", "RunStatus", "Server", "Task", "check_json", "file_sha256", "flag_value",
-           "new_run_id", "parse_json", "rigctl_version", "upgrade", "utc_now"]
+           "new_run_id", "json_objects", "parse_json", "upgrade", "utc_now"]
 
 #: Deepest nesting read from a record, a JSONL row or a host's answer: records nest a few levels, and what
 #: walks them afterwards (pydantic, dataclasses.asdict, json.dumps, rich) recurses once or more per level.
@@ -58,16 +62,6 @@ DEFERRED_DEPTH = 8 * JSON_DEPTH
 #: Integers in them fit 64 bits (sizes, pids, seeds, counts): a longer one is no measurement, and float()
 #: or arithmetic on it fails far from where it was read.
 _INT_LOW, _INT_HIGH = -(2**63), 2**64 - 1
-
-
-def rigctl_version() -> str:
-    """This rigctl's version, as its records carry it ("" when not installed as a package)."""
-    from importlib import metadata
-
-    try:
-        return metadata.version("rigctl")
-    except metadata.PackageNotFoundError:
-        return ""
 
 
 def parse_json(text: str, origin: str, *, deferred: bool = False) -> Any:
@@ -91,6 +85,28 @@ def parse_json(text: str, origin: str, *, deferred: bool = False) -> Any:
         raise
     except ValueError as exc:  # _int64's
         raise ConfigError(f"{origin}: {exc}") from None
+
+
+def json_objects(lines: Sequence[str], origin: str | Path, *, error: type[RigctlError] = ConfigError,
+                 torn_tail: bool = False) -> list[dict[str, Any]]:
+    """JSON lines as objects, each held to :func:`parse_json`'s bounds; blank lines are skipped. A bad line
+    is ``error`` naming ``origin`` and the line, except a last line that is not JSON when ``torn_tail`` (a
+    run stopped mid-write leaves one): it is left out with a warning."""
+    rows: list[dict[str, Any]] = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = parse_json(line, f"{origin}:{number}")
+        except json.JSONDecodeError as exc:
+            if torn_tail and number == len(lines):
+                log.warning("%s: ignoring a torn last line", origin)
+                break
+            raise error(f"{origin}:{number}: not a JSON line ({exc.msg})") from None
+        if not isinstance(row, dict):
+            raise error(f"{origin}:{number}: a {type(row).__name__}, not a JSON object")
+        rows.append(row)
+    return rows
 
 
 #: A JSON string (escapes included), and what nests.

@@ -17,10 +17,11 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import rigctl
 from rigctl.errors import ConfigError, RigctlError
 from rigctl.hostside import ship
 from rigctl.inventory import Host, profiles
-from rigctl.results.record import Artifact, Gpu, Provenance, Server, Task, parse_json, rigctl_version
+from rigctl.results.record import Artifact, Gpu, Provenance, Server, Task, parse_json
 from rigctl.trust import redact_argv
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ def inventory_stamp(host: Host, servers: Sequence[Server] = (), *, artifacts: Se
     concurrency."""
     return Provenance(host=host.name, gpu=inventory_gpu(host), servers=list(servers),
                       artifacts=[Artifact(name=name, path=host.artifact(name).path) for name in artifacts],
-                      task=task, matrix=matrix, seed=seed, concurrency=concurrency, rigctl_version=rigctl_version())
+                      task=task, matrix=matrix, seed=seed, concurrency=concurrency, rigctl_version=rigctl.__version__)
 
 
 def complete_on_host(ssh: SshClient, stamp: Provenance, *, notes: list[str] | None = None) -> Provenance:

@@ -7,7 +7,6 @@ names: nothing a record or a rig says can place a run outside the root.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -16,7 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from rigctl.errors import ConfigError, TrustError
-from rigctl.results.record import RUN_FILE, RunRecord, file_sha256, parse_json
+from rigctl.results.record import RUN_FILE, RunRecord, file_sha256, json_objects
 
 log = logging.getLogger(__name__)
 
@@ -93,27 +92,13 @@ class ResultsStore:
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """Objects of a JSONL file; a torn last line (a run stopped mid-write) is ignored, any other bad line
     (not JSON, not an object) is a ConfigError naming the file and line."""
-    rows: list[dict[str, Any]] = []
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = parse_json(line, f"{path}:{number}")
-        except json.JSONDecodeError:
-            if number == len(lines):
-                log.warning("%s: ignoring a torn last line", path)
-                break
-            raise ConfigError(f"{path}:{number}: not a JSON line") from None
-        if not isinstance(row, dict):
-            raise ConfigError(f"{path}:{number}: a {type(row).__name__}, not a JSON object")
-        rows.append(row)
-    return rows
+    return json_objects(lines, path, torn_tail=True)
 
 
 def run_file(run: StoredRun, kind: str, name: str) -> Path:

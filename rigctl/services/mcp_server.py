@@ -189,7 +189,7 @@ class FleetTools:
 
     def _health(self, host: Host, instance: Any) -> dict[str, Any]:
         """One server's health; whatever its reply provokes is that server's status, not the fleet's error."""
-        from rigctl.servers import probe
+        from rigctl.fleet.servers import probe
 
         try:
             healthy, status, _model, _build = probe(instance, timeout=HEALTH_TIMEOUT)
@@ -215,7 +215,7 @@ class FleetTools:
         return out
 
     def server_logs(self, host_name: str, server: str, lines: int = 50) -> dict[str, Any]:
-        from rigctl import servers
+        from rigctl.fleet import servers
 
         host, instance = self.server(host_name, server)
         journal = servers.logs(self.inventory, host.name, instance.name, lines)
@@ -259,7 +259,7 @@ class FleetTools:
 
     def restart_server(self, host_name: str, server: str) -> dict[str, Any]:
         self.require_actions("restart_server")
-        from rigctl import servers
+        from rigctl.fleet import servers
 
         host, instance = self.server(host_name, server)
         before = servers.unit_states(host, [instance.name]).get(instance.name)
@@ -438,7 +438,7 @@ def build_server(inventory: Inventory, *, allow_actions: bool = False, results_r
     @server.tool(annotations=read_only)
     def list_results(
         host: Annotated[str | None, Field(max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")] = None,
-        kind: Literal["bench", "eval", "spec", "server-speed", "load"] | None = None,
+        kind: Literal["bench", "eval", "spec", "server-speed", "load", "kld"] | None = None,
         limit: Annotated[int, Field(ge=1, le=500, description="The newest runs to list")] = 50,
     ) -> dict[str, Any]:
         """Runs in the controller's results store (pulled from the hosts), with their scores or t/s."""

@@ -7,7 +7,7 @@ installed builds on the host. Everything reuses the bench, server, eval and comp
   alternate the builds' llama-bench on each model, clock-gated like every bench; the ratios are
   :func:`rigctl.compare.compare_bench`'s. The job stops the host's servers for its run, as every bench does.
 * **server**: each side's llama-server serving the instance's artifact with the instance's profile — the
-  instance itself for the current build, a probe (:func:`rigctl.servers.probe_server`, the build's own
+  instance itself for the current build, a probe (:func:`rigctl.fleet.servers.probe_server`, the build's own
   llama-server, another port) otherwise — asked the same filler prompts back to back, alternating which
   side goes first (:func:`rigctl.bench.server.measure_prompt`).
 * **identity**: greedy replies of both sides to the drafter race's prompts
@@ -34,10 +34,10 @@ from typing import Any
 
 from rigctl.errors import RigctlError, ServerError
 from rigctl.fleet.build import Build
+from rigctl.fleet.servers import probe_server, probe_unit, wait_ready
 from rigctl.inventory import Host, Server
 from rigctl.llama_http import Endpoint, ServerClient, Timeouts
 from rigctl.results.store import ResultsStore
-from rigctl.servers import probe_server, probe_unit, wait_ready
 from rigctl.ssh import session
 from rigctl.upgrade import gates as g
 

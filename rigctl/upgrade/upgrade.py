@@ -35,12 +35,12 @@ from rigctl.files import write_atomically
 from rigctl.fleet import candidate
 from rigctl.fleet.build import Build, read_builds
 from rigctl.fleet.candidate import CandidateBuild, CandidatePin
+from rigctl.fleet.servers import host_status, unit_states
 from rigctl.inventory import Host, Inventory, Server, advisories
 from rigctl.results.record import Provenance, RunKind
 from rigctl.results.run import Run
 from rigctl.results.stamp import inventory_server, inventory_stamp
 from rigctl.results.store import ResultsStore, StoredRun
-from rigctl.servers import host_status, unit_states
 from rigctl.ssh import session
 from rigctl.upgrade import gates as g
 from rigctl.upgrade import paired

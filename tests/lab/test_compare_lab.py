@@ -69,10 +69,10 @@ def test_check_logits_agree_with_the_float32_reference(client, reference):
 
 
 def test_lab_campaign_end_to_end(lab_served: Inventory, tmp_path: Path):
+    from rigctl.analysis.campaign import load_campaign, run_campaign
     from rigctl.analysis.compare import compare_runs
     from rigctl.analysis.habits import answer_habits
     from rigctl.analysis.report import build_report
-    from rigctl.campaign import load_campaign, run_campaign
 
     loaded = load_campaign(REPO / "campaigns" / "lab.yml")
     store = ResultsStore(tmp_path / "results")

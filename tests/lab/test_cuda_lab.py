@@ -22,7 +22,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,12 +29,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import wait_healthy
+from conftest import check_mode_play, wait_healthy
 from test_llama_cpp_lab import ccache_counters, compilations, current_target, ssh
 from test_refusals_lab import build_status, serves
 
 from rigctl.fleet.build import read_builds
-from rigctl.fleet.deploy import DeployResult, ansible_env, run_playbook
+from rigctl.fleet.deploy import DeployResult, run_playbook
 from rigctl.hostside.sdist_fetch import canonical_name
 from rigctl.inventory import Inventory
 from rigctl.lab.rigs import Lab
@@ -99,15 +98,10 @@ def cached_cuda_builds() -> list[str]:
 
 def planned(inv: Inventory) -> str:
     """The llama_cpp role's plan line for the desktop's CUDA build (check mode: nothing changes)."""
-    env = {**os.environ, **ansible_env(REPO)}
-    proc = subprocess.run(
-        [str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(inv.source), "playbooks/site.yml",
-         "--check", "--tags", "llama_cpp", "--limit", "desktop", "-e", json.dumps(CUDA_VARS)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:]
+    stdout = check_mode_play(inv, CUDA_VARS)
     match = re.search(r"desktop: would (build|copy from the controller cache) llama\.cpp (b11434-[0-9a-f]{12}) "
-                      r"\([^)]*CUDA ([0-9;]+),", proc.stdout)
-    assert match, proc.stdout[-3000:]
+                      r"\([^)]*CUDA ([0-9;]+),", stdout)
+    assert match, stdout[-3000:]
     return match.group(0)
 
 

@@ -13,9 +13,9 @@ from conftest import LAB_INVENTORY, REPO, wait_healthy
 
 from rigctl.evals.target import inventory_target
 from rigctl.fleet.deploy import run_playbook
+from rigctl.fleet.servers import deployed_argv, probe_server
 from rigctl.inventory import Inventory
 from rigctl.llama_http import ServerClient
-from rigctl.servers import deployed_argv, probe_server
 from rigctl.ssh import SshClient, SshTarget
 
 OVERRIDE_CTX = 1024

@@ -230,7 +230,7 @@ def test_a_job_cannot_write_outside_its_run_directory(served: Inventory, tmp_pat
 
 @pytest.mark.lab
 def test_a_bench_job_and_a_probe_server_are_no_more_exposed_than_the_server_unit(served: Inventory) -> None:
-    from rigctl.servers import probe_server
+    from rigctl.fleet.servers import probe_server
 
     lab = Lab.from_inventory(served)
     host = served.host("desktop")

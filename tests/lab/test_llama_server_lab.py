@@ -1,4 +1,4 @@
-"""roles/llama_server and rigctl.servers on the lab rigs: units, idempotence, targeted restarts, crash and
+"""roles/llama_server and rigctl.fleet.servers on the lab rigs: units, idempotence, targeted restarts, crash and
 reboot recovery, a failed rollout's rollback, the API key.
 """
 
@@ -14,9 +14,9 @@ from conftest import wait_healthy
 
 from rigctl.errors import DeployError
 from rigctl.fleet.deploy import run_playbook
+from rigctl.fleet.servers import list_servers, restart, unit_states
 from rigctl.inventory import Inventory
 from rigctl.llama_http import Endpoint, ServerClient
-from rigctl.servers import list_servers, restart, unit_states
 from rigctl.ssh import SshClient, SshTarget
 
 ROLE = Path(__file__).resolve().parents[2] / "roles" / "llama_server"

@@ -28,9 +28,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import check_mode_play
 
 from rigctl.errors import DeployError
-from rigctl.fleet.deploy import ansible_env, run_playbook
+from rigctl.fleet.deploy import run_playbook
 from rigctl.inventory import Host, Inventory
 from rigctl.ssh import SshClient, SshTarget
 
@@ -101,14 +102,9 @@ def broken_artifact(good: Path, name: str, key: str) -> bytes:
 
 def planned_build_name(inv: Inventory, extravars: dict[str, str]) -> str:
     """The build name the role derives for desktop with these variables (its check-mode plan line)."""
-    env = {**os.environ, **ansible_env(REPO)}
-    proc = subprocess.run(
-        [str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(inv.source), "playbooks/site.yml",
-         "--check", "--tags", "llama_cpp", "--limit", "desktop", "-e", json.dumps(extravars)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:]
-    match = re.search(r"desktop: would build llama\.cpp (b11434-[0-9a-f]{12}) ", proc.stdout)
-    assert match, proc.stdout[-3000:]
+    stdout = check_mode_play(inv, extravars)
+    match = re.search(r"desktop: would build llama\.cpp (b11434-[0-9a-f]{12}) ", stdout)
+    assert match, stdout[-3000:]
     return match.group(1)
 
 

@@ -31,10 +31,10 @@ from pathlib import Path
 import pytest
 
 from rigctl.fleet.build import read_builds
+from rigctl.fleet.servers import host_status
 from rigctl.inventory import Inventory
 from rigctl.results.record import RunRecord
 from rigctl.results.store import ResultsStore, read_jsonl
-from rigctl.servers import host_status
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))

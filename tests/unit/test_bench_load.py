@@ -65,8 +65,8 @@ def test_report_load_curve_and_deployed_decode(tmp_path) -> None:
     import yaml
     from report_check import links, tables
 
+    from rigctl.analysis.campaign import load_campaign
     from rigctl.analysis.report import build_report
-    from rigctl.campaign import load_campaign
 
     root = tmp_path / "results"
     cells = [("smollm2-135m-q4_1", [bench_record((0, 16), [40.0, 39.0, 38.0], ngl=0)])]

@@ -7,7 +7,7 @@ import pytest
 import yaml
 from handmade_runs import eval_run
 
-from rigctl.campaign import EvalTarget, eval_matches, load_campaign
+from rigctl.analysis.campaign import EvalTarget, eval_matches, load_campaign
 from rigctl.errors import ConfigError
 from rigctl.evals.fanout import FanOut
 from rigctl.evals.target import Target

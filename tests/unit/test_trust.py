@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import role_modules
+from labrigs_support import LAB_INVENTORY, REPO
 
 from rigctl import jobs
 from rigctl.errors import ConfigError, TrustError
@@ -33,8 +34,6 @@ from rigctl.trust import (
     same_origin,
 )
 
-REPO = Path(__file__).resolve().parents[2]
-LAB_INVENTORY = REPO / "inventory" / "lab"
 TOKEN = "hf_test_token_9c2e71"
 
 

@@ -327,7 +327,7 @@ def test_the_versions_the_index_offers_between_the_ends(lab_copy: Path, monkeypa
 
 
 def test_an_upgrade_as_a_campaign_step_is_found_again_by_its_record_s_tag(tmp_path: Path):
-    from rigctl.campaign import load_campaign, locate, upgrade_tag
+    from rigctl.analysis.campaign import load_campaign, locate, upgrade_tag
     from rigctl.results.record import RunRecord
     from rigctl.results.store import ResultsStore
 

@@ -1,20 +1,20 @@
 """The campaign report: Markdown with PNG charts, built only from pulled raw result files.
 
-Sections: scope line (hosts, builds, dates, repeats, runs, the smallest gap each comparison can
-detect, what is missing or was not measured); speed (mean t/s ± sd per test and model over the
-unthrottled cells, ratio with a bootstrap interval from the per-repetition samples, cold -> steady,
-the throttled cells, a by-depth table for depth sweeps, every tg figure against the memory-bandwidth
-bound of :mod:`rigctl.bench.bandwidth` with impossible ones flagged instead of printed); quality (score per
-set and overall with intervals); the campaign's comparisons grouped as head-to-head, quantisation
-cost and what QAT is worth (paired gaps in points, McNemar's exact or a sign-flip test with the
-discordant counts, Holm-adjusted p-values across the campaign's comparisons, the equivalence
-verdict) with a forest plot of every gap against its equivalence band; flips (questions right ->
-wrong and wrong -> right, each listed with both replies in a flips file beside the report); drafting
-speedups (rigctl bench spec races); load curves (rigctl bench load) and deployed decode over
-llama-bench tg; sensitivity (the gap under each switch); answer habits; the runs used. Every number
-is a link to the raw file(s) it was computed from (llama-bench JSON of each cell, ``answers.jsonl``,
-the race's and the load curve's ``requests.jsonl``), relative to the report, so the report stays
-valid when the results tree and the report move together.
+Sections: scope line (hosts, builds, dates, repeats, runs, the smallest gap each comparison can detect, what
+is missing or was not measured); speed (mean t/s ± sd per test and model over the unthrottled cells, ratio
+with a bootstrap interval from the per-repetition samples, cold -> steady, the throttled cells, a by-depth
+table for depth sweeps, every tg figure against the memory-bandwidth bound of :mod:`rigctl.bench.bandwidth`
+with impossible ones flagged instead of printed); quality (score per set and overall with intervals); the
+campaign's comparisons grouped as head-to-head, quantisation cost and what QAT is worth (paired gaps in
+points, McNemar's exact or a sign-flip test with the discordant counts, Holm-adjusted p-values across the
+campaign's comparisons, the equivalence verdict) with a forest plot of every gap against its equivalence band;
+flips (questions right -> wrong and wrong -> right, each listed with both replies in a flips file beside the
+report); KL divergence against the reference (mean, 99th percentile and same top-1 with intervals over chunks,
+and the paired gaps between hosts and between artifacts); drafting speedups (rigctl bench spec races); load
+curves (rigctl bench load) and deployed decode over llama-bench tg; sensitivity (the gap under each switch);
+answer habits; the runs used. Every number is a link to the raw file(s) it was computed from (llama-bench JSON
+of each cell, ``answers.jsonl``, the race's and the load curve's ``requests.jsonl``), relative to the report,
+so the report stays valid when the results tree and the report move together.
 """
 
 from __future__ import annotations
@@ -26,9 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rigctl.analysis.campaign import LoadedCampaign, Located, locate
 from rigctl.analysis.compare import (
     load_answers,
 )
+from rigctl.analysis.kld import kld_extra, load_tokens
+from rigctl.analysis.report.kld import kld_section
 from rigctl.analysis.report.markdown import Links, md_table
 from rigctl.analysis.report.quality import (
     Compared,
@@ -51,7 +54,6 @@ from rigctl.analysis.report.serving import (
 from rigctl.analysis.report.speed import bench_section
 from rigctl.analysis.report.upgrade import bisect_section, upgrade_section, upgrades_section
 from rigctl.bench.matrix import load_run_samples
-from rigctl.campaign import LoadedCampaign, Located, locate
 from rigctl.errors import ConfigError, one_line
 from rigctl.files import write_atomically
 from rigctl.results.record import RUN_FILE
@@ -119,14 +121,15 @@ def _runs_section(found: Located, links: Links) -> list[str]:
 #: What the sections read of a run of each kind: a run whose files cannot be read is left out up front,
 #: so one bad run costs its own rows and never the report.
 _READERS: dict[str, Callable[[StoredRun], object]] = {
-    "bench": load_run_samples, "eval": load_answers, "spec": race_requests, "load": read_load_run}
+    "bench": load_run_samples, "eval": load_answers, "spec": race_requests, "load": read_load_run,
+    "kld": lambda run: [load_tokens(run, model) for model in kld_extra(run)["models"]]}
 
 
 def _leave_out_unreadable(found: Located) -> list[str]:
     """Each located run that its section cannot read becomes not pulled (None), with a warning naming it;
     one line per run left out, for the scope."""
     left_out = []
-    for slots in (found.benches, found.evals, found.drafting, found.loads):
+    for slots in (found.benches, found.evals, found.drafting, found.loads, found.klds):
         for key, run in slots.items():
             if run is None:
                 continue
@@ -154,6 +157,7 @@ def build_report(loaded: LoadedCampaign, store: ResultsStore, out_dir: Path) -> 
     missing += [f"eval {e} {t}" for (e, t), r in found.evals.items() if r is None]
     missing += [f"drafting {d}" for d, r in found.drafting.items() if r is None]
     missing += [f"load {name}" for name, r in found.loads.items() if r is None]
+    missing += [f"kld {k} on {h}" for (k, h), r in found.klds.items() if r is None]
     missing += [f"upgrade {name}" for name, r in found.upgrades.items() if r is None]
     charts: list[Path] = []
     speed: list[str] = ["## Speed", ""]
@@ -167,6 +171,7 @@ def build_report(loaded: LoadedCampaign, store: ResultsStore, out_dir: Path) -> 
     if not campaign.benches:
         speed = []
     quality = quality_section(loaded, found, links, out_dir, charts) if campaign.evals else []
+    kld = kld_section(loaded, found, links)
     compared, problems = compared_pairs(loaded, found)
     load = load_section(loaded, found, links, out_dir, charts)
     forest = None
@@ -176,7 +181,7 @@ def build_report(loaded: LoadedCampaign, store: ResultsStore, out_dir: Path) -> 
         charts.append(forest)
     lines = [f"# {campaign.title}", "", *_scope(loaded, found, missing, unreadable, compared), *speed, *quality,
              *comparison_sections(loaded, compared, problems, links, forest),
-             *flips_section(compared, links, out_dir),
+             *flips_section(compared, links, out_dir), *kld,
              *drafting_section(loaded, found, links), *load, *upgrades_section(found, store, links, out_dir, charts),
              *deployed_section(loaded, found, links),
              *sensitivity_section(compared, links),
@@ -184,7 +189,7 @@ def build_report(loaded: LoadedCampaign, store: ResultsStore, out_dir: Path) -> 
     markdown = "\n".join(lines).rstrip() + "\n"
     path = out_dir / "report.md"
     write_atomically(path, markdown)
-    headline = "\n".join([*speed, *quality, *comparison_sections(loaded, compared, problems, links),
+    headline = "\n".join([*speed, *quality, *comparison_sections(loaded, compared, problems, links), *kld,
                           *drafting_section(loaded, found, links), *load]).strip()
     return Report(path=path, markdown=markdown, charts=charts, headline=plain(headline), missing=missing)
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rigctl.analysis.campaign import LoadedCampaign, Located
 from rigctl.analysis.compare import (
     OVERALL,
     PairComparison,
@@ -26,7 +27,6 @@ from rigctl.analysis.compare import (
 from rigctl.analysis.format import gap_points, p_text, points, ratio_text
 from rigctl.analysis.habits import answer_habits
 from rigctl.analysis.report.markdown import Links, md_table, quoted
-from rigctl.campaign import LoadedCampaign, Located
 from rigctl.errors import RigctlError
 from rigctl.hostside.scorers import GSM8K_SCORES
 from rigctl.results.record import ANSWERS_FILE, RUN_FILE

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from rigctl.analysis.campaign import LoadedCampaign, Located
 from rigctl.analysis.report.markdown import Links, md_table, ms_text
 from rigctl.analysis.speed import sample_file
 from rigctl.bench.matrix import counted, load_run_samples
-from rigctl.campaign import LoadedCampaign, Located
 from rigctl.errors import ConfigError
 from rigctl.results.store import StoredRun, read_jsonl
 

@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from rigctl.analysis.campaign import CampaignBench, LoadedCampaign
 from rigctl.analysis.format import ratio_text
 from rigctl.analysis.report.markdown import Links, md_table, mean_sd
 from rigctl.analysis.speed import compare_bench, sample_file
 from rigctl.bench.bandwidth import NO_FIGURE, DecodeBound, decode_bound
 from rigctl.bench.matrix import BenchSample, cold_and_steady, counted, load_run_samples, throttled_cells
-from rigctl.campaign import CampaignBench, LoadedCampaign
 from rigctl.results.store import StoredRun
 
 if TYPE_CHECKING:

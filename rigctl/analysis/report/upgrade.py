@@ -10,8 +10,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from rigctl.analysis.campaign import Located
 from rigctl.analysis.report.markdown import Links, md_table
-from rigctl.campaign import Located
 from rigctl.errors import ConfigError
 from rigctl.results.record import ANSWERS_FILE
 from rigctl.results.store import ResultsStore, StoredRun, read_jsonl

@@ -27,6 +27,9 @@ YAML file, the pulled runs that answer it, and running what is missing.
       - {name: mtp, host: desktop, baseline: qwen, drafters: [qwen-mtp], repeats: 3}
     loads:                           # load curves (rigctl bench load) through a probe of an instance
       - {name: curve, host: desktop, server: smollm2, concurrency: [1, 2, 4, 8], max_tokens: 32}
+    klds:                            # KL divergence against a reference (rigctl eval kld): a job per host;
+      - {name: q4, hosts: [desktop], reference: qwen-bf16, models: [qwen-q4_0],   # text: relative to
+         text: corpus/wiki.test.raw, ctx: 512, chunks: 100}                       # the campaign file
     not_measured: [thinking on, ...] # for the report's scope line
 
 :func:`locate` finds, for every bench (per host) and every eval target, the newest pulled run that
@@ -42,15 +45,19 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rigctl.bench.matrix import BenchSpec
 from rigctl.errors import ConfigError, EvalError, JobBusyError, RigctlError
+from rigctl.evals.kld import KldSpec, corpus_identity
 from rigctl.inputs import read_mapping, read_text
-from rigctl.inventory import Inventory
+from rigctl.inventory import Host, Inventory
 from rigctl.results.store import ResultsStore, StoredRun
+
+if TYPE_CHECKING:  # rigctl.jobs brings paramiko
+    from rigctl import jobs
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +199,15 @@ class CampaignUpgrade(_Strict):
     cmake: dict[str, str] = {}  # CMake cache entries for the candidate (its build key)
 
 
+class CampaignKld(KldSpec):
+    """A KLD step of the campaign: a name and rigctl.evals.kld's spec (``text`` relative to the campaign file)."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+
+    def spec(self, host: str, text: Path) -> KldSpec:
+        return KldSpec(**{**self.model_dump(exclude={"name"}), "hosts": [host], "text": text})
+
+
 class Campaign(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     title: str
@@ -204,6 +220,7 @@ class Campaign(_Strict):
     drafting: list[CampaignDrafting] = []
     loads: list[CampaignLoad] = []
     upgrades: list[CampaignUpgrade] = []
+    klds: list[CampaignKld] = []
     not_measured: list[str] = []
     equivalence_margin: float | None = Field(default=None, gt=0, le=100)  # points, for every comparison
     seed: int = 0
@@ -233,15 +250,17 @@ class Campaign(_Strict):
         hosts = set(self.hosts)
         used = {h for b in self.benches for h in b.hosts} | {
             h for e in self.evals for t in e.runs for h in t.hosts} | {d.host for d in self.drafting} | {
-            load.host for load in self.loads} | {u.canary for u in self.upgrades}
+            load.host for load in self.loads} | {u.canary for u in self.upgrades} | {
+            h for k in self.klds for h in k.hosts}
         if used - hosts:
             raise ValueError(f"hosts not listed under hosts: {', '.join(sorted(used - hosts))}")
-        for name in [m for b in self.benches for m in b.models] + [t.artifact for e in self.evals for t in e.runs]:
+        for name in [m for b in self.benches for m in b.models] + [t.artifact for e in self.evals for t in e.runs] \
+                + [m for k in self.klds for m in (k.reference, *k.models)]:
             if self.artifacts and name not in self.artifacts:
                 raise ValueError(f"artifact {name!r} is not listed under artifacts")
         for kind, names in (("bench", [b.name for b in self.benches]), ("eval", [e.name for e in self.evals]),
                             ("drafting", [d.name for d in self.drafting]),
-                            ("load", [load.name for load in self.loads]),
+                            ("load", [load.name for load in self.loads]), ("kld", [k.name for k in self.klds]),
                             ("upgrade", [u.name for u in self.upgrades])):
             duplicates = sorted({n for n in names if names.count(n) > 1})
             if duplicates:
@@ -269,6 +288,10 @@ class Campaign(_Strict):
 class LoadedCampaign:
     campaign: Campaign
     path: Path
+
+    def text_path(self, kld: CampaignKld) -> Path:
+        """A KLD step's text: relative paths are the campaign file's."""
+        return kld.text if kld.text.is_absolute() else (self.path.parent / kld.text).resolve()
 
     def task_ref(self, evaluation: CampaignEval) -> str:
         """A task file relative to the campaign file when it is there, else the ref as given (a shipped name)."""
@@ -323,6 +346,17 @@ def load_matches(run: StoredRun, load: CampaignLoad) -> bool:
             and extra.get("max_tokens") == load.max_tokens)
 
 
+def kld_matches(run: StoredRun, kld: CampaignKld, host: str, corpus_sha256: str) -> bool:
+    """A finished KLD run of the step's reference and models over its text, with its llama-perplexity settings."""
+    record = run.record
+    if record.kind != "kld" or run.host != host or record.status != "done":
+        return False
+    extra = record.extra.get("kld") or {}
+    return (extra.get("reference") == kld.reference and list(extra.get("models") or []) == kld.models
+            and (extra.get("corpus") or {}).get("sha256") == corpus_sha256
+            and all(extra.get(k) == getattr(kld, k) for k in ("ctx", "chunks", "batch")))
+
+
 def run_servers(run: StoredRun) -> set[tuple[str, str]]:
     """(host, server) of every server that answered an eval run (several for a fan-out)."""
     return {(str(s.host or run.host), str(s.name)) for s in run.record.servers}
@@ -348,12 +382,13 @@ class Located:
     drafting: dict[str, StoredRun | None] = field(default_factory=dict)  # drafting name -> spec run
     loads: dict[str, StoredRun | None] = field(default_factory=dict)  # load name -> load run
     upgrades: dict[str, StoredRun | None] = field(default_factory=dict)  # upgrade name -> its record
+    klds: dict[tuple[str, str], StoredRun | None] = field(default_factory=dict)  # (kld step, host)
     unfinished: dict[tuple[str, str], StoredRun] = field(default_factory=dict)  # eval runs to resume
     task_names: dict[str, str] = field(default_factory=dict)  # eval name -> task name
 
     def runs(self) -> list[StoredRun]:
         return [r for r in [*self.benches.values(), *self.evals.values(), *self.drafting.values(),
-                            *self.loads.values(), *self.upgrades.values()] if r is not None]
+                            *self.loads.values(), *self.klds.values(), *self.upgrades.values()] if r is not None]
 
 
 def upgrade_tag(campaign: Campaign, step: CampaignUpgrade) -> str:
@@ -383,6 +418,11 @@ def locate(loaded: LoadedCampaign, store: ResultsStore) -> Located:
         found.loads[load.name] = newest(functools.partial(load_matches, load=load))
     for race in campaign.drafting:
         found.drafting[race.name] = newest(functools.partial(drafting_matches, race=race))
+    for kld in campaign.klds:
+        corpus = corpus_identity(loaded.text_path(kld))["sha256"]
+        for host in kld.hosts:
+            found.klds[(kld.name, host)] = newest(functools.partial(kld_matches, kld=kld, host=host,
+                                                                    corpus_sha256=corpus))
     for step in campaign.upgrades:
         tag = upgrade_tag(campaign, step)
         found.upgrades[step.name] = newest(lambda r, t=tag: r.record.kind == "upgrade" and r.record.status == "done"
@@ -508,41 +548,62 @@ def _upgrade_steps(ctx: _Context) -> Iterator[_Step]:
                     refusal=UpgradeRefused)
 
 
+def _kld_steps(ctx: _Context) -> Iterator[_Step]:
+    for kld in ctx.loaded.campaign.klds:
+        for host in kld.hosts:
+            yield _Step(f"kld {kld.name} on {host}", ctx.found.klds[(kld.name, host)],
+                        functools.partial(_run_kld, ctx, kld, host))
+
+
 #: What a campaign runs, kind by kind, in this order: each kind's steps (a new kind is one more entry).
 STEP_KINDS: dict[str, Callable[[_Context], Iterator[_Step]]] = {
     "bench": _bench_steps, "load": _load_steps, "eval": _eval_steps, "upgrade": _upgrade_steps,
-    "drafting": _drafting_steps}
+    "drafting": _drafting_steps, "kld": _kld_steps}
 
 
-def _run_bench(ctx: _Context, bench: CampaignBench, host_name: str) -> str:
+def _run_job(ctx: _Context, step: str, host_name: str, spec_for: Callable[[Host], jobs.JobSpec]) -> str:
+    """A step that is a job on a host (a bench, a KLD): started, or followed where a campaign run stopped
+    earlier left it running, to its end; then the host pulled."""
     from rigctl import jobs
-    from rigctl.bench.matrix import bench_job_spec
 
     host = ctx.inventory.host(host_name)
     try:
-        info = jobs.start(host, bench_job_spec(host, bench.spec(host_name)))
-        ctx.on_step(f"bench {bench.name} on {host_name}: started job {info.id}")
+        info = jobs.start(host, spec_for(host))
+        ctx.on_step(f"{step}: started job {info.id}")
         job_id = info.id
     except JobBusyError as exc:
-        # A campaign run stopped earlier left its bench running: follow that one instead.
-        ctx.on_step(f"bench {bench.name} on {host_name}: following running job {exc.running}")
+        ctx.on_step(f"{step}: following running job {exc.running}")
         job_id = exc.running
     final = jobs.wait(host, job_id, on_progress=lambda i: ctx.on_step(i.describe()))
     if final.state != "done":
-        raise RigctlError(f"bench job {job_id} on {host_name} ended {final.state}" +
+        raise RigctlError(f"{final.kind} job {job_id} on {host_name} ended {final.state}" +
                           (f": {final.error}" if final.error else ""))
     for line in jobs.pull(host, ctx.store).refused:
         ctx.on_step(line)
     return f"{host_name}/{job_id}"
 
 
+def _run_bench(ctx: _Context, bench: CampaignBench, host_name: str) -> str:
+    from rigctl.bench.matrix import bench_job_spec
+
+    return _run_job(ctx, f"bench {bench.name} on {host_name}", host_name,
+                    lambda host: bench_job_spec(host, bench.spec(host_name)))
+
+
+def _run_kld(ctx: _Context, kld: CampaignKld, host_name: str) -> str:
+    from rigctl.evals.kld import kld_job_spec
+
+    return _run_job(ctx, f"kld {kld.name} on {host_name}", host_name,
+                    lambda host: kld_job_spec(host, kld.spec(host_name, ctx.loaded.text_path(kld))))
+
+
 def _run_eval(ctx: _Context, evaluation: CampaignEval, target: EvalTarget, unfinished: StoredRun | None) -> str:
     """The eval's servers started where they are down (and stopped after), then the stopped run resumed or a
     new one started, as ``rigctl eval run`` does (:func:`rigctl.evals.runner.start`)."""
-    from rigctl import servers
     from rigctl.evals import runner
     from rigctl.evals.target import inventory_target
     from rigctl.evals.tasks import load_task
+    from rigctl.fleet import servers
 
     members = target.members
     with ExitStack() as up:
@@ -565,7 +626,7 @@ def _run_eval(ctx: _Context, evaluation: CampaignEval, target: EvalTarget, unfin
 
 def run_campaign(loaded: LoadedCampaign, inventory: Inventory, store: ResultsStore, *,
                  on_step: OnStep = lambda _: None) -> list[StepOutcome]:
-    """Pull every host, then run each bench, load, eval, upgrade and race it lacks: per step, the outcome.
+    """Pull every host, then run each bench, load, eval, upgrade, race and KLD it lacks: per step, the outcome.
 
     A failed step is reported and the others go on (their results are kept); running again picks up
     only what is still missing, and resumes eval runs that stopped part-way. Each host is talked to over
