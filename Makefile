@@ -10,7 +10,7 @@ export PIP_CACHE_DIR ?= $(RIGCTL_CACHE_DIR)/pip
 # Prometheus (and promtool) from Debian: the monitoring tests start the real thing.
 HOST_PACKAGES := systemd-container debootstrap iproute2 openssh-client zstd prometheus
 
-.PHONY: demo test check lint venv host-deps prepare cuda-check lab-down clean
+.PHONY: demo test check lint venv host-deps prepare cuda-check upgrade-check lab-down clean
 
 venv: $(VENV)/.installed
 
@@ -43,6 +43,13 @@ prepare: venv host-deps
 # Everything: lint, the unit tests, then the lab tests on real rigs (one session, one lab).
 test: check prepare
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/pytest tests/lab
+
+# The upgrade and bisect scenarios on the lab (tests/lab/test_upgrade_lab.py): several llama.cpp builds,
+# minutes each on two cores even ccache-warm, so outside `make test` and CI's budget. RIGCTL_LAB_SLOT picks
+# the lab; the compiles run at nice 10.
+upgrade-check: prepare
+	RIGCTL_UPGRADE_CHECK=1 PATH=$(CURDIR)/$(VENV)/bin:$$PATH nice -n 10 $(VENV)/bin/pytest -v -s \
+	  -o timeout=10800 tests/lab/test_upgrade_floor_lab.py tests/lab/test_upgrade_lab.py
 
 # Opt-in, outside `make test`'s budget: the pinned llama.cpp built WITH CUDA (sm_75 and sm_86) on a lab rig
 # from NVIDIA's CUDA wheels, then refused there by the smoke test for lack of a GPU (the README has the

@@ -20,6 +20,14 @@ class ConfigError(RigctlError):
     exit_code = 2
 
 
+class ProblemsError(ConfigError):
+    """Several problems in one input (a gates file's bad keys): the CLI prints one ``error:`` line for each."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("; ".join(self.problems))
+
+
 class LabError(RigctlError):
     """The local lab rigs cannot be created, found or removed."""
 

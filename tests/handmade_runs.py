@@ -43,10 +43,11 @@ def bench_run(root: Path, host: str, run_id: str, cells: list[tuple[str, list[di
               commit: str = "7182ef71e", started: str = "2026-11-30T04:00:00.000000Z",
               matrix: dict[str, Any] | None = None, gpu: dict[str, Any] | None = None,
               artifacts: dict[str, dict[str, Any]] | None = None,
-              throttled: dict[int, list[str]] | None = None) -> Path:
+              throttled: dict[int, list[str]] | None = None, builds: dict[int, str] | None = None) -> Path:
     """A bench run as rigctl.hostside.bench_task writes it: cells.jsonl plus one llama-bench JSON per
     cell (``cells``: artifact and its test objects, in the order they ran). ``artifacts``: more of each
-    artifact's record entry (manifest, gguf shape); ``throttled``: cell index -> why it was throttled."""
+    artifact's record entry (manifest, gguf shape); ``throttled``: cell index -> why it was throttled;
+    ``builds``: cell index -> the build a cell of an alternating-builds bench ran."""
     run_dir = root / host / run_id
     (run_dir / "llama-bench").mkdir(parents=True)
     lines = []
@@ -56,7 +57,8 @@ def bench_run(root: Path, host: str, run_id: str, cells: list[tuple[str, list[di
         why = (throttled or {}).get(index)
         lines.append({"index": index, "round": (index + 1) // 2, "artifact": artifact, "rc": 0, "raw": raw,
                       "temp_start_c": 38.0, "temp_end_c": 55.0,
-                      "throttle": {"throttled": why is not None, "why": why or []}})
+                      "throttle": {"throttled": why is not None, "why": why or []},
+                      **({"build": builds[index]} if builds and index in builds else {})})
     (run_dir / "cells.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     names = list(dict.fromkeys(a for a, _ in cells))
     record = RunRecord(id=run_id, kind="bench", host=host, started=started, llama_cpp=LlamaCppBuild(commit=commit),

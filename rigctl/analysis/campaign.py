@@ -193,6 +193,17 @@ class CampaignLoad(_Strict):
     level_timeout_s: float = Field(default=120.0, gt=0)
 
 
+class CampaignUpgrade(_Strict):
+    """A gated llama.cpp upgrade (rigctl.upgrade.upgrade.upgrade) of the canary's fleet, as a step: run once;
+    its record (passed or refused) is the step's result and the report's "Upgrades" section."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    to: str
+    canary: str
+    gates: str | None = None  # a gates file, relative to the campaign file
+    cmake: dict[str, str] = {}  # CMake cache entries for the candidate (its build key)
+
+
 class CampaignKld(KldSpec):
     """A KLD step of the campaign: a name and rigctl.evals.kld's spec (``text`` relative to the campaign file)."""
 
@@ -213,6 +224,7 @@ class Campaign(_Strict):
     sensitivity: Sensitivity = Sensitivity()
     drafting: list[CampaignDrafting] = []
     loads: list[CampaignLoad] = []
+    upgrades: list[CampaignUpgrade] = []
     klds: list[CampaignKld] = []
     not_measured: list[str] = []
     equivalence_margin: float | None = Field(default=None, gt=0, le=100)  # points, for every comparison
@@ -243,7 +255,8 @@ class Campaign(_Strict):
         hosts = set(self.hosts)
         used = {h for b in self.benches for h in b.hosts} | {
             h for e in self.evals for t in e.runs for h in t.hosts} | {d.host for d in self.drafting} | {
-            load.host for load in self.loads} | {h for k in self.klds for h in k.hosts}
+            load.host for load in self.loads} | {u.canary for u in self.upgrades} | {
+            h for k in self.klds for h in k.hosts}
         if used - hosts:
             raise ValueError(f"hosts not listed under hosts: {', '.join(sorted(used - hosts))}")
         for name in [m for b in self.benches for m in b.models] + [t.artifact for e in self.evals for t in e.runs] \
@@ -252,7 +265,8 @@ class Campaign(_Strict):
                 raise ValueError(f"artifact {name!r} is not listed under artifacts")
         for kind, names in (("bench", [b.name for b in self.benches]), ("eval", [e.name for e in self.evals]),
                             ("drafting", [d.name for d in self.drafting]),
-                            ("load", [load.name for load in self.loads]), ("kld", [k.name for k in self.klds])):
+                            ("load", [load.name for load in self.loads]), ("kld", [k.name for k in self.klds]),
+                            ("upgrade", [u.name for u in self.upgrades])):
             duplicates = sorted({n for n in names if names.count(n) > 1})
             if duplicates:
                 raise ValueError(f"{kind} names must be unique: {', '.join(duplicates)}")
@@ -373,13 +387,19 @@ class Located:
     evals: dict[tuple[str, str], StoredRun | None] = field(default_factory=dict)  # (eval, target id)
     drafting: dict[str, StoredRun | None] = field(default_factory=dict)  # drafting name -> spec run
     loads: dict[str, StoredRun | None] = field(default_factory=dict)  # load name -> load run
+    upgrades: dict[str, StoredRun | None] = field(default_factory=dict)  # upgrade name -> its record
     klds: dict[tuple[str, str], StoredRun | None] = field(default_factory=dict)  # (kld step, host)
     unfinished: dict[tuple[str, str], StoredRun] = field(default_factory=dict)  # eval runs to resume
     task_names: dict[str, str] = field(default_factory=dict)  # eval name -> task name
 
     def runs(self) -> list[StoredRun]:
         return [r for r in [*self.benches.values(), *self.evals.values(), *self.drafting.values(),
-                            *self.loads.values(), *self.klds.values()] if r is not None]
+                            *self.loads.values(), *self.klds.values(), *self.upgrades.values()] if r is not None]
+
+
+def upgrade_tag(campaign: Campaign, step: CampaignUpgrade) -> str:
+    """What an upgrade step's record carries (``extra.campaign``) to be found again."""
+    return f"{campaign.name}/{step.name}"
 
 
 def task_name(loaded: LoadedCampaign, evaluation: CampaignEval) -> str:
@@ -410,6 +430,10 @@ def locate(loaded: LoadedCampaign, store: ResultsStore) -> Located:
         for host in kld.hosts:
             found.klds[(kld.name, host)] = newest(functools.partial(kld_matches, kld=kld, host=host,
                                                                     corpus_sha256=corpus))
+    for step in campaign.upgrades:
+        tag = upgrade_tag(campaign, step)
+        found.upgrades[step.name] = newest(lambda r, t=tag: r.record.kind == "upgrade" and r.record.status == "done"
+                                           and r.record.extra.get("campaign") == t)
     for evaluation in campaign.evals:
         name = task_name(loaded, evaluation)
         found.task_names[evaluation.name] = name
@@ -438,7 +462,7 @@ def locate(loaded: LoadedCampaign, store: ResultsStore) -> Located:
 @dataclass(frozen=True)
 class StepOutcome:
     step: str  # "bench speed on desktop", "eval suite smollm2-135m-q4_1@desktop"
-    status: Literal["pulled", "ran", "resumed", "failed"]
+    status: Literal["pulled", "ran", "resumed", "failed", "refused"]
     run: str | None = None  # host/run id
     error: str | None = None
 
@@ -463,6 +487,9 @@ class _Step:
     found: StoredRun | None
     run: Callable[[], str]
     resumes: bool = False  # running it continues a stopped run
+    #: The error by which running it declines (outcome "refused", its record kept in the error's ``run``)
+    #: rather than fails.
+    refusal: type[RigctlError] | None = None
 
 
 def _bench_steps(ctx: _Context) -> Iterator[_Step]:
@@ -513,6 +540,22 @@ def _drafting_steps(ctx: _Context) -> Iterator[_Step]:
         yield _Step(f"drafting {race.name} on {race.host}", ctx.found.drafting[race.name], run)
 
 
+def _upgrade_steps(ctx: _Context) -> Iterator[_Step]:
+    from rigctl.upgrade.upgrade import UpgradeRefused, upgrade
+
+    campaign = ctx.loaded.campaign
+    for step in campaign.upgrades:
+        def run(step: CampaignUpgrade = step) -> str:
+            gates = (ctx.loaded.path.parent / step.gates) if step.gates else None
+            result = upgrade(ctx.inventory, step.to, canary=step.canary, gates_file=gates, cmake_options=step.cmake,
+                             store=ctx.store, say=lambda m: ctx.on_step(f"upgrade {step.name}: {m}"),
+                             tag=upgrade_tag(campaign, step))
+            return result.run
+
+        yield _Step(f"upgrade {step.name} to {step.to} (canary {step.canary})", ctx.found.upgrades[step.name], run,
+                    refusal=UpgradeRefused)
+
+
 def _kld_steps(ctx: _Context) -> Iterator[_Step]:
     for kld in ctx.loaded.campaign.klds:
         for host in kld.hosts:
@@ -522,8 +565,8 @@ def _kld_steps(ctx: _Context) -> Iterator[_Step]:
 
 #: What a campaign runs, kind by kind, in this order: each kind's steps (a new kind is one more entry).
 STEP_KINDS: dict[str, Callable[[_Context], Iterator[_Step]]] = {
-    "bench": _bench_steps, "load": _load_steps, "eval": _eval_steps, "drafting": _drafting_steps,
-    "kld": _kld_steps}
+    "bench": _bench_steps, "load": _load_steps, "eval": _eval_steps, "upgrade": _upgrade_steps,
+    "drafting": _drafting_steps, "kld": _kld_steps}
 
 
 def _run_job(ctx: _Context, step: str, host_name: str, spec_for: Callable[[Host], jobs.JobSpec]) -> str:
@@ -593,7 +636,7 @@ def _run_eval(ctx: _Context, evaluation: CampaignEval, target: EvalTarget, unfin
 
 def run_campaign(loaded: LoadedCampaign, inventory: Inventory, store: ResultsStore, *,
                  on_step: OnStep = lambda _: None) -> list[StepOutcome]:
-    """Pull every host, then run each bench, load, eval and race the campaign still lacks; per step the outcome.
+    """Pull every host, then run each bench, load, eval, upgrade, race and KLD it lacks: per step, the outcome.
 
     A failed step is reported and the others go on (their results are kept); running again picks up
     only what is still missing, and resumes eval runs that stopped part-way. Each host is talked to over
@@ -618,7 +661,10 @@ def run_campaign(loaded: LoadedCampaign, inventory: Inventory, store: ResultsSto
                 try:
                     outcomes.append(StepOutcome(step.name, "resumed" if step.resumes else "ran", step.run()))
                 except RigctlError as exc:
-                    outcomes.append(StepOutcome(step.name, "failed", error=str(exc)))
+                    if step.refusal is not None and isinstance(exc, step.refusal):
+                        outcomes.append(StepOutcome(step.name, "refused", getattr(exc, "run", None), error=str(exc)))
+                    else:
+                        outcomes.append(StepOutcome(step.name, "failed", error=str(exc)))
         return outcomes
 
 

@@ -143,8 +143,10 @@ def llama_bench_path(host: Host) -> str:
     return f"{root}/current/bin/llama-bench"
 
 
-def bench_job_spec(host: Host, spec: BenchSpec) -> jobs.JobSpec:
-    """The job that runs ``spec`` on ``host``; ConfigError when the host lacks one of the artifacts."""
+def bench_job_spec(host: Host, spec: BenchSpec, builds: Sequence[tuple[str, str]] = ()) -> jobs.JobSpec:
+    """The job that runs ``spec`` on ``host``; ConfigError when the host lacks one of the artifacts.
+    ``builds`` ((name, install directory) pairs): cells alternate these builds' llama-bench for each model
+    instead of running the current build's, each cell naming its build (what an upgrade's gates compare)."""
     from rigctl import jobs
 
     available = {a.name: a for a in host.artifacts}
@@ -153,6 +155,9 @@ def bench_job_spec(host: Host, spec: BenchSpec) -> jobs.JobSpec:
             raise ConfigError(f"host {host.name}: bench model {name!r} is not an artifact of this host "
                               f"(it has: {', '.join(available) or 'none'})")
     models = [{"name": name, "path": available[name].path} for name in spec.models]
+    if builds:
+        models = [{**model, "llama_bench": f"{directory}/bin/llama-bench", "build": build}
+                  for model in models for build, directory in builds]
     params = {
         "llama_bench": llama_bench_path(host),
         "models": models,
@@ -277,7 +282,7 @@ def samples_from_cell(
 def load_run_samples(run: StoredRun) -> list[BenchSample]:
     """Every sample of a pulled bench run, read from its raw files (cells.jsonl + llama-bench JSON)."""
     cells_path = run_file(run, "bench", CELLS_FILE)
-    build = run.record.llama_cpp.commit
+    recorded = run.record.llama_cpp.commit
     samples: list[BenchSample] = []
     for number, cell in enumerate(read_jsonl(cells_path), 1):
         if cell.get("rc") != 0 or cell.get("error"):  # a failed cell has no results to count
@@ -293,6 +298,8 @@ def load_run_samples(run: StoredRun) -> list[BenchSample]:
             raise ConfigError(f"{where}: {raw_name}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
         entries = parse_llama_bench_json(text, f"{run.host}/{run.id}/{raw_name}")
         try:
+            # A cell of a bench that alternates builds names its own; the others ran the record's.
+            build = cell.get("build") if isinstance(cell.get("build"), str) and cell.get("build") else recorded
             samples += samples_from_cell(entries, host=run.host, run_id=run.id, build=build, model=artifact,
                                          cell=index, temps=(cell.get("temp_start_c"), cell.get("temp_end_c")),
                                          throttle=cell.get("throttle"))

@@ -89,6 +89,17 @@ def filler_prompt(tokens: int, count: Callable[[str], int]) -> str:
     return " ".join(words)
 
 
+def measure_prompt(server: ServerClient, prompt: str, max_tokens: int) -> SweepPoint:
+    """One streamed chat request of ``prompt``, prompt cache off: TTFT on the client's clock, prefill and
+    decode tokens/s from the server's timings."""
+    tokens = len(server.tokenize(prompt))
+    reply = server.chat_stream([{"role": "user", "content": prompt}], max_tokens=max_tokens,
+                               extra={"cache_prompt": False})
+    timings = reply.timings
+    return SweepPoint(tokens, reply.ttft_s or 0.0, timings.prompt_per_second if timings else 0.0,
+                      timings.predicted_per_second if timings else 0.0, timings.predicted_n if timings else 0)
+
+
 def _memory_used(ssh: SshClient) -> int:
     result = ssh.run("nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits", timeout=30, check=True)
     return int(float(result.stdout.strip().splitlines()[0]))
@@ -123,15 +134,10 @@ def run_server_bench(
         with_props(run.record.servers[0], props, endpoint)
         run.save()
         for length in prompt_lengths:
-            prompt = filler_prompt(length, lambda text: len(server.tokenize(text)))
-            tokens = len(server.tokenize(prompt))
-            reply = server.chat_stream([{"role": "user", "content": prompt}], max_tokens=max_tokens,
-                                       extra={"cache_prompt": False})
-            timings = reply.timings
-            point = SweepPoint(tokens, reply.ttft_s or 0.0, timings.prompt_per_second if timings else 0.0,
-                               timings.predicted_per_second if timings else 0.0, timings.predicted_n if timings else 0)
+            point = measure_prompt(server, filler_prompt(length, lambda text: len(server.tokenize(text))), max_tokens)
             result.sweep.append(point)
-            say(f"prompt {tokens} tokens: ttft {point.ttft_s:.3f} s, decode {point.decode_per_s:.2f} tok/s")
+            say(f"prompt {point.prompt_tokens} tokens: ttft {point.ttft_s:.3f} s, "
+                f"decode {point.decode_per_s:.2f} tok/s")
         run.write_jsonl(SWEEP_FILE, map(asdict, result.sweep))
         for _ in range(load_runs):
             result.load_s.append(restart_instance(ssh, served))

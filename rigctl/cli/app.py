@@ -130,7 +130,8 @@ def _run_app() -> None:
         if state.debug:
             raise
         # An error may quote what a host or a server said: one line of text, whatever it holds.
-        err_console.print(outside_text(f"error: {mask_registered(str(exc))}"), soft_wrap=True)
+        for line in getattr(exc, "problems", None) or [str(exc)]:
+            err_console.print(outside_text(f"error: {mask_registered(line)}"), soft_wrap=True)
         sys.exit(exc.exit_code)
     except typer.Abort:
         err_console.print("aborted", markup=False)

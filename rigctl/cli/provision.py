@@ -21,10 +21,13 @@ def provision(
                          "all at once.")] = None,
 ) -> None:
     """Run playbooks/site.yml through ansible-runner; per-task progress, then a per-host summary (with each
-    host's batch, and the batch that stopped a rolling rollout)."""
+    host's batch, and the batch that stopped a rolling rollout). A llama.cpp pin inside a published advisory's
+    range (the CVE floor) is refused before anything runs."""
     from rigctl.fleet.deploy import rollout_serial, run_playbook
+    from rigctl.inventory.advisories import refuse_vulnerable_pins
 
     inventory = load_inventory()
+    refuse_vulnerable_pins(inventory.select(limit))
     result = run_playbook(inventory, playbook, limit=limit, tags=tags or (), check=check,
                           on_event=print_event, on_task=print_task,
                           serial=rollout_serial(inventory.select(limit), serial))

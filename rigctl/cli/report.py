@@ -7,21 +7,31 @@ from typing import Annotated
 
 import typer
 
-from rigctl.cli.common import CampaignArg, ResultsOption, console, err_console, results_store
+from rigctl.cli.common import ResultsOption, console, err_console, results_store
 
 
 def report(
-    campaign: CampaignArg,
+    campaign: Annotated[Path, typer.Argument(help="Campaign file (YAML), or an upgrade or bisect run "
+                                                  "(host/run id).")],
     results: ResultsOption = None,
-    out: Annotated[Path | None, typer.Option("--out", help="Report directory (default reports/<campaign name>).")
-                   ] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Report directory (default reports/<campaign name>, "
+                                                           "reports/<run id>).")] = None,
 ) -> None:
     """Build the campaign's Markdown report with PNG charts from pulled results: speed with ratios,
     quality with intervals, comparisons, sensitivity, answer habits and a scope line; every number
-    links to its raw files."""
+    links to its raw files. Given an upgrade or bisect run instead: its builds, gates, verdict and rollout."""
     from rigctl.analysis.campaign import load_campaign
     from rigctl.analysis.report import build_report, default_out_dir
 
+    if not campaign.is_file() and campaign.suffix not in (".yml", ".yaml"):
+        from rigctl.analysis.report.build import build_run_report
+
+        store = results_store(results)
+        run = store.find(str(campaign))
+        built = build_run_report(run, store, out or Path("reports") / run.id)
+        console.print(built.headline, markup=False, highlight=False, soft_wrap=True)
+        console.print(f"\nreport: {built.path} ({len(built.charts)} charts)", markup=False, highlight=False)
+        return
     loaded = load_campaign(campaign)
     built = build_report(loaded, results_store(results), out or default_out_dir(loaded))
     console.print(built.headline, markup=False, highlight=False, soft_wrap=True)

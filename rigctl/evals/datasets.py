@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 
 from rigctl.errors import EvalError
-from rigctl.files import cache_dir
+from rigctl.files import HashLock, cache_dir
 from rigctl.hostside.token_origin import bearer_header
 from rigctl.inputs import read_text
 from rigctl.results.record import file_sha256, json_objects
@@ -69,33 +69,11 @@ class DatasetFile:
     origin: str  # URL or local path it came from
 
 
-class Lock:
-    """The lock file: ``{key: sha256}`` of every file first downloaded without a known hash."""
+class Lock(HashLock):
+    """The datasets' lock file: ``{key: sha256}`` of every file first downloaded without a known hash."""
 
     def __init__(self, path: Path | None = None):
-        self.path = path or lock_path()
-
-    def read(self) -> dict[str, str]:
-        try:
-            data = json.loads(self.path.read_text())
-        except FileNotFoundError:
-            return {}
-        except json.JSONDecodeError as exc:
-            raise EvalError(f"{self.path}: lock file is not JSON ({exc.msg} at line {exc.lineno})") from None
-        if not isinstance(data, dict):
-            raise EvalError(f"{self.path}: lock file is not a JSON object")
-        return {str(k): str(v) for k, v in data.items()}
-
-    def get(self, key: str) -> str | None:
-        return self.read().get(key)
-
-    def record(self, key: str, sha256: str) -> None:
-        entries = self.read()
-        entries[key] = sha256
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text(json.dumps(entries, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, self.path)
+        super().__init__(path or lock_path(), EvalError)
 
 
 def hf_url(repo: str, revision: str, file: str, endpoint: str | None = None) -> str:

@@ -56,6 +56,7 @@ class Builds:
     host: str
     current: Build | None
     previous: Build | None
+    candidate: Build | None = None  # built beside current by `rigctl build upgrade` / `bisect`
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ def parse_fact(text: str, host: str = "?") -> Builds:
             return None
         return Build(**{**fields, "cmake_flags": tuple(fields["cmake_flags"])})
 
-    return Builds(host=host, current=build("current"), previous=build("previous"))
+    return Builds(host=host, current=build("current"), previous=build("previous"), candidate=build("candidate"))
 
 
 def read_builds(host: Host, *, timeout: float = 30.0) -> Builds:

@@ -256,7 +256,7 @@ def bootstrap(
     with tempfile.TemporaryDirectory(prefix="rigctl-bootstrap-") as tmp:
         inventory_file = Path(tmp) / "hosts.yml"
         buffer = io.StringIO()
-        _yaml().dump({"all": {"hosts": {name: host}}}, buffer)
+        round_trip_yaml().dump({"all": {"hosts": {name: host}}}, buffer)
         inventory_file.write_text(buffer.getvalue())
         inventory = Inventory.load(inventory_file)
         result = run_playbook(
@@ -296,7 +296,7 @@ def probe_host(inventory: Inventory, name: str, *, write: bool = False) -> Probe
 # ----------------------------------------------------------------------------------------------- inventory files
 
 
-def _yaml() -> YAML:
+def round_trip_yaml() -> YAML:
     yaml = YAML()  # round trip: comments, order and quoting stay as they were
     yaml.indent(mapping=2, sequence=4, offset=2)
     yaml.width = 120
@@ -328,7 +328,7 @@ class InventoryFiles:
 
     def _load(self, path: Path) -> Any:
         try:
-            return _yaml().load(path.read_text()) if path.is_file() else None
+            return round_trip_yaml().load(path.read_text()) if path.is_file() else None
         except Exception as exc:  # ruamel's errors have no common base worth naming
             raise ConfigError(f"{path}: not YAML rigctl can edit: {str(exc).splitlines()[0]}") from None
 
@@ -393,7 +393,7 @@ class InventoryFiles:
 
     def _write(self, path: Path, data: Any) -> bool:
         buffer = io.StringIO()
-        _yaml().dump(data, buffer)
+        round_trip_yaml().dump(data, buffer)
         text = buffer.getvalue()
         if path.is_file() and path.read_text() == text:
             return False

@@ -9,7 +9,7 @@ the inventory's ``llama_server_instances``. This module asks systemd over SSH (`
 Fleet calls return one record per instance and keep going when a host cannot be reached: that host's
 instances come back with ``state="unreachable"`` and the reason in ``error``.
 
-**Around a run** (bench, drafting, campaign, evals): :func:`running` starts the instances that are down and
+**Around a run** (bench, drafting, campaign, evals, upgrades): :func:`running` starts the instances that are down and
 stops them after, :func:`stopped` frees an instance's card and port and starts it again after,
 :func:`probe_server` runs a probe of an instance (its own arguments with a few settings changed) as a
 transient unit, :func:`restart_instance` restarts one. Each waits with :func:`wait_ready`: ``/health``
@@ -369,12 +369,14 @@ def deployed_argv(ssh: SshClient, server: Server) -> list[str]:
     return args_lines_to_argv(text.splitlines())
 
 
-def probe_command(server: Server, unit: str, argv: Sequence[str]) -> list[str]:
-    """The ``systemd-run`` command line of a probe of ``server``: its llama-server with ``argv`` as the transient
-    unit ``unit``, with the ``llama-server@`` unit's account, sandbox and GPU pin (the probe sees the card the
-    instance sees), writable nothing but a private /tmp (the instance's state directory is its own)."""
+def probe_command(server: Server, unit: str, argv: Sequence[str], binary: str | None = None) -> list[str]:
+    """The ``systemd-run`` command line of a probe of ``server``: its llama-server (or ``binary``, another
+    build's) with ``argv`` as the transient unit ``unit``, with the ``llama-server@`` unit's account, sandbox and
+    GPU pin (the probe sees the card the instance sees), writable nothing but a private /tmp (the instance's
+    state directory is its own)."""
     properties = [*server.account.unit_properties(), f"EnvironmentFile={server.env_file}", "UMask=0077"]
-    return ["systemd-run", "--unit", unit, "--collect", "--quiet", *run_options(properties), server.binary, *argv]
+    return ["systemd-run", "--unit", unit, "--collect", "--quiet", *run_options(properties),
+            binary or server.binary, *argv]
 
 
 def probe_unit(server: Server, purpose: str) -> str:
@@ -384,11 +386,12 @@ def probe_unit(server: Server, purpose: str) -> str:
 
 @contextmanager
 def probe_server(ssh: SshClient, server: Server, settings: Mapping[str, Any], port: int,
-                 purpose: str) -> Iterator[Probe]:
+                 purpose: str, binary: str | None = None) -> Iterator[Probe]:
     """A probe of ``server`` with ``settings`` over its profile (``{"ctx_size": 4096}``) on ``port``, as the
     transient unit ``rigctl-<purpose>probe-<instance>`` as the unit's user, with its sandbox and GPU pin, once
-    it is ready; stopped on exit. Refused when the host's arguments file is not what the inventory plans (the
-    probe would measure flags the instance does not run): deploy first."""
+    it is ready; stopped on exit. ``binary``: another build's llama-server (an upgrade's candidate, served
+    beside the instance on the same artifact and profile). Refused when the host's arguments file is not what
+    the inventory plans (the probe would measure flags the instance does not run): deploy first."""
     deployed = deployed_argv(ssh, server)
     if deployed != server.argv:
         extra = sorted(set(deployed) - set(server.argv)) or sorted(set(server.argv) - set(deployed))
@@ -397,7 +400,7 @@ def probe_server(ssh: SshClient, server: Server, settings: Mapping[str, Any], po
     argv = server.argv_with(port=port, **settings)
     probe = probe_unit(server, purpose)
     endpoint = Endpoint(f"http://{server.address}:{port}", api_key=server.api_key, label=f"{server.host}/{probe}")
-    ssh.run(shlex.join(probe_command(server, probe, argv)), timeout=SSH_TIMEOUT * 2, check=True)
+    ssh.run(shlex.join(probe_command(server, probe, argv, binary)), timeout=SSH_TIMEOUT * 2, check=True)
     try:
         wait_ready(ssh, probe, endpoint, purpose=purpose)
         yield Probe(probe, endpoint, argv)

@@ -30,6 +30,7 @@ from rigctl.fleet.servers import UNIT_PROPERTIES, UnitState, parse_unit_show
 from rigctl.hostside import ship
 from rigctl.hostside.llama_cpp_fact import FACT_PATH
 from rigctl.inventory import Host, Inventory
+from rigctl.inventory.advisories import FloorCheck, build_number, check_build, host_allowed
 from rigctl.inventory.profiles import unit_name
 from rigctl.results.record import parse_json
 
@@ -100,6 +101,7 @@ class HostPlan:
     pinned_version: str
     pinned_source: str
     servers: Mapping[str, Mapping[str, Any]]  # name -> artifact, profile, port, enabled
+    allowed_advisories: Mapping[str, str] = field(default_factory=dict)  # the CVE floor's accepted ids
 
     @classmethod
     def from_host(cls, host: Host) -> HostPlan:
@@ -110,7 +112,17 @@ class HostPlan:
             pinned_source=pin.source if pin else "",
             servers={s.name: {"artifact": s.artifact, "profile": s.profile.name, "port": s.port, "enabled": s.enabled}
                      for s in host.servers},
+            allowed_advisories=host_allowed(host),
         )
+
+    def floor(self, build: int) -> FloorCheck:
+        """``build`` against the CVE floor, with this host's accepted advisories."""
+        return check_build(build, self.allowed_advisories)
+
+    @property
+    def pinned_build(self) -> int | None:
+        """The pin's upstream build number, where the pin says it (an archive's ``bNNNN``)."""
+        return build_number(self.pinned_version) if self.pinned_source == "archive" else None
 
     def build_drift(self, builds: Builds | None) -> bool | None:
         """Whether the running build is not the pinned one (None: nothing to compare)."""

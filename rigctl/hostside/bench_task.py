@@ -32,9 +32,11 @@ Raw files in the run directory (what summaries and reports read):
                                                 rc, raw, log
 
 Params (from :func:`rigctl.bench.bench_job_spec`): ``llama_bench`` (binary), ``models`` [{name,
-path}], ``matrix`` {p, n, r, fa, ngl, t, ctk, ctv, d}, ``rounds``, ``order``, ``cooldown``
-{threshold_c (null: no gating), timeout_s, poll_s}, ``clocks`` {sample_s, min_sm_fraction},
-``bandwidth_gbs`` (the inventory's figure for the GPU, recorded), ``cell_timeout_s``.
+path}, with ``llama_bench`` and ``build`` where the cells alternate builds rather than models: that
+entry's binary and the build's name, which its cells.jsonl lines carry], ``matrix`` {p, n, r, fa, ngl,
+t, ctk, ctv, d}, ``rounds``, ``order``, ``cooldown`` {threshold_c (null: no gating), timeout_s,
+poll_s}, ``clocks`` {sample_s, min_sm_fraction}, ``bandwidth_gbs`` (the inventory's figure for the GPU,
+recorded), ``cell_timeout_s``.
 
 A bench that takes the card from the host's servers (:class:`rigctl.jobs.JobSpec` ``stop_servers``) finds
 them stopped: the job's unit stopped them, as root, before this task began, and starts them again after it
@@ -302,7 +304,8 @@ def run(job: Any) -> None:
     if p.get("bandwidth_gbs") is not None:
         job.record.gpu.bandwidth_gbs = p["bandwidth_gbs"]
     job.progress(0, len(cells), "hashing the model files")
-    job.record.artifacts = [job.artifact(m["name"], m["path"]) for m in models]
+    unique = {m["name"]: m["path"] for m in models}  # one model may be benched with several builds
+    job.record.artifacts = [job.artifact(name, path) for name, path in unique.items()]
     for artifact in job.record.artifacts:
         artifact.gguf = gguf_shape(artifact.path)
     job.save_record()
@@ -315,7 +318,7 @@ def run(job: Any) -> None:
         job.progress(index - 1, len(cells), f"cell {index}/{len(cells)} {name}: cooling down")
         wait = cool_down(gpu, job, threshold, float(cooldown.get("timeout_s", 600)),
                          float(cooldown.get("poll_s", 2)))
-        argv = llama_bench_argv(p["llama_bench"], model["path"], matrix)
+        argv = llama_bench_argv(model.get("llama_bench") or p["llama_bench"], model["path"], matrix)
         stem = f"cell-{index:03d}-{name}"
         job.progress(index - 1, len(cells), f"cell {index}/{len(cells)} {name}: running llama-bench")
         started = job.now()
@@ -333,7 +336,8 @@ def run(job: Any) -> None:
                 "temp_start_c": wait["readings"][-1] if wait["readings"] else None,
                 "temp_end_c": temps[-1] if temps else None,
                 "clocks": f"llama-bench/{stem}.clocks.jsonl" if poller.readings else None, "throttle": verdict,
-                "rc": done.returncode, "raw": f"llama-bench/{stem}.json", "log": f"llama-bench/{stem}.log"}
+                "rc": done.returncode, "raw": f"llama-bench/{stem}.json", "log": f"llama-bench/{stem}.log",
+                **({"build": model["build"]} if model.get("build") else {})}
         empty = done.returncode == 0 and not _has_results(raw_dir / f"{stem}.json")
         if empty:  # exit 0 and no results: llama-bench could not write them (a full disk, say)
             line["error"] = "llama-bench exited 0 but wrote no results"

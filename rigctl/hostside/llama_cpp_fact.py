@@ -1,5 +1,6 @@
 """The llama_cpp role's local fact (``/etc/ansible/facts.d/llama_cpp.fact``, INI): the builds the
-``current`` and ``previous`` links point to. Standard library only.
+``current`` and ``previous`` links point to, and a ``candidate`` beside them while an upgrade measures
+one. Standard library only.
 
 The one reader of that file: the job runtime records the current build from it on the host, and
 :func:`rigctl.fleet.build.parse_fact` makes its typed :class:`rigctl.fleet.build.Build` from the same dicts.
@@ -11,14 +12,15 @@ import configparser
 from typing import Any
 
 FACT_PATH = "/etc/ansible/facts.d/llama_cpp.fact"
-LINKS = ("current", "previous")
+LINKS = ("current", "previous", "candidate")
 _TEXT_FIELDS = ("name", "dir", "key", "version", "commit", "source", "cuda_architectures", "cuda_version",
                 "built_on", "built_at", "cpu_target", "cpu_isa_hash")
 
 
 def parse_builds(text: str) -> dict[str, dict[str, Any] | None]:
-    """``{"current": build, "previous": build}`` (None where the fact has no such section), read the way
-    Ansible reads facts.d INI files. Raises configparser.Error (not INI) or ValueError (a bad number)."""
+    """``{"current": build, "previous": build, "candidate": build}`` (None where the fact has no such
+    section), read the way Ansible reads facts.d INI files. Raises configparser.Error (not INI) or
+    ValueError (a bad number)."""
     parser = configparser.ConfigParser()
     parser.read_string(text)
     builds: dict[str, dict[str, Any] | None] = {}

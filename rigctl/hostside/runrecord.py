@@ -33,7 +33,7 @@ RUN_FILE = "run.json"
 ANSWERS_FILE = "answers.jsonl"
 RECORD_VERSION = 2
 #: Every kind of run rigctl records. Adding one here is all a new kind needs of the record.
-RUN_KINDS = ("bench", "eval", "spec", "server-speed", "load", "kld")
+RUN_KINDS = ("bench", "eval", "spec", "server-speed", "load", "kld", "upgrade", "bisect")
 RunKind = Literal[RUN_KINDS]  # type: ignore[valid-type]
 RunStatus = Literal["running", "done", "failed", "stopped", "lost"]
 CTX_FLAGS = ("-c", "--ctx-size")

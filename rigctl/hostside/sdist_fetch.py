@@ -186,15 +186,18 @@ def project_files(page: bytes, content_type: str, page_url: str) -> list[dict[st
     return files
 
 
-def _sdist_of(files: list[dict[str, str]], project: str, version: str) -> dict[str, str] | None:
-    for entry in files:
-        filename = entry["filename"]
-        for suffix in _SDIST_SUFFIXES:
-            if filename.lower().endswith(suffix):
-                name, sep, file_version = filename[: -len(suffix)].rpartition("-")
-                if sep and canonical_name(name) == canonical_name(project) and file_version == version:
-                    return entry
+def _sdist_version(filename: str, project: str) -> str | None:
+    """The version of an sdist file name of ``project`` (``name-1.0.tar.gz``); None for another file."""
+    for suffix in _SDIST_SUFFIXES:
+        if filename.lower().endswith(suffix):
+            name, sep, version = filename[: -len(suffix)].rpartition("-")
+            if sep and canonical_name(name) == canonical_name(project):
+                return version
     return None
+
+
+def _sdist_of(files: list[dict[str, str]], project: str, version: str) -> dict[str, str] | None:
+    return next((e for e in files if _sdist_version(e["filename"], project) == version), None)
 
 
 def wheel_tags(filename: str) -> tuple[str, str, str] | None:
@@ -246,40 +249,76 @@ def find_sdist(requirement: str, index_urls: list[str], timeout: float = 60,
     return _find_file(requirement, index_urls, _sdist_of, "sdist", timeout, context)
 
 
+def _project_page(project: str, index: str, what: str, timeout: float, context: ssl.SSLContext | None
+                  ) -> tuple[list[dict[str, str]], str, str] | str:
+    """(files, final URL, the page's URL as asked) of ``project``'s page on ``index``; a string saying why
+    when there is none. ``what`` names the request in a refusal."""
+    page_url = index.rstrip("/") + f"/{canonical_name(project)}/"
+    try:
+        with _open(page_url, ACCEPT, timeout, context) as response:
+            page = response.read(MAX_PAGE_BYTES + 1)
+            content_type = response.headers.get("Content-Type", "")
+            final_url = response.geturl()
+    except urllib.error.HTTPError as exc:
+        return f"{shown(page_url)} (HTTP {exc.code})"
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        return f"{shown(page_url)} ({getattr(exc, 'reason', exc)})"
+    if len(page) > MAX_PAGE_BYTES:
+        raise SdistFetchError(f"{what}: {shown(page_url)} is larger than {MAX_PAGE_BYTES} bytes")
+    return project_files(page, content_type, final_url), final_url, page_url
+
+
+def _checked(entry: dict[str, str], what: str, final_url: str, page_url: str, index: str) -> dict[str, str]:
+    """``entry`` with the index's credentials where they belong, once its URL scheme and hash look right."""
+    allowed = {"file"} if urllib.parse.urlsplit(final_url).scheme == "file" else {"http", "https"}
+    if urllib.parse.urlsplit(entry["url"]).scheme not in allowed:
+        raise SdistFetchError(f"{what}: {shown(page_url)} points at {shown(entry['url'])}, "
+                              f"not an {' or '.join(sorted(allowed))} URL")
+    entry = {**entry, "url": _with_credentials(entry["url"], index)}
+    if entry["sha256"] and not _SHA256.match(entry["sha256"]):
+        raise SdistFetchError(f"{what}: {shown(page_url)} gives sha256 {entry['sha256']!r}, not 64 hex digits")
+    return entry
+
+
 def _find_file(requirement: str, index_urls: list[str], pick, kind: str, timeout: float,
                context: ssl.SSLContext | None) -> dict[str, str]:
     """The file ``pick(files, project, version)`` chooses on the first of ``index_urls`` that lists one."""
     project, version = parse_requirement(requirement, kind)
+    what = f"{kind} {requirement}"
     tried = []
     for index in index_urls:
-        page_url = index.rstrip("/") + f"/{canonical_name(project)}/"
-        try:
-            with _open(page_url, ACCEPT, timeout, context) as response:
-                page = response.read(MAX_PAGE_BYTES + 1)
-                content_type = response.headers.get("Content-Type", "")
-                final_url = response.geturl()
-        except urllib.error.HTTPError as exc:
-            tried.append(f"{shown(page_url)} (HTTP {exc.code})")
+        found = _project_page(project, index, what, timeout, context)
+        if isinstance(found, str):
+            tried.append(found)
             continue
-        except (urllib.error.URLError, OSError, ValueError) as exc:
-            tried.append(f"{shown(page_url)} ({getattr(exc, 'reason', exc)})")
-            continue
-        if len(page) > MAX_PAGE_BYTES:
-            raise SdistFetchError(f"{kind} {requirement}: {shown(page_url)} is larger than {MAX_PAGE_BYTES} bytes")
-        entry = pick(project_files(page, content_type, final_url), project, version)
+        files, final_url, page_url = found
+        entry = pick(files, project, version)
         if entry is None:
             tried.append(f"{shown(page_url)} (no {kind} of {version})")
             continue
-        allowed = {"file"} if urllib.parse.urlsplit(final_url).scheme == "file" else {"http", "https"}
-        if urllib.parse.urlsplit(entry["url"]).scheme not in allowed:
-            raise SdistFetchError(f"{kind} {requirement}: {shown(page_url)} points at {shown(entry['url'])}, "
-                                  f"not an {' or '.join(sorted(allowed))} URL")
-        entry["url"] = _with_credentials(entry["url"], index)
-        if entry["sha256"] and not _SHA256.match(entry["sha256"]):
-            raise SdistFetchError(f"{kind} {requirement}: {shown(page_url)} gives sha256 {entry['sha256']!r}, "
-                                  "not 64 hex digits")
-        return entry
-    raise SdistFetchError(f"{kind} {requirement}: not found on {', '.join(tried) or 'no index'}")
+        return _checked(entry, what, final_url, page_url, index)
+    raise SdistFetchError(f"{what}: not found on {', '.join(tried) or 'no index'}")
+
+
+def list_sdists(project: str, index_urls: list[str] | None = None, timeout: float = 60) -> dict[str, dict[str, str]]:
+    """Every sdist of ``project`` the indexes list, by version (the first index to list a version wins):
+    ``{version: {"filename", "url", "sha256"}}``. SdistFetchError when no index has the project."""
+    context = _pip_ssl_context()
+    out: dict[str, dict[str, str]] = {}
+    tried = []
+    for index in pip_index_urls() if index_urls is None else index_urls:
+        found = _project_page(project, index, f"project {project}", timeout, context)
+        if isinstance(found, str):
+            tried.append(found)
+            continue
+        files, final_url, page_url = found
+        for entry in files:
+            version = _sdist_version(entry["filename"], project)
+            if version is not None and version not in out:
+                out[version] = _checked(entry, f"project {project}", final_url, page_url, index)
+    if not out:
+        raise SdistFetchError(f"project {project}: no sdist on {', '.join(tried) or 'no index'}")
+    return out
 
 
 def _with_credentials(url: str, index: str) -> str:
@@ -293,7 +332,7 @@ def _with_credentials(url: str, index: str) -> str:
     return urllib.parse.urlunsplit(target._replace(netloc=base.netloc))
 
 
-def _file_sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         while chunk := handle.read(_CHUNK):
@@ -301,19 +340,24 @@ def _file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def fetch_sdist(requirement: str, dest_path: str | os.PathLike[str], sha256: str, *,
+def fetch_sdist(requirement: str, dest_path: str | os.PathLike[str], sha256: str | None, *,
                 index_urls: list[str] | None = None, timeout: float = 60,
                 max_bytes: int = MAX_ARCHIVE_BYTES) -> Path:
     """``dest_path``, holding the sdist of ``requirement`` (``name==version``) whose sha256 is ``sha256``.
 
     Nothing in the archive runs. A ``dest_path`` that exists is only checked against the pin (no network).
+    ``sha256`` None is a first fetch (the caller records what it got): the index's own hash for the file
+    then decides, where it gives one.
     ``index_urls`` defaults to pip's (:func:`pip_index_urls`). Raises :class:`SdistFetchError` (one line)
     when the file is not found, the index's hash or the bytes differ from the pin, or the transfer fails;
     then nothing is left at ``dest_path``."""
     dest = Path(dest_path)
-    pinned = _pin(requirement, sha256, "sdist")
+    pinned = _pin(requirement, sha256, "sdist") if sha256 is not None else None
+    if dest.exists() and pinned is None:
+        raise SdistFetchError(f"archive {dest} exists but no sha256 is known for it (left as it is; remove it "
+                              f"to fetch {requirement} again)")
     if dest.exists():
-        present = _file_sha256(dest)
+        present = file_sha256(dest)
         if present != pinned:
             raise SdistFetchError(f"archive {dest} has sha256 {present} but the pin is {pinned} "
                                   f"(left as it is; remove it to fetch {requirement} again)")
@@ -338,7 +382,7 @@ def fetch_wheel(requirement: str, dest_dir: str | os.PathLike[str], sha256: str,
     directory = Path(dest_dir)
     stem = f"{canonical_name(project).replace('-', '_')}-{version}-"
     for present in sorted(directory.glob(f"{stem}*.whl")) if directory.is_dir() else ():
-        if _file_sha256(present) == pinned:
+        if file_sha256(present) == pinned:
             return present
     context = _pip_ssl_context()
     entry = _find_file(requirement, pip_index_urls() if index_urls is None else index_urls,
@@ -360,12 +404,14 @@ def _pin(requirement: str, sha256: str, kind: str) -> str:
     return pinned
 
 
-def _download(entry: dict[str, str], dest: Path, pinned: str, where: str, timeout: float,
+def _download(entry: dict[str, str], dest: Path, pinned: str | None, where: str, timeout: float,
               context: ssl.SSLContext | None, max_bytes: int) -> None:
-    """``entry``'s file at ``dest``, renamed into place only once its bytes (and the index) match ``pinned``."""
-    if entry["sha256"] and entry["sha256"] != pinned:
+    """``entry``'s file at ``dest``, renamed into place only once its bytes (and the index) match ``pinned``;
+    without a pin (a first fetch), the index's own hash, where it gives one."""
+    if pinned is not None and entry["sha256"] and entry["sha256"] != pinned:
         raise SdistFetchError(f"{where}: the index gives sha256 {entry['sha256']} but the pin is {pinned}; "
                               "nothing fetched")
+    expected = pinned or entry["sha256"] or None
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, part_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
     part = Path(part_name)
@@ -382,8 +428,9 @@ def _download(entry: dict[str, str], dest: Path, pinned: str, where: str, timeou
             out.flush()
             os.fsync(out.fileno())
         actual = digest.hexdigest()
-        if actual != pinned:
-            raise SdistFetchError(f"{where}: sha256 {actual} but the pin is {pinned}; nothing written")
+        if expected is not None and actual != expected:
+            source = "the pin" if pinned else "the index's hash"
+            raise SdistFetchError(f"{where}: sha256 {actual} but {source} is {expected}; nothing written")
         part.chmod(0o644)
         os.replace(part, dest)
     except (urllib.error.URLError, OSError) as exc:

@@ -92,6 +92,7 @@ def check_host(host: Host, known: set[str]) -> list[Problem]:
             out.extend(pydantic_problems(where, key, exc))
     out.extend(_check_facts_are_text(where, v))
     out.extend(_check_pin(where, v))
+    out.extend(_check_floor(where, v, parsed))
     out.extend(_check_cuda_archs(where, parsed))
     out.extend(_check_catalog(where, parsed.get("models_catalog")))
     out.extend(_check_servers(where, parsed))
@@ -185,6 +186,25 @@ def _check_pin(where: str, v: Mapping[str, Any]) -> list[Problem]:
     if v.get("llama_cpp_cuda") and "gpu_host_gpu" not in v and "llama_cpp_cuda_architectures" not in v:
         out.append(Problem(where, "llama_cpp_cuda_architectures",
                            "CUDA is on but neither this nor gpu_host_gpu says which architecture"))
+    return out
+
+
+def _check_floor(where: str, v: Mapping[str, Any], parsed: Mapping[str, Any]) -> list[Problem]:
+    """A pin inside a published advisory's range (the CVE floor) that the fleet has not accepted; an accepted
+    advisory that is not in the table."""
+    from rigctl.inventory import advisories
+
+    out = []
+    known = {a.id for a in advisories.table()}
+    allowed = parsed.get("rigctl_allowed_advisories") or {}
+    for ident in sorted(set(allowed) - known):
+        out.append(Problem(where, f"rigctl_allowed_advisories.{ident}", "not an advisory of rigctl's table "
+                                                                       "(rigctl build advisories lists them)"))
+    build = advisories.build_number(str(v.get("llama_cpp_version", "")))
+    if v.get("llama_cpp_source") == "archive" and build is not None:
+        check = advisories.check_build(build, {k: r for k, r in allowed.items() if k in known})
+        if check.vulnerable:
+            out.append(Problem(where, "llama_cpp_version", check.refusal(f"pin {v['llama_cpp_version']}")))
     return out
 
 

@@ -324,6 +324,11 @@ SCHEMA: dict[str, Any] = {
     "rigctl_known_hosts": str,
     "rigctl_cache_dir": str,
     "rigctl_serial": SerialSpec,
+    # {advisory id: the reason the fleet accepts a build inside its range} (rigctl/inventory/advisories.py)
+    "rigctl_allowed_advisories": dict[str, Annotated[str, Field(min_length=1)]],
+    # A mapping here; `rigctl build upgrade` reads its keys (rigctl/upgrade/gates.py, a layer above this one)
+    # and names every bad one.
+    "rigctl_upgrade_gates": dict[str, Any],
     "ansible_port": Annotated[int, Field(ge=1, le=65535)],
 }
 

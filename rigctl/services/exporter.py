@@ -43,6 +43,7 @@ from rigctl.fleet.state import (
     unit_instance,
 )
 from rigctl.inventory import Inventory
+from rigctl.inventory.advisories import FloorCheck
 from rigctl.results.store import ResultsStore
 
 log = logging.getLogger(__name__)
@@ -125,6 +126,10 @@ def metric_families(snapshot: Snapshot | None, plans: Mapping[str, HostPlan]) ->
     eval_n = g("rigctl_eval_questions", "Questions scored in the latest eval run per task and artifact",
                labels=["host", "task", "artifact", "run"])
     results_ok = g("rigctl_results_readable", "1 if the results store was read in the last collection")
+    vulnerable = g("rigctl_build_vulnerable",
+                   "1 if the llama.cpp build is inside a published advisory's range the fleet has not accepted "
+                   "(the CVE floor); build: the pinned one or the one running",
+                   labels=["host", "build", "version", "advisories"])
 
     if snapshot is not None:
         completed.add_metric([], snapshot.completed_at)
@@ -132,6 +137,8 @@ def metric_families(snapshot: Snapshot | None, plans: Mapping[str, HostPlan]) ->
         results_ok.add_metric([], 0.0 if snapshot.results_error else 1.0)
         for name, plan in sorted(plans.items()):
             facts = snapshot.hosts.get(name)
+            if plan.pinned_build is not None:
+                _floor_sample(vulnerable, name, "pinned", plan.pinned_version, plan.floor(plan.pinned_build))
             for server, spec in sorted(plan.servers.items()):
                 server_info.add_metric([name, server, str(spec["artifact"]), str(spec["profile"]), str(spec["port"]),
                                         "true" if spec["enabled"] else "false"], {})
@@ -147,6 +154,8 @@ def metric_families(snapshot: Snapshot | None, plans: Mapping[str, HostPlan]) ->
             drift = plan.build_drift(facts.builds)
             if drift is not None:
                 build_drift.add_metric([name], 1.0 if drift else 0.0)
+            if current is not None and current.build_number > 0:
+                _floor_sample(vulnerable, name, "running", current.version, plan.floor(current.build_number))
             for model in facts.models:
                 expected, pinned_by = model.expected
                 model_info.add_metric([name, model.artifact, model.sha256 or "", expected or "", pinned_by], {})
@@ -177,9 +186,13 @@ def metric_families(snapshot: Snapshot | None, plans: Mapping[str, HostPlan]) ->
             labels = [score.host, score.task, score.artifact, score.run_id]
             eval_gauge.add_metric(labels, score.score)
             eval_n.add_metric(labels, float(score.questions))
-    return [up, probe, completed, duration, results_ok, build_info, build_drift, model_info, model_drift,
+    return [up, probe, completed, duration, results_ok, build_info, build_drift, vulnerable, model_info, model_drift,
             model_bytes, server_info, server_state, server_pid, server_restarts, temperature, mem_used, mem_total,
             utilization, bench, bench_time, eval_gauge, eval_n]
+
+
+def _floor_sample(family: GaugeMetricFamily, host: str, which: str, version: str, check: FloorCheck) -> None:
+    family.add_metric([host, which, version, ",".join(a.id for a in check.refused)], 1.0 if check.vulnerable else 0.0)
 
 
 AGE_METRIC = "rigctl_collection_age_seconds"

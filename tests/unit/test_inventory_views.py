@@ -32,7 +32,7 @@ OVERRIDE_CTX = 1536
 
 GROUP_VARS = {
     "llama_cpp_source": "archive",
-    "llama_cpp_version": "b1",
+    "llama_cpp_version": "b11434",
     "llama_cpp_archive": {"path": "/src/llama.cpp.tar.gz", "sha256": "0" * 64},
     "models_catalog": {"smollm2": {"source": {"type": "controller", "path": "/m/s.gguf"}, "artifacts": {
         "smollm2-q4_1": {"type": "file", "file": "s.gguf"},

@@ -83,8 +83,9 @@ def test_every_kind_has_run_ids_and_the_controller_driven_kinds_all_open_through
     """One line adds a kind (RUN_KINDS); the controller's run modules make no run directory themselves."""
     for kind in RUN_KINDS:
         assert RUN_ID.match(new_run_id(kind))
-    assert not RUN_ID.match("upgrade-20261130T051200Z-3f9a")
-    for module in ("bench/server.py", "bench/load.py", "bench/drafting.py", "evals/runner.py"):
+    assert not RUN_ID.match("rollback-20261130T051200Z-3f9a")
+    for module in ("bench/server.py", "bench/load.py", "bench/drafting.py", "evals/runner.py", "upgrade/upgrade.py",
+                   "upgrade/bisect.py", "upgrade/paired.py"):
         tree = ast.parse((REPO / "rigctl" / module).read_text())
         calls = {node.func.attr for node in ast.walk(tree) if isinstance(node, ast.Call)
                  and isinstance(node.func, ast.Attribute)}

@@ -52,8 +52,9 @@ from rigctl.analysis.report.serving import (
     read_load_run,
 )
 from rigctl.analysis.report.speed import bench_section
+from rigctl.analysis.report.upgrade import bisect_section, upgrade_section, upgrades_section
 from rigctl.bench.matrix import load_run_samples
-from rigctl.errors import one_line
+from rigctl.errors import ConfigError, one_line
 from rigctl.files import write_atomically
 from rigctl.results.record import RUN_FILE
 from rigctl.results.store import ResultsStore, StoredRun
@@ -157,6 +158,7 @@ def build_report(loaded: LoadedCampaign, store: ResultsStore, out_dir: Path) -> 
     missing += [f"drafting {d}" for d, r in found.drafting.items() if r is None]
     missing += [f"load {name}" for name, r in found.loads.items() if r is None]
     missing += [f"kld {k} on {h}" for (k, h), r in found.klds.items() if r is None]
+    missing += [f"upgrade {name}" for name, r in found.upgrades.items() if r is None]
     charts: list[Path] = []
     speed: list[str] = ["## Speed", ""]
     for bench in campaign.benches:
@@ -180,7 +182,8 @@ def build_report(loaded: LoadedCampaign, store: ResultsStore, out_dir: Path) -> 
     lines = [f"# {campaign.title}", "", *_scope(loaded, found, missing, unreadable, compared), *speed, *quality,
              *comparison_sections(loaded, compared, problems, links, forest),
              *flips_section(compared, links, out_dir), *kld,
-             *drafting_section(loaded, found, links), *load, *deployed_section(loaded, found, links),
+             *drafting_section(loaded, found, links), *load, *upgrades_section(found, store, links, out_dir, charts),
+             *deployed_section(loaded, found, links),
              *sensitivity_section(compared, links),
              *habits_section(loaded, found, links), *_runs_section(found, links)]
     markdown = "\n".join(lines).rstrip() + "\n"
@@ -189,6 +192,22 @@ def build_report(loaded: LoadedCampaign, store: ResultsStore, out_dir: Path) -> 
     headline = "\n".join([*speed, *quality, *comparison_sections(loaded, compared, problems, links), *kld,
                           *drafting_section(loaded, found, links), *load]).strip()
     return Report(path=path, markdown=markdown, charts=charts, headline=plain(headline), missing=missing)
+
+
+def build_run_report(run: StoredRun, store: ResultsStore, out_dir: Path) -> Report:
+    """``out_dir/report.md`` for one upgrade or bisect record."""
+    if run.record.kind not in ("upgrade", "bisect"):
+        raise ConfigError(f"{run.host}/{run.id}: a {run.record.kind} run; `rigctl report` takes a campaign file, "
+                          "or an upgrade or bisect run")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    links = Links(out_dir, store.root)
+    charts: list[Path] = []
+    body = upgrade_section(run, links, store, out_dir, charts, level=1) if run.record.kind == "upgrade" else \
+        bisect_section(run, links, store, level=1)
+    markdown = "\n".join(body).rstrip() + "\n"
+    path = out_dir / "report.md"
+    write_atomically(path, markdown)
+    return Report(path=path, markdown=markdown, charts=charts, headline=plain(markdown))
 
 
 def plain(markdown: str) -> str:

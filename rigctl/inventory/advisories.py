@@ -1,0 +1,196 @@
+"""The CVE floor: llama.cpp's published security advisories by build number, and which builds they cover.
+
+The table is vendored (``rigctl/inventory/data/llama_cpp_advisories.yaml``, each entry citing where its range
+was read). A build is *covered* by an advisory when its number lies in the advisory's range; a fleet may
+accept a named advisory with a reason (the inventory's ``rigctl_allowed_advisories``: ``{id: reason}``),
+which then no longer refuses the build but is still reported. Everything here is pure apart from reading
+the table once.
+
+Where the floor is checked: ``rigctl build upgrade`` and ``rigctl build bisect`` (before anything is
+fetched or built, for a pin of the form ``bNNNN``; after the candidate is built for a git pin, whose
+number the build itself reports), ``rigctl provision`` (every selected host's pin), ``rigctl inventory
+check`` and the exporter (``rigctl_build_vulnerable`` for the pinned and the running build).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+import yaml
+
+from rigctl.errors import ConfigError
+
+#: The inventory variable naming the advisories a fleet accepts, each with its reason.
+ALLOWED_VAR = "rigctl_allowed_advisories"
+_BUILD_LABEL = re.compile(r"^b(\d+)$")
+_ID = re.compile(r"^GHSA(-[23456789cfghjmpqrvwx]{4}){3}$")
+
+
+@dataclass(frozen=True)
+class Advisory:
+    """One advisory and the builds it covers (see the table's header for the range semantics)."""
+
+    id: str  # GHSA-xxxx-xxxx-xxxx
+    cve: str | None
+    severity: str
+    summary: str
+    introduced: int = 0
+    last_affected: int | None = None
+    fixed: int | None = None
+    sources: tuple[str, ...] = ()
+
+    @property
+    def url(self) -> str:
+        return f"https://github.com/ggml-org/llama.cpp/security/advisories/{self.id}"
+
+    def covers(self, build: int) -> bool:
+        if build < self.introduced:
+            return False
+        if self.fixed is not None:
+            return build < self.fixed
+        return self.last_affected is not None and build <= self.last_affected
+
+    @property
+    def range_text(self) -> str:
+        """The covered builds, short: ``b7492-b9060``, ``< b8146``."""
+        start = f"b{self.introduced}" if self.introduced else ""
+        if self.fixed is not None:
+            return f"{start}-b{self.fixed - 1}" if start else f"< b{self.fixed}"
+        return f"{start}-b{self.last_affected}" if start else f"<= b{self.last_affected}"
+
+    def describe(self) -> str:
+        """``GHSA-… (CVE-…, critical, builds b7492-b9060, fixed in b…): summary``."""
+        fixed = f", fixed in b{self.fixed}" if self.fixed is not None else ", no fixed build named"
+        cve = f"{self.cve}, " if self.cve else ""
+        return f"{self.id} ({cve}{self.severity}, builds {self.range_text}{fixed}): {self.summary}"
+
+
+def parse_table(data: Any, origin: str) -> list[Advisory]:
+    """The table's ``advisories`` list as :class:`Advisory` values; ConfigError naming the entry otherwise."""
+    if not isinstance(data, Mapping) or not isinstance(data.get("advisories"), list):
+        raise ConfigError(f"{origin}: expected a mapping with an 'advisories' list")
+    out: list[Advisory] = []
+    seen: set[str] = set()
+    for index, entry in enumerate(data["advisories"]):
+        where = f"{origin}: advisories[{index}]"
+        if not isinstance(entry, Mapping):
+            raise ConfigError(f"{where}: expected a mapping")
+        known = {"id", "cve", "severity", "summary", "introduced", "last_affected", "fixed", "sources"}
+        unknown = sorted(str(k) for k in entry if k not in known)
+        if unknown:
+            raise ConfigError(f"{where}: unknown key {unknown[0]}")
+        ident = str(entry.get("id", ""))
+        if not _ID.match(ident) or ident in seen:
+            raise ConfigError(f"{where}: id {ident!r} is not a GHSA id, or is listed twice")
+        seen.add(ident)
+        bounds = {}
+        for key in ("introduced", "last_affected", "fixed"):
+            value = entry.get(key)
+            if value is not None and (type(value) is not int or value < 0):
+                raise ConfigError(f"{where} ({ident}): {key}: expected a build number, got {value!r}")
+            bounds[key] = value
+        if bounds["last_affected"] is None and bounds["fixed"] is None:
+            raise ConfigError(f"{where} ({ident}): needs last_affected or fixed")
+        end = bounds["fixed"] if bounds["fixed"] is not None else bounds["last_affected"] + 1
+        if end <= (bounds["introduced"] or 0):
+            raise ConfigError(f"{where} ({ident}): covers no build (introduced {bounds['introduced']}, end {end})")
+        sources = entry.get("sources") or []
+        if not isinstance(sources, list) or not sources or not all(isinstance(s, str) and s for s in sources):
+            raise ConfigError(f"{where} ({ident}): sources: every advisory cites where its range was read")
+        out.append(Advisory(id=ident, cve=str(entry["cve"]) if entry.get("cve") else None,
+                            severity=str(entry.get("severity", "unknown")), summary=str(entry.get("summary", "")),
+                            introduced=bounds["introduced"] or 0, last_affected=bounds["last_affected"],
+                            fixed=bounds["fixed"], sources=tuple(sources)))
+    return out
+
+
+@functools.cache
+def table() -> tuple[Advisory, ...]:
+    """The vendored table."""
+    text = resources.files("rigctl.inventory").joinpath("data/llama_cpp_advisories.yaml").read_text()
+    return tuple(parse_table(yaml.safe_load(text), "llama_cpp_advisories.yaml"))
+
+
+def build_number(version: str) -> int | None:
+    """The upstream build number of a pin label ``bNNNN``; None for anything else (a git commit)."""
+    found = _BUILD_LABEL.match(version.strip())
+    return int(found.group(1)) if found else None
+
+
+def covering(build: int, advisories: Iterable[Advisory] | None = None) -> list[Advisory]:
+    """The advisories whose range holds ``build``."""
+    return [a for a in (table() if advisories is None else advisories) if a.covers(build)]
+
+
+def allowed_advisories(value: Any, where: str) -> dict[str, str]:
+    """``rigctl_allowed_advisories`` as ``{id: reason}``; ConfigError naming ``where`` and the entry."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where}: {ALLOWED_VAR}: expected a mapping of advisory id to the reason it is accepted")
+    known = {a.id for a in table()}
+    out = {}
+    for ident, reason in value.items():
+        if str(ident) not in known:
+            raise ConfigError(f"{where}: {ALLOWED_VAR}.{ident}: not an advisory of the table "
+                              f"(rigctl build advisories lists them)")
+        if not isinstance(reason, str) or not reason.strip():
+            raise ConfigError(f"{where}: {ALLOWED_VAR}.{ident}: give the reason it is accepted")
+        out[str(ident)] = reason.strip()
+    return out
+
+
+@dataclass(frozen=True)
+class FloorCheck:
+    """A build against the table: the advisories that cover it, split into refused and accepted."""
+
+    build: int
+    refused: tuple[Advisory, ...] = ()
+    accepted: tuple[tuple[Advisory, str], ...] = ()  # (advisory, the fleet's reason)
+    allow: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def vulnerable(self) -> bool:
+        return bool(self.refused)
+
+    def refusal(self, what: str) -> str:
+        """One line: ``what`` is inside the advisories' ranges, and how to accept one."""
+        listed = "; ".join(a.describe() for a in self.refused)
+        return (f"{what} (build {self.build}) is inside {listed}; pick a build outside the range, or accept it "
+                f"by naming it in {ALLOWED_VAR} with the reason")
+
+
+def check_build(build: int, allow: Mapping[str, str] | None = None,
+                advisories: Sequence[Advisory] | None = None) -> FloorCheck:
+    allow = dict(allow or {})
+    found = covering(build, advisories)
+    return FloorCheck(build=build, refused=tuple(a for a in found if a.id not in allow),
+                      accepted=tuple((a, allow[a.id]) for a in found if a.id in allow), allow=allow)
+
+
+def host_allowed(host: Any) -> dict[str, str]:
+    """The advisories ``host`` (an inventory Host) accepts."""
+    return allowed_advisories(host.vars.get(ALLOWED_VAR), f"host {host.name}")
+
+
+def refuse_vulnerable_pins(hosts: Iterable[Any]) -> None:
+    """BuildError naming every host whose inventory pin (an archive's ``bNNNN``) is inside an advisory's range
+    it has not accepted: what ``rigctl provision`` checks before a play could install it."""
+    from rigctl.errors import BuildError
+
+    refusals = []
+    for host in hosts:
+        pin = host.llama_cpp if "llama_cpp_source" in host.vars else None
+        number = build_number(pin.version) if pin is not None and pin.source == "archive" else None
+        if number is None:
+            continue
+        check = check_build(number, host_allowed(host))
+        if check.vulnerable:
+            refusals.append(f"host {host.name}: " + check.refusal(f"pin {pin.version}"))
+    if refusals:
+        raise BuildError("; ".join(refusals))

@@ -1,0 +1,149 @@
+"""The CVE floor: the vendored advisory table, which builds each advisory covers, a fleet's accepted
+advisories, and where the floor is enforced (inventory check, provision, the exporter's metric)."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rigctl.errors import BuildError, ConfigError
+from rigctl.fleet.build import Build, Builds
+from rigctl.fleet.state import HostPlan, HostState
+from rigctl.inventory import Inventory, advisories
+from rigctl.inventory.advisories import Advisory, check_build, covering, parse_table
+from rigctl.inventory.check import check
+from rigctl.services.exporter import Snapshot, exposition, metric_families
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from inventory_support import edit_yaml  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def ids(build: int) -> list[str]:
+    return [a.id for a in covering(build)]
+
+
+def test_the_vendored_table_is_real_advisories_each_citing_its_source():
+    table = advisories.table()
+    assert len(table) >= 8
+    assert len({a.id for a in table}) == len(table)
+    for advisory in table:
+        assert advisory.id.startswith("GHSA-") and advisory.sources and advisory.summary
+        assert advisory.cve is None or advisory.cve.startswith("CVE-")
+        assert advisory.url == f"https://github.com/ggml-org/llama.cpp/security/advisories/{advisory.id}"
+
+
+def test_ranges_by_build_number_at_their_edges():
+    # CVE-2026-27940: affected up to b8145, patched in b8146.
+    assert "GHSA-3p4r-fq3f-q74v" in ids(8145) and "GHSA-3p4r-fq3f-q74v" not in ids(8146)
+    # CVE-2026-43631: builds b7492 through b9060, no patched build named.
+    assert "GHSA-6hc7-9rph-cm99" not in ids(7491)
+    assert "GHSA-6hc7-9rph-cm99" in ids(7492) and "GHSA-6hc7-9rph-cm99" in ids(9060)
+    assert ids(9061) == []
+    # CVE-2026-34159: named affected up to b7991, patched in b8492: the gap between is covered too.
+    assert "GHSA-j8rj-fmpv-wcxw" in ids(8200) and "GHSA-j8rj-fmpv-wcxw" not in ids(8492)
+    # Every build the package index offers (b9093 to b11434) is clear of the table.
+    assert ids(9093) == [] and ids(11434) == []
+
+
+def test_a_table_entry_that_cannot_be_checked_is_refused_naming_it():
+    good = {"id": "GHSA-3p4r-fq3f-q74v", "severity": "high", "summary": "s", "fixed": 8146, "sources": ["x"]}
+    assert parse_table({"advisories": [good]}, "t")[0].covers(8145)
+    for bad, message in (({**good, "id": "CVE-2026-1"}, "not a GHSA id"),
+                         ({**good, "sources": []}, "cites where"),
+                         ({**good, "fixed": "b8146"}, "expected a build number"),
+                         ({**good, "fixed": None}, "needs last_affected or fixed"),
+                         ({**good, "introduced": 9000}, "covers no build"),
+                         ({**good, "affects": 1}, "unknown key affects")):
+        with pytest.raises(ConfigError, match=message) as raised:
+            parse_table({"advisories": [bad]}, "t")
+        assert "advisories[0]" in str(raised.value)
+    with pytest.raises(ConfigError, match="listed twice"):
+        parse_table({"advisories": [good, good]}, "t")
+
+
+def test_an_accepted_advisory_no_longer_refuses_but_is_kept_with_its_reason():
+    refused = check_build(9000)
+    assert refused.vulnerable and [a.id for a in refused.refused] == ["GHSA-6hc7-9rph-cm99"]
+    line = refused.refusal("pin b9000")
+    assert "GHSA-6hc7-9rph-cm99" in line and "CVE-2026-43631" in line and "rigctl_allowed_advisories" in line
+    assert "\n" not in line
+    accepted = check_build(9000, {"GHSA-6hc7-9rph-cm99": "no instance runs --sleep-idle-seconds"})
+    assert not accepted.vulnerable
+    assert [(a.id, why) for a, why in accepted.accepted] == [("GHSA-6hc7-9rph-cm99",
+                                                             "no instance runs --sleep-idle-seconds")]
+    with pytest.raises(ConfigError, match="not an advisory of the table"):
+        advisories.allowed_advisories({"GHSA-2222-3333-4444": "x"}, "host h")
+    with pytest.raises(ConfigError, match="give the reason"):
+        advisories.allowed_advisories({"GHSA-6hc7-9rph-cm99": " "}, "host h")
+
+
+def test_build_labels():
+    assert advisories.build_number("b11434") == 11434
+    assert advisories.build_number("7182ef71e") is None
+    assert Advisory("GHSA-2222-3333-4444", None, "high", "s", fixed=10).range_text == "< b10"
+    assert Advisory("GHSA-2222-3333-4444", None, "high", "s", introduced=5, last_affected=9).range_text == "b5-b9"
+
+
+@pytest.fixture
+def lab_copy(tmp_path: Path) -> Path:
+    dest = tmp_path / "lab"
+    shutil.copytree(REPO / "inventory" / "lab", dest)
+    return dest
+
+
+def test_inventory_check_names_a_pin_inside_a_range_until_it_is_accepted(lab_copy: Path):
+    pins = lab_copy / "group_vars" / "all" / "llama_cpp.yml"
+    assert not [p for p in check(Inventory.load(lab_copy)) if p.key == "llama_cpp_version"]
+    edit_yaml(pins, lambda d: d.update(llama_cpp_version="b9060"))
+    found = [p for p in check(Inventory.load(lab_copy)) if p.key == "llama_cpp_version"]
+    assert len(found) == 1 and found[0].where == "group all" and "GHSA-6hc7-9rph-cm99" in found[0].message
+    with pytest.raises(BuildError, match=r"host desktop: pin b9060 \(build 9060\) is inside GHSA-6hc7"):
+        advisories.refuse_vulnerable_pins(Inventory.load(lab_copy).select(None))
+    edit_yaml(pins, lambda d: d.update(rigctl_allowed_advisories={"GHSA-6hc7-9rph-cm99": "no idle sleep here"}))
+    assert not [p for p in check(Inventory.load(lab_copy)) if "llama_cpp_version" in p.key or "advisor" in p.key]
+    advisories.refuse_vulnerable_pins(Inventory.load(lab_copy).select(None))
+    edit_yaml(pins, lambda d: d.update(rigctl_allowed_advisories={"GHSA-2222-3333-4444": "typo"}))
+    bad = [p for p in check(Inventory.load(lab_copy)) if p.key.startswith("rigctl_allowed_advisories")]
+    assert bad and "not an advisory" in bad[0].message
+
+
+def _running(build_number: int) -> Builds:
+    build = Build(name=f"b{build_number}-k", dir="/opt/x", key="k", version=f"b{build_number}", commit="c",
+                  build_number=build_number, source="archive", cuda=False, cuda_architectures="", cuda_version="",
+                  built_on="h", built_at="t")
+    return Builds("h", build, None)
+
+
+def _vulnerable_lines(plans: dict[str, HostPlan], facts: HostState) -> list[str]:
+    snapshot = Snapshot(completed_at=1.0, duration_seconds=0.1, hosts={"h": facts})
+    text = exposition(metric_families(snapshot, plans)).decode()
+    return sorted(line for line in text.splitlines() if line.startswith("rigctl_build_vulnerable{"))
+
+
+def test_the_exporter_shows_the_pinned_and_the_running_build_against_the_floor():
+    clear = _vulnerable_lines({"h": HostPlan("h", "b11434", "archive", {})},
+                              HostState("h", True, builds=_running(11434)))
+    assert clear == ['rigctl_build_vulnerable{advisories="",build="pinned",host="h",version="b11434"} 0.0',
+                     'rigctl_build_vulnerable{advisories="",build="running",host="h",version="b11434"} 0.0']
+    flipped = _vulnerable_lines({"h": HostPlan("h", "b9060", "archive", {})},
+                                HostState("h", True, builds=_running(9000)))
+    assert flipped == [
+        'rigctl_build_vulnerable{advisories="GHSA-6hc7-9rph-cm99",build="pinned",host="h",version="b9060"} 1.0',
+        'rigctl_build_vulnerable{advisories="GHSA-6hc7-9rph-cm99",build="running",host="h",version="b9000"} 1.0']
+    accepted = HostPlan("h", "b9060", "archive", {}, allowed_advisories={"GHSA-6hc7-9rph-cm99": "reviewed"})
+    assert all(line.endswith(" 0.0") for line in _vulnerable_lines({"h": accepted}, HostState("h", False)))
+    # A git pin says no build number: only the running build is judged.
+    git = _vulnerable_lines({"h": HostPlan("h", "7182ef71e", "git", {})}, HostState("h", True, builds=_running(9000)))
+    assert [line.split("build=")[1][:9] for line in git] == ['"running"']
+
+
+def test_the_table_file_is_yaml_with_a_header_that_explains_its_semantics():
+    text = (REPO / "rigctl" / "inventory" / "data" / "llama_cpp_advisories.yaml").read_text()
+    assert "last_affected" in text.split("advisories:")[0] and "GHSA-8947-pfff-2f3c" in text.split("advisories:")[0]
+    assert isinstance(yaml.safe_load(text)["advisories"], list)
