@@ -108,7 +108,8 @@ class Run:
         """Every raw file hashed into the record, ``status`` and ``error`` set, the record saved."""
         self.record.seal(self.path, status, error)
         if status != "done":
-            log.warning("%s: sealed %s%s", self.ref, status, f": {error}" if error else "")
+            # Info, not a warning: the error itself reaches the user once, as the command's `error:` line.
+            log.info("%s: sealed %s%s", self.ref, status, f": {error}" if error else "")
 
     @contextmanager
     def sealing(self) -> Iterator[Run]:
