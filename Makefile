@@ -42,7 +42,7 @@ prepare: venv host-deps
 
 # Everything: lint, the unit tests, then the lab tests on real rigs (one session, one lab).
 test: check prepare
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/pytest tests/lab
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/pytest --durations=20 tests/lab
 
 # The upgrade and bisect scenarios on the lab (tests/lab/test_upgrade_lab.py): several llama.cpp builds,
 # minutes each on two cores even ccache-warm, so outside `make test` and CI's budget. RIGCTL_LAB_SLOT picks

@@ -15,7 +15,7 @@ import pytest
 from benchlab import REPO, RIGCTL, cli_env, served_inventory
 from labkeys import RESTORE_HOST_KEYS, ROTATE_HOST_KEYS
 
-from rigctl.fleet.deploy import run_playbook
+from rigctl.fleet.deploy import TaskEvent, run_playbook
 from rigctl.inventory import Inventory
 from rigctl.jobs import JOBS_DIR, RESULTS_DIR
 from rigctl.results.record import RawFile, RunRecord
@@ -50,9 +50,15 @@ def test_provision_refuses_a_rig_whose_host_key_changed(lab_up: Inventory, tmp_p
             # Ansible's own check, without rigctl's preflight: mitogen (ansible.cfg's strategy) refuses the
             # host too, even with ANSIBLE_HOST_KEY_CHECKING=False in the caller's environment.
             monkeypatch.setenv("ANSIBLE_HOST_KEY_CHECKING", "False")
-            result = run_playbook(lab_up, "site.yml", limit="desktop", preflight=False)
+            events: list[TaskEvent] = []
+            result = run_playbook(lab_up, "site.yml", limit="desktop", preflight=False, on_event=events.append)
             outcome = result.hosts["desktop"]
-            assert outcome.unreachable == 1 and outcome.ok == 0 and outcome.changed == 0, outcome
+            assert outcome.unreachable == 1 and outcome.changed == 0, outcome
+            # The only task before the refusal is Ansible's own check of the play lock role's arguments, which
+            # runs on the controller: nothing reached the rig.
+            assert [e.status for e in events] == ["ok", "unreachable"], events
+            assert events[0].task.startswith("Validating arguments against arg spec"), events
+            assert events[1].task == "Take the host's play lock", events
             # mitogen's words for ssh's "Host key verification failed" (plain ssh's, without mitogen).
             assert re.search(r"mismatching host key|host key verification failed", outcome.failure or "", re.I), \
                 outcome.failure
