@@ -4,7 +4,8 @@ without running any of it.
 This module runs on the controller only: the llama_cpp role's ``llama_cpp_sdist`` module and the gpu_host
 role's ``gpu_host_wheel`` module import it as ``ansible.module_utils.sdist_fetch`` (delegated to localhost
 under the playbook's own Python, the one with pip), and rigctl imports it as ``rigctl.hostside.sdist_fetch``.
-It lives here because this is the roles' module_utils directory.
+It lives here because this is the roles' module_utils directory. The two modules' shared face (their common
+options, check mode, the one failure line) is :func:`ansible_module` and :func:`fetch_or_fail`.
 
 ``pip download`` of an sdist prepares its metadata, which runs the sdist's build code (``setup.py``, an
 in-tree build backend) before anything compares the archive with its pin. Here the file is only read:
@@ -36,7 +37,9 @@ import types
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 #: PEP 691: JSON preferred, the PEP 503 HTML page accepted.
 ACCEPT = "application/vnd.pypi.simple.v1+json, application/vnd.pypi.simple.v1+html;q=0.2, text/html;q=0.1"
@@ -443,3 +446,33 @@ def _pip_ssl_context() -> ssl.SSLContext | None:
     """pip's ``cert`` setting (PIP_CERT, pip.conf) as the CA bundle, as pip would verify the index."""
     cert = _pip_setting("cert")
     return ssl.create_default_context(cafile=cert) if cert else None
+
+
+# ----------------------------------------------------------------------------------------------- the roles' modules
+
+#: The options of the roles' modules that fetch a pinned file (llama_cpp_sdist, gpu_host_wheel), beside
+#: where the file goes.
+MODULE_OPTIONS = {
+    "requirement": {"type": "str", "required": True},
+    "sha256": {"type": "str", "required": True},
+    "host": {"type": "str", "required": True},
+    "timeout": {"type": "int", "default": 60},
+}
+
+
+def ansible_module(destination: dict[str, dict[str, Any]]):
+    """A fetching module's ``AnsibleModule``: :data:`MODULE_OPTIONS` and the module's own ``destination``
+    options, check mode supported."""
+    from ansible.module_utils.basic import AnsibleModule  # only the roles' modules need Ansible
+
+    return AnsibleModule(argument_spec={**MODULE_OPTIONS, **destination}, supports_check_mode=True)
+
+
+def fetch_or_fail(module, variable: str, fetch: Callable[..., Path], dest: str, **options: Any) -> Path:
+    """``fetch`` (:func:`fetch_sdist` or :func:`fetch_wheel`) of the module's pinned requirement into ``dest``;
+    a refusal fails the task in one line naming the host and the role variable that asked (``variable``)."""
+    p = module.params
+    try:
+        return fetch(p["requirement"], dest, p["sha256"], timeout=p["timeout"], **options)
+    except SdistFetchError as exc:
+        module.fail_json(msg=f"{p['host']}: {variable}: {exc}")  # exits

@@ -293,3 +293,30 @@ def test_a_cached_file_that_is_not_the_pin_is_not_taken(cublas_index: tuple[Pack
     # Fetched from the index and renamed over the stale file: the directory holds the pinned bytes only.
     assert got == stale and stale.read_bytes() == x86 and stat.S_IMODE(stale.stat().st_mode) == 0o644
     assert sorted(p.name for p in tmp_path.iterdir()) == [stale.name]
+
+
+# ----------------------------------------------------------------------------------------------- the module
+
+
+def _module_env(index: PackageIndex) -> dict[str, str]:
+    """pip's configuration as the controller's would be: the test's index, nothing of this machine's."""
+    return {"PIP_CONFIG_FILE": os.devnull, "PIP_INDEX_URL": index.url}
+
+
+def test_the_wheel_module_fetches_the_pin_and_refuses_another_in_one_line(
+        cublas_index: tuple[PackageIndex, bytes], tmp_path: Path) -> None:
+    """gpu_host_wheel through sdist_fetch's module face (its shared options, the failure line), run by Ansible."""
+    index, x86 = cublas_index
+    args = {"requirement": "nvidia-cublas==13.1.0.3", "sha256": sha(x86), "dest_dir": str(tmp_path / "wheels"),
+            "machine": "x86_64", "host": "rig"}
+    rc, out = role_modules.run(LIBRARY, "gpu_host_wheel", args, tmp_path, _module_env(index))
+    got = tmp_path / "wheels" / filename("nvidia-cublas", "13.1.0.3")
+    assert rc == 0 and f'"path": "{got}"' in out and got.read_bytes() == x86, out
+    rc, out = role_modules.run(LIBRARY, "gpu_host_wheel", {**args, "sha256": "1" * 64,
+                                                          "dest_dir": str(tmp_path / "other")}, tmp_path,
+                               _module_env(index))
+    assert rc != 0 and "rig: gpu_host_cuda_wheels: wheel nvidia-cublas==13.1.0.3: no file on the index has the " \
+        f"pinned sha256 {'1' * 64}" in out, out
+    assert not (tmp_path / "other").exists() or list((tmp_path / "other").iterdir()) == []
+    rc, out = role_modules.run(LIBRARY, "gpu_host_wheel", {**args, "timeout": "soon"}, tmp_path, _module_env(index))
+    assert rc != 0 and "timeout" in out, out

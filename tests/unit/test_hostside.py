@@ -31,8 +31,9 @@ SYSTEM_PYTHON = "/usr/bin/python3"
 # Controller-only: it reads the package's files to ship them.
 CONTROLLER_ONLY = {"ship"}
 # sdist_fetch runs on the controller (the llama_cpp role delegates it to localhost under the playbook's
-# Python) and reads pip's configuration with pip; the rest of it is standard library like the others.
-CONTROLLER_IMPORTS = {"sdist_fetch": {"pip"}}
+# Python) and reads pip's configuration with pip; the roles' fetching modules get their AnsibleModule from it;
+# the rest of it is standard library like the others.
+CONTROLLER_IMPORTS = {"sdist_fetch": {"pip", "ansible"}}
 
 
 def _hostside_modules() -> list[Path]:

@@ -24,6 +24,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "fixtures"))
 from package_index import PackageIndex, hostile_sdist  # noqa: E402
 
+sys.path.insert(0, str(REPO / "tests"))
+import role_modules  # noqa: E402
+
 PROJECT, VERSION = "hostile-pkg", "1.0"
 SDIST = "hostile_pkg-1.0.tar.gz"
 REQUIREMENT = f"{PROJECT}=={VERSION}"
@@ -252,6 +255,26 @@ def _role_run(tmp_path: Path, index: PackageIndex, pin: str,
     return subprocess.run([str(Path(sys.executable).with_name("ansible-playbook")), "-i", str(tmp_path / "hosts.ini"),
                            str(tmp_path / "play.yml"), "-e", json.dumps(extravars)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
+
+
+
+def test_the_sdist_module_fetches_the_pin_and_refuses_another_in_one_line(index: PackageIndex, archive: bytes,
+                                                                          marker: Path, tmp_path: Path) -> None:
+    """llama_cpp_sdist through sdist_fetch's module face (its shared options, the failure line), run by Ansible
+    without the role: no root needed."""
+    env = {"PIP_CONFIG_FILE": os.devnull, "PIP_INDEX_URL": index.url}
+    library = REPO / "roles" / "llama_cpp" / "library"
+    dest = tmp_path / "sources" / SDIST
+    args = {"requirement": REQUIREMENT, "sha256": "f" * 64, "dest": str(dest), "host": "rig"}
+    rc, out = role_modules.run(library, "llama_cpp_sdist", args, tmp_path, env)
+    assert rc != 0 and f"rig: llama_cpp_archive_sdist: archive {dest} ({REQUIREMENT}, " in out, out
+    assert f"the index gives sha256 {_sha(archive)} but the pin is {'f' * 64}; nothing fetched" in out, out
+    assert _leftovers(tmp_path / "sources") == []
+    rc, out = role_modules.run(library, "llama_cpp_sdist", {**args, "sha256": _sha(archive)}, tmp_path, env)
+    assert rc == 0 and '"changed": true' in out and dest.read_bytes() == archive, out
+    rc, out = role_modules.run(library, "llama_cpp_sdist", {**args, "sha256": _sha(archive)}, tmp_path, env)
+    assert rc == 0 and '"changed": false' in out and index.requests.count(f"/files/{SDIST}") == 1, out
+    assert not marker.exists()
 
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the role's tasks make root-owned files")

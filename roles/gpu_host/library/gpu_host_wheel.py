@@ -28,29 +28,16 @@ options:
   timeout: {description: Seconds without progress before a request fails., type: int, default: 60}
 """
 
-from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.sdist_fetch import SdistFetchError, fetch_wheel
+from ansible.module_utils.sdist_fetch import ansible_module, fetch_or_fail, fetch_wheel
 
 
 def main() -> None:
-    module = AnsibleModule(
-        argument_spec={
-            "requirement": {"type": "str", "required": True},
-            "sha256": {"type": "str", "required": True},
-            "dest_dir": {"type": "path", "required": True},
-            "machine": {"type": "str", "required": True},
-            "host": {"type": "str", "required": True},
-            "timeout": {"type": "int", "default": 60},
-        },
-        supports_check_mode=True,
-    )
+    module = ansible_module({"dest_dir": {"type": "path", "required": True},
+                             "machine": {"type": "str", "required": True}})
     p = module.params
     if module.check_mode:
         module.exit_json(changed=False, msg=f"would fetch {p['requirement']} unless {p['dest_dir']} has it")
-    try:
-        path = fetch_wheel(p["requirement"], p["dest_dir"], p["sha256"], machine=p["machine"], timeout=p["timeout"])
-    except SdistFetchError as exc:
-        module.fail_json(msg=f"{p['host']}: gpu_host_cuda_wheels: {exc}")
+    path = fetch_or_fail(module, "gpu_host_cuda_wheels", fetch_wheel, p["dest_dir"], machine=p["machine"])
     module.exit_json(changed=False, path=str(path))
 
 

@@ -28,30 +28,17 @@ options:
 
 import os
 
-from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.sdist_fetch import SdistFetchError, fetch_sdist
+from ansible.module_utils.sdist_fetch import ansible_module, fetch_or_fail, fetch_sdist
 
 
 def main() -> None:
-    module = AnsibleModule(
-        argument_spec={
-            "requirement": {"type": "str", "required": True},
-            "dest": {"type": "path", "required": True},
-            "sha256": {"type": "str", "required": True},
-            "host": {"type": "str", "required": True},
-            "timeout": {"type": "int", "default": 60},
-        },
-        supports_check_mode=True,
-    )
+    module = ansible_module({"dest": {"type": "path", "required": True}})
     p = module.params
     if os.path.exists(p["dest"]):
         module.exit_json(changed=False, dest=p["dest"])
     if module.check_mode:
         module.exit_json(changed=True, dest=p["dest"], msg=f"would fetch {p['requirement']}")
-    try:
-        fetch_sdist(p["requirement"], p["dest"], p["sha256"], timeout=p["timeout"])
-    except SdistFetchError as exc:
-        module.fail_json(msg=f"{p['host']}: llama_cpp_archive_sdist: {exc}")
+    fetch_or_fail(module, "llama_cpp_archive_sdist", fetch_sdist, p["dest"])
     module.exit_json(changed=True, dest=p["dest"])
 
 
