@@ -349,3 +349,23 @@ def test_a_replicate_pair_sets_its_disagreement_beside_the_ab_difference(tmp_pat
     assert row["replicate gap, points"].startswith("[")
     assert "within replicate noise" not in row["verdict"]  # B is right on 36 more: far beyond
     assert "Qwen Q4_0 replicate 2" in report.markdown
+
+
+def test_pulled_steps_heads_every_step_and_yields_only_those_with_a_run(tmp_path):
+    from types import SimpleNamespace
+
+    from rigctl.analysis.report.markdown import NOT_PULLED, pulled_steps
+    from rigctl.results.store import StoredRun
+
+    first, second, third = (SimpleNamespace(name=n, host="desktop") for n in ("a", "b", "c"))
+    run = StoredRun("desktop", tmp_path, None)  # type: ignore[arg-type]
+    lines = ["## Section", ""]
+    yielded = []
+    for step, found in pulled_steps(lines, [first, second, third], {"a": run, "b": None},
+                                    lambda s: f"{s.name} on {s.host}"):
+        yielded.append((step.name, found))
+        lines.append(f"body of {step.name}")
+    assert yielded == [("a", run)]
+    # b is located but not pulled, c not even located: both read as not pulled, in the steps' order.
+    assert lines == ["## Section", "", "### a on desktop", "", "body of a", "### b on desktop", "", NOT_PULLED, "",
+                     "### c on desktop", "", NOT_PULLED, ""]

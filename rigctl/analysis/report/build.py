@@ -32,7 +32,7 @@ from rigctl.analysis.compare import (
 )
 from rigctl.analysis.kld import kld_extra, load_tokens
 from rigctl.analysis.report.kld import kld_section
-from rigctl.analysis.report.markdown import Links, md_table
+from rigctl.analysis.report.markdown import NOT_PULLED, Links, md_table
 from rigctl.analysis.report.quality import (
     Compared,
     _forest_plot,
@@ -165,7 +165,7 @@ def build_report(loaded: LoadedCampaign, store: ResultsStore, out_dir: Path) -> 
         for host in bench.hosts:
             run = found.benches[(bench.name, host)]
             if run is None:
-                speed += [f"### {bench.name} on {host}", "", "Nothing pulled yet.", ""]
+                speed += [f"### {bench.name} on {host}", "", NOT_PULLED, ""]
             else:
                 speed += bench_section(bench, host, run, links, out_dir, loaded, charts)
     if not campaign.benches:

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import numpy as np
 
 if TYPE_CHECKING:
-    pass
+    from rigctl.results.store import StoredRun
+
+#: Under a campaign step's heading while the store holds no run of it.
+NOT_PULLED = "Nothing pulled yet."
 
 
 class Links:
@@ -57,3 +60,24 @@ def quoted(text: str) -> str:
 
 def ms_text(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.1f}"
+
+
+class _Named(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+Step = TypeVar("Step", bound=_Named)
+
+
+def pulled_steps(lines: list[str], steps: Iterable[Step], runs: Mapping[str, StoredRun | None],
+                 heading: Callable[[Step], str]) -> Iterator[tuple[Step, StoredRun]]:
+    """Each campaign step with its pulled run (``runs``, by step name), its ``###`` heading appended to
+    ``lines`` first; a step with no run gets :data:`NOT_PULLED` under its heading and is passed over."""
+    for step in steps:
+        run = runs.get(step.name)
+        lines += [f"### {heading(step)}", ""]
+        if run is None:
+            lines += [NOT_PULLED, ""]
+            continue
+        yield step, run

@@ -26,7 +26,7 @@ from rigctl.analysis.compare import (
 )
 from rigctl.analysis.format import gap_points, p_text, points, ratio_text
 from rigctl.analysis.habits import answer_habits
-from rigctl.analysis.report.markdown import Links, md_table, quoted
+from rigctl.analysis.report.markdown import NOT_PULLED, Links, md_table, quoted
 from rigctl.errors import RigctlError
 from rigctl.hostside.scorers import GSM8K_SCORES
 from rigctl.results.record import ANSWERS_FILE, RUN_FILE
@@ -62,7 +62,7 @@ def quality_section(loaded: LoadedCampaign, found: Located, links: Links, out_di
         pulled = [(t, r) for t, r in pulled if r is not None]
         lines += [f"### {evaluation.name} (task {found.task_names.get(evaluation.name, evaluation.task)})", ""]
         if not pulled:
-            lines += ["Nothing pulled yet.", ""]
+            lines += [NOT_PULLED, ""]
             continue
         lines += _deviation_lines(pulled, links)
         scores = {t.id: run_scores(r, resamples=campaign.resamples, seed=campaign.seed) for t, r in pulled}

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from rigctl.analysis.campaign import LoadedCampaign, Located
-from rigctl.analysis.report.markdown import Links, md_table, ms_text
+from rigctl.analysis.report.markdown import Links, md_table, ms_text, pulled_steps
 from rigctl.analysis.speed import sample_file
 from rigctl.bench.matrix import counted, load_run_samples
 from rigctl.errors import ConfigError
@@ -47,12 +47,7 @@ def drafting_section(loaded: LoadedCampaign, found: Located, links: Links) -> li
     if not campaign.drafting:
         return []
     lines = ["## Drafting", ""]
-    for race in campaign.drafting:
-        run = found.drafting.get(race.name)
-        lines += [f"### {race.name} on {race.host}", ""]
-        if run is None:
-            lines += ["Nothing pulled yet.", ""]
-            continue
+    for race, run in pulled_steps(lines, campaign.drafting, found.drafting, lambda r: f"{r.name} on {r.host}"):
         path = run.path / REQUESTS_FILE
         requests = race_requests(run)
         file = [path]
@@ -87,12 +82,7 @@ def load_section(loaded: LoadedCampaign, found: Located, links: Links, out_dir: 
              "within the stated precision of their estimates or its request cap was reached (not within: "
              "`wide`). Machine: the host's 1-minute load average before -> after the level, its CPUs' busy share over "
              "it (the probe included) and the controller's load average.", ""]
-    for load in campaign.loads:
-        run = found.loads.get(load.name)
-        lines += [f"### {load.name}: {load.server} on {load.host}", ""]
-        if run is None:
-            lines += ["Nothing pulled yet.", ""]
-            continue
+    for load, run in pulled_steps(lines, campaign.loads, found.loads, lambda s: f"{s.name}: {s.server} on {s.host}"):
         levels = load_levels(run)
         file = [run.path / REQUESTS_FILE]
         rows = [[str(s.concurrency), str(s.warmup), links.number(str(s.requests), file),
