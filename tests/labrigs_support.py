@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import yaml
 
 from rigctl.inventory import Inventory
 from rigctl.lab.config import RigSpec, write_lab_inventory
 from rigctl.lab.gpu import GpuState
+from rigctl.lab.rigs import Lab, RigStatus
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -90,3 +95,27 @@ def make_test_inventory(
     lab_yml.write_text(yaml.safe_dump(settings))
     return dest
 
+
+
+@dataclasses.dataclass
+class LabRun:
+    """A test lab that is up: its inventory, the lab, and what its first ``up`` said of each rig."""
+
+    inventory: Path
+    lab: Lab
+    first_up: list[RigStatus]
+
+
+@contextlib.contextmanager
+def own_lab_up(base: Path, rigs: int = 2) -> Iterator[LabRun]:
+    """A lab of the tests' own (:func:`make_test_inventory`'s ``rigs`` rigs, inventory and lab directory under
+    ``base``), up for the block and down after it whatever happens; the test is skipped where no lab can run."""
+    reason = lab_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    inventory = make_test_inventory(base / "inventory", base / "lab", rigs=rigs)
+    lab = Lab.from_inventory(Inventory.load(inventory))
+    try:
+        yield LabRun(inventory, lab, lab.up())
+    finally:
+        lab.down()

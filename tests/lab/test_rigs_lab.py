@@ -22,8 +22,10 @@ from labrigs_support import (
     FAILING_NETWORK,
     TEST_NETWORK,
     TEST_PREFIX,
+    LabRun,
     lab_skip_reason,
     make_test_inventory,
+    own_lab_up,
     real_inventory,
 )
 
@@ -31,7 +33,7 @@ from rigctl.errors import ConfigError, LabError
 from rigctl.inventory import Inventory
 from rigctl.lab.gpu import GPU_STATE_IN_RIG
 from rigctl.lab.network import lab_mac, rig_tag, veth_name
-from rigctl.lab.rigs import Lab, RigStatus
+from rigctl.lab.rigs import Lab
 from rigctl.lab.system import mounts_under
 
 GPU_QUERY = "--query-gpu=name,temperature.gpu,memory.total,memory.used,compute_cap --format=csv,noheader,nounits"
@@ -43,25 +45,11 @@ GPU_QUERY = "--query-gpu=name,temperature.gpu,memory.total,memory.used,compute_c
 # ----------------------------------------------------------------------------------------------- the lifecycle
 
 
-@dataclasses.dataclass
-class LabRun:
-    lab: Lab
-    first_up: list[RigStatus]
-
-
 # A fixture, though its name reads like a test's: the split of tests/test_lab.py by test name lost it once.
 @pytest.fixture(scope="module")
 def test_lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabRun]:
-    reason = lab_skip_reason()
-    if reason:
-        pytest.skip(reason)
-    base = tmp_path_factory.mktemp("lab")
-    lab = Lab.from_inventory(Inventory.load(make_test_inventory(base / "inventory", base / "lab")))
-    try:
-        statuses = lab.up()
-        yield LabRun(lab, statuses)
-    finally:
-        lab.down()
+    with own_lab_up(tmp_path_factory.mktemp("lab")) as run:
+        yield run
 
 
 def on_rig(lab: Lab, name: str, command: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from labrigs_support import TEST_PREFIX, lab_skip_reason, make_test_inventory
+from labrigs_support import TEST_PREFIX, own_lab_up
 
 from rigctl.fleet.deploy import run_playbook
 from rigctl.inventory import Inventory
@@ -27,17 +27,8 @@ FACT = "/etc/ansible/facts.d/gpu_host.fact"
 
 @pytest.fixture(scope="module")
 def three_rigs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    reason = lab_skip_reason()
-    if reason:
-        pytest.skip(reason)
-    base = tmp_path_factory.mktemp("rolling")
-    inventory = make_test_inventory(base / "inventory", base / "lab", rigs=3)
-    lab = Lab.from_inventory(Inventory.load(inventory))
-    try:
-        lab.up()
-        yield inventory
-    finally:
-        lab.down()
+    with own_lab_up(tmp_path_factory.mktemp("rolling"), rigs=3) as run:
+        yield run.inventory
 
 
 def _has_fact(inventory: Path, host: str) -> bool:
