@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import yaml
@@ -53,7 +53,23 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class BenchGate(_Strict):
+class _Budgeted(_Strict):
+    """A section measured ``BUDGET[0]`` times to start with and up to ``BUDGET[1]`` times while undecided:
+    the most is never below the start."""
+
+    BUDGET: ClassVar[tuple[str, str]]
+
+    @model_validator(mode="after")
+    def _budget(self) -> _Budgeted:
+        start, most = self.BUDGET
+        if getattr(self, most) < getattr(self, start):
+            raise ValueError(f"{most} {getattr(self, most)} is below {start} {getattr(self, start)}")
+        return self
+
+
+class BenchGate(_Budgeted):
+    BUDGET = ("rounds", "max_rounds")  # (start, most)
+
     matrix: Matrix = Matrix(p=[512], n=[128], r=3)
     rounds: int = Field(default=2, ge=1)
     max_rounds: int = Field(default=6, ge=1)
@@ -61,26 +77,16 @@ class BenchGate(_Strict):
     cooldown: Cooldown = Cooldown()  # each cell starts on a cool card, as every bench's
     stop_servers: bool = True  # the host's servers give the card up for the cells
 
-    @model_validator(mode="after")
-    def _budget(self) -> BenchGate:
-        if self.max_rounds < self.rounds:
-            raise ValueError(f"max_rounds {self.max_rounds} is below rounds {self.rounds}")
-        return self
 
+class ServerGate(_Budgeted):
+    BUDGET = ("repeats", "max_repeats")  # (start, most)
 
-class ServerGate(_Strict):
     instance: str | None = None  # default: the canary's first enabled instance
     prompt_lengths: list[int] = Field(default=[128, 512], min_length=1)
     max_tokens: int = Field(default=64, ge=1)
     repeats: int = Field(default=3, ge=1)
     max_repeats: int = Field(default=9, ge=1)
     port_offset: int = Field(default=100, ge=1, le=10000)  # the candidate probe listens on the port plus this
-
-    @model_validator(mode="after")
-    def _budget(self) -> ServerGate:
-        if self.max_repeats < self.repeats:
-            raise ValueError(f"max_repeats {self.max_repeats} is below repeats {self.repeats}")
-        return self
 
 
 class IdentityGate(_Strict):
@@ -89,18 +95,14 @@ class IdentityGate(_Strict):
     kinds: list[str] = []  # prompt kinds of rigctl/bench/data/spec_prompts.yaml; default every kind
 
 
-class QualityGate(_Strict):
+class QualityGate(_Budgeted):
+    BUDGET = ("limit", "max_limit")  # (start, most)
+
     task: str  # a shipped task's name or a task file
     limit: int = Field(default=50, ge=1)
     max_limit: int = Field(default=200, ge=1)
     margin: float = Field(default=5.0, gt=0, le=100)  # equivalence margin, points
     concurrency: int = Field(default=4, ge=1)
-
-    @model_validator(mode="after")
-    def _budget(self) -> QualityGate:
-        if self.max_limit < self.limit:
-            raise ValueError(f"max_limit {self.max_limit} is below limit {self.limit}")
-        return self
 
 
 class Gates(_Strict):

@@ -73,6 +73,19 @@ def test_a_gates_file_with_bad_keys_gets_one_error_line_per_key(tmp_path: Path):
         g.load_gates({"quality": {"task": "t", "margin": -1}}, "host h")
 
 
+@pytest.mark.parametrize(("section", "start", "most"), [("bench", "rounds", "max_rounds"),
+                                                       ("server", "repeats", "max_repeats"),
+                                                       ("quality", "limit", "max_limit")])
+def test_every_measured_section_s_most_is_never_below_its_start(section: str, start: str, most: str):
+    base = {"task": "t"} if section == "quality" else {}
+    with pytest.raises(ProblemsError) as raised:
+        g.parse_gates({section: {**base, start: 4, most: 3}}, "gates.yml")
+    assert raised.value.problems == [f"gates.yml: {section}: {most} 3 is below {start} 4"]
+    at_start = getattr(g.parse_gates({section: {**base, start: 4, most: 4}}, "gates.yml"), section)
+    assert (getattr(at_start, start), getattr(at_start, most)) == (4, 4)
+    assert "BUDGET" not in type(at_start).model_fields
+
+
 def test_the_cli_prints_each_bad_key_as_its_own_error_line(lab_copy: Path, tmp_path: Path):
     file = tmp_path / "gates.yml"
     file.write_text("speed_margin: 0\nidentity: {floor: 2}\n")
