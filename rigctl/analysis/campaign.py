@@ -511,7 +511,7 @@ def _load_steps(ctx: _Context) -> Iterator[_Step]:
                               warmup=load.warmup, max_tokens=load.max_tokens, slot_ctx=load.slot_ctx,
                               level_timeout_s=load.level_timeout_s, store=ctx.store,
                               on_step=lambda m: ctx.on_step(f"load {load.name}: {m}"))
-            return f"{load.host}/{result.run_dir.name if result.run_dir else '?'}"
+            return result.ref
 
         yield _Step(f"load {load.name} on {load.host}", ctx.found.loads[load.name], run)
 
@@ -535,7 +535,7 @@ def _drafting_steps(ctx: _Context) -> Iterator[_Step]:
             result = run_race(ctx.inventory.host(race.host), race.baseline, race.drafters or None,
                               repeats=race.repeats, max_tokens=race.max_tokens, temperatures=race.temperatures,
                               store=ctx.store)
-            return f"{race.host}/{result.run_dir.name if result.run_dir else '?'}"
+            return result.ref
 
         yield _Step(f"drafting {race.name} on {race.host}", ctx.found.drafting[race.name], run)
 

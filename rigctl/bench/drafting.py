@@ -38,7 +38,7 @@ from rigctl.fleet.servers import running
 from rigctl.inputs import parse_mapping, read_text
 from rigctl.inventory import Host, Server
 from rigctl.llama_http import ServerClient, Timeouts
-from rigctl.results.run import open_run
+from rigctl.results.run import RunResult, open_run
 from rigctl.results.stamp import inventory_server, inventory_stamp, with_props
 from rigctl.results.store import ResultsStore
 from rigctl.ssh import session
@@ -111,14 +111,12 @@ class RaceRow:
 
 
 @dataclass
-class RaceResult:
-    host: str
+class RaceResult(RunResult):
     baseline: str
     contenders: list[Contender]
     requests: list[RaceRequest]
     metrics: dict[str, dict[str, float]] = field(default_factory=dict)  # contender -> spec_decode deltas
     rows: list[RaceRow] = field(default_factory=list)
-    run_dir: Path | None = None
 
 
 # ----------------------------------------------------------------------------------------------- inputs

@@ -53,6 +53,7 @@ from typing import Any
 import numpy as np
 
 from rigctl.errors import ConfigError, RigctlError
+from rigctl.results.run import RunResult, open_run
 from rigctl.results.store import ResultsStore, StoredRun, read_rows
 from rigctl.stats import (
     DEFAULT_RESAMPLES,
@@ -142,12 +143,10 @@ class LevelSummary:
 
 
 @dataclass
-class LoadResult:
-    host: str
+class LoadResult(RunResult):
     instance: str
     levels: list[LevelSummary] = field(default_factory=list)
     requests: list[LoadRequest] = field(default_factory=list)
-    run_dir: Path | None = None
 
 
 def parse_levels(values: Sequence[int]) -> list[int]:
@@ -370,7 +369,6 @@ def run_load(
     requests per client before each level, in no figure."""
     from rigctl.fleet.servers import probe_server, probe_unit, stopped
     from rigctl.llama_http import ServerClient
-    from rigctl.results.run import open_run
     from rigctl.results.stamp import inventory_server, inventory_stamp, with_props
     from rigctl.ssh import session
 

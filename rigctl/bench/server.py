@@ -22,14 +22,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import numpy as np
 
 from rigctl.fleet.servers import probe_server, restart_instance, stopped, wait_ready
 from rigctl.inventory import Host, Server
 from rigctl.llama_http import ServerClient, Timeouts
-from rigctl.results.run import open_run
+from rigctl.results.run import RunResult, open_run
 from rigctl.results.stamp import inventory_server, inventory_stamp, with_props
 from rigctl.results.store import ResultsStore
 from rigctl.ssh import SshClient, session
@@ -59,14 +58,12 @@ class MemoryPoint:
 
 
 @dataclass
-class ServerBenchResult:
-    host: str
+class ServerBenchResult(RunResult):
     instance: str
     sweep: list[SweepPoint] = field(default_factory=list)
     load_s: list[float] = field(default_factory=list)
     memory: list[MemoryPoint] = field(default_factory=list)
     kv_bytes_per_token: float | None = None
-    run_dir: Path | None = None
 
 
 def kv_bytes_per_token(points: Sequence[MemoryPoint]) -> float | None:

@@ -163,7 +163,7 @@ def bench_spec(
         if deltas:
             console.print(f"{name}: " + ", ".join(f"{k.removeprefix('llamacpp:')}={v:g}" for k, v in deltas.items()),
                           markup=False, highlight=False, soft_wrap=True)
-    console.print(f"run: {result.host}/{result.run_dir.name if result.run_dir else '?'}", highlight=False)
+    console.print(f"run: {result.ref}", highlight=False)
 
 
 # ----------------------------------------------------------------------------------------------- server
@@ -188,7 +188,7 @@ def bench_server(
         max_tokens=max_tokens, load_runs=load_runs, ctx_sizes=parse_ints(ctx_sizes, "--ctx-sizes") or [],
         store=results_store(results), on_step=lambda m: console.print(f"  {m}", markup=False, highlight=False))
     console.print(to_markdown(result), markup=False, highlight=False, soft_wrap=True)
-    console.print(f"run: {result.host}/{result.run_dir.name if result.run_dir else '?'}", highlight=False)
+    console.print(f"run: {result.ref}", highlight=False)
 
 
 # ----------------------------------------------------------------------------------------------- load
@@ -230,7 +230,7 @@ def bench_load(
                       on_step=lambda m: console.print(f"  {m}", markup=False, highlight=False))
     console.print(to_markdown(result.levels, f"{result.host}/{result.instance}"), markup=False, highlight=False,
                   soft_wrap=True)
-    run = f"{result.host}/{result.run_dir.name if result.run_dir else '?'}"
+    run = result.ref
     if png_file:
         to_png([(run, result.levels)], png_file, f"{run}: load curve")
         console.print(f"wrote {png_file}", highlight=False)

@@ -28,7 +28,7 @@ import asyncio
 import logging
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -124,6 +124,20 @@ class Run:
             self.seal("failed", one_line(exc))
             raise
         self.seal("done")
+
+
+@dataclass
+class RunResult:
+    """What a command that drives one run returns (a load curve, a server bench, a drafter race): the host,
+    the run's directory once :func:`open_run` made it, and what the command measured (in subclasses)."""
+
+    host: str
+    run_dir: Path | None = field(default=None, kw_only=True)
+
+    @property
+    def ref(self) -> str:
+        """``host/run id``, as :attr:`Run.ref` and commands name it; ``host/?`` when no run was opened."""
+        return f"{self.host}/{self.run_dir.name if self.run_dir else '?'}"
 
 
 @contextmanager

@@ -13,7 +13,7 @@ from rigctl.errors import ServerError
 from rigctl.fleet.servers import last_own_messages, operator_start
 from rigctl.hostside import units
 from rigctl.results.record import RUN_ID, RUN_KINDS, Provenance, RunRecord, Server, new_run_id
-from rigctl.results.run import INTERRUPTED, Run, open_run
+from rigctl.results.run import INTERRUPTED, Run, RunResult, open_run
 from rigctl.results.store import ResultsStore
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,6 +35,20 @@ def test_a_run_exists_as_soon_as_it_opens_and_is_sealed_done_with_its_files(tmp_
     assert stored.record.status == "done" and stored.record.ended and "error" not in stored.record.extra
     assert [f.path for f in stored.record.files] == ["levels.jsonl", "metrics.json"] and store.verify(stored) == []
     assert (run.path / "levels.jsonl").read_text() == '{"a": 2, "b": 1}\n'
+
+
+def test_a_commands_result_names_its_run_as_the_run_does(tmp_path):
+    from rigctl.bench.drafting import RaceResult
+    from rigctl.bench.load import LoadResult
+    from rigctl.bench.server import ServerBenchResult
+
+    results = [LoadResult(host="desktop", instance="smollm2"), ServerBenchResult(host="desktop", instance="smollm2"),
+               RaceResult(host="desktop", baseline="smollm2", contenders=[], requests=[])]
+    assert all(isinstance(r, RunResult) and r.ref == "desktop/?" for r in results)  # no run opened yet
+    with open_run("load", _stamp(), ResultsStore(tmp_path)) as run:
+        for result in results:
+            result.run_dir = run.path
+    assert {r.ref for r in results} == {run.ref} and run.ref == f"desktop/{run.record.id}"
 
 
 def test_a_run_that_fails_is_sealed_failed_with_the_error_and_the_error_goes_on(tmp_path):
