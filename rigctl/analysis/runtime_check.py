@@ -26,7 +26,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import httpx
 
@@ -186,11 +186,21 @@ class TemplateResult:
         return self.position is None
 
 
+Result = TypeVar("Result")
+
+
 @dataclass(frozen=True)
-class TemplateCheck:
+class ServerCheck(Generic[Result]):
+    """One served endpoint checked against a transformers checkout: a result per prompt."""
+
     endpoint: str
     checkout: str
-    results: tuple[TemplateResult, ...]
+    results: tuple[Result, ...]
+
+
+@dataclass(frozen=True)
+class TemplateCheck(ServerCheck[TemplateResult]):
+    """Each prompt as the server's ``/apply-template`` and transformers' ``apply_chat_template`` render it."""
 
     @property
     def identical(self) -> int:
@@ -266,13 +276,12 @@ class LogitsResult:
 
 
 @dataclass(frozen=True)
-class LogitsCheck:
-    endpoint: str
+class LogitsCheck(ServerCheck[LogitsResult]):
+    """Each prompt's next-token distribution from the server's top-k against the reference's."""
+
     model_path: str
     build: str
-    checkout: str
     top_k: int
-    results: tuple[LogitsResult, ...]
 
     @property
     def agreement(self) -> int:

@@ -12,6 +12,11 @@ import pytest
 from rigctl.analysis.runtime_check import (
     BUILTIN_PROMPTS,
     HfReference,
+    LogitsCheck,
+    LogitsResult,
+    ServerCheck,
+    TemplateCheck,
+    TemplateResult,
     context,
     first_difference,
     kl_over_top,
@@ -40,6 +45,21 @@ def test_kl_over_top_k():
     q = [0.3 / 0.9, 0.5 / 0.9, 0.1 / 0.9]
     assert kl_over_top(same, shifted) == pytest.approx(sum(a * math.log(a / b) for a, b in zip(p, q, strict=True)))
     assert math.isnan(kl_over_top({}, shifted))
+
+
+def test_each_check_counts_its_results_and_names_the_endpoint_and_checkout():
+    template = TemplateCheck(endpoint="http://rig:8080", checkout="/hf/qwen", results=(
+        TemplateResult("math", "a", "a", None), TemplateResult("tools", "ab", "ac", 1)))
+    assert (template.identical, [r.name for r in template.differing]) == (1, ["tools"])
+
+    def logits(name: str, server_top1: int, kl: float) -> LogitsResult:
+        return LogitsResult(name, 5, server_top1, 7, 0.9, 0.8, 0.99, kl)
+
+    check = LogitsCheck(endpoint="http://rig:8080", checkout="/hf/qwen", model_path="/m/q.gguf", build="b1-abc",
+                        top_k=20, results=(logits("a", 7, 0.01), logits("b", 3, 0.03), logits("c", 7, math.nan)))
+    assert (check.agreement, check.max_kl) == (2, 0.03) and check.mean_kl == pytest.approx(0.02)
+    for done in (template, check):
+        assert isinstance(done, ServerCheck) and (done.endpoint, done.checkout) == ("http://rig:8080", "/hf/qwen")
 
 
 def test_prompt_files(tmp_path):
