@@ -39,7 +39,10 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ansible.module_utils.basic import AnsibleModule
 
 #: PEP 691: JSON preferred, the PEP 503 HTML page accepted.
 ACCEPT = "application/vnd.pypi.simple.v1+json, application/vnd.pypi.simple.v1+html;q=0.2, text/html;q=0.1"
@@ -460,7 +463,7 @@ MODULE_OPTIONS = {
 }
 
 
-def ansible_module(destination: dict[str, dict[str, Any]]):
+def ansible_module(destination: dict[str, dict[str, Any]]) -> AnsibleModule:
     """A fetching module's ``AnsibleModule``: :data:`MODULE_OPTIONS` and the module's own ``destination``
     options, check mode supported."""
     from ansible.module_utils.basic import AnsibleModule  # only the roles' modules need Ansible
@@ -468,7 +471,7 @@ def ansible_module(destination: dict[str, dict[str, Any]]):
     return AnsibleModule(argument_spec={**MODULE_OPTIONS, **destination}, supports_check_mode=True)
 
 
-def fetch_or_fail(module, variable: str, fetch: Callable[..., Path], dest: str, **options: Any) -> Path:
+def fetch_or_fail(module: AnsibleModule, variable: str, fetch: Callable[..., Path], dest: str, **options: Any) -> Path:
     """``fetch`` (:func:`fetch_sdist` or :func:`fetch_wheel`) of the module's pinned requirement into ``dest``;
     a refusal fails the task in one line naming the host and the role variable that asked (``variable``)."""
     p = module.params
