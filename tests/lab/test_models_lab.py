@@ -191,15 +191,20 @@ def _catalog_with_revision(inv_dir: Path, revision: str) -> dict:
 
 @pytest.mark.lab
 def test_build_once_gives_identical_files(inv_dir, checkout):
+    # The Hugging Face chain alone (fetched, converted, quantised on the builder, shipped to the other rig):
+    # test_pipeline_on_the_rigs builds the whole catalog, per host.
+    catalog = {"smollm2-hf": _catalog_with_revision(inv_dir, REVISION)["smollm2-hf"]}
     repo = HfRepo("HuggingFaceTB/SmolLM2-135M-Instruct", REVISION, checkout)
     with HfServer(repo, BRIDGE) as server:
         provision(inv_dir, server.endpoint, models_placement="build_once", models_build_host="desktop",
-                  models_dir="/var/lib/rigctl/models-once").raise_for_failures()
+                  models_dir="/var/lib/rigctl/models-once", models_catalog=catalog).raise_for_failures()
     inv = Inventory.load(inv_dir)
     for host in inv.hosts.values():
         host.vars["models_dir"] = "/var/lib/rigctl/models-once"  # type: ignore[index]
+        host.vars["models_catalog"] = catalog  # type: ignore[index]
     results = verify(inv)
     by_host = {h: {s.artifact: s.sha256 for s in r} for h, r in results.items()}  # type: ignore[union-attr]
+    assert set(by_host["desktop"]) == {"hf-bf16", "hf-q4_0"}
     assert by_host["desktop"] == by_host["laptop"]
     assert all(by_host["desktop"].values())
 
@@ -210,8 +215,11 @@ CODE_MARKER = "/tmp/rigctl-remote-code-ran"
 
 
 def _with_code(checkout: Path, root: Path) -> Path:
-    """A copy of the checkout whose tokenizer is the repository's own Python (auto_map), which leaves a marker."""
-    shutil.copytree(checkout, root)
+    """A copy of the checkout whose tokenizer is the repository's own Python (auto_map), which leaves a marker.
+    Its weights are a stub: it is refused for its code before anything reads them, and a real 270 MB file
+    would only cost copying it to each rig."""
+    shutil.copytree(checkout, root, ignore=shutil.ignore_patterns("*.safetensors"))
+    (root / "model.safetensors").write_bytes(b"not weights: refused before any read\n")
     (root / "tokenization_evil.py").write_text(f"open({CODE_MARKER!r}, 'w').write('ran')\n")
     config = json.loads((root / "tokenizer_config.json").read_text())
     config["auto_map"] = {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}
