@@ -40,7 +40,7 @@ pytestmark = [pytest.mark.lab, pytest.mark.hf_checkout, pytest.mark.timeout(1800
 @pytest.fixture(scope="module")
 def kld_inventory(lab_served, tmp_path_factory) -> Path:
     """A copy of the lab inventory whose catalog adds SmolLM2's checkout converted to bf16 and Q4_0 rounded
-    from it, on both rigs."""
+    from it, provisioned on both rigs."""
     inv = tmp_path_factory.mktemp("kld") / "inventory"
     shutil.copytree(REPO / "inventory" / "lab", inv)
     catalog = yaml.safe_load((inv / "group_vars" / "all" / "models.yml").read_text())["models_catalog"]
@@ -50,11 +50,8 @@ def kld_inventory(lab_served, tmp_path_factory) -> Path:
                                                            "qtype": "Q4_0"}}}
     (inv / "group_vars" / "all" / "models_kld.yml").write_text(yaml.safe_dump({"models_catalog": catalog}))
     started = time.monotonic()
-    # Made once, on the desktop, and shipped to the laptop (as the reference study makes its files): the
-    # converter and its venv cost one rig's time, and both rigs score the very same files.
-    run_playbook(Inventory.load(inv), tags=["models"], timeout=1800,
-                 extravars={"models_placement": "build_once", "models_build_host": "desktop"}).raise_for_failures()
-    print(f"bf16 and Q4_0 made on the desktop, on both rigs: {time.monotonic() - started:.0f} s")
+    run_playbook(Inventory.load(inv), tags=["models"], timeout=1800).raise_for_failures()
+    print(f"bf16 and Q4_0 on both rigs: {time.monotonic() - started:.0f} s")
     return inv
 
 
