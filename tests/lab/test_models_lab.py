@@ -207,6 +207,12 @@ def test_build_once_gives_identical_files(inv_dir, checkout):
     assert set(by_host["desktop"]) == {"hf-bf16", "hf-q4_0"}
     assert by_host["desktop"] == by_host["laptop"]
     assert all(by_host["desktop"].values())
+    # The laptop's copy says what it was made from: the builder's command and the sha256 of the bf16 it rounded.
+    copy = {s.artifact: s.manifest for s in results["laptop"]}["hf-q4_0"]  # type: ignore[union-attr]
+    assert copy is not None and copy.raw["kind"] == "copy", copy
+    recipe = copy.raw["recipe"]
+    assert recipe["copied_from"] == "desktop" and "llama-quantize" in recipe["command"], recipe
+    assert recipe["input"]["id"] == f"sha256:{by_host['desktop']['hf-bf16']}", recipe
 
 
 HOSTILE = "fedcba9876543210fedcba9876543210fedcba01"
