@@ -609,7 +609,7 @@ def _run_eval(ctx: _Context, evaluation: CampaignEval, target: EvalTarget, unfin
     """The eval's servers started where they are down (and stopped after), then the stopped run resumed or a
     new one started, as ``rigctl eval run`` does (:func:`rigctl.evals.runner.start`)."""
     from rigctl.evals import runner
-    from rigctl.evals.target import inventory_target
+    from rigctl.evals.target import inventory_targets
     from rigctl.evals.tasks import load_task
     from rigctl.fleet import servers
 
@@ -623,7 +623,7 @@ def _run_eval(ctx: _Context, evaluation: CampaignEval, target: EvalTarget, unfin
             run, task, options = runner.resume_run(ctx.store, f"{unfinished.host}/{unfinished.id}", endpoints)
         else:
             task = load_task(ctx.loaded.task_ref(evaluation), limit=evaluation.limit)
-            targets = [inventory_target(ctx.inventory.host(m.host), m.server) for m in members]
+            targets = inventory_targets([(ctx.inventory.host(m.host), m.server) for m in members])
             # Sized to ride through a restart of its slowest server, as `eval run` does.
             options = runner.Options(concurrency=evaluation.concurrency, seed=ctx.loaded.campaign.seed,
                                      retry=runner.retry_for(targets))

@@ -107,7 +107,7 @@ def eval_run(
     N requests at a time per server, greedy, thinking off, every answer kept with the server that gave it."""
     from rigctl.evals import runner
     from rigctl.evals.fanout import FanOut
-    from rigctl.evals.target import inventory_target, url_target
+    from rigctl.evals.target import inventory_targets, url_target
     from rigctl.evals.tasks import load_task
     from rigctl.results.store import ResultsStore, read_jsonl
 
@@ -124,8 +124,8 @@ def eval_run(
         raise ConfigError(f"a fan-out over {len(hosts)} servers takes neither --url nor --remote")
     if hosts:
         inventory = load_inventory()
-        targets = [inventory_target(inventory.host(h), s, url=url, api_key=api_key, facts=not resume)
-                   for h, s in zip(hosts, servers, strict=True)]
+        targets = inventory_targets([(inventory.host(h), s) for h, s in zip(hosts, servers, strict=True)], url=url,
+                                    api_key=api_key, facts=not resume)
     elif url:
         targets = [url_target(url, api_key=api_key)]
     elif resume:

@@ -8,6 +8,7 @@ once, when the target is made: what a fan-out checks its servers against and wha
 from __future__ import annotations
 
 import urllib.parse
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +91,28 @@ def inventory_target(host: Host, server: str, *, url: str | None = None, api_key
     if facts:
         target.provenance()
     return target
+
+
+def inventory_targets(servers: Sequence[tuple[Host, str]], *, url: str | None = None, api_key: str | None = None,
+                      facts: bool = True) -> list[Target]:
+    """:func:`inventory_target` for each (host, server) of a fan-out, in order; with ``facts`` their stamps read
+    from every host at once (a host's own servers one after the other), so a fan-out over N hosts waits for
+    one SSH round trip, not N in a row."""
+    from rigctl.ssh import on_each_host
+
+    targets = [inventory_target(host, server, url=url, api_key=api_key, facts=False) for host, server in servers]
+    if facts:
+        by_host: dict[str, list[Target]] = {}
+        for target in targets:
+            by_host.setdefault(target.host, []).append(target)
+        hosts = [group[0].inventory_host for group in by_host.values() if group[0].inventory_host is not None]
+        outcomes = on_each_host(hosts, lambda host: [t.provenance() for t in by_host[host.name]],
+                                thread_name_prefix="rigctl-stamps")
+        # read_stamp keeps a host it cannot reach; what is left is an answer that could not be read at all.
+        failed = [outcome for outcome in outcomes.values() if isinstance(outcome, RigctlError)]
+        if failed:
+            raise failed[0]
+    return targets
 
 
 def url_target(url: str, *, api_key: str | None = None, host: str | None = None) -> Target:

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import threading
+from pathlib import Path
+
 import pytest
 import yaml
 from handmade_runs import eval_run
@@ -102,3 +105,33 @@ def test_fan_out_runs_answer_only_fan_out_targets(tmp_path):
     assert not eval_matches(store.find("desktop/eval-1"), "suite", fanned)
     assert eval_matches(store.find("desktop/eval-1"), "suite", single)
     assert not eval_matches(store.find("desktop/eval-2"), "suite", single)
+
+
+def test_a_fan_outs_stamps_are_read_from_every_host_at_once(monkeypatch):
+    """`eval run` and a campaign's fan-out read each server's stamp over SSH: N hosts wait for one round trip,
+    not N in a row; a host's own servers are read one after the other, and the targets keep their order."""
+    from rigctl.evals import target as target_module
+    from rigctl.evals.target import inventory_targets
+    from rigctl.inventory import Inventory
+
+    inventory = Inventory.load(Path(__file__).resolve().parents[2] / "inventory" / "lab")
+    both_hosts_asked = threading.Barrier(2, timeout=10)
+    read: list[str] = []
+
+    def stamp(target: Target) -> Provenance:
+        if target.name == "smollm2":
+            both_hosts_asked.wait()  # broken, and so raising, unless the other host is being read meanwhile
+        read.append(target.label)
+        return Provenance(host=target.host, artifacts=[Artifact(name=target.artifact, sha256=SHA)])
+
+    monkeypatch.setattr(target_module, "read_stamp", stamp)
+    pairs = [("desktop", "smollm2"), ("laptop", "smollm2"), ("desktop", "smollm2-q4_0")]
+    targets = inventory_targets([(inventory.host(h), s) for h, s in pairs])
+    assert [t.label for t in targets] == ["desktop/smollm2", "laptop/smollm2", "desktop/smollm2-q4_0"]
+    assert [t.stamp.host for t in targets] == ["desktop", "laptop", "desktop"]
+    assert sorted(read) == sorted(t.label for t in targets)
+    assert read.index("desktop/smollm2-q4_0") > read.index("desktop/smollm2")
+
+    read.clear()
+    assert all(t.stamp is None for t in inventory_targets([(inventory.host("laptop"), "smollm2")], facts=False))
+    assert read == []
