@@ -60,6 +60,10 @@ _CHUNK = 1 << 20
 _POLL = 0.05
 _TAIL_CHARS = 4000
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+#: OpenSSH's sshd drops new connections, at random and then all of them, while 10 are not yet authenticated
+#: (MaxStartups 10:30:100): this process opens at most this many at once to one sshd (address and port), so
+#: that many inventory names for one machine, or many commands to one host at once, never trip it.
+MAX_HANDSHAKES_PER_SSHD = 8
 _TRANSIENT_ERRNOS = frozenset(
     {errno.ECONNREFUSED, errno.ECONNRESET, errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH,
      errno.EHOSTDOWN, errno.ENETDOWN}
@@ -157,8 +161,36 @@ class _RejectUnknown(paramiko.RejectPolicy):
         raise _UnknownHostKey(key)
 
 
+class _HandshakeSlots:
+    """At most ``per_sshd`` connections being set up (TCP, banner, key exchange, authentication) at once to one
+    address and port, across every client of this process."""
+
+    def __init__(self, per_sshd: int):
+        self.per_sshd = per_sshd
+        self._lock = threading.Lock()
+        self._slots: dict[tuple[str, int], threading.BoundedSemaphore] = {}
+
+    @contextmanager
+    def slot(self, address: str, port: int, timeout: float) -> Iterator[None]:
+        """Hold one of the sshd's slots; TimeoutError (transient, as a slow handshake) after ``timeout``."""
+        with self._lock:
+            slots = self._slots.setdefault((address, port), threading.BoundedSemaphore(self.per_sshd))
+        if not slots.acquire(timeout=timeout):
+            raise TimeoutError(f"timed out waiting for one of the {self.per_sshd} SSH handshakes in progress "
+                               f"to {known_hosts_name(address, port)}")
+        try:
+            yield
+        finally:
+            slots.release()
+
+
+_HANDSHAKES = _HandshakeSlots(MAX_HANDSHAKES_PER_SSHD)
+
+
 class SshClient:
-    """One SSH connection to one host; a context manager. Connects on first use."""
+    """One SSH connection to one host; a context manager. Connects on first use. At most
+    :data:`MAX_HANDSHAKES_PER_SSHD` connections of this process are set up at once to one sshd; one waits for
+    a free slot up to its connect timeout before its own connect timeout starts."""
 
     def __init__(
         self,
@@ -358,6 +390,16 @@ class SshClient:
         client = paramiko.SSHClient()
         client.set_missing_host_key_policy(_RejectUnknown())
         self._load_known_hosts(client)
+        with _HANDSHAKES.slot(t.address, t.port, self.connect_timeout):
+            self._handshake(client)
+        transport = client.get_transport()
+        assert transport is not None
+        transport.set_keepalive(30)  # long bench jobs are silent for minutes; keep NAT state alive
+        return client
+
+    def _handshake(self, client: paramiko.SSHClient) -> None:
+        """Connect ``client``: TCP, banner, key exchange, host key check, authentication."""
+        t = self.target
         sock = socket.create_connection((t.address, t.port), timeout=self.connect_timeout)
         # Each command is a few small packets each way: with Nagle's algorithm on, the last of them waits
         # for the host's delayed ACK (40 ms on Linux), which made every round trip ~50 ms instead of ~7.
@@ -383,10 +425,6 @@ class SshClient:
             client.close()
             sock.close()
             raise
-        transport = client.get_transport()
-        assert transport is not None
-        transport.set_keepalive(30)  # long bench jobs are silent for minutes; keep NAT state alive
-        return client
 
     def _new_transport(self, sock: socket.socket, **kwargs: object) -> paramiko.Transport:
         transport = paramiko.Transport(sock, **kwargs)  # type: ignore[arg-type]
@@ -568,7 +606,7 @@ def _is_transient(exc: BaseException) -> bool:
 
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, TimeoutError):
-        return "timed out"
+        return str(exc) if str(exc).startswith("timed out") else "timed out"
     if isinstance(exc, EOFError):
         return "connection closed during the SSH handshake"
     if isinstance(exc, OSError) and exc.strerror:

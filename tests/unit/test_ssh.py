@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -9,6 +10,7 @@ import random
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -18,6 +20,7 @@ import rigctl
 from rigctl.errors import ConnectError, RemoteCommandError
 from rigctl.inventory import Inventory
 from rigctl.ssh import (
+    MAX_HANDSHAKES_PER_SSHD,
     CommandResult,
     SshClient,
     SshTarget,
@@ -149,3 +152,104 @@ def test_missing_private_key_fails_before_connecting(tmp_path: Path) -> None:
 # --- the lab rigs -------------------------------------------------------------------------------------
 
 
+
+
+class _MuteSshd:
+    """A loopback listener that accepts TCP and never sends a banner, counting what it accepted; :meth:`hang_up`
+    closes every connection, now and from then on."""
+
+    def __init__(self) -> None:
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(64)
+        self.port = self.listener.getsockname()[1]
+        self.accepted: list[socket.socket] = []
+        self.hung_up = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self.accepted.append(conn)
+            if self.hung_up.is_set():
+                conn.close()
+
+    def hang_up(self) -> None:
+        self.hung_up.set()
+        for conn in list(self.accepted):
+            conn.close()
+
+    def close(self) -> None:
+        self.hang_up()
+        self.listener.close()
+
+
+def _wait_for(condition, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_at_most_eight_handshakes_at_once_to_one_sshd(tmp_path: Path) -> None:
+    """sshd drops new connections while 10 are unauthenticated (MaxStartups): many inventory names for one
+    machine are set up 8 at a time, the others wait for a slot; another sshd is not held up by them."""
+    crowded, other = _MuteSshd(), _MuteSshd()
+    errors: list[str] = []
+
+    def connect(port: int) -> None:
+        try:
+            SshClient(_loopback_target(port, tmp_path), connect_timeout=20, retries=0).connect()
+        except ConnectError as exc:
+            errors.append(str(exc))
+
+    try:
+        threads = [threading.Thread(target=connect, args=(crowded.port,)) for _ in range(12)]
+        for thread in threads:
+            thread.start()
+        assert _wait_for(lambda: len(crowded.accepted) >= MAX_HANDSHAKES_PER_SSHD)
+        time.sleep(0.5)
+        assert len(crowded.accepted) == MAX_HANDSHAKES_PER_SSHD == 8
+        elsewhere = threading.Thread(target=connect, args=(other.port,))
+        elsewhere.start()
+        assert _wait_for(lambda: len(other.accepted) == 1)
+        crowded.hang_up()  # the first eight fail at once; the four waiting get their turn
+        other.hang_up()
+        for thread in [*threads, elsewhere]:
+            thread.join(timeout=30)
+        assert len(crowded.accepted) == 12
+        assert len(errors) == 13 and all(e.startswith("loop: cannot connect: ") for e in errors), errors
+    finally:
+        crowded.close()
+        other.close()
+
+
+def test_waiting_for_a_handshake_slot_is_bounded_by_the_connect_timeout(tmp_path: Path) -> None:
+    crowded = _MuteSshd()
+    holders = [threading.Thread(target=lambda: _quietly(SshClient(_loopback_target(crowded.port, tmp_path),
+                                                                  connect_timeout=20, retries=0).connect))
+               for _ in range(MAX_HANDSHAKES_PER_SSHD)]
+    try:
+        for thread in holders:
+            thread.start()
+        assert _wait_for(lambda: len(crowded.accepted) == MAX_HANDSHAKES_PER_SSHD)
+        started = time.monotonic()
+        with pytest.raises(ConnectError, match=r"^loop: cannot connect: timed out waiting for one of the 8 SSH "
+                                               r"handshakes in progress to \[127\.0\.0\.1\]:\d+ \(after 1 attempts\)$"):
+            SshClient(_loopback_target(crowded.port, tmp_path), connect_timeout=0.3, retries=0).connect()
+        assert 0.3 <= time.monotonic() - started < 3
+        assert len(crowded.accepted) == MAX_HANDSHAKES_PER_SSHD
+    finally:
+        crowded.close()
+        for thread in holders:
+            thread.join(timeout=30)
+
+
+def _quietly(work) -> None:
+    with contextlib.suppress(ConnectError):
+        work()
