@@ -7,6 +7,8 @@ culprit (host, group, key, path, command).
 
 from __future__ import annotations
 
+import re
+
 
 class RigctlError(Exception):
     """Base of every error rigctl raises on purpose."""
@@ -52,8 +54,23 @@ class HostKeyError(ConnectError):
         return self.args[0]
 
 
+#: The entry of a command :func:`rigctl.hostside.ship.python_command` made (the module names are shell-quoted).
+_SHIPPED_ENTRY = re.compile(r"sys\.modules\[\W*rigctl\.hostside\.(\w+)\W*\]\.main\(")
+_SHOWN_CHARS = 160
+
+
+def shown_command(cmd: str) -> str:
+    """``cmd`` as one line of an error: a shipped host-side module by its name (its command line carries the
+    module's whole source), any other command of several lines or over 160 characters cut short."""
+    shipped = _SHIPPED_ENTRY.search(cmd)
+    if cmd.startswith("python3 -c ") and shipped:
+        return f"python3 -c <rigctl.hostside.{shipped.group(1)}>"
+    first = cmd.splitlines()[0] if cmd.strip() else cmd
+    return cmd if first == cmd and len(cmd) <= _SHOWN_CHARS else first[:_SHOWN_CHARS] + " ..."
+
+
 class RemoteCommandError(RigctlError):
-    """A command on ``host`` exited non-zero or ran past its timeout."""
+    """A command on ``host`` exited non-zero or ran past its timeout (``cmd`` whole, the message shortened)."""
 
     def __init__(self, host: str, cmd: str, rc: int | None, tail: str = ""):
         self.host = host
@@ -62,7 +79,7 @@ class RemoteCommandError(RigctlError):
         self.tail = tail
         status = "timed out" if rc is None else f"exited {rc}"
         last = tail.strip().splitlines()[-1] if tail.strip() else ""
-        super().__init__(f"{host}: `{cmd}` {status}" + (f": {last}" if last else ""))
+        super().__init__(f"{host}: `{shown_command(cmd)}` {status}" + (f": {last}" if last else ""))
 
 
 class TransferError(RigctlError):

@@ -75,6 +75,20 @@ def test_command_result_check() -> None:
         quiet.check()
 
 
+def test_a_failed_commands_error_is_one_short_line() -> None:
+    """A shipped host-side module's command line carries its whole source: an error (and the exporter's log of a
+    host going down) names the module instead; any other long command is cut short."""
+    from rigctl.hostside import ship
+
+    shipped = ship.python_command("fleet_state", '{"timeout": 5}')
+    assert len(shipped) > 2000
+    assert str(RemoteCommandError("alias007", shipped, None)) == \
+        "alias007: `python3 -c <rigctl.hostside.fleet_state>` timed out"
+    error = RemoteCommandError("desktop", "echo " + "x" * 300, 1, "boom")
+    assert str(error) == f"desktop: `echo {'x' * 155} ...` exited 1: boom" and error.cmd.endswith("x" * 300)
+    assert str(RemoteCommandError("desktop", "set -e\nmake", 2)) == "desktop: `set -e ...` exited 2"
+
+
 # --- connect failures on loopback (no lab) ----------------------------------------------------------
 
 
