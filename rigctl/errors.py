@@ -70,7 +70,8 @@ def shown_command(cmd: str) -> str:
 
 
 class RemoteCommandError(RigctlError):
-    """A command on ``host`` exited non-zero or ran past its timeout (``cmd`` whole, the message shortened)."""
+    """A command on ``host`` exited non-zero or ran past its timeout (``cmd`` and ``tail`` whole, the message
+    shortened)."""
 
     def __init__(self, host: str, cmd: str, rc: int | None, tail: str = ""):
         self.host = host
@@ -79,6 +80,8 @@ class RemoteCommandError(RigctlError):
         self.tail = tail
         status = "timed out" if rc is None else f"exited {rc}"
         last = tail.strip().splitlines()[-1] if tail.strip() else ""
+        if len(last) > _SHOWN_CHARS:  # a JSON answer cut off by the timeout is one long line
+            last = last[:_SHOWN_CHARS] + " ..."
         super().__init__(f"{host}: `{shown_command(cmd)}` {status}" + (f": {last}" if last else ""))
 
 

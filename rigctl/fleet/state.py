@@ -37,6 +37,9 @@ from rigctl.results.record import parse_json
 log = logging.getLogger(__name__)
 
 DEFAULT_HOST_TIMEOUT = 10.0
+#: Readings of one machine (address and port) at once. Inventory names beyond this for one machine queue for a
+#: turn, each bounded by the host timeout, instead of all sharing its CPU until every one of them runs past it.
+READINGS_PER_MACHINE = 4
 DEFAULT_HASH_TIMEOUT = 900.0  # sha256 of a few GB on a slow disk
 UNIT_PATTERN = "llama-server@*.service"
 NVIDIA_SMI_FIELDS = ("index", "uuid", "name", "temperature.gpu", "memory.used", "memory.total", "utilization.gpu")
@@ -182,6 +185,11 @@ def _stat_key(stat: Sequence[int] | None) -> tuple[int, ...] | None:
     return tuple(int(v) for v in stat) if stat else None
 
 
+def _machine(host: Host) -> tuple[str, str]:
+    """Where ``host``'s sshd listens, as the inventory says it (a bad port is that host's reading's error)."""
+    return host.address, str(host.vars.get("ansible_port", 22))
+
+
 class WarnOnce:
     """Says each distinct warning once: the exporter reads the same hosts and records every few seconds, and a
     bad record or manifest would otherwise repeat its warning at every reading."""
@@ -216,6 +224,7 @@ class FleetState:
         self._hashes: dict[tuple[str, str], tuple[tuple[int, ...], str]] = {}  # (host, path) -> (stat, sha256)
         self._up: dict[str, bool] = {}  # each host as the last reading found it
         self._warn = WarnOnce()
+        self._turns = {_machine(h): threading.BoundedSemaphore(READINGS_PER_MACHINE) for h in self.hosts}
 
     def read(self) -> dict[str, HostState]:
         """Every host's state now, each bounded by the host timeout."""
@@ -273,9 +282,20 @@ class FleetState:
             return HostState(name, up=False, error=error, duration_seconds=time.monotonic() - started)
 
     def _read_host(self, host: Host) -> HostState:
+        started = time.monotonic()
+        turn = self._turns[_machine(host)]
+        if not turn.acquire(timeout=self.host_timeout):
+            return HostState(host.name, up=False, duration_seconds=time.monotonic() - started,
+                             error=f"no answer within {self.host_timeout:g}s: {READINGS_PER_MACHINE} readings of "
+                                   f"{host.address} (other inventory names for it) took every turn")
+        try:
+            return self._read_host_now(host, started)
+        finally:
+            turn.release()
+
+    def _read_host_now(self, host: Host, started: float) -> HostState:
         from rigctl.ssh import SshClient
 
-        started = time.monotonic()
         plan = self.plans[host.name]
         models = {a.name: a.path for a in host.artifacts}
         args = {

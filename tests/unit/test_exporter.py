@@ -212,3 +212,45 @@ def test_dashboard_metric_names_sees_through_promql():
 # ------------------------------------------------------------------------------------------------ lab
 
 
+
+
+# ------------------------------------------------------------------------------------------------ collecting
+
+
+def test_one_machine_is_read_a_few_names_at_a_time_and_another_meanwhile(tmp_path: Path):
+    """Several inventory names for one machine (aliases of its address) share its CPU: at most
+    READINGS_PER_MACHINE of their readings run at once, the rest wait their turn, and another machine's
+    reading is not held up by them. Sockets on loopback that never answer hold each reading in its handshake."""
+    import threading
+
+    from loopback_sshd import MuteSshd, wait_for
+
+    from rigctl.fleet.state import READINGS_PER_MACHINE, FleetState
+    from rigctl.inventory import Host, Inventory
+
+    crowded, other = MuteSshd(), MuteSshd()
+
+    def host(name: str, port: int) -> Host:
+        return Host(name=name, address="127.0.0.1", user="root", groups=("all",),
+                    vars={"ansible_port": port, "rigctl_known_hosts": str(tmp_path / "known_hosts")})
+
+    hosts = [host(f"alias{n}", crowded.port) for n in range(6)] + [host("elsewhere", other.port)]
+    fleet = FleetState(Inventory(source=tmp_path, hosts={h.name: h for h in hosts}), host_timeout=20)
+    read: dict = {}
+    reading = threading.Thread(target=lambda: read.update(fleet.read()))
+    try:
+        reading.start()
+        assert wait_for(lambda: len(crowded.accepted) >= READINGS_PER_MACHINE)
+        assert wait_for(lambda: len(other.accepted) == 1)
+        time.sleep(0.5)
+        assert len(crowded.accepted) == READINGS_PER_MACHINE == 4
+        crowded.hang_up()  # the four fail at once; the two waiting get their turn and fail the same way
+        other.hang_up()
+        reading.join(timeout=30)
+        assert len(crowded.accepted) == 6
+        assert sorted(read) == sorted(h.name for h in hosts)
+        assert all(not state.up and "cannot connect" in state.error for state in read.values()), read
+    finally:
+        crowded.close()
+        other.close()
+        fleet.close()

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from loopback_sshd import MuteSshd, wait_for
 
 import rigctl
 from rigctl.errors import ConnectError, RemoteCommandError
@@ -87,6 +88,8 @@ def test_a_failed_commands_error_is_one_short_line() -> None:
     error = RemoteCommandError("desktop", "echo " + "x" * 300, 1, "boom")
     assert str(error) == f"desktop: `echo {'x' * 155} ...` exited 1: boom" and error.cmd.endswith("x" * 300)
     assert str(RemoteCommandError("desktop", "set -e\nmake", 2)) == "desktop: `set -e ...` exited 2"
+    cut_off = RemoteCommandError("laptop", shipped, None, '{"fact": "' + "f" * 5000)
+    assert str(cut_off) == f'laptop: `python3 -c <rigctl.hostside.fleet_state>` timed out: {{"fact": "{"f" * 150} ...'
 
 
 # --- connect failures on loopback (no lab) ----------------------------------------------------------
@@ -168,52 +171,10 @@ def test_missing_private_key_fails_before_connecting(tmp_path: Path) -> None:
 
 
 
-class _MuteSshd:
-    """A loopback listener that accepts TCP and never sends a banner, counting what it accepted; :meth:`hang_up`
-    closes every connection, now and from then on."""
-
-    def __init__(self) -> None:
-        self.listener = socket.socket()
-        self.listener.bind(("127.0.0.1", 0))
-        self.listener.listen(64)
-        self.port = self.listener.getsockname()[1]
-        self.accepted: list[socket.socket] = []
-        self.hung_up = threading.Event()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            self.accepted.append(conn)
-            if self.hung_up.is_set():
-                conn.close()
-
-    def hang_up(self) -> None:
-        self.hung_up.set()
-        for conn in list(self.accepted):
-            conn.close()
-
-    def close(self) -> None:
-        self.hang_up()
-        self.listener.close()
-
-
-def _wait_for(condition, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 def test_at_most_eight_handshakes_at_once_to_one_sshd(tmp_path: Path) -> None:
     """sshd drops new connections while 10 are unauthenticated (MaxStartups): many inventory names for one
     machine are set up 8 at a time, the others wait for a slot; another sshd is not held up by them."""
-    crowded, other = _MuteSshd(), _MuteSshd()
+    crowded, other = MuteSshd(), MuteSshd()
     errors: list[str] = []
 
     def connect(port: int) -> None:
@@ -226,12 +187,12 @@ def test_at_most_eight_handshakes_at_once_to_one_sshd(tmp_path: Path) -> None:
         threads = [threading.Thread(target=connect, args=(crowded.port,)) for _ in range(12)]
         for thread in threads:
             thread.start()
-        assert _wait_for(lambda: len(crowded.accepted) >= MAX_HANDSHAKES_PER_SSHD)
+        assert wait_for(lambda: len(crowded.accepted) >= MAX_HANDSHAKES_PER_SSHD)
         time.sleep(0.5)
         assert len(crowded.accepted) == MAX_HANDSHAKES_PER_SSHD == 8
         elsewhere = threading.Thread(target=connect, args=(other.port,))
         elsewhere.start()
-        assert _wait_for(lambda: len(other.accepted) == 1)
+        assert wait_for(lambda: len(other.accepted) == 1)
         crowded.hang_up()  # the first eight fail at once; the four waiting get their turn
         other.hang_up()
         for thread in [*threads, elsewhere]:
@@ -244,14 +205,14 @@ def test_at_most_eight_handshakes_at_once_to_one_sshd(tmp_path: Path) -> None:
 
 
 def test_waiting_for_a_handshake_slot_is_bounded_by_the_connect_timeout(tmp_path: Path) -> None:
-    crowded = _MuteSshd()
+    crowded = MuteSshd()
     holders = [threading.Thread(target=lambda: _quietly(SshClient(_loopback_target(crowded.port, tmp_path),
                                                                   connect_timeout=20, retries=0).connect))
                for _ in range(MAX_HANDSHAKES_PER_SSHD)]
     try:
         for thread in holders:
             thread.start()
-        assert _wait_for(lambda: len(crowded.accepted) == MAX_HANDSHAKES_PER_SSHD)
+        assert wait_for(lambda: len(crowded.accepted) == MAX_HANDSHAKES_PER_SSHD)
         started = time.monotonic()
         with pytest.raises(ConnectError, match=r"^loop: cannot connect: timed out waiting for one of the 8 SSH "
                                                r"handshakes in progress to \[127\.0\.0\.1\]:\d+ \(after 1 attempts\)$"):
