@@ -30,7 +30,7 @@ from gsm8k_load import gsm8k_task
 
 from rigctl.evals import runner
 from rigctl.evals.fanout import FanOut
-from rigctl.evals.target import inventory_target
+from rigctl.evals.target import inventory_targets
 from rigctl.inventory import Inventory
 from rigctl.results.store import ResultsStore, read_jsonl
 
@@ -43,10 +43,15 @@ def timed_run(task, fanout: FanOut, store: ResultsStore, options: runner.Options
     started = time.perf_counter()
     runner.run(task, fanout.endpoints, run, options)
     wall = time.perf_counter() - started
-    rows = read_jsonl(run.path / "answers.jsonl")
+    return wall, answers_by_server(task, run.path)
+
+
+def answers_by_server(task, run_path: Path) -> Counter:
+    """How many of the run's answers each server gave; SystemExit unless every question was answered once."""
+    rows = read_jsonl(run_path / "answers.jsonl")
     if sorted((r["set"], r["id"]) for r in rows) != sorted((q.set, q.id) for q in task.questions):
-        raise SystemExit(f"{run.path}: the questions were not each answered once")
-    return wall, Counter(r["server"] for r in rows)
+        raise SystemExit(f"{run_path}: the questions were not each answered once")
+    return Counter(r["server"] for r in rows)
 
 
 def main() -> int:
@@ -60,8 +65,8 @@ def main() -> int:
     args = parser.parse_args()
 
     inventory = Inventory.load(os.environ.get("RIGCTL_INVENTORY") or REPO / "inventory" / "lab")
-    targets = [inventory_target(inventory.host(ref.split("/")[0]), ref.split("/")[1])
-               for ref in (args.first, args.second)]
+    targets = inventory_targets([(inventory.host(ref.split("/")[0]), ref.split("/")[1])
+                                 for ref in (args.first, args.second)])
     both = FanOut.of(targets)  # refuses mixed artifacts or builds
     one = FanOut.of(targets[:1])
 
