@@ -275,7 +275,7 @@ def measure(rigs: int, work: Path, seed: list[StoredRun] | None,
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rigs", default="2,4,8")
+    parser.add_argument("--rigs", default="2,4,8", help="lab sizes, measured in this order, each against the smallest")
     parser.add_argument("--seed", type=Path, help="a results store of real runs, for pulls of 1 and 100 runs")
     parser.add_argument("--work", type=Path)
     parser.add_argument("--repeats", type=int, default=1,
@@ -294,7 +294,9 @@ def main() -> int:
     work = args.work or Path(tempfile.mkdtemp(prefix="rigctl-fleet-scale-"))
     print(f"machine: {os.cpu_count()} CPUs, load average {', '.join(f'{x:.2f}' for x in os.getloadavg())}; "
           f"labs of {', '.join(map(str, sizes))} rigs", flush=True)
+    # Measured in the order given (the largest early, when time is short), reported from the smallest up.
     measured = {rigs: measure(rigs, work, seed, args) for rigs in sizes}
+    sizes = sorted(sizes)
     figures = {rigs: measured[rigs][0] for rigs in sizes}
     base = sizes[0]
     print("\n| operation | " + " | ".join(f"{n} rigs s" for n in sizes) + " | "
