@@ -11,8 +11,10 @@ only way to stop it as Ctrl-C does (SIGINT). While it runs, this script reads th
                       the aim is end - @100 <= 50 MB for a 1,319-question GSM8K run
     peak RSS          the process's high-water mark (wait4's ru_maxrss)
     s/q first, last   wall seconds per answer over the first and the last tenth of the answers; their
-                      ratio is ~1.0x when the time per question stays flat
-    CPU ms/q          the CLI's CPU time per question (start-up included)
+                      ratio is ~1.0x when the time per question stays flat (and the machine's load does)
+    CPU first, last   the CLI's own CPU milliseconds per answer over the same tenths (/proc/<pid>/stat):
+                      what the client costs per question, whatever else the machine runs
+    CPU ms/q          the CLI's CPU time per question over the whole run, start-up included
 
 Tasks, each at the reference study's full size, made here (only PyPI, Debian and npm are reachable from this
 machine, so the real GSM8K test split and suite sets are not):
@@ -59,6 +61,7 @@ from pathlib import Path
 
 from gsm8k_load import QUESTIONS, distinct, gsm8k_task
 
+from rigctl.errors import RigctlError
 from rigctl.evals.datasets import read_records
 from rigctl.files import cache_dir
 from rigctl.inventory import Inventory
@@ -76,6 +79,7 @@ BFCL_WHEEL = "bfcl-eval==2026.3.23"
 BFCL_WHEEL_SHA256 = "3bb6dfa5f0c68ad403c9ec50b00db2bb3b4cc9b38ab1ff33f48fe30d853d3a0a"
 BFCL_FILES = ("bfcl_eval/data/BFCL_v4_simple_python.json", "bfcl_eval/data/possible_answer/BFCL_v4_simple_python.json")
 SAMPLE_S = 0.02
+TICKS = os.sysconf("SC_CLK_TCK")
 GSM8K_MAX_TOKENS, BFCL_MAX_TOKENS = 2, 8
 
 
@@ -183,7 +187,8 @@ class Watch:
     """One CLI run: (seconds since start, answers, RSS MB) samples, its exit, peak RSS and CPU."""
 
     samples: list[tuple[float, int, float]] = field(default_factory=list)
-    at_answer: dict[int, tuple[float, float]] = field(default_factory=dict)  # answers -> first (s, RSS MB)
+    #: answers -> when that many were first seen written: (wall s, RSS MB, CPU s of the process)
+    at_answer: dict[int, tuple[float, float, float]] = field(default_factory=dict)
     code: int | None = None
     peak_mb: float = 0.0
     cpu_s: float = 0.0
@@ -200,6 +205,15 @@ def rss_mb(pid: int) -> float | None:
     except OSError:
         return None
     return None
+
+
+def cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of ``pid`` so far (/proc/<pid>/stat)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / TICKS
 
 
 def new_run(results: Path, known: set[Path]) -> Path | None:
@@ -230,7 +244,7 @@ def cli(args: list[str], results: Path, *, stop_at: int | None = None) -> Watch:
 
     reader = threading.Thread(target=drain, daemon=True)
     reader.start()
-    offset, count, signalled, rss = 0, 0, False, 0.0
+    offset, count, signalled, rss, cpu = 0, 0, False, 0.0, 0.0
 
     def read_answers() -> None:
         nonlocal offset, count
@@ -250,16 +264,16 @@ def cli(args: list[str], results: Path, *, stop_at: int | None = None) -> Watch:
         if pid:
             break
         read_answers()
-        now, rss = time.monotonic() - started, rss_mb(proc.pid) or rss
+        now, rss, cpu = time.monotonic() - started, rss_mb(proc.pid) or rss, cpu_s(proc.pid) or cpu
         watch.samples.append((now, count, rss))
-        watch.at_answer.setdefault(count, (now, rss))
+        watch.at_answer.setdefault(count, (now, rss, cpu))
         if stop_at is not None and count >= stop_at and not signalled:
             proc.send_signal(signal.SIGINT)
             signalled = True
         time.sleep(SAMPLE_S)
     watch.wall_s = time.monotonic() - started
     read_answers()  # the last answers, when the process wrote them and exited between two samples
-    watch.at_answer.setdefault(count, (watch.wall_s, rss))
+    watch.at_answer.setdefault(count, (watch.wall_s, rss, cpu))
     proc.returncode = watch.code = os.waitstatus_to_exitcode(wait_status)
     watch.peak_mb, watch.cpu_s = usage.ru_maxrss / 1024, usage.ru_utime + usage.ru_stime
     reader.join(timeout=2)
@@ -271,14 +285,15 @@ def cli(args: list[str], results: Path, *, stop_at: int | None = None) -> Watch:
 # ----------------------------------------------------------------------------------------------- figures
 
 
-def answered_at(watch: Watch, n: int) -> tuple[float, float]:
-    """(seconds, RSS MB) when the n-th answer was first seen written."""
+def answered_at(watch: Watch, n: int) -> tuple[float, float, float]:
+    """(wall s, RSS MB, CPU s) when the n-th answer was first seen written."""
     return next(watch.at_answer[k] for k in sorted(watch.at_answer) if k >= n)
 
 
-def per_question(watch: Watch, first: int, last: int) -> float:
-    (t0, _), (t1, _) = answered_at(watch, first), answered_at(watch, last)
-    return (t1 - t0) / (last - first)
+def per_question(watch: Watch, first: int, last: int) -> tuple[float, float]:
+    """(wall s, CPU ms) per answer from the ``first``-th answer to the ``last``-th."""
+    (t0, _, c0), (t1, _, c1) = answered_at(watch, first), answered_at(watch, last)
+    return (t1 - t0) / (last - first), 1000 * (c1 - c0) / (last - first)
 
 
 @dataclass
@@ -290,6 +305,8 @@ class Figures:
     peak: float
     first_tenth: float
     last_tenth: float
+    cpu_first: float  # the CLI's CPU ms per answer over the first tenth: its own cost, whatever the load
+    cpu_last: float
     cpu_ms: float
     wall: float
 
@@ -301,12 +318,16 @@ class Figures:
     def ratio(self) -> float:
         return self.last_tenth / self.first_tenth
 
+    @property
+    def cpu_ratio(self) -> float:
+        return self.cpu_last / self.cpu_first
+
 
 def figures(task: str, watch: Watch, n: int) -> Figures:
     tenth = max(2, n // 10)
-    return Figures(task, n, answered_at(watch, 100)[1], answered_at(watch, n)[1], watch.peak_mb,
-                   per_question(watch, 1, tenth), per_question(watch, n - tenth, n), 1000 * watch.cpu_s / n,
-                   watch.wall_s)
+    (wall_first, cpu_first), (wall_last, cpu_last) = per_question(watch, 1, tenth), per_question(watch, n - tenth, n)
+    return Figures(task, n, answered_at(watch, 100)[1], answered_at(watch, n)[1], watch.peak_mb, wall_first,
+                   wall_last, cpu_first, cpu_last, 1000 * watch.cpu_s / n, watch.wall_s)
 
 
 def check_once(run_dir: Path, n: int) -> tuple[int, int]:
@@ -331,6 +352,62 @@ def eval_run(task: Path, url: str, results: Path, n: int, *, stop_at: int | None
     return watch
 
 
+HEADER = (f"{'task':12}{'questions':>10}{'RSS@100':>9}{'RSS end':>9}{'growth':>8}{'peak':>7}{'s/q first':>11}"
+          f"{'s/q last':>10}{'ratio':>7}{'CPU first':>11}{'CPU last':>10}{'ratio':>7}{'CPU ms/q':>10}{'wall s':>8}")
+
+
+def show(f: Figures) -> None:
+    print(f"{f.task:12}{f.questions:>10}{f.rss_100:>9.1f}{f.rss_end:>9.1f}{f.growth:>+8.1f}{f.peak:>7.0f}"
+          f"{f.first_tenth:>11.4f}{f.last_tenth:>10.4f}{f.ratio:>6.2f}x{f.cpu_first:>11.2f}{f.cpu_last:>10.2f}"
+          f"{f.cpu_ratio:>6.2f}x{f.cpu_ms:>10.2f}{f.wall:>8.0f}", flush=True)
+
+
+def full_size(args: argparse.Namespace, url: str, work: Path) -> Figures | None:
+    """Every task asked for, each row printed as it is measured; the GSM8K figures, when run."""
+    n_gsm8k, n_suite, n_bfcl = (max(110, round(n * args.scale)) for n in (GSM8K_SIZE, SUITE_SIZE, BFCL_SIZE))
+    only = {t for t in args.only.split(",") if t} - ({"bfcl"} if args.no_bfcl else set())
+    with ServerClient(Endpoint(url)) as client:
+        props = client.props()
+    print(f"server      {url} ({props.build_info}, {props.total_slots} slots, {Path(props.model_path).name})")
+    print(f"machine     {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start")
+    print("(RSS and peak in MB; wall s and the CLI's CPU ms per answer over the first and the last tenth of the\n"
+          " answers; CPU ms/q over the whole run, start-up included)")
+    print(HEADER, flush=True)
+    results = work / "results"
+    results.mkdir()
+    gsm8k = None
+    if "gsm8k" in only:
+        task = gsm8k_task(work, "gsm8k-full", n_gsm8k, GSM8K_MAX_TOKENS, shared_prefix=True).path
+        full = eval_run(task, url, results, n_gsm8k)
+        gsm8k = figures("GSM8K", full, n_gsm8k)
+        show(gsm8k)
+        half = n_gsm8k // 2
+        stopped = eval_run(task, url, results, n_gsm8k, stop_at=half)
+        assert stopped.run_dir is not None and full.run_dir is not None
+        before, _ = check_once(stopped.run_dir, n_gsm8k)
+        ref = f"{stopped.run_dir.parent.name}/{stopped.run_dir.name}"
+        resumed = cli(["eval", "run", "--resume", ref, "--results", str(results)], results)
+        answers, distinct_keys = check_once(stopped.run_dir, n_gsm8k)
+        once = answers == distinct_keys == n_gsm8k and resumed.code == 0 and status(stopped.run_dir) == "done"
+        print(f"SIGINT at {half} answers: exit {stopped.code}, {before} answers kept, run stopped; --resume: exit "
+              f"{resumed.code}, {answers} answers, {distinct_keys} distinct of {n_gsm8k}: "
+              f"{'each once' if once else 'NOT each once'}", flush=True)
+        full_ref = f"{full.run_dir.parent.name}/{full.run_dir.name}"
+        compared = cli(["compare", full_ref, ref, "--results", str(results)], results)
+        if compared.code != 0:
+            sys.exit(f"compare failed:\n{compared.output[-3000:]}")
+        print(f"compare of the two {n_gsm8k}-question runs: {compared.wall_s:.1f} s, peak RSS "
+              f"{compared.peak_mb:.0f} MB", flush=True)
+    if "suite" in only:
+        show(figures("suite", eval_run(suite_task(work, n_suite), url, results, n_suite), n_suite))
+    if "bfcl" in only:
+        bfcl_dir = work / "bfcl"
+        bfcl_dir.mkdir()
+        bfcl = bfcl_task(bfcl_dir, args.bfcl_wheel, n_bfcl)
+        show(figures("BFCL simple", eval_run(bfcl, url, results, n_bfcl), n_bfcl))
+    return gsm8k
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="llama-server base URL (default: one started here on loopback)")
@@ -339,66 +416,18 @@ def main() -> int:
     parser.add_argument("--bfcl-wheel", type=Path, help="a downloaded bfcl-eval wheel (default: pip download)")
     parser.add_argument("--scale", type=float, default=1.0, help="a fraction of the full sizes, to try the script")
     args = parser.parse_args()
-    n_gsm8k, n_suite, n_bfcl = (max(110, round(n * args.scale)) for n in (GSM8K_SIZE, SUITE_SIZE, BFCL_SIZE))
-    only = {t for t in args.only.split(",") if t} - ({"bfcl"} if args.no_bfcl else set())
-
-    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="eval-full-size-") as tmp:
         work = Path(tmp)
         server, url = (None, args.url) if args.url else loopback_server(work)
         try:
-            with ServerClient(Endpoint(url)) as client:
-                props = client.props()
-            rows: list[Figures] = []
-            results = work / "results"
-            results.mkdir()
-            notes = []
-            if "gsm8k" in only:
-                task = gsm8k_task(work, "gsm8k-full", n_gsm8k, GSM8K_MAX_TOKENS, shared_prefix=True).path
-                full = eval_run(task, url, results, n_gsm8k)
-                rows.append(figures("GSM8K", full, n_gsm8k))
-                half = n_gsm8k // 2
-                stopped = eval_run(task, url, results, n_gsm8k, stop_at=half)
-                assert stopped.run_dir is not None and full.run_dir is not None
-                before, _ = check_once(stopped.run_dir, n_gsm8k)
-                ref = f"{stopped.run_dir.parent.name}/{stopped.run_dir.name}"
-                resumed = cli(["eval", "run", "--resume", ref, "--results", str(results)], results)
-                answers, distinct_keys = check_once(stopped.run_dir, n_gsm8k)
-                once = answers == distinct_keys == n_gsm8k and resumed.code == 0 \
-                    and status(stopped.run_dir) == "done"
-                notes.append(f"SIGINT at {half} answers: exit {stopped.code}, {before} answers kept, run "
-                             f"stopped; --resume: exit {resumed.code}, {answers} answers, {distinct_keys} "
-                             f"distinct of {n_gsm8k}: {'each once' if once else 'NOT each once'}")
-                full_ref = f"{full.run_dir.parent.name}/{full.run_dir.name}"
-                compared = cli(["compare", full_ref, ref, "--results", str(results)], results)
-                if compared.code != 0:
-                    sys.exit(f"compare failed:\n{compared.output[-3000:]}")
-                notes.append(f"compare of the two {n_gsm8k}-question runs: {compared.wall_s:.1f} s, "
-                             f"peak RSS {compared.peak_mb:.0f} MB")
-            if "suite" in only:
-                rows.append(figures("suite", eval_run(suite_task(work, n_suite), url, results, n_suite), n_suite))
-            if "bfcl" in only:
-                bfcl_dir = work / "bfcl"
-                bfcl_dir.mkdir()
-                bfcl = bfcl_task(bfcl_dir, args.bfcl_wheel, n_bfcl)
-                rows.append(figures("BFCL simple", eval_run(bfcl, url, results, n_bfcl), n_bfcl))
+            gsm8k = full_size(args, url, work)
+        except RigctlError as exc:
+            sys.exit(f"error: {exc}")
         finally:
             if server is not None:
                 server.terminate()
                 server.wait(timeout=30)
-
-    load_after = os.getloadavg()
-    print(f"server      {url} ({props.build_info}, {props.total_slots} slots, {Path(props.model_path).name})")
-    print(f"machine     {os.cpu_count()} cores, load average {load_before[0]:.1f} before, {load_after[0]:.1f} after")
-    print(f"{'task':12}{'questions':>10}{'RSS@100':>9}{'RSS end':>9}{'growth':>8}{'peak':>7}"
-          f"{'s/q first':>11}{'s/q last':>10}{'last/first':>11}{'CPU ms/q':>10}{'wall s':>8}")
-    for f in rows:
-        print(f"{f.task:12}{f.questions:>10}{f.rss_100:>9.1f}{f.rss_end:>9.1f}{f.growth:>+8.1f}{f.peak:>7.0f}"
-              f"{f.first_tenth:>11.4f}{f.last_tenth:>10.4f}{f.ratio:>10.2f}x{f.cpu_ms:>10.2f}{f.wall:>8.0f}")
-    print("(RSS and peak in MB; s/q over the first and the last tenth of the answers)")
-    for note in notes:
-        print(note)
-    gsm8k = next((f for f in rows if f.task == "GSM8K"), None)
+    print(f"machine     load average {os.getloadavg()[0]:.1f} at the end")
     if gsm8k is not None:
         met = gsm8k.growth <= AIM_FLAT_MB
         print(f"aim: GSM8K memory flat within {AIM_FLAT_MB:.0f} MB from question 100 to {gsm8k.questions}: "
