@@ -221,29 +221,66 @@ def new_run(results: Path, known: set[Path]) -> Path | None:
     return found[0] if found else None
 
 
+@dataclass
+class OnPty:
+    """A process whose stdout and stderr are a pseudo-terminal, drained by a thread as a terminal would."""
+
+    proc: subprocess.Popen
+    master: int
+    chunks: list[bytes]
+    reader: threading.Thread
+
+    @classmethod
+    def start(cls, argv: list[str], env: dict[str, str]) -> OnPty:
+        master, slave = pty.openpty()
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave,
+                                env={**env, "COLUMNS": "120"})
+        os.close(slave)
+        chunks: list[bytes] = []
+
+        def drain() -> None:
+            while True:
+                try:
+                    data = os.read(master, 65536)
+                except OSError:
+                    return
+                if not data:
+                    return
+                chunks.append(data)
+
+        reader = threading.Thread(target=drain, daemon=True)
+        reader.start()
+        return cls(proc, master, chunks, reader)
+
+    def output(self) -> str:
+        self.reader.join(timeout=2)
+        os.close(self.master)
+        return b"".join(self.chunks).decode("utf-8", "replace")
+
+
+def bar_cpu_per_second(workdir: Path, seconds: float = 20.0) -> float:
+    """CPU ms per wall second of the CLI's progress bar alone (``rigctl.cli.eval``'s, drawn on a pseudo-terminal,
+    no answers coming): the part of the CLI's CPU per answer that follows the wall time, not the answers."""
+    out = workdir / "bar-cpu.txt"
+    code = ("import resource, sys, time\nfrom rigctl.cli.eval import _Bar\n"
+            f"bar = _Bar({GSM8K_SIZE}, 0)\nbefore = resource.getrusage(resource.RUSAGE_SELF)\n"
+            f"with bar.progress:\n    time.sleep({seconds})\n"
+            "after = resource.getrusage(resource.RUSAGE_SELF)\n"
+            "used = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime\n"
+            f"open(sys.argv[1], 'w').write(str(1000 * used / {seconds}))\n")
+    probe = OnPty.start([sys.executable, "-c", code, str(out)], dict(os.environ))
+    probe.proc.wait(timeout=seconds + 60)
+    probe.output()
+    return float(out.read_text())
+
+
 def cli(args: list[str], results: Path, *, stop_at: int | None = None) -> Watch:
     """Run `rigctl ARGS` under a pseudo-terminal, sampling it; SIGINT once ``stop_at`` answers are written."""
     known = set(results.glob("*/*"))
     watch = Watch()
-    master, slave = pty.openpty()
-    env = {**os.environ, "COLUMNS": "120", "RIGCTL_RESULTS": str(results)}
     started = time.monotonic()
-    proc = subprocess.Popen([str(RIGCTL), *args], stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, env=env)
-    os.close(slave)
-    chunks: list[bytes] = []
-
-    def drain() -> None:
-        while True:
-            try:
-                data = os.read(master, 65536)
-            except OSError:
-                return
-            if not data:
-                return
-            chunks.append(data)
-
-    reader = threading.Thread(target=drain, daemon=True)
-    reader.start()
+    running = OnPty.start([str(RIGCTL), *args], {**os.environ, "RIGCTL_RESULTS": str(results)})
+    proc = running.proc
     offset, count, signalled, rss, cpu = 0, 0, False, 0.0, 0.0
 
     def read_answers() -> None:
@@ -276,9 +313,7 @@ def cli(args: list[str], results: Path, *, stop_at: int | None = None) -> Watch:
     watch.at_answer.setdefault(count, (watch.wall_s, rss, cpu))
     proc.returncode = watch.code = os.waitstatus_to_exitcode(wait_status)
     watch.peak_mb, watch.cpu_s = usage.ru_maxrss / 1024, usage.ru_utime + usage.ru_stime
-    reader.join(timeout=2)
-    os.close(master)
-    watch.output = b"".join(chunks).decode("utf-8", "replace")
+    watch.output = running.output()
     return watch
 
 
@@ -362,25 +397,35 @@ def show(f: Figures) -> None:
           f"{f.cpu_ratio:>6.2f}x{f.cpu_ms:>10.2f}{f.wall:>8.0f}", flush=True)
 
 
-def full_size(args: argparse.Namespace, url: str, work: Path) -> Figures | None:
-    """Every task asked for, each row printed as it is measured; the GSM8K figures, when run."""
+class Measured(list):
+    """The rows measured so far, each printed as it comes."""
+
+    def append(self, f: Figures) -> None:
+        if not self:
+            print(HEADER, flush=True)
+        super().append(f)
+        show(f)
+
+
+def full_size(args: argparse.Namespace, only: set[str], url: str | None, work: Path) -> Figures | None:
+    """Everything in ``only``, each row printed as it is measured; the GSM8K figures, when run."""
     n_gsm8k, n_suite, n_bfcl = (max(110, round(n * args.scale)) for n in (GSM8K_SIZE, SUITE_SIZE, BFCL_SIZE))
-    only = {t for t in args.only.split(",") if t} - ({"bfcl"} if args.no_bfcl else set())
-    with ServerClient(Endpoint(url)) as client:
-        props = client.props()
-    print(f"server      {url} ({props.build_info}, {props.total_slots} slots, {Path(props.model_path).name})")
     print(f"machine     {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start")
-    print("(RSS and peak in MB; wall s and the CLI's CPU ms per answer over the first and the last tenth of the\n"
-          " answers; CPU ms/q over the whole run, start-up included)")
-    print(HEADER, flush=True)
+    if url is not None:
+        with ServerClient(Endpoint(url)) as client:
+            props = client.props()
+        print(f"server      {url} ({props.build_info}, {props.total_slots} slots, {Path(props.model_path).name})")
+        print("(RSS and peak in MB; wall s and the CLI's CPU ms per answer over the first and the last tenth of "
+              "the\n answers; CPU ms/q over the whole run, start-up included)")
     results = work / "results"
     results.mkdir()
     gsm8k = None
+    measured = Measured()
     if "gsm8k" in only:
         task = gsm8k_task(work, "gsm8k-full", n_gsm8k, GSM8K_MAX_TOKENS, shared_prefix=True).path
         full = eval_run(task, url, results, n_gsm8k)
         gsm8k = figures("GSM8K", full, n_gsm8k)
-        show(gsm8k)
+        measured.append(gsm8k)
         half = n_gsm8k // 2
         stopped = eval_run(task, url, results, n_gsm8k, stop_at=half)
         assert stopped.run_dir is not None and full.run_dir is not None
@@ -399,28 +444,39 @@ def full_size(args: argparse.Namespace, url: str, work: Path) -> Figures | None:
         print(f"compare of the two {n_gsm8k}-question runs: {compared.wall_s:.1f} s, peak RSS "
               f"{compared.peak_mb:.0f} MB", flush=True)
     if "suite" in only:
-        show(figures("suite", eval_run(suite_task(work, n_suite), url, results, n_suite), n_suite))
+        measured.append(figures("suite", eval_run(suite_task(work, n_suite), url, results, n_suite), n_suite))
     if "bfcl" in only:
         bfcl_dir = work / "bfcl"
         bfcl_dir.mkdir()
         bfcl = bfcl_task(bfcl_dir, args.bfcl_wheel, n_bfcl)
-        show(figures("BFCL simple", eval_run(bfcl, url, results, n_bfcl), n_bfcl))
+        measured.append(figures("BFCL simple", eval_run(bfcl, url, results, n_bfcl), n_bfcl))
+    if "bar" in only:
+        bar = bar_cpu_per_second(work)
+        print(f"progress bar alone: {bar:.1f} ms CPU per second", flush=True)
+        for f in measured:
+            first, last = f.cpu_first - bar * f.first_tenth, f.cpu_last - bar * f.last_tenth
+            print(f"{f.task}: CPU ms per answer net of the bar's redraw, first tenth {first:.2f}, last {last:.2f}: "
+                  f"{last / first:.2f}x", flush=True)
     return gsm8k
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="llama-server base URL (default: one started here on loopback)")
-    parser.add_argument("--only", default="gsm8k,suite,bfcl", help="tasks to run, comma-separated")
+    parser.add_argument("--only", default="gsm8k,suite,bfcl,bar",
+                        help="what to run, comma-separated (bar: the progress bar's own CPU, no server)")
     parser.add_argument("--no-bfcl", action="store_true", help="leave BFCL out (no wheel download)")
     parser.add_argument("--bfcl-wheel", type=Path, help="a downloaded bfcl-eval wheel (default: pip download)")
     parser.add_argument("--scale", type=float, default=1.0, help="a fraction of the full sizes, to try the script")
     args = parser.parse_args()
+    only = {t for t in args.only.split(",") if t} - ({"bfcl"} if args.no_bfcl else set())
     with tempfile.TemporaryDirectory(prefix="eval-full-size-") as tmp:
         work = Path(tmp)
-        server, url = (None, args.url) if args.url else loopback_server(work)
+        server, url = None, args.url
+        if url is None and only & {"gsm8k", "suite", "bfcl"}:
+            server, url = loopback_server(work)
         try:
-            gsm8k = full_size(args, url, work)
+            gsm8k = full_size(args, only, url, work)
         except RigctlError as exc:
             sys.exit(f"error: {exc}")
         finally:
