@@ -13,7 +13,9 @@ only way to stop it as Ctrl-C does (SIGINT). While it runs, this script reads th
     s/q first, last   wall seconds per answer over the first and the last tenth of the answers; their
                       ratio is ~1.0x when the time per question stays flat (and the machine's load does)
     CPU first, last   the CLI's own CPU milliseconds per answer over the same tenths (/proc/<pid>/stat):
-                      what the client costs per question, whatever else the machine runs
+                      what the client costs per question; its progress bar redraws ten times a second
+                      (`bar` measures that alone, in CPU ms per second), so a slower stretch of answers
+                      also costs more CPU each
     CPU ms/q          the CLI's CPU time per question over the whole run, start-up included
 
 Tasks, each at the reference study's full size, made here (only PyPI, Debian and npm are reachable from this
@@ -26,18 +28,18 @@ machine, so the real GSM8K test split and suite sets are not):
     bfcl    BFCL simple (python), its 400 real questions and possible answers, read from the bfcl-eval
             wheel (pinned by sha256; `pip download --no-deps`), max_tokens 8; `--no-bfcl` leaves it out
 
-Questions differ only at their end, in runs that share their text, so the server's prompt cache leaves it a
-few new tokens per question, and generation is cut to a few tokens: the server's cost per question stays
-small and constant, and what could grow is the client's. Then a second GSM8K run is stopped with SIGINT
-halfway and resumed with `--resume` (each question must be answered exactly once), and `rigctl compare`
-pairs the two full GSM8K runs, with its wall time and peak memory.
+GSM8K and suite questions differ only at their end, in runs that share their text, so the server's prompt
+cache leaves it a few new tokens per question (BFCL's are its own), and generation is cut to a few tokens:
+the server's cost per question stays small and constant, and what could grow is the client's. Then a second
+GSM8K run is stopped with SIGINT halfway and resumed with `--resume` (each question must be answered exactly
+once), and `rigctl compare` pairs the two full GSM8K runs, with its wall time and peak memory.
 
 Server: `--url` takes any llama-server; by default one is started on loopback from the lab's prepared
 llama.cpp build (`<cache>/builds/`, checked against the sha256 `rigctl lab prepare` recorded) serving SmolLM2
 (`<cache>/models/`, as `make prepare` leaves them), with one thread at nice 10 and 8 slots, and stopped at the
 end.
 
-    .venv/bin/python perf/eval_full_size.py [--url URL] [--only gsm8k,suite,bfcl] [--no-bfcl]
+    .venv/bin/python perf/eval_full_size.py [--url URL] [--only gsm8k,suite,bfcl,bar] [--no-bfcl]
 """
 
 from __future__ import annotations
@@ -452,11 +454,8 @@ def full_size(args: argparse.Namespace, only: set[str], url: str | None, work: P
         measured.append(figures("BFCL simple", eval_run(bfcl, url, results, n_bfcl), n_bfcl))
     if "bar" in only:
         bar = bar_cpu_per_second(work)
+        # Its redraws (10 a second) make the CLI's CPU per answer follow the wall time per answer.
         print(f"progress bar alone: {bar:.1f} ms CPU per second", flush=True)
-        for f in measured:
-            first, last = f.cpu_first - bar * f.first_tenth, f.cpu_last - bar * f.last_tenth
-            print(f"{f.task}: CPU ms per answer net of the bar's redraw, first tenth {first:.2f}, last {last:.2f}: "
-                  f"{last / first:.2f}x", flush=True)
     return gsm8k
 
 
