@@ -12,6 +12,7 @@ from typing import Any
 
 from rigctl.analysis.campaign import Located
 from rigctl.analysis.report.markdown import Links, md_table
+from rigctl.charts import new_figure, save_png
 from rigctl.errors import ConfigError
 from rigctl.results.record import ANSWERS_FILE
 from rigctl.results.store import ResultsStore, StoredRun, read_jsonl
@@ -90,12 +91,7 @@ def _speed_chart(path: Path, results: Sequence[Mapping[str, Any]], margin: float
              and not math.isnan(r.get("low") or math.nan)]
     if not speed:
         return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 0.5 * len(speed) + 1.2))
+    fig, ax = new_figure(figsize=(7, 0.5 * len(speed) + 1.2))
     for y, r in enumerate(speed):
         colour = {"pass": "tab:green", "fail": "tab:red"}.get(r["verdict"], "tab:orange")
         ax.errorbar([r["estimate"]], [y], xerr=[[r["estimate"] - r["low"]], [r["high"] - r["estimate"]]], fmt="o",
@@ -106,9 +102,7 @@ def _speed_chart(path: Path, results: Sequence[Mapping[str, Any]], margin: float
     ax.set_xlabel("candidate / current (speed; 95% interval)")
     ax.set_title(title)
     ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_png(fig, path, dpi=100)
     return True
 
 
