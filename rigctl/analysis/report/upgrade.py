@@ -16,9 +16,6 @@ from rigctl.charts import new_figure, save_png
 from rigctl.errors import ConfigError
 from rigctl.results.record import ANSWERS_FILE
 from rigctl.results.store import ResultsStore, StoredRun, read_jsonl
-from rigctl.upgrade.bisect import STEPS_FILE
-from rigctl.upgrade.paired import IDENTITY_FILE, SERVER_FILE
-from rigctl.upgrade.upgrade import HELP_DIR
 
 
 def _num(value: Any, digits: int = 3) -> str:
@@ -108,6 +105,11 @@ def _speed_chart(path: Path, results: Sequence[Mapping[str, Any]], margin: float
 
 def upgrade_section(run: StoredRun, links: Links, store: ResultsStore, out_dir: Path,
                     charts: list[Path], level: int = 2) -> list[str]:
+    # rigctl.upgrade's modules bring the fleet, SSH and HTTP clients: a second of every report's start, imported
+    # only where a campaign has an upgrade or bisect run to show.
+    from rigctl.upgrade.paired import IDENTITY_FILE, SERVER_FILE
+    from rigctl.upgrade.upgrade import HELP_DIR
+
     record = run.record
     extra = record.extra
     head = "#" * level
@@ -174,6 +176,8 @@ def _exists(store: ResultsStore, ref: str) -> bool:
 
 
 def bisect_section(run: StoredRun, links: Links, store: ResultsStore, level: int = 2) -> list[str]:
+    from rigctl.upgrade.bisect import STEPS_FILE  # imported here as in upgrade_section
+
     record = run.record
     extra = record.extra
     head = "#" * level
