@@ -170,7 +170,7 @@ def main() -> int:
     finally:
         if not args.keep and not args.work:
             shutil.rmtree(work, ignore_errors=True)
-    print()
+    print(f"\nmachine at the end: load average {', '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
     header = " | ".join(f"{s:>6} runs s (CPU s) / MB" for s in sizes)
     steps = [f"{b}/{a}" for a, b in zip(sizes, sizes[1:], strict=False)]
     print(f"| operation | {header} | " + " | ".join(f"time {s}" for s in steps) + " |")
