@@ -28,8 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from rigctl.errors import EvalError
 from rigctl.files import HashLock, cache_dir
 from rigctl.hostside.token_origin import bearer_header
@@ -146,6 +144,8 @@ def _fetch(key: str, url: str, local: Path, sha256: str | None, timeout: float, 
 
 def _download(key: str, url: str, local: Path, timeout: float) -> str:
     """Stream ``url`` into ``.<name>.part`` beside ``local``; returns its sha256 (the caller renames it)."""
+    import httpx  # a tenth of a second: reading a task (a report locating its runs) never downloads
+
     local.parent.mkdir(parents=True, exist_ok=True)
     part = local.with_name(f".{local.name}.part")
     digest = hashlib.sha256()
