@@ -8,6 +8,7 @@ UnicodeDecodeError or a multi-line YAML complaint.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,27 @@ def read_text(path: Path, what: str = "", error: type[RigctlError] = ConfigError
     except OSError as exc:
         raise error(f"{label}: {exc.strerror or exc}") from None
     return decode_utf8(raw, label, error)
+
+
+def utf8_lines(path: Path, what: str = "", error: type[RigctlError] = ConfigError) -> Iterator[str]:
+    """The file's lines one at a time, each checked as UTF-8 (``error`` naming the file, line and byte where one
+    is not, or that it cannot be read): a file of any length costs one line of memory. Lines end at ``\\n``
+    only, as JSON Lines do: a U+2028 that a JSON string holds unescaped stays inside its line, where
+    :meth:`str.splitlines` would cut it in two."""
+    label = f"{what} {path}" if what else str(path)
+    offset = 0
+    try:
+        with path.open("rb") as handle:
+            for number, raw in enumerate(handle, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise error(f"{label}:{number}: not UTF-8 text (byte {offset + exc.start}: "
+                                f"{raw[exc.start:exc.start + 1]!r})") from None
+                offset += len(raw)
+                yield line
+    except OSError as exc:
+        raise error(f"{label}: cannot read: {exc.strerror or exc}") from None
 
 
 def yaml_problem(exc: yaml.YAMLError) -> str:

@@ -23,11 +23,12 @@ Everything here is pure over run directories already on the controller; nothing 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import logging
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ from typing import Any
 from rigctl.errors import ConfigError
 from rigctl.hostside.scorers import GSM8K_SCORES
 from rigctl.results.record import ANSWERS_FILE
-from rigctl.results.store import StoredRun, read_jsonl
+from rigctl.results.store import StoredRun, iter_jsonl
 from rigctl.stats import (
     DEFAULT_RESAMPLES,
     DEFAULT_SEED,
@@ -129,19 +130,45 @@ def answers_path(run: StoredRun) -> Path:
 
 
 def load_answers(run: StoredRun) -> list[dict[str, Any]]:
-    """The run's per-question rows; each must carry ``id``, ``set`` and ``score``."""
-    path = answers_path(run)
+    """The run's per-question rows, whole; each must carry ``id``, ``set`` and ``score``."""
+    return list(_checked_answers(answers_path(run), f"{run.host}/{run.id}"))
+
+
+def _checked_answers(path: Path, name: str) -> Iterator[dict[str, Any]]:
     if not path.is_file():
-        raise ConfigError(f"{run.host}/{run.id}: no {ANSWERS_FILE} (not an eval run, or nothing pulled yet)")
-    rows = read_jsonl(path)
-    for number, row in enumerate(rows, 1):
+        raise ConfigError(f"{name}: no {ANSWERS_FILE} (not an eval run, or nothing pulled yet)")
+    for number, row in enumerate(iter_jsonl(path), 1):
         missing = [k for k in ("id", "set", "score") if k not in row]
         if missing:
             raise ConfigError(f"{path}: answer {number} lacks {', '.join(missing)}")
         score = row["score"]
         if not isinstance(score, int | float) or score != score:
             raise ConfigError(f"{path}: answer {number}: score {score!r} is not a number")
-    return rows
+        yield row
+
+
+#: What comparing keeps of an answer row besides its reply: the keys :class:`Scoring` and the tables read.
+_SCORED_KEYS = ("set", "id", "cutoff", "toolless", *GSM8K_SCORES)
+
+
+def scored_answers(run: StoredRun) -> list[dict[str, Any]]:
+    """The run's rows as comparing needs them (:func:`load_answers`' checks), each cut to its set, id, named
+    scores, cut-off and tool-less flags and its reply as :func:`reply_text` shows it: read a line at a time,
+    and once per state of the file while it is among the last few read (a matrix of runs, or a report's
+    pairs, reads each run once). Shared between callers: read, never change."""
+    path = answers_path(run)
+    try:
+        stat = path.stat()
+        state = (stat.st_size, stat.st_mtime_ns)
+    except OSError:
+        state = (-1, -1)
+    return _scored_answers(path, f"{run.host}/{run.id}", state)
+
+
+@functools.lru_cache(maxsize=8)
+def _scored_answers(path: Path, name: str, state: tuple[int, int]) -> list[dict[str, Any]]:
+    return [{**{k: row[k] for k in _SCORED_KEYS if k in row}, "reply": reply_text(row)}
+            for row in _checked_answers(path, name)]
 
 
 # ----------------------------------------------------------------------------------------------- scoring
@@ -332,7 +359,7 @@ def replicate_noise(first: StoredRun, replicate: StoredRun, *, scoring: Scoring 
     mismatch = task_mismatch(first, replicate)
     if mismatch:
         raise ConfigError(f"refusing the replicate: {mismatch}")
-    a, b = scoring.scores(load_answers(first)), scoring.scores(load_answers(replicate))
+    a, b = scoring.scores(scored_answers(first)), scoring.scores(scored_answers(replicate))
     keys = sorted(set(a) & set(b))
     if not keys:
         raise ConfigError(f"replicate {replicate.host}/{replicate.id} shares no question with {first.host}/{first.id}")
@@ -453,7 +480,7 @@ def compare_pair(run_a: StoredRun, run_b: StoredRun, *, scoring: Scoring = Scori
     mismatch = task_mismatch(run_a, run_b)
     if mismatch and not force:
         raise ConfigError(f"refusing to compare: {mismatch} (--force compares anyway)")
-    rows_a, rows_b = load_answers(run_a), load_answers(run_b)
+    rows_a, rows_b = scored_answers(run_a), scored_answers(run_b)
     keys_a = {(str(r["set"]), str(r["id"])) for r in rows_a}
     keys_b = {(str(r["set"]), str(r["id"])) for r in rows_b}
     if not keys_a & keys_b:
@@ -509,7 +536,7 @@ def check_sets(names: Sequence[str], runs: Sequence[StoredRun], origin: str) -> 
     """ConfigError naming ``origin`` when a set in ``names`` is in none of the runs' answers."""
     if not names:
         return
-    present = sorted({str(row["set"]) for run in runs for row in load_answers(run)})
+    present = sorted({str(row["set"]) for run in runs for row in scored_answers(run)})
     unknown = [name for name in names if name not in present]
     if unknown:
         raise ConfigError(f"{origin} {', '.join(map(repr, unknown))}: no such set in these runs "
@@ -520,7 +547,7 @@ def run_scores(run: StoredRun, *, resamples: int = DEFAULT_RESAMPLES, seed: int 
                metric: str = "score") -> list[SetGap]:
     """One run's mean score (or another named score, ``metric``) per set and overall with intervals (``gap``
     holds the mean's interval)."""
-    rows = load_answers(run)
+    rows = scored_answers(run)
     by_set: dict[str, list[float]] = {}
     for row in rows:
         by_set.setdefault(str(row["set"]), []).append(float(row[metric]))

@@ -52,6 +52,7 @@ from typing import Any
 
 import numpy as np
 
+from rigctl.charts import new_figure, save_png
 from rigctl.errors import ConfigError, RigctlError
 from rigctl.results.run import RunResult, open_run
 from rigctl.results.store import ResultsStore, StoredRun, read_rows
@@ -538,14 +539,9 @@ def machine_text(machine: dict[str, Any] | None) -> str:
 
 def to_png(curves: Sequence[tuple[str, Sequence[LevelSummary]]], path: Path, title: str) -> Path:
     """Output t/s and TPOT p50 against concurrency, one line per run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     if not curves:
         raise RigctlError("nothing to plot: no load levels")
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4))
+    fig, (left, right) = new_figure(1, 2, figsize=(9, 3.4))
     for label, levels in curves:
         xs = [s.concurrency for s in levels]
         left.plot(xs, [s.output_tps for s in levels], marker="o", label=label)
@@ -556,8 +552,6 @@ def to_png(curves: Sequence[tuple[str, Sequence[LevelSummary]]], path: Path, tit
         ax.set_ylabel(what)
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path)
     return path

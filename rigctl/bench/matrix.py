@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rigctl.charts import new_figure, save_png
 from rigctl.errors import ConfigError, RigctlError
 from rigctl.hostside.bench_cells import CELLS_FILE
 from rigctl.hostside.bench_task import plan_cells
@@ -462,15 +463,10 @@ def to_csv(rows: Sequence[SummaryRow]) -> str:
 
 def to_png(rows: Sequence[SummaryRow], path: Path) -> Path:
     """Bars of mean tokens/s with stddev error bars, one panel per partition, models side by side."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     partitions = list(dict.fromkeys(r.partition for r in rows))
     if not partitions:
         raise ConfigError("nothing to plot: no bench samples")
-    fig, axes = plt.subplots(len(partitions), 1, figsize=(9, 3.6 * len(partitions)), squeeze=False)
+    fig, axes = new_figure(len(partitions), 1, figsize=(9, 3.6 * len(partitions)), squeeze=False)
     for ax, partition in zip(axes[:, 0], partitions, strict=True):
         part = [r for r in rows if r.partition == partition]
         models = list(dict.fromkeys(r.model for r in part))
@@ -486,8 +482,6 @@ def to_png(rows: Sequence[SummaryRow], path: Path) -> Path:
         ax.set_ylabel("tokens/s")
         ax.set_title(partition)
         ax.legend()
-    fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path)
     return path

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -65,11 +66,12 @@ class _Bar:
                                  TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
                                  TextColumn("{task.fields[score]}"), console=console, transient=False)
         self.bar = self.progress.add_task("eval", total=total, completed=done, score="")
-        self.scores: list[float] = []
+        self.scored, self.score_sum = 0, 0.0  # this session's answers: a running mean, the same cost each answer
 
     def answer(self, row: dict[str, Any], done: int, total: int) -> None:
-        self.scores.append(float(row["score"]))
-        score = f"score {sum(self.scores) / len(self.scores):.3f}"
+        self.scored += 1
+        self.score_sum += float(row["score"])
+        score = f"score {self.score_sum / self.scored:.3f}"
         self.progress.update(self.bar, completed=done, total=total, score=score)
 
     def job(self, info: Any) -> None:
@@ -109,7 +111,7 @@ def eval_run(
     from rigctl.evals.fanout import FanOut
     from rigctl.evals.target import inventory_targets, url_target
     from rigctl.evals.tasks import load_task
-    from rigctl.results.store import ResultsStore, read_jsonl
+    from rigctl.results.store import ResultsStore, iter_jsonl
 
     store = ResultsStore(results)
     api_key = read_api_key(api_key_file)
@@ -173,8 +175,8 @@ def eval_run(
         summary = runner.run(loaded, endpoints, run, options, on_answer=bar.answer)
     print_summary(summary, loaded.scorer, f"{loaded.name} on {fanout.describe()}")
     if len(endpoints) > 1:
-        rows = read_jsonl(run.path / "answers.jsonl")
-        shares = ", ".join(f"{e.label} {sum(r.get('server') == e.label for r in rows)}" for e in endpoints)
+        answers = Counter(row.get("server") for row in iter_jsonl(run.path / "answers.jsonl"))
+        shares = ", ".join(f"{e.label} {answers[e.label]}" for e in endpoints)
         console.print(f"answers per server: {shares}", markup=False, highlight=False)
     console.print(f"{run.ref}: {time.monotonic() - started:.0f} s, answers in {run.path / 'answers.jsonl'}",
                   highlight=False)

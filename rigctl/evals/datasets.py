@@ -18,21 +18,21 @@ from the cache is then an error.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
 import urllib.parse
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from rigctl.errors import EvalError
 from rigctl.files import HashLock, cache_dir
 from rigctl.hostside.token_origin import bearer_header
-from rigctl.inputs import read_text
-from rigctl.results.record import file_sha256, json_objects
+from rigctl.inputs import read_text, utf8_lines
+from rigctl.results.record import file_sha256, iter_json_objects
 from rigctl.trust import register_secret
 
 log = logging.getLogger(__name__)
@@ -144,6 +144,8 @@ def _fetch(key: str, url: str, local: Path, sha256: str | None, timeout: float, 
 
 def _download(key: str, url: str, local: Path, timeout: float) -> str:
     """Stream ``url`` into ``.<name>.part`` beside ``local``; returns its sha256 (the caller renames it)."""
+    import httpx  # a tenth of a second: reading a task (a report locating its runs) never downloads
+
     local.parent.mkdir(parents=True, exist_ok=True)
     part = local.with_name(f".{local.name}.part")
     digest = hashlib.sha256()
@@ -178,20 +180,34 @@ def _download(key: str, url: str, local: Path, timeout: float) -> str:
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
-    """JSON lines, or one JSON array of objects (decided by the first non-blank character)."""
+    """The file's records (:func:`iter_records`, all at once)."""
+    return list(iter_records(path))
+
+
+def iter_records(path: Path) -> Iterator[dict[str, Any]]:
+    """JSON lines, read one at a time, or one JSON array of objects, read whole (decided by the first
+    non-blank character)."""
+    lines = utf8_lines(path, error=EvalError)
+    head: list[str] = []
+    for line in lines:
+        head.append(line)
+        if line.strip():
+            if line.lstrip().startswith("["):
+                lines.close()
+                return iter(_json_array(path))
+            break
+    return iter_json_objects(itertools.chain(head, lines), path, error=EvalError)
+
+
+def _json_array(path: Path) -> list[dict[str, Any]]:
     text = read_text(path, error=EvalError)
-    stripped = text.lstrip()
-    if stripped.startswith("["):
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise EvalError(f"{path}: not JSON ({exc.msg} at line {exc.lineno})") from None
-        if not isinstance(data, list):
-            raise EvalError(f"{path}: not a JSON array of records")
-        rows = data
-        for number, row in enumerate(rows):
-            if not isinstance(row, dict):
-                raise EvalError(f"{path}: record {number} is a {type(row).__name__}, not a JSON object")
-    else:
-        rows = json_objects(text.splitlines(), path, error=EvalError)
-    return rows
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise EvalError(f"{path}: not JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(data, list):
+        raise EvalError(f"{path}: not a JSON array of records")
+    for number, row in enumerate(data):
+        if not isinstance(row, dict):
+            raise EvalError(f"{path}: record {number} is a {type(row).__name__}, not a JSON object")
+    return data

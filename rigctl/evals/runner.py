@@ -7,8 +7,9 @@ per answer as it completes, with the label of the server that gave it. Given sev
 artifact and build (a fan-out), the questions wait in one queue and each server's N workers take the
 next one as they come free, so a faster server answers more; the run is still one run.
 ``resume_run`` reopens a stopped run after checking that the task file, the datasets and each server's
-model and build are the ones it started with. ``scorers.summarise`` turns the answer
-lines into per-set and overall scores.
+model and build are the ones it started with. A :class:`scorers.Tally` keeps the per-set and overall
+scores as the answers come (those of a resumed run's earlier answers read once, a line at a time), so a
+run's memory and its time per answer do not grow with its length.
 """
 
 from __future__ import annotations
@@ -32,12 +33,11 @@ from rigctl.evals.target import Target
 from rigctl.evals.tasks import LoadedTask, Question, load_task
 from rigctl.fleet.servers import restart_retry
 from rigctl.hostside import scorers
-from rigctl.hostside.scorers import summarise
 from rigctl.llama_http import DEFAULT_SEED, AsyncServerClient, Endpoint, Props, Retry, ServerClient, Timeouts
 from rigctl.results.record import ANSWERS_FILE, Provenance, Server, Task
 from rigctl.results.run import Run
 from rigctl.results.stamp import with_props
-from rigctl.results.store import ResultsStore, read_jsonl
+from rigctl.results.store import ResultsStore, iter_jsonl
 from rigctl.trust import redact_argv
 
 if TYPE_CHECKING:
@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_CONCURRENCY = 8
+_TAIL_BLOCK = 1 << 16
 
 Endpoints = Endpoint | Sequence[Endpoint]
 
@@ -153,18 +154,38 @@ ASKERS: dict[str, type[_Asker]] = {"gsm8k": _Asker, "bfcl_simple": _Asker, "choi
 # ----------------------------------------------------------------------------------------------- runs
 
 
-def answered(path: Path) -> set[tuple[str, str]]:
-    """(set, id) of every answer already written; a torn last line (a run killed mid-write) is cut off so
-    appending continues on a line boundary."""
+def answered(path: Path, tally: scorers.Tally | None = None) -> set[tuple[str, str]]:
+    """(set, id) of every answer already written, read a line at a time, each answer also added to ``tally``
+    when one is given (a resumed run's summary then counts them without reading the file again); a torn last
+    line (a run killed mid-write) is cut off so appending continues on a line boundary."""
     if not path.is_file():
         return set()
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        cut = data.rfind(b"\n") + 1
-        log.warning("%s: cutting a torn last line (%d bytes)", path, len(data) - cut)
-        with path.open("r+b") as handle:
-            handle.truncate(cut)
-    return {(str(row["set"]), str(row["id"])) for row in read_jsonl(path)}
+    _cut_torn_tail(path)
+    done = set()
+    for row in iter_jsonl(path):
+        done.add((str(row["set"]), str(row["id"])))
+        if tally is not None:
+            tally.add(row)
+    return done
+
+
+def _cut_torn_tail(path: Path) -> None:
+    """Cut ``path`` after its last newline, reading back from its end only as far as that newline."""
+    with path.open("r+b") as handle:
+        end = handle.seek(0, os.SEEK_END)
+        position = end
+        while position > 0:
+            start = max(0, position - _TAIL_BLOCK)
+            handle.seek(start)
+            block = handle.read(position - start)
+            newline = block.rfind(b"\n")
+            if newline >= 0:
+                position = start + newline + 1
+                break
+            position = start
+        if position < end:
+            log.warning("%s: cutting a torn last line (%d bytes)", path, end - position)
+            handle.truncate(position)
 
 
 def _props(endpoint: Endpoint, retry: Retry | None = None) -> Props:
@@ -324,7 +345,9 @@ async def execute(task: LoadedTask, endpoint: Endpoints, run: Run, options: Opti
     for ``resume``); so does Ctrl-C (status stopped)."""
     record = run.record
     answers_path = run.path / ANSWERS_FILE
-    done = answered(answers_path)
+    # The summary is tallied as answers are written, in file order, so the run never reads its answers back.
+    tally = scorers.Tally(task.scorer)
+    done = answered(answers_path, tally)
     pending = [q for q in task.questions if (q.set, q.id) not in done]
     total = len(task.questions)
     count = len(done)
@@ -357,6 +380,7 @@ async def execute(task: LoadedTask, endpoint: Endpoints, run: Run, options: Opti
                                    **answer}
                             out.write(json.dumps(row, ensure_ascii=False) + "\n")
                             out.flush()
+                            tally.add(row)
                             count += 1
                             if on_answer:
                                 on_answer(row, count, total)
@@ -374,8 +398,7 @@ async def execute(task: LoadedTask, endpoint: Endpoints, run: Run, options: Opti
             raise EvalError(f"run {record.id} stopped after {count} of {total} answers: {exc} "
                             f"(continue with --resume {run.ref})") from None
         finally:
-            rows = read_jsonl(answers_path) if answers_path.is_file() else []
-            record.extra["summary"] = summarise(rows, task.scorer)
+            record.extra["summary"] = tally.summary()
         if count != total:
             raise EvalError(f"run {record.id}: {count} answers for {total} questions")
     return record.extra["summary"]

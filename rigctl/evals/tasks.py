@@ -29,9 +29,11 @@ takes a shipped name or a path.
 from __future__ import annotations
 
 import hashlib
+import itertools
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -41,6 +43,8 @@ from rigctl.evals.datasets import DatasetFile
 from rigctl.hostside.bfcl import BFCL_TEMPERATURE
 from rigctl.hostside.scorers import gsm8k_gold
 from rigctl.inputs import decode_utf8, parse_mapping
+
+_Row = TypeVar("_Row")
 
 TASKS_DIR = Path(__file__).resolve().parent.parent / "tasks"
 
@@ -252,11 +256,10 @@ def load_task(ref: str, *, limit: int | None = None, fetch: bool = True) -> Load
     return loaded
 
 
-def _cap(rows: list, *limits: int | None) -> list:
-    for cap in limits:
-        if cap is not None:
-            rows = rows[:cap]
-    return rows
+def _cap(rows: Iterable[_Row], *limits: int | None) -> Iterator[_Row]:
+    """The first rows, as many as the smallest limit allows; read no further than that."""
+    caps = [cap for cap in limits if cap is not None]
+    return itertools.islice(rows, min(caps) if caps else None)
 
 
 def _format(template: str, row: dict[str, Any], where: str) -> str:
@@ -281,8 +284,7 @@ def _build(loaded: LoadedTask, limit: int | None) -> None:
     if isinstance(spec, Gsm8kTask):
         file = spec.dataset.fetch(base)
         loaded.files.append(file)
-        rows = datasets.read_records(file.path)
-        for number, row in _cap(list(enumerate(rows, 1)), spec.limit, limit):
+        for number, row in _cap(enumerate(datasets.iter_records(file.path), 1), spec.limit, limit):
             where = f"{file.path}:{number}"
             qid = str(_field(row, spec.id_field, where)) if spec.id_field else f"{spec.name}-{number}"
             answer = str(_field(row, spec.answer_field, where))
@@ -296,8 +298,8 @@ def _build(loaded: LoadedTask, limit: int | None) -> None:
         file = spec.dataset.fetch(base)
         answers_file = spec.answers.fetch(base)
         loaded.files += [file, answers_file]
-        answers = {str(_field(a, "id", str(answers_file.path))): a for a in datasets.read_records(answers_file.path)}
-        for row in _cap(datasets.read_records(file.path), spec.limit, limit):
+        answers = {str(_field(a, "id", str(answers_file.path))): a for a in datasets.iter_records(answers_file.path)}
+        for row in _cap(datasets.iter_records(file.path), spec.limit, limit):
             qid = str(_field(row, "id", str(file.path)))
             where = f"{file.path}: {qid}"
             if qid not in answers:
@@ -323,7 +325,7 @@ def _build(loaded: LoadedTask, limit: int | None) -> None:
             file = choice_set.dataset.fetch(base)
             loaded.files.append(file)
             labels = {str(k).lower(): v for k, v in choice_set.labels.items()}
-            rows = list(enumerate(datasets.read_records(file.path), 1))
+            rows = enumerate(datasets.iter_records(file.path), 1)
             for number, row in _cap(rows, choice_set.limit, spec.limit, limit):
                 where = f"{file.path}:{number}"
                 gold_value = str(_field(row, choice_set.gold, where)).lower()

@@ -148,7 +148,7 @@ def run(job: Any) -> None:
 
     job.run_dir.mkdir(parents=True, exist_ok=True)
     total, done = len(questions), 0
-    rows: list[dict[str, Any]] = []
+    tally = scorers.Tally(scorer)
     job.progress(0, total, f"{scorer}: asking")
     with (Path(job.run_dir) / ANSWERS_FILE).open("a", encoding="utf-8") as out, \
             concurrent.futures.ThreadPoolExecutor(max_workers=int(params["concurrency"])) as pool:
@@ -158,11 +158,10 @@ def run(job: Any) -> None:
                 row = future.result()
                 out.write(json.dumps(row, ensure_ascii=False) + "\n")
                 out.flush()
-                rows.append(row)
+                tally.add(row)
                 done += 1
-                score = sum(float(r["score"]) for r in rows) / done
-                job.progress(done, total, f"score {score:.3f}")
+                job.progress(done, total, f"score {tally.overall.mean():.3f}")
         finally:
             for future in futures:
                 future.cancel()
-    job.record.extra["summary"] = scorers.summarise(rows, scorer)
+    job.record.extra["summary"] = tally.summary()

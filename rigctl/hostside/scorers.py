@@ -414,29 +414,62 @@ def choice_record(data: Mapping[str, Any], answer: Any,
 # ----------------------------------------------------------------------------------------------- summary
 
 
-def _mean(values: Iterable[float]) -> float | None:
-    values = list(values)
-    return sum(values) / len(values) if values else None
+class _Sums:
+    """One block of a summary, added to an answer at a time."""
 
+    def __init__(self, scorer: str):
+        self.scorer = scorer
+        self.n = self.cutoffs = self.toolless = self.missed_calls = 0
+        self.sums = dict.fromkeys(GSM8K_SCORES if scorer == "gsm8k" else ("score",), 0.0)
 
-def summarise(rows: Sequence[Mapping[str, Any]], scorer: str) -> dict[str, Any]:
-    """Per set and overall: n, score (mean), cut-offs; tool-less and missed calls for bfcl_simple;
-    lm-eval's two scores for gsm8k. ``overall.score`` averages questions, ``overall.macro`` averages sets."""
+    def add(self, row: Mapping[str, Any]) -> None:
+        self.n += 1
+        self.sums["score"] += float(row["score"])
+        for key in self.sums.keys() - {"score"}:
+            self.sums[key] += float(row.get(key, 0))
+        self.cutoffs += 1 if row.get("cutoff") else 0
+        self.toolless += 1 if row.get("toolless") else 0
+        self.missed_calls += 1 if row.get("missed_call") else 0
 
-    def block(items: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {"n": len(items), "score": _mean(float(r["score"]) for r in items),
-                               "cutoffs": sum(1 for r in items if r.get("cutoff"))}
-        if scorer == "gsm8k":
-            out.update({key: _mean(float(r.get(key, 0)) for r in items) for key in GSM8K_SCORES if key != "score"})
-        if scorer == "bfcl_simple":
-            out["toolless"] = sum(1 for r in items if r.get("toolless"))
-            out["missed_calls"] = sum(1 for r in items if r.get("missed_call"))
+    def mean(self, key: str = "score") -> float | None:
+        return self.sums[key] / self.n if self.n else None
+
+    def block(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"n": self.n, "score": self.mean(), "cutoffs": self.cutoffs}
+        out.update({key: self.mean(key) for key in self.sums if key != "score"})
+        if self.scorer == "bfcl_simple":
+            out["toolless"], out["missed_calls"] = self.toolless, self.missed_calls
         return out
 
-    sets: dict[str, list[Mapping[str, Any]]] = {}
+
+class Tally:
+    """A run's summary kept as its answers come (:func:`summarise`'s, without holding the answers): sums and
+    counts per set and overall, so a run of any length costs the same memory and the same time per answer."""
+
+    def __init__(self, scorer: str):
+        self.scorer = scorer
+        self.overall = _Sums(scorer)
+        self.sets: dict[str, _Sums] = {}
+
+    def add(self, row: Mapping[str, Any]) -> None:
+        name = str(row["set"])
+        block = self.sets.get(name) or self.sets.setdefault(name, _Sums(self.scorer))
+        block.add(row)
+        self.overall.add(row)
+
+    def summary(self) -> dict[str, Any]:
+        """Per set and overall: n, score (mean), cut-offs; tool-less and missed calls for bfcl_simple;
+        lm-eval's two scores for gsm8k. ``overall.score`` averages questions, ``overall.macro`` averages sets."""
+        per_set = {name: block.block() for name, block in sorted(self.sets.items())}
+        overall = self.overall.block()
+        scores = [s["score"] for s in per_set.values() if s["score"] is not None]
+        overall["macro"] = sum(scores) / len(scores) if scores else None
+        return {"sets": per_set, "overall": overall}
+
+
+def summarise(rows: Iterable[Mapping[str, Any]], scorer: str) -> dict[str, Any]:
+    """:meth:`Tally.summary` of ``rows``."""
+    tally = Tally(scorer)
     for row in rows:
-        sets.setdefault(str(row["set"]), []).append(row)
-    per_set = {name: block(items) for name, items in sorted(sets.items())}
-    overall = block(rows)
-    overall["macro"] = _mean(s["score"] for s in per_set.values() if s["score"] is not None)
-    return {"sets": per_set, "overall": overall}
+        tally.add(row)
+    return tally.summary()

@@ -17,7 +17,7 @@ import dataclasses
 import json
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,24 +93,33 @@ def parse_json(text: str, origin: str, *, deferred: bool = False) -> Any:
 
 def json_objects(lines: Sequence[str], origin: str | Path, *, error: type[RigctlError] = ConfigError,
                  torn_tail: bool = False) -> list[dict[str, Any]]:
-    """JSON lines as objects, each held to :func:`parse_json`'s bounds; blank lines are skipped. A bad line
-    is ``error`` naming ``origin`` and the line, except a last line that is not JSON when ``torn_tail`` (a
-    run stopped mid-write leaves one): it is left out with a warning."""
-    rows: list[dict[str, Any]] = []
-    for number, line in enumerate(lines, 1):
+    """JSON lines as objects (:func:`iter_json_objects`, all at once)."""
+    return list(iter_json_objects(lines, origin, error=error, torn_tail=torn_tail))
+
+
+def iter_json_objects(lines: Iterable[str], origin: str | Path, *, error: type[RigctlError] = ConfigError,
+                      torn_tail: bool = False) -> Iterator[dict[str, Any]]:
+    """JSON lines as objects, one at a time, each held to :func:`parse_json`'s bounds; blank lines are skipped.
+    A bad line is ``error`` naming ``origin`` and the line, except a last line that is not JSON when
+    ``torn_tail`` (a run stopped mid-write leaves one): it is left out with a warning. One line is read ahead,
+    to know the last one."""
+    numbered = enumerate(lines, 1)
+    ahead = next(numbered, None)
+    while ahead is not None:
+        number, line = ahead
+        ahead = next(numbered, None)
         if not line.strip():
             continue
         try:
             row = parse_json(line, f"{origin}:{number}")
         except json.JSONDecodeError as exc:
-            if torn_tail and number == len(lines):
+            if torn_tail and ahead is None:
                 log.warning("%s: ignoring a torn last line", origin)
-                break
+                return
             raise error(f"{origin}:{number}: not a JSON line ({exc.msg})") from None
         if not isinstance(row, dict):
             raise error(f"{origin}:{number}: a {type(row).__name__}, not a JSON object")
-        rows.append(row)
-    return rows
+        yield row
 
 
 #: What any integer literal past 64 bits contains: 19 digits in a row (shorter ones all fit; a run in a string

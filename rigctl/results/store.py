@@ -16,7 +16,8 @@ from typing import Any, TypeVar
 
 from rigctl.errors import ConfigError, TrustError
 from rigctl.hostside.runrecord import RUN_ID
-from rigctl.results.record import RUN_FILE, RunRecord, file_sha256, json_objects
+from rigctl.inputs import utf8_lines
+from rigctl.results.record import RUN_FILE, RunRecord, file_sha256, iter_json_objects
 
 log = logging.getLogger(__name__)
 
@@ -136,15 +137,15 @@ def _readable(run_dir: Path, on_skip: Callable[[Path, ConfigError], None] | None
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Objects of a JSONL file; a torn last line (a run stopped mid-write) is ignored, any other bad line
-    (not JSON, not an object) is a ConfigError naming the file and line."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from None
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    return json_objects(lines, path, torn_tail=True)
+    """Objects of a JSONL file (:func:`iter_jsonl`, all at once)."""
+    return list(iter_jsonl(path))
+
+
+def iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    """Objects of a JSONL file, read line by line (a run's answers cost one line of memory, however many there
+    are); a torn last line (a run stopped mid-write) is ignored, any other bad line (not UTF-8, not JSON, not
+    an object) is a ConfigError naming the file and line."""
+    return iter_json_objects(utf8_lines(path), path, torn_tail=True)
 
 
 def run_file(run: StoredRun, kind: str, name: str) -> Path:

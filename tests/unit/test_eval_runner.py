@@ -19,6 +19,7 @@ import pytest
 from rigctl.errors import EvalError
 from rigctl.evals import runner
 from rigctl.evals.tasks import load_task
+from rigctl.hostside import scorers
 from rigctl.llama_http import NO_RETRY, Endpoint
 from rigctl.results.store import ResultsStore, read_jsonl
 
@@ -150,6 +151,8 @@ def test_a_200_without_choices_stops_the_run_and_resume_finishes_it(task_dir):
     assert set(fixed.asked) == {f"q{i}" for i in range(1, 6) if f"mini-{i}" not in before}
     assert all(n == 1 for n in fixed.asked.values())
     assert summary["overall"]["score"] == 1.0
+    # Tallied as answers came, the earlier ones read once at resume: what the whole file says.
+    assert summary == scorers.summarise(rows, "gsm8k")
     assert store.find(f"stand-in/{record.id}").record.status == "done"
 
 

@@ -369,3 +369,40 @@ def test_pulled_steps_heads_every_step_and_yields_only_those_with_a_run(tmp_path
     # b is located but not pulled, c not even located: both read as not pulled, in the steps' order.
     assert lines == ["## Section", "", "### a on desktop", "", "body of a", "### b on desktop", "", NOT_PULLED, "",
                      "### c on desktop", "", NOT_PULLED, ""]
+
+
+def _pyplot_figure(nrows=1, ncols=1, *, figsize, squeeze=True):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(nrows, ncols, figsize=figsize, squeeze=squeeze)
+
+
+def _pyplot_save(figure, path, dpi=110):
+    import matplotlib.pyplot as plt
+
+    figure.tight_layout()
+    figure.savefig(path, dpi=dpi)
+    plt.close(figure)
+    return path
+
+
+def test_charts_drawn_without_pyplot_are_the_bytes_pyplot_drew(tmp_path, results, monkeypatch):
+    """rigctl.charts makes its figures without pyplot and has savefig draw once: the report's files (charts,
+    flips, Markdown) are byte for byte those of the pyplot way, tight_layout and two draws, it replaced."""
+    import rigctl.analysis.report.quality
+    import rigctl.analysis.report.speed
+
+    loaded = load_campaign(_write_campaign(tmp_path))
+    drawn = build_report(loaded, ResultsStore(results), tmp_path / "drawn")
+    for module in (rigctl.analysis.report.speed, rigctl.analysis.report.quality):
+        monkeypatch.setattr(module, "new_figure", _pyplot_figure)
+        monkeypatch.setattr(module, "save_png", _pyplot_save)
+    before = build_report(loaded, ResultsStore(results), tmp_path / "before")
+    assert [c.name for c in drawn.charts] == [c.name for c in before.charts] and len(drawn.charts) == 3
+    files = sorted(p.name for p in (tmp_path / "drawn").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "before").iterdir()) and "report.md" in files
+    for name in files:
+        assert (tmp_path / "drawn" / name).read_bytes() == (tmp_path / "before" / name).read_bytes(), name

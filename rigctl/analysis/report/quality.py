@@ -27,6 +27,7 @@ from rigctl.analysis.compare import (
 from rigctl.analysis.format import gap_points, p_text, points, ratio_text
 from rigctl.analysis.habits import answer_habits
 from rigctl.analysis.report.markdown import NOT_PULLED, Links, md_table, quoted
+from rigctl.charts import new_figure, save_png
 from rigctl.errors import RigctlError
 from rigctl.hostside.scorers import GSM8K_SCORES
 from rigctl.results.record import ANSWERS_FILE, RUN_FILE
@@ -109,12 +110,7 @@ def _deviation_lines(pulled: Sequence[tuple[Any, StoredRun]], links: Links) -> l
 
 
 def _quality_chart(path: Path, overall: list[tuple[str, Interval]], title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 1.3 + 0.45 * len(overall)))
+    fig, ax = new_figure(figsize=(6, 1.3 + 0.45 * len(overall)))
     ys = range(len(overall))
     est = [i.estimate for _, i in overall]
     err = [[i.estimate - i.low for _, i in overall], [i.high - i.estimate for _, i in overall]]
@@ -123,9 +119,7 @@ def _quality_chart(path: Path, overall: list[tuple[str, Interval]], title: str) 
     ax.set_xlim(0, 1)
     ax.set_xlabel("score")
     ax.set_title(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 @dataclass(frozen=True)
@@ -230,12 +224,7 @@ def comparison_sections(loaded: LoadedCampaign, compared: list[Compared], proble
 def _forest_plot(path: Path, compared: list[Compared]) -> None:
     """Every comparison's overall B - A (points) with its 95% bootstrap interval, the TOST's 90%
     interval where a margin is set, and the ±margin equivalence band behind it."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 1.4 + 0.5 * len(compared)))
+    fig, ax = new_figure(figsize=(7, 1.4 + 0.5 * len(compared)))
     labelled: set[str] = set()
 
     def once(label: str) -> str | None:
@@ -266,9 +255,7 @@ def _forest_plot(path: Path, compared: list[Compared]) -> None:
     ax.set_xlabel("B - A, points")
     ax.set_title("paired differences: every comparison", fontsize=10)
     ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 def _flip_file(path: Path, c: Compared, links: Links) -> None:

@@ -41,11 +41,11 @@ def read_load_run(run: StoredRun) -> None:
 def drafting_section(loaded: LoadedCampaign, found: Located, links: Links) -> list[str]:
     """Per race: each contender's decode t/s, speedup over the baseline (geometric mean of the per-prompt
     speedups), draft acceptance and greedy replies byte-identical to the baseline's, per temperature."""
-    from rigctl.bench.drafting import REQUESTS_FILE, summarize_race
-
     campaign = loaded.campaign
     if not campaign.drafting:
         return []
+    from rigctl.bench.drafting import REQUESTS_FILE, summarize_race  # its HTTP client: only for a campaign's races
+
     lines = ["## Drafting", ""]
     for race, run in pulled_steps(lines, campaign.drafting, found.drafting, lambda r: f"{r.name} on {r.host}"):
         path = run.path / REQUESTS_FILE

@@ -17,6 +17,7 @@ from rigctl.analysis.report.markdown import Links, md_table, mean_sd
 from rigctl.analysis.speed import compare_bench, sample_file
 from rigctl.bench.bandwidth import NO_FIGURE, DecodeBound, decode_bound
 from rigctl.bench.matrix import BenchSample, cold_and_steady, counted, load_run_samples, throttled_cells
+from rigctl.charts import new_figure, save_png
 from rigctl.results.store import StoredRun
 
 if TYPE_CHECKING:
@@ -171,12 +172,7 @@ def _depth_table(bench: CampaignBench, host: str, by_key, models, campaign, link
 
 
 def _depth_chart(path: Path, curves: dict[str, dict[str, list[tuple[int, float]]]], label, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(curves), figsize=(max(4, 3.6 * len(curves)), 3.4), squeeze=False)
+    fig, axes = new_figure(1, len(curves), figsize=(max(4, 3.6 * len(curves)), 3.4), squeeze=False)
     for ax, (test, per_model) in zip(axes[0], curves.items(), strict=True):
         for m, curve in per_model.items():
             ax.plot([d for d, _ in curve], [v for _, v in curve], marker="o", label=label(m))
@@ -185,19 +181,12 @@ def _depth_chart(path: Path, curves: dict[str, dict[str, list[tuple[int, float]]
         ax.set_ylabel("t/s")
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 def _speed_chart(path: Path, rows: list[tuple[str, dict[str, tuple[float, float]]]], models: list[str],
                  label, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(rows), figsize=(max(4, 2.6 * len(rows)), 3.4), squeeze=False)
+    fig, axes = new_figure(1, len(rows), figsize=(max(4, 2.6 * len(rows)), 3.4), squeeze=False)
     for ax, (test, stats) in zip(axes[0], rows, strict=True):
         names = [m for m in models if m in stats]
         ax.bar(range(len(names)), [stats[m][0] for m in names], yerr=[stats[m][1] for m in names], capsize=4,
@@ -206,6 +195,4 @@ def _speed_chart(path: Path, rows: list[tuple[str, dict[str, tuple[float, float]
         ax.set_title(test, fontsize=9)
         ax.set_ylabel("t/s")
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path)

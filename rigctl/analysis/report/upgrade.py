@@ -12,12 +12,10 @@ from typing import Any
 
 from rigctl.analysis.campaign import Located
 from rigctl.analysis.report.markdown import Links, md_table
+from rigctl.charts import new_figure, save_png
 from rigctl.errors import ConfigError
 from rigctl.results.record import ANSWERS_FILE
 from rigctl.results.store import ResultsStore, StoredRun, read_jsonl
-from rigctl.upgrade.bisect import STEPS_FILE
-from rigctl.upgrade.paired import IDENTITY_FILE, SERVER_FILE
-from rigctl.upgrade.upgrade import HELP_DIR
 
 
 def _num(value: Any, digits: int = 3) -> str:
@@ -90,12 +88,7 @@ def _speed_chart(path: Path, results: Sequence[Mapping[str, Any]], margin: float
              and not math.isnan(r.get("low") or math.nan)]
     if not speed:
         return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 0.5 * len(speed) + 1.2))
+    fig, ax = new_figure(figsize=(7, 0.5 * len(speed) + 1.2))
     for y, r in enumerate(speed):
         colour = {"pass": "tab:green", "fail": "tab:red"}.get(r["verdict"], "tab:orange")
         ax.errorbar([r["estimate"]], [y], xerr=[[r["estimate"] - r["low"]], [r["high"] - r["estimate"]]], fmt="o",
@@ -106,14 +99,17 @@ def _speed_chart(path: Path, results: Sequence[Mapping[str, Any]], margin: float
     ax.set_xlabel("candidate / current (speed; 95% interval)")
     ax.set_title(title)
     ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_png(fig, path, dpi=100)
     return True
 
 
 def upgrade_section(run: StoredRun, links: Links, store: ResultsStore, out_dir: Path,
                     charts: list[Path], level: int = 2) -> list[str]:
+    # rigctl.upgrade's modules bring the fleet, SSH and HTTP clients: a second of every report's start, imported
+    # only where a campaign has an upgrade or bisect run to show.
+    from rigctl.upgrade.paired import IDENTITY_FILE, SERVER_FILE
+    from rigctl.upgrade.upgrade import HELP_DIR
+
     record = run.record
     extra = record.extra
     head = "#" * level
@@ -180,6 +176,8 @@ def _exists(store: ResultsStore, ref: str) -> bool:
 
 
 def bisect_section(run: StoredRun, links: Links, store: ResultsStore, level: int = 2) -> list[str]:
+    from rigctl.upgrade.bisect import STEPS_FILE  # imported here as in upgrade_section
+
     record = run.record
     extra = record.extra
     head = "#" * level
