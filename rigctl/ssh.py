@@ -188,9 +188,8 @@ _HANDSHAKES = _HandshakeSlots(MAX_HANDSHAKES_PER_SSHD)
 
 
 class SshClient:
-    """One SSH connection to one host; a context manager. Connects on first use. At most
-    :data:`MAX_HANDSHAKES_PER_SSHD` connections of this process are set up at once to one sshd; one waits for
-    a free slot up to its connect timeout before its own connect timeout starts."""
+    """One SSH connection to one host; a context manager. Connects on first use, waiting up to its connect timeout
+    for one of the :data:`MAX_HANDSHAKES_PER_SSHD` handshake slots of its sshd (then its own timeout starts)."""
 
     def __init__(
         self,
