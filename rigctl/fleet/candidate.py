@@ -217,8 +217,6 @@ def build_candidate(inventory: Inventory, host_name: str, pin: CandidatePin, *,
     started = time.monotonic()
     result = run_playbook(inventory, "site.yml", limit=host_name, tags=[BUILD_TAG], extravars=pin.extravars(host),
                           on_event=event, on_task=on_task, timeout=timeout)
-    if result.status == "canceled":  # ansible-runner took the Ctrl-C: it goes on as one (the run: stopped)
-        raise KeyboardInterrupt
     result.raise_for_failures()
     candidate = read_builds(host).candidate
     if candidate is None:

@@ -317,7 +317,8 @@ def run_playbook(
 ) -> DeployResult:
     """Run ``playbooks/<playbook>`` against ``inventory`` and return every host's outcome.
 
-    A failed host never stops the others from being reported; the caller decides whether to raise.
+    A failed host never stops the others from being reported; the caller decides whether to raise. A play
+    ansible-runner ended for a Ctrl-C (status ``canceled``) raises KeyboardInterrupt.
     ``preflight``: first check the selected hosts' keys (:func:`check_host_keys`); a refused key raises
     HostKeyError and nothing runs. Off, Ansible's own strict checking refuses the host (unreachable).
     One play per host at a time: DeployBusyError names the run of this controller that holds one of the
@@ -376,6 +377,10 @@ def run_playbook(
         serial=list(serial) if serial else None,
         batches=collector.batches,
     )
+    if result.status == "canceled":
+        # ansible-runner took the Ctrl-C and ended the play: it goes on as the interrupt it was (a run
+        # record open around the play is sealed stopped, not failed), whatever the hosts had done by then.
+        raise KeyboardInterrupt
     if result.rc != 0 and not result.failures():
         # ansible-playbook stopped before any host ran (syntax error, bad option): say why.
         raise DeployError(f"{playbook}: ansible-playbook {result.status} (rc {result.rc}): {_reason(stdout)}")
