@@ -148,6 +148,46 @@ def test_a_play_that_ends_normally_leaves_nothing_and_its_locks_free(tmp_path: P
     _wait_gone([play, ssh, watchdog], timeout=10)  # what the play left (the "ssh") went with the block
 
 
+# A play under rigctl's run_playbook, on this machine only (implicit localhost, no rig): it says when its task
+# starts, then prints how run_playbook ended.
+_PLAY_UNDER_CTRL_C = """
+import sys
+from pathlib import Path
+from rigctl.fleet.deploy import run_playbook
+from rigctl.inventory import Inventory
+try:
+    run_playbook(Inventory.load(Path(sys.argv[1])), "wait.yml", project=Path(sys.argv[2]), preflight=False,
+                 on_task=lambda name: print("task", name, flush=True))
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    sys.exit(130)
+print("returned", flush=True)
+"""
+
+
+def test_a_ctrl_c_during_a_play_is_an_interrupt_not_a_failed_play(tmp_path: Path) -> None:
+    """ansible-runner takes the Ctrl-C, ends ansible-playbook and reports the play ``canceled`` (rc 254):
+    run_playbook hands it on as KeyboardInterrupt, so a run open around the play is sealed stopped (a
+    DeployError would seal it failed)."""
+    project = tmp_path / "project"
+    (project / "playbooks").mkdir(parents=True)
+    (project / "ansible.cfg").write_text("[defaults]\nretry_files_enabled = False\n")
+    (project / "playbooks" / "wait.yml").write_text(
+        "- hosts: localhost\n  connection: local\n  gather_facts: false\n  tasks:\n"
+        "    - name: Wait\n      ansible.builtin.command: sleep 120\n      changed_when: false\n")
+    env = {**os.environ, "RIGCTL_CACHE_DIR": str(tmp_path / "cache")}
+    child = subprocess.Popen([sys.executable, "-c", _PLAY_UNDER_CTRL_C, str(LAB), str(project)], cwd=REPO, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    line = child.stdout.readline()
+    assert line.strip() == "task Wait", (line, child.stderr.read() if child.poll() is not None else "")
+    started = time.monotonic()
+    child.send_signal(signal.SIGINT)
+    out, err = child.communicate(timeout=60)
+    assert (child.returncode, out.strip()) == (130, "interrupted"), (out, err)
+    print(f"the interrupted play ended {time.monotonic() - started:.1f} s after its Ctrl-C")
+
+
 def _mark_of(pid: int) -> str:
     for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
         if item.startswith(f"{MARK_VARIABLE}=".encode()):
