@@ -116,11 +116,12 @@ def test_a_bisect_renders_its_steps_and_the_first_bad_build(store: ResultsStore,
     run_dir.mkdir(parents=True)
     steps = [{"version": "b11434", "label": "b11434 CMAKE_BUILD_TYPE=Debug", "build": "b11434-1111", "plan": "build",
               "build_s": 300.0, "verdict": "bad", "gate": {"gate": "bench tg16", "verdict": "fail", "figures": "f",
-                                                        "estimate": 0.2, "low": 0.19, "high": 0.21, "n": 6},
+                                                        "estimate": 0.2, "low": 0.19, "high": 0.21, "n": 6,
+                                                        "threshold": 0.9},
               "runs": []},
              {"version": "b11401", "label": "b11401", "build": "b11401-2222", "plan": "present", "build_s": 20.0,
               "verdict": "good", "gate": {"gate": "bench tg16", "verdict": "pass", "figures": "g", "estimate": 1.0,
-                                          "low": 0.97, "high": 1.03, "n": 6}, "runs": []}]
+                                          "low": 0.97, "high": 1.03, "n": 6, "threshold": 0.9}, "runs": []}]
     (run_dir / STEPS_FILE).write_text("".join(json.dumps(s) + "\n" for s in steps))
     record = RunRecord(id=run_dir.name, kind="bisect", host="desktop", started="2026-12-03T10:00:00.0Z",
                        status="done", extra={"good": "b11393", "bad": "b11434 CMAKE_BUILD_TYPE=Debug",
@@ -134,3 +135,5 @@ def test_a_bisect_renders_its_steps_and_the_first_bad_build(store: ResultsStore,
     rows = [line for line in text.splitlines() if line.startswith("| b114")]
     assert [r.split(" | ")[0] for r in rows] == ["| b11401", "| b11434 CMAKE_BUILD_TYPE=Debug"]  # in build order
     assert all(p.exists() for p in links_of(text, tmp_path / "bisect"))
+    chart = tmp_path / "bisect" / f"{run_dir.name}.png"
+    assert report.charts == [chart] and f"]({chart.name})" in text and chart.read_bytes()[:4] == b"\x89PNG"

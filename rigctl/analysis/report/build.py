@@ -203,7 +203,7 @@ def build_run_report(run: StoredRun, store: ResultsStore, out_dir: Path) -> Repo
     links = Links(out_dir, store.root)
     charts: list[Path] = []
     body = upgrade_section(run, links, store, out_dir, charts, level=1) if run.record.kind == "upgrade" else \
-        bisect_section(run, links, store, level=1)
+        bisect_section(run, links, store, out_dir, charts, level=1)
     markdown = "\n".join(body).rstrip() + "\n"
     path = out_dir / "report.md"
     write_atomically(path, markdown)

@@ -83,22 +83,24 @@ def _gatesmd_table(run: StoredRun, results: Sequence[Mapping[str, Any]], links: 
     return md_table(["gate", "verdict", "ratio or share [interval]", "n", "threshold", "figures"], rows, "llrrll")
 
 
-def _speed_chart(path: Path, results: Sequence[Mapping[str, Any]], margin: float, title: str) -> bool:
-    speed = [r for r in results if r["gate"].startswith(("bench ", "server ")) and r.get("estimate") is not None
-             and not math.isnan(r.get("low") or math.nan)]
-    if not speed:
+def _ratio_chart(path: Path, rows: Sequence[tuple[str, Mapping[str, Any]]], threshold: float, threshold_label: str,
+                 title: str, xlabel: str) -> bool:
+    """Each labelled gate result's estimate with its interval, coloured by verdict, against ``threshold``."""
+    rows = [(label, r) for label, r in rows
+            if r.get("estimate") is not None and not math.isnan(r.get("low") if r.get("low") is not None else math.nan)]
+    if not rows:
         return False
-    fig, ax = new_figure(figsize=(7, 0.5 * len(speed) + 1.2))
-    for y, r in enumerate(speed):
+    fig, ax = new_figure(figsize=(7, 0.5 * len(rows) + 1.2))
+    for y, (_, r) in enumerate(rows):
         colour = {"pass": "tab:green", "fail": "tab:red"}.get(r["verdict"], "tab:orange")
         ax.errorbar([r["estimate"]], [y], xerr=[[r["estimate"] - r["low"]], [r["high"] - r["estimate"]]], fmt="o",
                     color=colour, capsize=4)
-    ax.axvline(margin, color="grey", linestyle="--", label=f"margin {margin:g}x")
+    ax.axvline(threshold, color="grey", linestyle="--", label=threshold_label)
     ax.axvline(1.0, color="black", linewidth=0.5)
-    ax.set_yticks(range(len(speed)), [r["gate"] for r in speed])
-    ax.set_xlabel("candidate / current (speed; 95% interval)")
+    ax.set_yticks(range(len(rows)), [label for label, _ in rows])
+    ax.set_xlabel(xlabel)
     ax.set_title(title)
-    ax.legend(loc="lower right")
+    ax.legend(loc="best")
     save_png(fig, path, dpi=100)
     return True
 
@@ -141,7 +143,10 @@ def upgrade_section(run: StoredRun, links: Links, store: ResultsStore, out_dir: 
     if results:
         gates = extra.get("gates") or {}
         chart = out_dir / f"upgrade-{run.id}.png"
-        if _speed_chart(chart, results, float(gates.get("speed_margin") or 0.95), f"{run.host}/{run.id}"):
+        speed = [(r["gate"], r) for r in results if r["gate"].startswith(("bench ", "server "))]
+        margin = float(gates.get("speed_margin") or 0.95)
+        if _ratio_chart(chart, speed, margin, f"margin {margin:g}x", f"{run.host}/{run.id}",
+                        "candidate / current (speed; 95% interval)"):
             charts.append(chart)
             lines += [f"![speed ratios]({links.rel(chart)})", ""]
         lines += _gatesmd_table(run, results, links, store) + [""]
@@ -175,7 +180,8 @@ def _exists(store: ResultsStore, ref: str) -> bool:
     return True
 
 
-def bisect_section(run: StoredRun, links: Links, store: ResultsStore, level: int = 2) -> list[str]:
+def bisect_section(run: StoredRun, links: Links, store: ResultsStore, out_dir: Path, charts: list[Path],
+                   level: int = 2) -> list[str]:
     from rigctl.upgrade.bisect import STEPS_FILE  # imported here as in upgrade_section
 
     record = run.record
@@ -191,7 +197,17 @@ def bisect_section(run: StoredRun, links: Links, store: ResultsStore, level: int
              + (f", resumed {len(extra['resumed'])} time(s)" if extra.get("resumed") else "") + ".", ""]
     rows = []
     order = {label: i for i, label in enumerate(extra.get("builds") or [])}
-    for step in sorted(steps, key=lambda s: order.get(s["label"], 0)):
+    steps = sorted(steps, key=lambda s: order.get(s["label"], 0))
+    measured = [(s["label"], s.get("gate") or {}) for s in steps]
+    threshold = next((gate["threshold"] for _, gate in measured if gate.get("threshold") is not None), None)
+    chart = out_dir / f"{run.id}.png"
+    speed = str(extra.get("gate") or "").startswith(("bench ", "server "))
+    if threshold is not None and _ratio_chart(
+            chart, measured[::-1], float(threshold), f"margin {threshold:g}x" if speed else f"floor {threshold:g}",
+            f"{run.host}/{run.id}", f"{extra.get('gate')}: each build against {extra.get('good')} (95% interval)"):
+        charts.append(chart)
+        lines += [f"![each build against the good end]({links.rel(chart)})", ""]
+    for step in steps:
         gate = step.get("gate") or {}
         files = [links.result(f) for f in (gate.get("detail") or {}).get("files") or []]
         rows.append([step["label"], step["verdict"], links.number(_interval(gate), files), str(gate.get("n")),
