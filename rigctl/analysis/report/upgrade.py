@@ -86,8 +86,8 @@ def _gatesmd_table(run: StoredRun, results: Sequence[Mapping[str, Any]], links: 
 def _ratio_chart(path: Path, rows: Sequence[tuple[str, Mapping[str, Any]]], threshold: float, threshold_label: str,
                  title: str, xlabel: str) -> bool:
     """Each labelled gate result's estimate with its interval, coloured by verdict, against ``threshold``."""
-    rows = [(label, r) for label, r in rows
-            if r.get("estimate") is not None and not math.isnan(r.get("low") if r.get("low") is not None else math.nan)]
+    rows = [(label, r) for label, r in rows  # a low end of 0 is a figure (an identity share), not a missing one
+            if r.get("estimate") is not None and r.get("low") is not None and not math.isnan(r["low"])]
     if not rows:
         return False
     fig, ax = new_figure(figsize=(7, 0.5 * len(rows) + 1.2))
