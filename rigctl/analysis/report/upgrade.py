@@ -202,6 +202,7 @@ def bisect_section(run: StoredRun, links: Links, store: ResultsStore, out_dir: P
     threshold = next((gate["threshold"] for _, gate in measured if gate.get("threshold") is not None), None)
     chart = out_dir / f"{run.id}.png"
     speed = str(extra.get("gate") or "").startswith(("bench ", "server "))
+    # Reversed: the chart's rows count up from the bottom, so it reads top-down in build order like the table.
     if threshold is not None and _ratio_chart(
             chart, measured[::-1], float(threshold), f"margin {threshold:g}x" if speed else f"floor {threshold:g}",
             f"{run.host}/{run.id}", f"{extra.get('gate')}: each build against {extra.get('good')} (95% interval)"):
