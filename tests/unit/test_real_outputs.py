@@ -1,0 +1,43 @@
+"""Every recorded real output under tests/fixtures/real/<kind>/ goes through the parser rigctl uses for its
+kind and gives what the expectation file beside it says. The expectations were written by reading the raw
+text, so a parser that misreads a real tool's output fails here, not on a user's host."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+REAL = Path(__file__).resolve().parents[1] / "fixtures" / "real"
+SOURCE_PREFIX = "# source: "
+
+#: kind (the folder under tests/fixtures/real) -> reader: the capture's text (source line removed) to a
+#: JSON-able value compared with the expectation file.
+READERS: dict[str, Callable[[str], object]] = {}
+
+
+def captures() -> list[Path]:
+    return sorted(p for p in REAL.glob("*/*") if p.is_file() and not p.name.endswith(".expect.json"))
+
+
+def expectation(capture: Path) -> Path:
+    return capture.with_name(capture.name.rsplit(".", 1)[0] + ".expect.json")
+
+
+def recorded(capture: Path) -> tuple[str, str]:
+    """The capture's source line and the output after it."""
+    first, _, rest = capture.read_text(encoding="utf-8").partition("\n")
+    return first, rest
+
+
+@pytest.mark.parametrize("capture", captures(), ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_real_output_parses_to_its_expectation(capture: Path) -> None:
+    source, output = recorded(capture)
+    assert source.startswith(SOURCE_PREFIX) and len(source) > len(SOURCE_PREFIX) + 8, \
+        f"{capture} does not start with a line naming its public source"
+    assert capture.parent.name in READERS, f"no reader for kind {capture.parent.name!r}"
+    assert expectation(capture).is_file(), f"{capture} has no expectation file beside it"
+    expected = json.loads(expectation(capture).read_text())
+    assert READERS[capture.parent.name](output) == expected
