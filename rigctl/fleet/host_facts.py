@@ -17,14 +17,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from rigctl.errors import ProbeError
+from rigctl.hostside import cpuinfo
 from rigctl.inventory.keys import HOST_TEXT_MAX
 from rigctl.trust import data_text_problem
 
 #: nvidia-smi's per-GPU fields, in the order the probe asks for them.
 GPU_QUERY = "index,name,memory.total,compute_cap,driver_version,uuid,pci.bus_id"
-#: CPU flags that change which llama.cpp kernels run; the rest of /proc/cpuinfo's list is noise here.
+#: CPU flags that change which llama.cpp kernels run (x86 `flags`, then arm64 `Features`: NEON and its fp16
+#: and dot-product forms, SVE, int8 and bf16 matrix multiply, SME); the rest of /proc/cpuinfo's list is noise here.
 ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl",
-             "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
+             "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16",
+             "asimd", "asimdhp", "asimddp", "sve", "sve2", "i8mm", "bf16", "sme")
 PROBE_TIMEOUT_S = 60.0
 _SECTIONS = ("gpus", "smi", "cpu", "cpus", "memory", "disk", "os")
 _COMPUTE_CAP = re.compile(r"^\d{1,2}\.\d$")
@@ -88,7 +91,7 @@ def probe_command(token: str, disk_path: str = "/var/lib") -> str:
     return "; ".join([
         section("gpus", f"nvidia-smi --query-gpu={GPU_QUERY} --format=csv,noheader,nounits 2>&1 || echo 'rc='$?"),
         section("smi", "nvidia-smi 2>&1 | head -n 12"),
-        section("cpu", "grep -m1 -E '^model name' /proc/cpuinfo; grep -m1 -E '^flags' /proc/cpuinfo"),
+        section("cpu", cpuinfo.probe_command()),
         section("cpus", "nproc"),
         section("memory", "grep -E '^MemTotal:' /proc/meminfo"),
         section("disk", f"df -Pk {disk_path} | tail -n 1"),
@@ -108,7 +111,7 @@ def parse_probe(host: str, output: str, token: str) -> HostFacts:
     cuda = _CUDA_VERSION.search(sections["smi"])
     if cuda is None:
         raise ProbeError(host, "cuda_version", "nvidia-smi's summary names no CUDA version")
-    model, flags = _cpu(host, sections["cpu"])
+    model, flags = read_cpu(host, sections["cpu"])
     return HostFacts(
         gpus=gpus,
         driver_version=driver,
@@ -118,7 +121,7 @@ def parse_probe(host: str, output: str, token: str) -> HostFacts:
         cpus=_positive_int(host, "cpus", sections["cpus"].strip()),
         memory_mib=_memory_mib(host, sections["memory"]),
         disk_free_mib=_disk_free_mib(host, sections["disk"]),
-        os=_os_name(host, sections["os"]),
+        os=read_os(host, sections["os"]),
     )
 
 
@@ -175,17 +178,12 @@ def _gpus(host: str, text: str) -> tuple[tuple[GpuFacts, ...], str]:
     return tuple(gpus), drivers.pop()
 
 
-def _cpu(host: str, text: str) -> tuple[HostText, tuple[str, ...]]:
-    fields: dict[str, str] = {}
-    for line in text.splitlines():
-        key, sep, value = line.partition(":")
-        if sep:
-            fields[key.strip()] = value.strip()
-    model = fields.get("model name", "")
-    if not model:
-        raise ProbeError(host, "cpu_model", "/proc/cpuinfo names no model")
-    flags = set(fields.get("flags", "").split())
-    return host_text(host, "cpu_model", model), tuple(f for f in ISA_FLAGS if f in flags)
+def read_cpu(host: str, text: str) -> tuple[HostText, tuple[str, ...]]:
+    """The CPU model and its :data:`ISA_FLAGS` from the probe's cpu section (or a whole /proc/cpuinfo)."""
+    info = cpuinfo.parse(text)
+    if not info.model:
+        raise ProbeError(host, "cpu_model", "/proc/cpuinfo names no model and no CPU part")
+    return host_text(host, "cpu_model", info.model), tuple(f for f in ISA_FLAGS if f in info.flags)
 
 
 def _memory_mib(host: str, text: str) -> int:
@@ -202,7 +200,8 @@ def _disk_free_mib(host: str, text: str) -> int:
     return _int(host, "disk_free_mib", cells[3]) // 1024
 
 
-def _os_name(host: str, text: str) -> HostText:
+def read_os(host: str, text: str) -> HostText:
+    """The system's name from /etc/os-release text: PRETTY_NAME, else NAME and VERSION_ID."""
     release: dict[str, str] = {}
     for line in text.splitlines():
         key, sep, value = line.partition("=")

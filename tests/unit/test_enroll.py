@@ -25,7 +25,8 @@ from rigctl.fleet.enroll import (
     remove_host,
     remove_known_host,
 )
-from rigctl.fleet.host_facts import drift, inventory_vars, parse_probe, probe_command
+from rigctl.fleet.host_facts import drift, inventory_vars, parse_probe, probe_command, read_cpu
+from rigctl.hostside import cpuinfo
 from rigctl.inventory import Inventory
 from rigctl.inventory.check import check
 
@@ -375,6 +376,26 @@ def test_add_asks_for_the_password_only_after_the_host_key_is_vouched_for(ssh_se
 # --- what a host says is data ---------------------------------------------------------------------
 
 PAYLOAD = "{{ lookup('pipe', 'touch MARKER') }}Debian"
+
+
+REAL_CPUINFO = sorted((Path(__file__).resolve().parents[1] / "fixtures" / "real" / "cpuinfo").glob("*.txt"))
+
+
+@pytest.mark.parametrize("capture", REAL_CPUINFO, ids=lambda p: p.name)
+def test_the_probes_cpu_lines_read_as_the_whole_file(capture: Path, tmp_path: Path) -> None:
+    # The probe sends only some lines of /proc/cpuinfo (the shell of cpuinfo.probe_command, run here on a
+    # recorded real file); read, they must give what the whole file gives.
+    whole = capture.read_text().partition("\n")[2]
+    (tmp_path / "cpuinfo").write_text(whole)
+    sent = subprocess.run(["sh", "-c", cpuinfo.probe_command(str(tmp_path / "cpuinfo"))], capture_output=True,
+                          text=True, timeout=30, check=True).stdout
+    assert len(sent) <= len(whole)
+    assert read_cpu("h", sent) == read_cpu("h", whole)
+
+
+def test_an_arm_host_without_a_part_line_is_refused_in_one_line() -> None:
+    with pytest.raises(ProbeError, match=r"^h: probe: cpu_model: /proc/cpuinfo names no model and no CPU part$"):
+        read_cpu("h", "processor\t: 0\nFeatures\t: fp asimd\n")
 
 
 def with_section(output: str, name: str, body: str, token: str = "t0k3n") -> str:

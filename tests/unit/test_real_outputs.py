@@ -10,12 +10,25 @@ from pathlib import Path
 
 import pytest
 
+from rigctl.fleet import host_facts
+from rigctl.hostside import llama_version
+
 REAL = Path(__file__).resolve().parents[1] / "fixtures" / "real"
 SOURCE_PREFIX = "# source: "
 
 #: kind (the folder under tests/fixtures/real) -> reader: the capture's text (source line removed) to a
 #: JSON-able value compared with the expectation file.
 READERS: dict[str, Callable[[str], object]] = {}
+
+
+def _cpuinfo(text: str) -> object:
+    model, flags = host_facts.read_cpu("capture", text)
+    return {"cpu_model": model, "cpu_flags": sorted(flags)}
+
+
+READERS["cpuinfo"] = _cpuinfo
+READERS["os_release"] = lambda text: {"os": host_facts.read_os("capture", text)}
+READERS["llama_version"] = lambda text: llama_version.parse(text).as_dict()
 
 
 def captures() -> list[Path]:

@@ -37,6 +37,7 @@ import re
 import shutil
 import subprocess
 
+from ansible.module_utils.cpuinfo import parse as parse_cpuinfo
 from ansible.module_utils.basic import AnsibleModule
 
 
@@ -90,20 +91,14 @@ X86_ISA_FLAGS = frozenset("""
 
 
 def cpu_info(text: str, machine: str) -> tuple[str, list[str]]:
-    """(model, sorted instruction-set extensions) from /proc/cpuinfo text. x86: the `flags` of the
-    first processor that are in X86_ISA_FLAGS; other machines (aarch64 `Features`): all of them."""
-    model, flags = "unknown", None
-    for line in text.splitlines():
-        name, _, value = line.partition(":")
-        name = name.strip()
-        if name in ("model name", "Model", "cpu model") and model == "unknown":
-            model = value.strip() or model
-        elif name in ("flags", "Features") and flags is None:
-            flags = value.split()
-    found = set(flags or ())
+    """(model, sorted instruction-set extensions) from /proc/cpuinfo text (module_utils cpuinfo reads it).
+    x86: the `flags` of the first processor that are in X86_ISA_FLAGS; other machines (aarch64 `Features`):
+    all of them."""
+    info = parse_cpuinfo(text)
+    found = set(info.flags)
     if machine in ("x86_64", "amd64", "i386", "i686"):
         found &= X86_ISA_FLAGS
-    return model, sorted(found)
+    return info.model or "unknown", sorted(found)
 
 
 def isa_hash(machine: str, isa: list[str]) -> str:
