@@ -30,7 +30,12 @@ A ``load`` run in the results store::
 
     run.json        the run record (server: instance, probe arguments, build; extra: the levels asked)
     requests.jsonl  one line per measured request: level, index, prompt, ok, error, ttft_s, wall_s,
-                    tokens, tpot_s, decode_per_s (the server's own timing), started_s (into the level)
+                    tokens, tpot_s, decode_per_s (the server's own timing), started_s (into the level),
+                    decode_tokens (the token count that rate is over, as the build counts it)
+
+A failure the server reports inside a 200 stream is that request's error (``ok`` false), never an empty
+success. The record's ``extra.definitions`` states TTFT, TPOT and decode as :mod:`rigctl.llama_http.api`
+defines them.
     warmup.jsonl    the warm-up requests, the same shape, in no figure
     levels.jsonl    one line per level: the :class:`LevelSummary`
 
@@ -54,6 +59,7 @@ import numpy as np
 
 from rigctl.charts import new_figure, save_png
 from rigctl.errors import ConfigError, RigctlError
+from rigctl.llama_http.api import FIGURE_DEFINITIONS, tpot_s
 from rigctl.results.run import RunResult, open_run
 from rigctl.results.store import ResultsStore, StoredRun, read_rows
 from rigctl.stats import (
@@ -98,6 +104,7 @@ class LoadRequest:
     tpot_s: float | None
     decode_per_s: float | None
     started_s: float
+    decode_tokens: str | None = None  # the token count the server's decode rate is over (Timings.decode_tokens)
 
 
 @dataclass(frozen=True)
@@ -304,9 +311,10 @@ def _one_request(client: Any, level: int, index: int, prompt: tuple[str, list[di
                            began - level_start)
     wall = reply.wall_s if reply.wall_s is not None else time.monotonic() - began
     tokens = reply.timings.predicted_n if reply.timings else 0
-    tpot = (wall - reply.ttft_s) / (tokens - 1) if reply.ttft_s is not None and tokens > 1 else None
+    tpot = tpot_s(reply.ttft_s, wall, tokens)
     decode = reply.timings.predicted_per_second if reply.timings else None
-    return LoadRequest(level, index, kind, True, None, reply.ttft_s, wall, tokens, tpot, decode, began - level_start)
+    return LoadRequest(level, index, kind, True, None, reply.ttft_s, wall, tokens, tpot, decode, began - level_start,
+                       reply.timings.decode_tokens if reply.timings else None)
 
 
 def drive_level(endpoint: Any, concurrency: int, requests: int, max_tokens: int, timeout_s: float,
@@ -402,7 +410,8 @@ def run_load(
                             artifacts=[served.artifact], concurrency=slots)
     extra = {"slots": slots, "slot_ctx": slot_ctx, "levels": levels, "requests": requests,
              "max_requests": max_requests, "precision": precision, "warmup": warmup, "max_tokens": max_tokens,
-             "level_timeout_s": level_timeout_s, "prompts": [kind for kind, _ in prompts]}
+             "level_timeout_s": level_timeout_s, "prompts": [kind for kind, _ in prompts],
+             "definitions": FIGURE_DEFINITIONS}
     with open_run("load", stamp, store or ResultsStore(), extra=extra) as run, session(host) as ssh, \
             stopped(ssh, served), probe_server(ssh, served, settings, port, PROBE_PURPOSE) as probe:
         result.run_dir = run.path

@@ -25,9 +25,11 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from rigctl.errors import ServerError
 from rigctl.fleet.servers import probe_server, restart_instance, stopped, wait_ready
 from rigctl.inventory import Host, Server
 from rigctl.llama_http import ServerClient, Timeouts
+from rigctl.llama_http.api import FIGURE_DEFINITIONS
 from rigctl.results.run import RunResult, open_run
 from rigctl.results.stamp import inventory_server, inventory_stamp, with_props
 from rigctl.results.store import ResultsStore
@@ -49,6 +51,7 @@ class SweepPoint:
     prompt_per_s: float
     decode_per_s: float
     predicted_n: int
+    decode_tokens: str | None = None  # the token count decode_per_s is over, as the build counts it
 
 
 @dataclass(frozen=True)
@@ -88,13 +91,19 @@ def filler_prompt(tokens: int, count: Callable[[str], int]) -> str:
 
 def measure_prompt(server: ServerClient, prompt: str, max_tokens: int) -> SweepPoint:
     """One streamed chat request of ``prompt``, prompt cache off: TTFT on the client's clock, prefill and
-    decode tokens/s from the server's timings."""
+    decode tokens/s from the server's timings (as :mod:`rigctl.llama_http.api` defines them). ServerError
+    where the server failed the request, in its status or inside the stream, or sent no token at all: a
+    reply without a first token has no TTFT to record."""
     tokens = len(server.tokenize(prompt))
     reply = server.chat_stream([{"role": "user", "content": prompt}], max_tokens=max_tokens,
                                extra={"cache_prompt": False})
     timings = reply.timings
-    return SweepPoint(tokens, reply.ttft_s or 0.0, timings.prompt_per_second if timings else 0.0,
-                      timings.predicted_per_second if timings else 0.0, timings.predicted_n if timings else 0)
+    if reply.ttft_s is None:
+        raise ServerError(str(server.endpoint), "POST /v1/chat/completions",
+                          f"the streamed reply carried no token (finish_reason {reply.finish_reason or 'none'!r})")
+    return SweepPoint(tokens, reply.ttft_s, timings.prompt_per_second if timings else 0.0,
+                      timings.predicted_per_second if timings else 0.0, timings.predicted_n if timings else 0,
+                      timings.decode_tokens if timings else None)
 
 
 def _memory_used(ssh: SshClient) -> int:
@@ -121,7 +130,8 @@ def run_server_bench(
     endpoint = served.endpoint
     result = ServerBenchResult(host=host.name, instance=instance)
     stamp = inventory_stamp(host, [inventory_server(host, instance)], artifacts=[served.artifact], concurrency=1)
-    extra = {"prompt_lengths": list(prompt_lengths), "max_tokens": max_tokens, "ctx_sizes": list(ctx_sizes)}
+    extra = {"prompt_lengths": list(prompt_lengths), "max_tokens": max_tokens, "ctx_sizes": list(ctx_sizes),
+             "definitions": FIGURE_DEFINITIONS}
     with open_run("server-speed", stamp, store or ResultsStore(), extra=extra) as run, session(host) as ssh, \
             ServerClient(endpoint, timeouts=Timeouts(read=900)) as server:
         result.run_dir = run.path

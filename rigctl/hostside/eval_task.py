@@ -27,6 +27,7 @@ from rigctl.hostside.llama_server_http import (
     RETRY_ATTEMPTS,
     UnreadableJSON,
     decode_json,
+    error_body,
     props_fields,
     retry_wait,
     retryable_status,
@@ -61,8 +62,8 @@ class Server:
                     raise self.error(f"{method} {path}: not JSON: {body[:120]!r}") from None
             except urllib.error.HTTPError as exc:
                 if not retryable_status(exc.code) or attempt == self.retries - 1:
-                    text = exc.read().decode(errors="replace").strip().splitlines()
-                    reason = text[0][:200] if text else exc.reason
+                    body = error_body(exc.read())
+                    reason = body.reason(200) if body.message.strip() else exc.reason
                     raise self.error(f"{method} {path}: HTTP {exc.code}: {reason}") from None
                 from_error = f"HTTP {exc.code}"
             except (urllib.error.URLError, ConnectionError) as exc:

@@ -7,7 +7,8 @@ the host) share the retry policy and the reading of ``/props``:
   and jitter; a 4xx answer or a read timeout is not, since retrying cannot change it;
 * ``/props`` gives the build, the model path, the slots and the context size;
 * an answer's body is read by :func:`decode_json`, which tells JSON that Python cannot hold apart from text
-  that is no JSON at all.
+  that is no JSON at all;
+* an error, whether the body of a 4xx/5xx answer or inside a 200 stream, is read by :func:`error_body`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 RETRY_ATTEMPTS = 4
@@ -74,3 +76,36 @@ def decode_json(data: bytes | str) -> Any:
     except RecursionError:
         raise UnreadableJSON("JSON nested too deep to read") from None
     return value
+
+
+@dataclass(frozen=True)
+class ErrorBody:
+    """What an error answer says. llama-server sends ``{"error": {"code", "message", "type", ...}}`` as the
+    body of a 4xx/5xx answer and, inside a 200 stream, either ``data: {"error": {...}}`` (builds since the fix
+    of September 2025) or an SSE ``error:`` field holding the inner object itself (builds before it)."""
+
+    message: str
+    type: str | None = None
+    code: int | None = None
+
+    def reason(self, limit: int = 300) -> str:
+        """One line: the message, and the error's type where it names one."""
+        first = self.message.strip().splitlines()[0][:limit] if self.message.strip() else "no message"
+        return f"{first} ({self.type})" if self.type else first
+
+
+def error_body(body: bytes | str) -> ErrorBody:
+    """The one reader of llama-server's error answers (a body, or a stream's error payload): the JSON shapes
+    above, ``{"error": "text"}``, or text that is no JSON (its first line)."""
+    text = body.decode("utf-8", errors="replace") if isinstance(body, bytes) else body
+    try:
+        data = decode_json(text)
+    except ValueError:  # no JSON (or JSON Python cannot hold): the text is the message
+        return ErrorBody(text.strip())
+    error = data.get("error", data) if isinstance(data, Mapping) else data
+    if not isinstance(error, Mapping):
+        return ErrorBody(str(error) if error is not None else text.strip())
+    code = error.get("code")
+    return ErrorBody(message=str(error.get("message") or text.strip()),
+                     type=str(error["type"]) if error.get("type") else None,
+                     code=code if isinstance(code, int) and not isinstance(code, bool) else None)

@@ -15,10 +15,28 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from rigctl.hostside.llama_server_http import decode_json, props_fields
+from rigctl.hostside.llama_server_http import ErrorBody, decode_json, error_body, props_fields
 
 DEFAULT_SEED = 1234
 Message = Mapping[str, Any]
+
+# The serving figures rigctl records, defined here and nowhere else (records and reports name these).
+#: Time to first token: the client's clock from sending a streamed request to the first delta that carries
+#: content, reasoning or a tool call (a role-only first chunk is not a token).
+TTFT_DEFINITION = "client clock, request sent -> first content/reasoning/tool-call delta"
+#: Time per output token: the client's clock after the first token, per further token the server counted.
+TPOT_DEFINITION = "client clock, (wall - TTFT) / (predicted_n - 1)"
+#: Decode speed: the server's own ``timings.predicted_per_second``, as the build in question computes it.
+DECODE_DEFINITION = "server timings.predicted_per_second (recomputed over the build's own token count if absent)"
+
+
+#: What a record states of its serving figures.
+FIGURE_DEFINITIONS = {"ttft": TTFT_DEFINITION, "tpot": TPOT_DEFINITION, "decode": DECODE_DEFINITION}
+
+
+def tpot_s(ttft_s: float | None, wall_s: float, predicted_n: int) -> float | None:
+    """TPOT per :data:`TPOT_DEFINITION`; None without a first token or with fewer than two tokens."""
+    return (wall_s - ttft_s) / (predicted_n - 1) if ttft_s is not None and predicted_n > 1 else None
 
 
 @dataclass(frozen=True)
@@ -45,20 +63,38 @@ class Token:
 
 @dataclass(frozen=True)
 class Timings:
-    """The server's own timings of one request (milliseconds, tokens)."""
+    """The server's own timings of one request (milliseconds, tokens), with the rates it computed itself
+    where it sent them (``reported_*``): those are the figures, as that build defines them."""
 
     prompt_n: int
     prompt_ms: float
     predicted_n: int
     predicted_ms: float
     cache_n: int = 0
+    reported_prompt_per_second: float | None = None
+    reported_predicted_per_second: float | None = None
 
     @property
     def prompt_per_second(self) -> float:
+        if self.reported_prompt_per_second is not None:
+            return self.reported_prompt_per_second
         return 1000.0 * self.prompt_n / self.prompt_ms if self.prompt_ms > 0 else 0.0
 
     @property
+    def decode_tokens(self) -> str:
+        """Which token count the decode rate is over: ``predicted_n - 1`` where the server's own rate says the
+        build counts from the second token (the first one's time is the prompt's), else ``predicted_n``."""
+        reported, n, ms = self.reported_predicted_per_second, self.predicted_n, self.predicted_ms
+        if reported is not None and n > 1 and ms > 0 \
+                and abs(reported - 1000.0 * (n - 1) / ms) < abs(reported - 1000.0 * n / ms):
+            return "predicted_n - 1"
+        return "predicted_n"
+
+    @property
     def predicted_per_second(self) -> float:
+        """Decode speed per :data:`DECODE_DEFINITION`."""
+        if self.reported_predicted_per_second is not None:
+            return self.reported_predicted_per_second
         return 1000.0 * self.predicted_n / self.predicted_ms if self.predicted_ms > 0 else 0.0
 
 
@@ -137,9 +173,16 @@ class Metrics:
 def parse_timings(data: Mapping[str, Any] | None) -> Timings | None:
     if not data:
         return None
+
+    def rate(key: str) -> float | None:
+        value = data.get(key)
+        return float(value) if isinstance(value, int | float) and not isinstance(value, bool) \
+            and math.isfinite(value) and value >= 0 else None
+
     return Timings(prompt_n=int(data.get("prompt_n", 0)), prompt_ms=float(data.get("prompt_ms", 0.0)),
                    predicted_n=int(data.get("predicted_n", 0)), predicted_ms=float(data.get("predicted_ms", 0.0)),
-                   cache_n=int(data.get("cache_n", 0)))
+                   cache_n=int(data.get("cache_n", 0)), reported_prompt_per_second=rate("prompt_per_second"),
+                   reported_predicted_per_second=rate("predicted_per_second"))
 
 
 def parse_props(data: Mapping[str, Any]) -> Props:
@@ -214,14 +257,40 @@ class ChatStreamAssembler:
                           ttft_s=ttft_s, wall_s=wall_s)
 
 
+class StreamError(Exception):
+    """The server reported a failure inside a streamed (HTTP 200) reply: the request failed."""
+
+    def __init__(self, body: ErrorBody):
+        self.body = body
+        super().__init__(f"error in the stream: {body.reason()}")
+
+
 def parse_sse_line(line: str) -> Mapping[str, Any] | None:
-    """One server-sent-events line: the JSON of a ``data:`` line, None for anything else or ``[DONE]``."""
+    """One server-sent-events line: the JSON of a ``data:`` line, None for anything else or ``[DONE]``.
+    A failure the server sends in either shape (an ``error:`` line, or a ``data:`` line holding ``error``)
+    raises :class:`StreamError`."""
+    if line.startswith("error:"):
+        raise StreamError(error_body(line[6:].strip()))
     if not line.startswith("data:"):
         return None
     payload = line[5:].strip()
     if not payload or payload == "[DONE]":
         return None
-    return decode_json(payload)  # nesting or numbers Python cannot hold: a ValueError like any bad chunk
+    chunk = decode_json(payload)  # nesting or numbers Python cannot hold: a ValueError like any bad chunk
+    if isinstance(chunk, Mapping) and "error" in chunk:
+        raise StreamError(error_body(payload))
+    return chunk
+
+
+def read_stream(text: str) -> ChatResult:
+    """A whole recorded ``/v1/chat/completions`` stream (its lines as sent) as the reply it assembles; no
+    client clock, so no TTFT. :class:`StreamError` where the server reported a failure in it."""
+    assembler = ChatStreamAssembler()
+    for line in text.splitlines():
+        chunk = parse_sse_line(line)
+        if chunk is not None:
+            assembler.add(chunk)
+    return assembler.result(None, 0.0)
 
 
 def _probability(entry: Mapping[str, Any]) -> float:

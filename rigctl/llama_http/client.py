@@ -50,6 +50,7 @@ from rigctl.hostside.llama_server_http import (
     UnreadableJSON,
     attempts_within,
     decode_json,
+    error_body,
     retry_wait,
     retryable_status,
 )
@@ -61,6 +62,7 @@ from rigctl.llama_http.api import (
     Message,
     Metrics,
     Props,
+    StreamError,
     Token,
     chat_body,
     completion_body,
@@ -155,15 +157,8 @@ class _Call:
 
 
 def _error_reason(response: httpx.Response) -> str:
-    try:
-        data = response.json()
-        error = data.get("error", data) if isinstance(data, dict) else data
-        message = error.get("message") if isinstance(error, dict) else error
-        reason = str(message or response.text)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        reason = response.text
-    first = reason.strip().splitlines()[0][:300] if reason.strip() else response.reason_phrase
-    return f"HTTP {response.status_code}: {first}"
+    body = error_body(response.content)
+    return f"HTTP {response.status_code}: {body.reason() if body.message.strip() else response.reason_phrase}"
 
 
 _SSL_CONTEXT: ssl.SSLContext | None = None
@@ -231,7 +226,10 @@ class _Stream:
         self.ttft: float | None = None
 
     def line(self, line: str) -> None:
-        chunk = self.client._parse(self.call, parse_sse_line, line)
+        try:
+            chunk = self.client._parse(self.call, parse_sse_line, line)
+        except StreamError as exc:  # a failure sent inside a 200 reply: this request failed, not an empty reply
+            raise ServerError(str(self.client.endpoint), self.call.what, str(exc), exc.body.code) from None
         if chunk is None:
             return
         added = self.assembler.add(chunk)

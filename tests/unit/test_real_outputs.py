@@ -5,6 +5,7 @@ text, so a parser that misreads a real tool's output fails here, not on a user's
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,6 +13,8 @@ import pytest
 
 from rigctl.fleet import host_facts
 from rigctl.hostside import llama_version
+from rigctl.hostside.llama_server_http import error_body
+from rigctl.llama_http import api
 
 REAL = Path(__file__).resolve().parents[1] / "fixtures" / "real"
 SOURCE_PREFIX = "# source: "
@@ -29,6 +32,32 @@ def _cpuinfo(text: str) -> object:
 READERS["cpuinfo"] = _cpuinfo
 READERS["os_release"] = lambda text: {"os": host_facts.read_os("capture", text)}
 READERS["llama_version"] = lambda text: llama_version.parse(text).as_dict()
+
+
+def _stream(text: str) -> object:
+    try:
+        reply = api.read_stream(text)
+    except api.StreamError as exc:
+        return {"error": {"message": exc.body.message, "type": exc.body.type, "code": exc.body.code}}
+    timings = reply.timings
+    assert timings is not None, "every recorded stream here carries the server's timings"
+    return {"content": reply.content, "reasoning_content": reply.reasoning_content,
+            "finish_reason": reply.finish_reason, "predicted_n": timings.predicted_n,
+            "prompt_per_s": timings.prompt_per_second, "decode_per_s": timings.predicted_per_second,
+            "decode_tokens": timings.decode_tokens}
+
+
+def _metrics(text: str) -> object:
+    metrics = api.parse_metrics(text)
+    # JSON has no NaN that equals itself: a value that is not a number is compared as these words.
+    return {"samples": {name: value if math.isfinite(value) else "not a number"
+                        for name, value in metrics.samples.items()},
+            "busy_seconds": metrics.busy_seconds}
+
+
+READERS["server_stream"] = _stream
+READERS["server_error_body"] = lambda text: vars(error_body(text))
+READERS["server_metrics"] = _metrics
 
 
 def captures() -> list[Path]:
