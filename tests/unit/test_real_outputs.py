@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from rigctl.bench import matrix
 from rigctl.fleet import host_facts
 from rigctl.hostside import llama_version
 from rigctl.hostside.llama_server_http import error_body
@@ -55,6 +56,14 @@ def _metrics(text: str) -> object:
             "busy_seconds": metrics.busy_seconds}
 
 
+def _bench_json(text: str) -> object:
+    entries = matrix.parse_llama_bench_json(text, "capture")
+    return [{"build": s.build, "test": s.test, "config": s.config, "flash_attn": s.flash_attn, "ngl": s.ngl,
+             "n_prompt": s.n_prompt, "n_gen": s.n_gen, "depth": s.depth, "samples_ts": list(s.samples_ts)}
+            for s in matrix.samples_from_cell(entries, host="h", run_id="r", build="", model="m", cell=0)]
+
+
+READERS["llama_bench_json"] = _bench_json
 READERS["server_stream"] = _stream
 READERS["server_error_body"] = lambda text: vars(error_body(text))
 READERS["server_metrics"] = _metrics
