@@ -26,9 +26,11 @@ Message = Mapping[str, Any]
 TTFT_DEFINITION = "client clock, request sent -> first content/reasoning/tool-call delta"
 #: Time per output token: the client's clock after the first token, per further token the server counted.
 TPOT_DEFINITION = "client clock, (wall - TTFT) / (predicted_n - 1)"
-#: Decode speed: the server's own ``timings.predicted_per_second``, as the build in question computes it.
-DECODE_DEFINITION = "server timings.predicted_per_second (recomputed over the build's own token count if absent)"
-
+#: Decode speed: the server's own ``timings.predicted_per_second``, as the build in question computes it (over
+#: predicted_n or predicted_n - 1, see :attr:`Timings.decode_tokens`). Every llama-server build sends it; only a
+#: server that sends the counts without the rate gets predicted_n / predicted_ms, and then no convention is known.
+DECODE_DEFINITION = ("server timings.predicted_per_second, as that build counts tokens "
+                     "(predicted_n / predicted_ms only where a server sends no rate)")
 
 #: What a record states of its serving figures.
 FIGURE_DEFINITIONS = {"ttft": TTFT_DEFINITION, "tpot": TPOT_DEFINITION, "decode": DECODE_DEFINITION}
@@ -81,12 +83,14 @@ class Timings:
         return 1000.0 * self.prompt_n / self.prompt_ms if self.prompt_ms > 0 else 0.0
 
     @property
-    def decode_tokens(self) -> str:
-        """Which token count the decode rate is over: ``predicted_n - 1`` where the server's own rate says the
-        build counts from the second token (the first one's time is the prompt's), else ``predicted_n``."""
+    def decode_tokens(self) -> str | None:
+        """Which token count the server's decode rate is over: ``predicted_n - 1`` where its own rate says the
+        build counts from the second token (the first one's time is the prompt's), else ``predicted_n``; None
+        where the server sent no rate to tell."""
         reported, n, ms = self.reported_predicted_per_second, self.predicted_n, self.predicted_ms
-        if reported is not None and n > 1 and ms > 0 \
-                and abs(reported - 1000.0 * (n - 1) / ms) < abs(reported - 1000.0 * n / ms):
+        if reported is None:
+            return None
+        if n > 1 and ms > 0 and abs(reported - 1000.0 * (n - 1) / ms) < abs(reported - 1000.0 * n / ms):
             return "predicted_n - 1"
         return "predicted_n"
 

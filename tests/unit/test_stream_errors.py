@@ -102,5 +102,6 @@ def test_decode_speed_over_the_builds_own_token_count() -> None:
     assert over_n_minus_1.predicted_per_second == pytest.approx(50.0)
     assert over_n_minus_1.decode_tokens == "predicted_n - 1"
     # No rate from the server (an OpenAI-compatible server with llama.cpp's timings keys only): recomputed.
-    assert Timings(10, 50.0, 24, 480.0).predicted_per_second == pytest.approx(50.0)
+    recomputed = Timings(10, 50.0, 24, 480.0)
+    assert recomputed.predicted_per_second == pytest.approx(50.0) and recomputed.decode_tokens is None
     assert set(FIGURE_DEFINITIONS) == {"ttft", "tpot", "decode"}
