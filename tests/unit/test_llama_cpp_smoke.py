@@ -209,3 +209,27 @@ def test_build_status_names_the_cpu_target() -> None:
     # A fact written before the field: no claim.
     older = parse_fact("[current]\nname = b1-x\n", "desktop")
     assert older.current and older.current.cpu == "-"
+
+
+REAL_VERSIONS = Path(__file__).resolve().parents[1] / "fixtures" / "real" / "llama_version"
+
+
+@pytest.mark.parametrize(("capture", "build_number", "commit", "matches"), [
+    ("llama-cpp-issue14566-b5630-container.txt", 5630, "4c763c8d5e0f1a", True),  # `version: N (C)`, a longer pin
+    ("llama-cpp-pr28971-llama-bench-b10991.txt", 10991, "930e2fa59", True),  # `version: X (build N, commit C)`
+    ("llama-cpp-pr28971-llama-bench-b10991.txt", 10991, "0a8b29a60", False),  # another commit
+    ("llama-cpp-issue14566-b5630-container.txt", 5631, "4c763c8d", False),  # another build number
+])
+def test_the_post_build_check_reads_either_version_generation(tmp_path: Path, capture: str, build_number: int,
+                                                              commit: str, matches: bool) -> None:
+    # A stand-in binary that says, on stderr as llama.cpp does, what a real build said (recorded captures);
+    # the role's module run the way a host runs it.
+    said = (REAL_VERSIONS / capture).read_text().partition("\n")[2]
+    (tmp_path / "said.txt").write_text(said)
+    binary = tmp_path / "llama-server"
+    binary.write_text(f"#!/bin/sh\ncat {tmp_path / 'said.txt'} >&2\n")
+    binary.chmod(0o755)
+    rc, out = role_modules.run(LIBRARY, "llama_cpp_version",
+                               {"binary": str(binary), "build_number": build_number, "commit": commit}, tmp_path)
+    assert rc == 0, out
+    assert f'"matches": {str(matches).lower()}' in out, out
