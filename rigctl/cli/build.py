@@ -129,18 +129,13 @@ def build_bisect(
 ) -> None:
     """Find the first build worse than --good on --metric: each midpoint built on --host (cached by build key) and
     measured paired against the good end; rerun to continue an interrupted bisect."""
-    import yaml
-
+    from rigctl.inputs import parse_yaml, read_text
     from rigctl.upgrade.bisect import bisect, parse_candidates
 
     listed = None
     if candidates is not None:
-        try:
-            listed = parse_candidates(yaml.safe_load(candidates.read_text()), f"--candidates {candidates}")
-        except OSError as exc:
-            raise ConfigError(f"--candidates {candidates}: {exc.strerror or exc}") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"--candidates {candidates}: not YAML: {str(exc).splitlines()[0]}") from None
+        origin = f"--candidates {candidates}"
+        listed = parse_candidates(parse_yaml(read_text(candidates, "--candidates"), origin), origin)
     result = bisect(load_inventory(), host, good, bad, metric=metric, candidates=listed, gates_file=gates,
                     store=results_store(results), say=_say, on_event=_event)
     table = Table(title=f"bisect {result.run} ({result.resumed} step(s) from before)")

@@ -51,6 +51,11 @@ _PLACEHOLDER = re.compile(r"[A-Z0-9_|,.:/-]+|[\[<{].*")
 _PLAN = re.compile(r"^(would )?(build|copy from \S+|copy from the controller cache) llama\.cpp (\S+)")
 
 
+#: A candidate's version as a command or file may name it: a build label (b11434) or a git commit, ASCII only
+#: (it becomes part of a file name and a build key); which of the two a host takes is :func:`pin_for`'s check.
+VERSION = re.compile(r"b[0-9]{1,9}|[0-9a-fA-F]{7,40}")
+
+
 def archive_lock() -> HashLock:
     return HashLock(cache_dir() / LOCK_FILE, BuildError)
 

@@ -18,6 +18,7 @@ import pytest
 from rigctl.errors import BuildError, ConfigError, ProblemsError
 from rigctl.fleet import candidate
 from rigctl.inventory import Inventory
+from rigctl.inventory.gates import Gates, IdentityGate, QualityGate
 from rigctl.stats import Interval
 from rigctl.upgrade import gates as g
 from rigctl.upgrade.bisect import metric_gates, offered_versions, parse_candidates
@@ -162,9 +163,9 @@ def test_identity_counts_byte_identical_greedy_replies():
     a, b = Side("current", None), Side("candidate", None)  # type: ignore[arg-type]
     rows = [{"kind": k, "side": s, "text": "same" if k != "code" or s == "current" else "other"}
             for k in ("chat", "code", "math", "story") for s in ("current", "candidate")]
-    result = identity_result(rows, a, b, g.IdentityGate(floor=0.7), 0.95)
+    result = identity_result(rows, a, b, IdentityGate(floor=0.7), 0.95)
     assert result.verdict == "pass" and result.estimate == 0.75 and result.detail["differing"] == ["code"]
-    assert identity_result(rows, a, b, g.IdentityGate(floor=0.8), 0.95).verdict == "fail"
+    assert identity_result(rows, a, b, IdentityGate(floor=0.8), 0.95).verdict == "fail"
 
 
 def test_quality_and_overall_verdicts():
@@ -196,7 +197,7 @@ def test_a_wrong_answer_is_the_quality_gate_s_alone_never_a_failed_request(tmp_p
     eval_run(tmp_path, "desktop", "eval-20261203T010000Z-000a", "m", rows(27))
     eval_run(tmp_path, "desktop", "eval-20261203T010100Z-000b", "m", rows(28))
     result = quality_result(ResultsStore(tmp_path), "desktop/eval-20261203T010000Z-000a",
-                            "desktop/eval-20261203T010100Z-000b", g.QualityGate(task="apples", margin=10))
+                            "desktop/eval-20261203T010100Z-000b", QualityGate(task="apples", margin=10))
     assert result.gate == "quality" and result.verdict == "pass" and result.n == 60, result.figures
 
 
@@ -320,7 +321,7 @@ def test_a_candidate_list_and_the_metric_s_gate():
                          (["b1", {"version": "b2", "cmake": {"x": "y"}}], "expected NAME=VALUE")):
         with pytest.raises(ConfigError, match=message):
             parse_candidates(bad, "f")
-    gates = g.Gates()
+    gates = Gates()
     only, name = metric_gates(gates, "tg128")
     assert name == "bench tg128" and only.server is None and only.identity is None and only.bench is not None
     assert metric_gates(gates, "ttft")[1] == "server ttft" and metric_gates(gates, "identity")[0].bench is None
