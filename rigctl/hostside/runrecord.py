@@ -150,7 +150,7 @@ class Server:
     def ctx_size(self) -> int | None:
         """``-c`` as deployed (the whole context, all slots)."""
         value = flag_value(self.argv, CTX_FLAGS)
-        return int(value) if value and value.isdigit() else None
+        return int(value) if value and re.fullmatch(r"[0-9]+", value) else None
 
     def flag(self, *names: str) -> str | None:
         return flag_value(self.argv, names)
