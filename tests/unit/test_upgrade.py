@@ -17,7 +17,7 @@ import pytest
 
 from rigctl.errors import BuildError, ConfigError, ProblemsError
 from rigctl.fleet import candidate
-from rigctl.inventory import Inventory
+from rigctl.inventory import Inventory, advisories
 from rigctl.inventory.gates import Gates, IdentityGate, QualityGate
 from rigctl.stats import Interval
 from rigctl.upgrade import gates as g
@@ -308,6 +308,20 @@ def test_the_pin_is_written_round_trip_where_it_is_pinned(lab_copy: Path, cache:
     with pytest.raises(ConfigError, match="fails inventory check.*GHSA-6hc7"):
         write_pin(reloaded, reloaded.host("desktop"), bad, {}, ["desktop"])
     assert pins.read_text() == after
+
+
+def test_an_accepted_advisory_s_reason_is_written_unsafe_and_read_back_as_the_text_it_is(lab_copy: Path,
+                                                                                         cache: Path):
+    inventory = Inventory.load(lab_copy)
+    desktop = inventory.host("desktop")
+    files = PinFiles(inventory, "group all")
+    pin = candidate.pin_for(desktop, "b9060", files.raw("llama_cpp_archive")["path"])
+    pin = candidate.CandidatePin(**{**pin.__dict__, "sha256": "ab" * 32})
+    # The command line refuses a template marker in a reason; the file is tagged all the same.
+    reason = "kept as text: {{ 7 * 6 }}"
+    reloaded, written = write_pin(inventory, desktop, pin, {"GHSA-6hc7-9rph-cm99": reason}, ["desktop"])
+    assert f"GHSA-6hc7-9rph-cm99: !unsafe '{reason}'" in written[0].read_text()
+    assert advisories.host_allowed(reloaded.host("desktop")) == {"GHSA-6hc7-9rph-cm99": reason}
 
 
 # ----------------------------------------------------------------------------------------------- bisect
