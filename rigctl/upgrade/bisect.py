@@ -25,9 +25,10 @@ from rigctl.fleet.candidate import CandidateBuild
 from rigctl.inventory import Host, Inventory, Server, advisories
 from rigctl.inventory.gates import GATES_VAR, BenchGate, Gates, IdentityGate, Matrix, ServerGate
 from rigctl.results.run import Run
-from rigctl.results.store import ResultsStore, StoredRun, read_jsonl
+from rigctl.results.store import ResultsStore, StoredRun
 from rigctl.upgrade import gates as g
 from rigctl.upgrade import paired
+from rigctl.upgrade.record import checked_steps
 from rigctl.upgrade.upgrade import UpgradeRefused, _build_dict, _installed, instance_of, upgrade_run
 
 Say = Callable[[str], None]
@@ -205,8 +206,8 @@ def bisect(inventory: Inventory, host_name: str, good: str, bad: str, *, metric:
     with upgrade_run("bisect", host, server, store, extra, previous) as run:
         if previous is not None:
             say(f"resuming bisect {run.ref}")
-        steps = {row["label"]: Step(**row) for row in read_jsonl(run.path / STEPS_FILE)} \
-            if (run.path / STEPS_FILE).is_file() else {}
+        steps = {row["label"]: Step(**{k: row[k] for k in Step.__dataclass_fields__ if k in row})
+                 for row in checked_steps(run.path / STEPS_FILE)}
         try:
             return _bisect(inventory, host, server, order, pins, gates, gate_name, run, steps, store, say, on_event)
         finally:
