@@ -87,7 +87,11 @@ class ResultsStore:
         if (path / RUN_FILE).is_file():
             record = RunRecord.load(path)
             return StoredRun(host=record.host, path=path, record=record)
+        if path.is_dir():  # a host's directory or the store itself: read as a host/id it would list every sibling
+            raise ConfigError(f"{ref}: not a run (a directory without {RUN_FILE})")
         host, _, run_id = ref.rpartition("/")
+        if "/" in host:
+            raise ConfigError(f"run {ref!r}: not found under {self.root} (a run is ID, HOST/ID or its directory)")
         # A run lives in the directory named by its id: look there first, loading one record per host rather
         # than every record of the store; only a directory not named by its record's id needs the scan.
         matches = self._named(host, run_id) or [run for run in self.runs(host or None) if run.id == run_id]
