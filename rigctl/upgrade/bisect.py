@@ -226,7 +226,8 @@ def _bisect(inventory: Inventory, host: Host, server: Server, order: Sequence[Bi
     def build(item: BisectCandidate) -> CandidateBuild:
         pin = candidate.fetch_archive(pins[item.label])
         made = candidate.build_candidate(inventory, host.name, pin, on_event=on_event)
-        say(f"{item.label}: {made.build.name} ({made.plan}, {made.seconds:.0f} s)")
+        archive = f", archive sha256 {pin.sha256}" if pin.sha256 else ""
+        say(f"{item.label}: {made.build.name} ({made.plan}, {made.seconds:.0f} s{archive})")
         return made
 
     good_build = build(order[0])

@@ -352,10 +352,12 @@ def rollout(inventory: Inventory, hosts: Sequence[str], version: str, say: Say,
 def upgrade(inventory: Inventory, version: str, *, canary: str | None = None, gates_file: Path | None = None,
             cmake_options: Mapping[str, str] | None = None, allow: Mapping[str, str] | None = None,
             store: ResultsStore | None = None, say: Say = lambda _: None,
-            on_event: Callable[[Any], None] | None = None, tag: str | None = None) -> UpgradeResult:
+            on_event: Callable[[Any], None] | None = None, tag: str | None = None,
+            sha256: str | None = None) -> UpgradeResult:
     """Upgrade the canary's fleet (the hosts sharing its pin) to ``version``; see the module's docstring.
     UpgradeRefused (one line per problem) when a gate, a flag or the CVE floor refuses it. ``tag``: what the
-    record carries as ``extra.campaign`` (a campaign's step)."""
+    record carries as ``extra.campaign`` (a campaign's step). ``sha256``: the archive's, known from elsewhere (a
+    first fetch is otherwise held to the index's own hash, over https)."""
     store = store or ResultsStore()
     canary_host = inventory.host(canary) if canary else next(
         (h for h in inventory.hosts.values() if "llama_cpp_source" in h.vars), None)
@@ -371,6 +373,8 @@ def upgrade(inventory: Inventory, version: str, *, canary: str | None = None, ga
     archive = files.raw("llama_cpp_archive")
     pin = candidate.pin_for(canary_host, version, str(archive.get("path")) if isinstance(archive, Mapping) else None,
                             cmake_options=cmake_options)
+    if sha256 is not None:
+        pin = candidate.with_sha256(pin, sha256)
     current_pin = canary_host.llama_cpp
     if pin.version == current_pin.version and not pin.cmake_options:
         raise ConfigError(f"--to {version}: {canary_host.name} pins {version} already")

