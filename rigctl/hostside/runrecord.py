@@ -271,7 +271,9 @@ def raw_files(run_dir: Path) -> list[RawFile]:
     The walk goes from directory fds and opens each file ``O_NOFOLLOW``: a link the run holds (to a file, a
     directory or a device outside it) is neither listed nor read, whoever seals the run (root seals a lost
     job's that an older rigctl ran unsandboxed)."""
-    found = []
+    found: list[RawFile] = []
+    if not run_dir.is_dir():  # nothing written yet
+        return found
     for top, _dirs, names, dir_fd in os.fwalk(run_dir, follow_symlinks=False):
         for name in names:
             if name == RUN_FILE or name.startswith("."):
