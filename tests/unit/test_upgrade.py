@@ -431,3 +431,10 @@ def test_a_resumed_bisect_seals_a_refusal_done_and_an_error_failed_and_both_go_o
         raise RigctlError("host went away")
     failed = store.find(first.ref).record
     assert failed.status == "failed" and "host went away" in failed.extra["error"]
+
+
+def test_the_gates_default_level_is_the_statistics_default():
+    """rigctl/inventory/gates.py writes 0.95 rather than importing numpy's module into every inventory load."""
+    from rigctl.stats import DEFAULT_LEVEL
+
+    assert Gates().level == DEFAULT_LEVEL
