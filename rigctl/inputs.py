@@ -69,15 +69,24 @@ def yaml_problem(exc: yaml.YAMLError) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def parse_mapping(text: str, origin: str | Path, *, expected: str = "expected a mapping at the top",
-                  empty: bool = False, error: type[RigctlError] = ConfigError) -> dict[Any, Any]:
-    """``text``, a user file's YAML, as the mapping it must be; ``error`` naming ``origin`` (with line and column)
-    when it is not YAML, and saying ``expected`` when it is YAML but no mapping. ``empty``: an empty file (or
-    one of comments only) reads as ``{}``."""
+def parse_yaml(text: str, origin: str | Path, error: type[RigctlError] = ConfigError) -> Any:
+    """``text``, a user file's YAML, as Python; ``error`` naming ``origin`` (with line and column) when it is not
+    YAML, or holds what Python cannot hold (an integer of more than 4,300 digits, nesting past the stack)."""
     try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise error(f"{origin}: not YAML: {yaml_problem(exc)}") from None
+    except ValueError as exc:  # PyYAML's int() of a too long integer: "Exceeds the limit (4300 digits) ..."
+        raise error(f"{origin}: {str(exc).splitlines()[0]}") from None
+    except RecursionError:
+        raise error(f"{origin}: nested too deeply to read") from None
+
+
+def parse_mapping(text: str, origin: str | Path, *, expected: str = "expected a mapping at the top",
+                  empty: bool = False, error: type[RigctlError] = ConfigError) -> dict[Any, Any]:
+    """``text``, a user file's YAML, as the mapping it must be (:func:`parse_yaml`), saying ``expected`` when it
+    is YAML but no mapping. ``empty``: an empty file (or one of comments only) reads as ``{}``."""
+    data = parse_yaml(text, origin, error)
     if data is None and empty:
         return {}
     if not isinstance(data, dict):

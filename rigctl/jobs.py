@@ -95,7 +95,7 @@ from rigctl.errors import (
 )
 from rigctl.hostside import ship
 from rigctl.hostside.bench_cells import CELLS_FILE, cell_files
-from rigctl.hostside.jobfiles import FINAL_STATES
+from rigctl.hostside.jobfiles import FINAL_STATES, READ_LIMIT
 from rigctl.inventory import Host, Inventory
 from rigctl.results.record import (
     RUN_FILE,
@@ -512,10 +512,10 @@ def _copy_run(
             target = inside(staging, raw.path, "raw file")
             for parent in reversed(target.relative_to(staging).parents[:-1]):
                 _make_dir(staging / parent)
-            _fetch(ssh, f"{remote}/{raw.path}", target, inline.get(raw.path), raw.sha256, timeout)
+            _fetch(ssh, f"{remote}/{raw.path}", target, inline.get(raw.path), raw.sha256, timeout, raw.bytes)
             files += 1
             bytes_ += raw.bytes
-        _fetch(ssh, f"{remote}/{RUN_FILE}", staging / RUN_FILE, inline.get(RUN_FILE), None, timeout)
+        _fetch(ssh, f"{remote}/{RUN_FILE}", staging / RUN_FILE, inline.get(RUN_FILE), None, timeout, READ_LIMIT)
         # run.json may only have changed if the host rewrote the run since the listing: check again.
         copied = _vetted_record(result.host, record.id, parse_json((staging / RUN_FILE).read_text(), RUN_FILE))
         if copied.files != record.files:
@@ -529,13 +529,15 @@ def _copy_run(
     result.bytes += bytes_
 
 
-def _fetch(ssh: SshClient, remote: str, target: Path, inline: Any, sha256: str | None, timeout: float) -> None:
+def _fetch(ssh: SshClient, remote: str, target: Path, inline: Any, sha256: str | None, timeout: float,
+           max_bytes: int) -> None:
     """One file of a run into ``target`` (mode :data:`FILE_MODE`): the listing's inline bytes when it sent
-    them, else by SFTP; TransferError when they are not the bytes ``sha256`` names."""
+    them, else by SFTP, read no further than ``max_bytes`` (its record's size); TransferError when they are
+    not the bytes ``sha256`` names."""
     if isinstance(inline, str):
         _write_inline(ssh.host, remote, target, inline, sha256)
     else:
-        ssh.get(remote, target, timeout=timeout, sha256=sha256, mode=FILE_MODE)
+        ssh.get(remote, target, timeout=timeout, sha256=sha256, mode=FILE_MODE, max_bytes=max_bytes)
 
 
 def _write_inline(host: str, remote: str, target: Path, inline: str, sha256: str | None) -> None:

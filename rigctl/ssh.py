@@ -318,11 +318,10 @@ class SshClient:
 
     def get(
         self, remote: str, local: str | os.PathLike[str], *, timeout: float, sha256: str | None = None,
-        mode: int = 0o644,
+        mode: int = 0o644, max_bytes: int | None = None,
     ) -> Transfer:
-        """Copy ``remote`` to ``local`` through a temporary file beside it, renamed into place only when
-        complete and, if ``sha256`` is given, matching it. The file gets ``mode``: the host's mode bits
-        (setuid, world-writable) are never copied."""
+        """Copy ``remote`` to ``local`` via a temporary file renamed into place once complete, matching ``sha256``
+        and at most ``max_bytes`` (a linked device stops there), with ``mode``: the host's bits are never copied."""
         local_path = Path(local)
         local_path.parent.mkdir(parents=True, exist_ok=True)
         deadline = time.monotonic() + timeout
@@ -338,6 +337,8 @@ class SshClient:
                         out.write(chunk)
                         digest.update(chunk)
                         size += len(chunk)
+                        if max_bytes is not None and size > max_bytes:
+                            raise TransferError(self.host, remote, f"more than the {max_bytes} bytes expected")
                 out.flush()
                 os.fsync(out.fileno())
             hexdigest = digest.hexdigest()
@@ -351,8 +352,7 @@ class SshClient:
         return Transfer(self.host, str(local_path), size, hexdigest)
 
     def put(self, local: str | os.PathLike[str], remote: str, *, timeout: float) -> Transfer:
-        """Copy ``local`` to ``remote`` (keeping its mode) through a temporary file beside it, renamed
-        into place only when complete."""
+        """Copy ``local`` to ``remote`` (keeping its mode) via a temporary file renamed into place once complete."""
         local_path = Path(local)
         deadline = time.monotonic() + timeout
         target = PurePosixPath(remote)

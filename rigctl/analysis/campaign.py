@@ -203,6 +203,18 @@ class CampaignUpgrade(_Strict):
     gates: str | None = None  # a gates file, relative to the campaign file
     cmake: dict[str, str] = {}  # CMake cache entries for the candidate (its build key)
 
+    @model_validator(mode="after")
+    def _as_the_command_takes_them(self) -> CampaignUpgrade:  # `build upgrade --to/--cmake`'s checks, at load
+        from rigctl.fleet.candidate import VERSION, parse_cmake_options
+
+        if not VERSION.fullmatch(self.to):
+            raise ValueError(f"to {self.to!r}: expected a build label (b11434) or a git commit")
+        try:
+            parse_cmake_options(f"{k}={v}" for k, v in self.cmake.items())
+        except ConfigError as exc:
+            raise ValueError(f"cmake: {exc}") from None
+        return self
+
 
 class CampaignKld(KldSpec):
     """A KLD step of the campaign: a name and rigctl.evals.kld's spec (``text`` relative to the campaign file)."""

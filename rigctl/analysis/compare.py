@@ -141,9 +141,10 @@ def _checked_answers(path: Path, name: str) -> Iterator[dict[str, Any]]:
         missing = [k for k in ("id", "set", "score") if k not in row]
         if missing:
             raise ConfigError(f"{path}: answer {number} lacks {', '.join(missing)}")
-        score = row["score"]
-        if not isinstance(score, int | float) or score != score:
-            raise ConfigError(f"{path}: answer {number}: score {score!r} is not a number")
+        for key in dict.fromkeys(("score", *(k for k in GSM8K_SCORES if k in row))):  # a mean over inf is none
+            score = row[key]
+            if isinstance(score, bool) or not isinstance(score, int | float) or not math.isfinite(score):
+                raise ConfigError(f"{path}: answer {number}: {key} {score!r} is not a finite number")
         yield row
 
 

@@ -33,6 +33,7 @@ from rigctl.errors import ConfigError
 from rigctl.hostside.kld_task import RAW_DIR
 from rigctl.results.store import StoredRun, read_jsonl
 from rigctl.stats import DEFAULT_RESAMPLES, DEFAULT_SEED, Interval, bootstrap_clusters
+from rigctl.trust import inside
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,9 @@ def kld_extra(run: StoredRun) -> dict[str, Any]:
 def load_tokens(run: StoredRun, model: str) -> TokenValues:
     """``kld/<model>.tokens.jsonl`` of ``run`` as arrays; ConfigError naming the file when its chunks are not
     numbered 0, 1, ... or not all of the run's length."""
-    path = run.path / RAW_DIR / f"{model}.tokens.jsonl"
+    # The model's name is the record's, which the host wrote: `../../<another run>` must not reach another
+    # run's (or host's) files.
+    path = inside(run.path / RAW_DIR, f"{model}.tokens.jsonl", f"{run.host}/{run.id}: KLD model {model!r}")
     extra = kld_extra(run)
     per_chunk = extra.get("scored_per_chunk")
     rows = read_jsonl(path)

@@ -55,6 +55,7 @@ from rigctl.hostside.bench_cells import CELLS_FILE
 from rigctl.hostside.bench_task import plan_cells
 from rigctl.inputs import read_mapping, validated
 from rigctl.inventory import Host, Inventory
+from rigctl.inventory.gates import Cooldown, Matrix
 from rigctl.results.record import parse_json
 from rigctl.results.store import StoredRun, read_jsonl, run_file
 from rigctl.trust import inside
@@ -67,8 +68,6 @@ log = logging.getLogger(__name__)
 #: The host-side module a bench job runs (rigctl/hostside/bench_task.py).
 BENCH_TASK = "bench_task"
 RAW_DIR = "llama-bench"
-DEFAULT_THRESHOLD_C = 40.0
-_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 
 
 # ----------------------------------------------------------------------------------------------- spec
@@ -76,29 +75,6 @@ _CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class Matrix(_Strict):
-    """llama-bench's matrix; lists run every combination (llama-bench's own comma lists)."""
-
-    p: list[int] = [512]
-    n: list[int] = [128]
-    r: int = Field(default=5, ge=1)
-    fa: list[Literal[0, 1]] = [1]
-    ngl: list[int] = [99]
-    t: list[int] = []
-    ctk: list[Literal[_CACHE_TYPES]] = []  # type: ignore[valid-type]
-    ctv: list[Literal[_CACHE_TYPES]] = []  # type: ignore[valid-type]
-    d: list[int] = []
-
-    def flags(self) -> dict[str, Any]:
-        return self.model_dump()
-
-
-class Cooldown(_Strict):
-    threshold_c: float | None = DEFAULT_THRESHOLD_C  # null: no gating (temperatures still recorded)
-    timeout_s: float = Field(default=600.0, gt=0)
-    poll_s: float = Field(default=2.0, gt=0)
 
 
 class Clocks(_Strict):

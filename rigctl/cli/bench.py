@@ -11,6 +11,7 @@ import typer
 from rigctl.cli.common import (
     ResultsOption,
     console,
+    finite,
     load_inventory,
     parse_ints,
     parse_words,
@@ -46,14 +47,19 @@ def bench_run(
     d: Annotated[str | None, typer.Option("-d", help="Depths (tokens already in the context).")] = None,
     rounds: Annotated[int | None, typer.Option("--rounds", help="Cells per model.")] = None,
     order: Annotated[str | None, typer.Option("--order", help="alternate (A,B,A,B) or grouped.")] = None,
-    cooldown: Annotated[float | None, typer.Option("--cooldown", help="Start each cell at or below this °C.")] = None,
+    cooldown: Annotated[float | None, typer.Option("--cooldown", callback=finite,
+                                                   help="Start each cell at or below this °C.")] = None,
     no_cooldown: Annotated[bool, typer.Option("--no-cooldown", help="Do not wait for the GPU to cool.")] = False,
-    cooldown_timeout: Annotated[float | None, typer.Option("--cooldown-timeout", help="Max wait per cell, s.")] = None,
-    cooldown_poll: Annotated[float | None, typer.Option("--cooldown-poll", help="Seconds between readings.")] = None,
-    clock_sample: Annotated[float | None, typer.Option("--clock-sample", help="Seconds between GPU clock readings "
-                                                       "through a cell (one more as it starts and ends).")] = None,
-    min_sm_fraction: Annotated[float | None, typer.Option("--min-sm-fraction", help="A cell whose busy SM clock "
-                                                          "fell below this share of its max is throttled.")] = None,
+    cooldown_timeout: Annotated[float | None, typer.Option("--cooldown-timeout", callback=finite,
+                                                           help="Max wait per cell, s.")] = None,
+    cooldown_poll: Annotated[float | None, typer.Option("--cooldown-poll", callback=finite,
+                                                        help="Seconds between readings.")] = None,
+    clock_sample: Annotated[float | None, typer.Option("--clock-sample", callback=finite,
+                                                       help="Seconds between GPU clock readings through a cell "
+                                                            "(one more as it starts and ends).")] = None,
+    min_sm_fraction: Annotated[float | None, typer.Option("--min-sm-fraction", callback=finite,
+                                                          help="A cell whose busy SM clock fell below this share "
+                                                               "of its max is throttled.")] = None,
     keep_servers: Annotated[bool, typer.Option("--keep-servers", help="Leave llama-server instances running.")] = False,
     wait: Annotated[bool, typer.Option("--wait", help="Stream progress and pull the results at the end.")] = False,
     results: ResultsOption = None,
@@ -205,14 +211,15 @@ def bench_load(
     max_requests: Annotated[int | None, typer.Option("--max-requests", help="Most requests per level, sent while "
                                                      "the intervals are wider than --precision (default 4x the "
                                                      "least).")] = None,
-    precision: Annotated[float, typer.Option("--precision", help="Half-width asked of each level's 95 % "
-                                             "intervals (throughput, mean TPOT), relative.")] = 0.10,
+    precision: Annotated[float, typer.Option("--precision", callback=finite,
+                                             help="Half-width asked of each level's 95 % intervals (throughput, "
+                                                  "mean TPOT), relative.")] = 0.10,
     warmup: Annotated[int, typer.Option("--warmup", help="Warm-up requests per client before each level, in "
                                         "no figure.")] = 1,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens generated per request.")] = 32,
     slot_ctx: Annotated[int, typer.Option("--slot-ctx", help="Context tokens per slot of the probe.")] = 1024,
-    level_timeout: Annotated[float, typer.Option("--level-timeout", help="Stop sending a level after this, s.")
-                             ] = 120.0,
+    level_timeout: Annotated[float, typer.Option("--level-timeout", callback=finite,
+                                                 help="Stop sending a level after this, s.")] = 120.0,
     png_file: Annotated[Path | None, typer.Option("--png", help="Also draw the curve here.")] = None,
     results: ResultsOption = None,
 ) -> None:

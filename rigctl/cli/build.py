@@ -95,6 +95,9 @@ def build_upgrade(
     allow_advisory: Annotated[list[str] | None, typer.Option(
         "--allow-advisory", help="Accept a build inside this advisory's range, ID=REASON (written with the pin).")
     ] = None,
+    sha256: Annotated[str | None, typer.Option("--sha256", help="The archive's sha256, known from elsewhere: "
+                                                               "its first fetch is held to it instead of to the "
+                                                               "index's own hash.")] = None,
     results: ResultsOption = None,
 ) -> None:
     """Upgrade llama.cpp behind gates: the candidate built on the canary beside the current build, checked against
@@ -105,7 +108,7 @@ def build_upgrade(
 
     result = upgrade(load_inventory(), to, canary=canary, gates_file=gates,
                      cmake_options=parse_cmake_options(cmake or []), allow=_named(allow_advisory, "--allow-advisory"),
-                     store=results_store(results), say=_say, on_event=_event)
+                     store=results_store(results), say=_say, on_event=_event, sha256=sha256)
     console.print(_gate_table(result.results))
     for host in result.rollout:
         console.print(outside_text(f"{host.host}: {host.current} ({host.seconds:.0f} s); "
@@ -129,18 +132,13 @@ def build_bisect(
 ) -> None:
     """Find the first build worse than --good on --metric: each midpoint built on --host (cached by build key) and
     measured paired against the good end; rerun to continue an interrupted bisect."""
-    import yaml
-
+    from rigctl.inputs import parse_yaml, read_text
     from rigctl.upgrade.bisect import bisect, parse_candidates
 
     listed = None
     if candidates is not None:
-        try:
-            listed = parse_candidates(yaml.safe_load(candidates.read_text()), f"--candidates {candidates}")
-        except OSError as exc:
-            raise ConfigError(f"--candidates {candidates}: {exc.strerror or exc}") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"--candidates {candidates}: not YAML: {str(exc).splitlines()[0]}") from None
+        origin = f"--candidates {candidates}"
+        listed = parse_candidates(parse_yaml(read_text(candidates, "--candidates"), origin), origin)
     result = bisect(load_inventory(), host, good, bad, metric=metric, candidates=listed, gates_file=gates,
                     store=results_store(results), say=_say, on_event=_event)
     table = Table(title=f"bisect {result.run} ({result.resumed} step(s) from before)")

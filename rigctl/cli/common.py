@@ -3,6 +3,7 @@ options several command groups take. Imports nothing heavy: every command module
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -72,6 +73,14 @@ LimitOption = Annotated[str | None, typer.Option("--limit", "-l", help="Hosts or
 CampaignArg = Annotated[Path, typer.Argument(help="Campaign file (YAML).")]
 ResultsOption = Annotated[Path | None, typer.Option("--results", envvar="RIGCTL_RESULTS",
                                                     help="Results store (default ./results).")]
+
+
+def finite(value: float | None) -> float | None:
+    """A float option's callback: nan and inf parse as floats, yet no timeout, threshold or margin is either
+    (nan compares false with every bound, inf never ends a wait)."""
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number")
+    return value
 
 
 def parse_ints(value: str | None, flag: str) -> list[int] | None:

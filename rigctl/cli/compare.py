@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.table import Table
 
-from rigctl.cli.common import ResultsOption, console, err_console, results_store
+from rigctl.cli.common import ResultsOption, console, err_console, finite, results_store
 from rigctl.cli.render import outside_text
 from rigctl.errors import ConfigError
 
@@ -199,6 +199,7 @@ def compare(
                                                         "wrong→right) with both replies.")] = False,
     margin: Annotated[float | None, typer.Option(
         "--equivalence-margin", metavar="POINTS",
+        callback=finite,
         help="Test equivalence within ±POINTS (TOST): says equivalent, different, or not shown either way.")] = None,
     plan: Annotated[bool, typer.Option("--plan", help="Also print the smallest gap detectable at 80 % power "
                                                       "with these runs' discordance, at n and more questions.")

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from rigctl.cli.common import ResultsOption, console, load_inventory, results_store
+from rigctl.cli.common import ResultsOption, console, finite, load_inventory, results_store
 from rigctl.errors import ConfigError
 from rigctl.hostside.scorers import GSM8K_SCORES
 
@@ -101,7 +101,7 @@ def eval_run(
     thinking: Annotated[bool, typer.Option("--thinking", help="Let the model think (reasoning kept apart).")]
     = False,
     seed: Annotated[int, typer.Option("--seed", help="Sampling seed (greedy anyway).")] = 1234,
-    timeout: Annotated[float, typer.Option("--timeout", min=1, help="Seconds per request.")] = 600.0,
+    timeout: Annotated[float, typer.Option("--timeout", min=1, callback=finite, help="Seconds per request.")] = 600.0,
     results: Annotated[Path | None, typer.Option("--results", envvar="RIGCTL_RESULTS",
                                                  help="Results store (default ./results).")] = None,
 ) -> None:
@@ -238,7 +238,8 @@ def eval_kld(
     threads: Annotated[int | None, typer.Option("--threads", "-t", help="llama-perplexity -t.")] = None,
     ngl: Annotated[int | None, typer.Option("--ngl", help="GPU layers (llama-perplexity -ngl).")] = None,
     max_logits_gib: Annotated[float, typer.Option(
-        "--max-logits-gib", help="Refuse when the reference's logits file could grow past this.")] = 16.0,
+        "--max-logits-gib", callback=finite,
+        help="Refuse when the reference's logits file could grow past this.")] = 16.0,
     keep_servers: Annotated[bool, typer.Option("--keep-servers", help="Leave llama-server instances running.")]
     = False,
     wait: Annotated[bool, typer.Option("--wait", help="Stream progress, pull and print the results.")] = False,

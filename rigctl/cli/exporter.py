@@ -10,14 +10,16 @@ from typing import Annotated
 
 import typer
 
-from rigctl.cli.common import LimitOption, ResultsOption, err_console, load_inventory, results_store
+from rigctl.cli.common import LimitOption, ResultsOption, err_console, finite, load_inventory, results_store
 
 
 def exporter(
     listen: Annotated[str, typer.Option("--listen", help="ADDRESS:PORT to serve /metrics on (':PORT' is loopback; "
                                         "every interface only as 0.0.0.0:PORT).")] = "127.0.0.1:9840",
-    interval: Annotated[float, typer.Option("--interval", min=1.0, help="Seconds between collections.")] = 15.0,
+    interval: Annotated[float, typer.Option("--interval", min=1.0, callback=finite,
+                                            help="Seconds between collections.")] = 15.0,
     host_timeout: Annotated[float, typer.Option("--host-timeout", min=1.0,
+                                                callback=finite,
                                                 help="Seconds one host may take before it shows as down.")] = 10.0,
     results: ResultsOption = None,
     limit: LimitOption = None,

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from rigctl.cli.common import LimitOption, console, load_inventory
+from rigctl.cli.common import LimitOption, console, finite, load_inventory
 from rigctl.cli.render import outside_text
 
 app = typer.Typer(no_args_is_help=False, invoke_without_command=True,
@@ -51,7 +51,7 @@ def servers_list(
 def servers_restart(
     host: Annotated[str, typer.Argument(help="Host from the inventory.")],
     server: Annotated[str, typer.Argument(help="Instance name (llama_server_instances).")],
-    timeout: Annotated[float, typer.Option(help="Seconds to wait for /health 200.")] = 120.0,
+    timeout: Annotated[float, typer.Option(callback=finite, help="Seconds to wait for /health 200.")] = 120.0,
 ) -> None:
     """Restart one instance and wait until it answers /health 200."""
     from rigctl.fleet.servers import restart

@@ -51,6 +51,11 @@ _PLACEHOLDER = re.compile(r"[A-Z0-9_|,.:/-]+|[\[<{].*")
 _PLAN = re.compile(r"^(would )?(build|copy from \S+|copy from the controller cache) llama\.cpp (\S+)")
 
 
+#: A candidate's version as a command or file may name it: a build label (b11434) or a git commit, ASCII only
+#: (it becomes part of a file name and a build key); which of the two a host takes is :func:`pin_for`'s check.
+VERSION = re.compile(r"b[0-9]{1,9}|[0-9a-fA-F]{7,40}")
+
+
 def archive_lock() -> HashLock:
     return HashLock(cache_dir() / LOCK_FILE, BuildError)
 
@@ -157,6 +162,18 @@ def pin_for(host: Host, version: str, raw_archive_path: str | None = None, *,
                         cmake_options=options, targets=tuple(targets))
 
 
+def with_sha256(pin: CandidatePin, sha256: str) -> CandidatePin:
+    """``pin`` held to ``sha256`` (``--sha256``); ConfigError when it is no sha256, or not the one its first fetch
+    recorded."""
+    value = sha256.strip().lower()
+    if pin.source != "archive" or not re.fullmatch(r"[0-9a-f]{64}", value):
+        raise ConfigError(f"--sha256 {sha256!r}: expected the archive's sha256 (64 hex digits; an archive pin only)")
+    if pin.sha256 is not None and pin.sha256 != value:
+        raise ConfigError(f"--sha256 {value}: {pin.sdist}'s first fetch recorded {pin.sha256} in "
+                          f"{archive_lock().path}")
+    return CandidatePin(**{**pin.__dict__, "sha256": value})
+
+
 def fetch_archive(pin: CandidatePin) -> CandidatePin:
     """``pin`` with its archive on the controller and its sha256 known: checked against the lock file, or
     recorded there on this first fetch. BuildError (one line) on a mismatch; nothing of the file is kept."""
@@ -167,12 +184,48 @@ def fetch_archive(pin: CandidatePin) -> CandidatePin:
     if pin.sha256 is None and Path(pin.archive_path).is_file():
         # Fetched before by other means (the role's own fetch, against the inventory's pin): its first use here.
         return _recorded(pin, Path(pin.archive_path), lock)
+    recorded = lock.get(pin.sdist)
+    expected = pin.sha256 or _first_fetch_sha256(pin)
     try:
-        path = sdist_fetch.fetch_sdist(pin.sdist, pin.archive_path, pin.sha256)
+        path = sdist_fetch.fetch_sdist(pin.sdist, pin.archive_path, expected)
     except sdist_fetch.SdistFetchError as exc:
         raise BuildError(f"llama.cpp {pin.version}: {exc}" + (f" (the hash recorded in {lock.path} on its first "
-                                                              "fetch)" if pin.sha256 else "")) from None
-    return pin if pin.sha256 else _recorded(pin, path, lock)
+                                                              "fetch)" if recorded else "")) from None
+    return pin if recorded else _recorded(pin, path, lock)  # a first fetch: held to the index's hash or --sha256
+
+
+def _local(url: str) -> bool:
+    """A file: URL, or http to a loopback address: an index this machine serves itself."""
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.scheme == "file":
+        return True
+    try:
+        return parts.scheme == "http" and ipaddress.ip_address(parts.hostname or "").is_loopback
+    except ValueError:
+        return parts.hostname == "localhost"
+
+
+def _first_fetch_sha256(pin: CandidatePin) -> str:
+    """The sha256 a first fetch is held to (trust on first use, made as narrow as it can be): the index's own
+    hash for the file, which it must give, with the file served over https (or by this machine itself); the
+    hash is logged before any byte is fetched. ``--sha256`` (``pin.sha256``) replaces all of this."""
+    assert pin.sdist is not None
+    try:
+        entry = sdist_fetch.find_sdist(pin.sdist, sdist_fetch.pip_index_urls(), context=sdist_fetch.pip_ssl_context())
+    except sdist_fetch.SdistFetchError as exc:
+        raise BuildError(f"llama.cpp {pin.version}: {exc}") from None
+    url = sdist_fetch.shown(entry["url"])
+    if not entry["url"].startswith("https://") and not _local(entry["url"]):
+        raise BuildError(f"llama.cpp {pin.version}: a first fetch needs https, and the index serves {url}; give "
+                         "the archive's sha256 (--sha256) to fetch it over another scheme")
+    if not entry["sha256"]:
+        raise BuildError(f"llama.cpp {pin.version}: the index gives no sha256 for {url}; a first fetch is held "
+                         "to the index's hash: give the archive's sha256 (--sha256)")
+    log.info("%s: first fetch of %s, held to the index's sha256 %s", pin.sdist, url, entry["sha256"])
+    return entry["sha256"]
 
 
 def _recorded(pin: CandidatePin, path: Path, lock: HashLock) -> CandidatePin:

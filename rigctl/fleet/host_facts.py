@@ -30,8 +30,8 @@ ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx
              "asimd", "asimdhp", "asimddp", "sve", "sve2", "i8mm", "bf16", "sme")
 PROBE_TIMEOUT_S = 60.0
 _SECTIONS = ("gpus", "smi", "cpu", "cpus", "memory", "disk", "os")
-_COMPUTE_CAP = re.compile(r"^\d{1,2}\.\d$")
-_VERSION = re.compile(r"^\d+(\.\d+){0,3}$")
+_COMPUTE_CAP = re.compile(r"^[0-9]{1,2}\.[0-9]$")
+_VERSION = re.compile(r"^[0-9]+(\.[0-9]+){0,3}$")
 _CUDA_VERSION = re.compile(r"CUDA Version:\s*(\d+\.\d+)")
 
 
@@ -187,7 +187,7 @@ def read_cpu(host: str, text: str) -> tuple[HostText, tuple[str, ...]]:
 
 
 def _memory_mib(host: str, text: str) -> int:
-    match = re.match(r"^MemTotal:\s+(\d+)\s+kB$", text.strip())
+    match = re.match(r"^MemTotal:\s+([0-9]+)\s+kB$", text.strip())
     if match is None:
         raise ProbeError(host, "memory_mib", f"unexpected /proc/meminfo line {text.strip()!r}")
     return _positive_int(host, "memory_mib", match.group(1)) // 1024
@@ -216,7 +216,7 @@ def read_os(host: str, text: str) -> HostText:
 
 
 def _int(host: str, field: str, text: str) -> int:
-    if not re.fullmatch(r"\d{1,15}", text):
+    if not re.fullmatch(r"[0-9]{1,15}", text):
         raise ProbeError(host, field, f"{text!r} is not a whole number")
     return int(text)
 

@@ -56,6 +56,47 @@ def sandboxed(spec: dict[str, Any]) -> bool:
     return bool(spec.get("unit_properties"))
 
 
+_NO_LINK = os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def open_below(root: str, relative: str) -> int | None:
+    """A read-only fd of the regular file ``relative`` under ``root``, each directory on the way opened from its
+    parent's fd without following a link (``O_NOFOLLOW``), so a link the job left anywhere in its run (its
+    directory, a subdirectory, the file) is never followed out of it by root; None when a part is a link,
+    missing, ``..``, or the file is not a regular file (a FIFO, a device)."""
+    parts = relative.split("/")
+    if any(part in ("", ".", "..") for part in parts):
+        return None
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | _NO_LINK)
+    except OSError:
+        return None
+    try:
+        for part in parts[:-1]:
+            inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | _NO_LINK, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        found = os.open(parts[-1], os.O_RDONLY | os.O_NONBLOCK | _NO_LINK, dir_fd=fd)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(os.fstat(found).st_mode):
+        os.close(found)
+        return None
+    return found
+
+
+def read_below(root: str, relative: str, limit: int) -> bytes | None:
+    """The bytes of :func:`open_below`'s file, None when there is none or it holds more than ``limit``."""
+    fd = open_below(root, relative)
+    if fd is None:
+        return None
+    with os.fdopen(fd, "rb") as handle:
+        data = handle.read(limit + 1)
+    return data if len(data) <= limit else None
+
+
 def read_json(path: str, limit: int = READ_LIMIT) -> Any:
     """The JSON in the regular file ``path`` (not through a symbolic link), None when there is none or it is
     not JSON or larger than ``limit`` bytes."""

@@ -43,7 +43,9 @@ from rigctl.hostside.jobfiles import (
     FINAL_STATES,
     FINISHED_FILE,
     NOT_STARTED_FILE,
+    READ_LIMIT,
     SPEC_FILE,
+    read_below,
     read_json,
     read_state,
     release_lock,
@@ -269,7 +271,11 @@ def list_runs(root: str, unit_prefix: str, inline_limit: int = 0, only: list[str
     for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
         if only and name not in only:
             continue
-        record = _load(os.path.join(root, name, "run.json"))
+        raw = read_below(root, f"{name}/run.json", READ_LIMIT)  # a run directory that is a link is not read
+        try:
+            record = json.loads(raw) if raw is not None else None
+        except (ValueError, RecursionError):
+            record = None
         if not isinstance(record, dict):
             continue
         active = record.get("status") == "running" and unit_active(unit_prefix + name)
@@ -283,19 +289,18 @@ def inline_files(run_dir: str, record: dict[str, Any], budget: int) -> tuple[dic
     """``{relative path: base64}`` of the run's ``run.json`` and the files its record lists, while they fit
     in ``budget`` bytes (the rest travel by SFTP), and what is left of it. Only files inside the run."""
     found: dict[str, str] = {}
-    paths = ["run.json"] + [f.get("path") for f in record.get("files") or [] if isinstance(f, dict)]
-    for rel in paths:
-        if not isinstance(rel, str):
+    files = [f for f in record.get("files") or [] if isinstance(f, dict)]
+    # Each file no larger than the record says (run.json: the read limit), so a file grown since, or a
+    # device, is never read past that: it travels by SFTP, bounded the same way, and is refused there.
+    sized = [("run.json", READ_LIMIT)] + [(f.get("path"), f.get("bytes")) for f in files]
+    for rel, recorded in sized:
+        if not isinstance(rel, str) or not isinstance(recorded, int) or isinstance(recorded, bool) or recorded < 0:
             continue
-        path = os.path.normpath(os.path.join(run_dir, rel))
-        if not path.startswith(run_dir.rstrip("/") + "/") or os.path.islink(path) or not os.path.isfile(path):
-            continue
-        if os.path.getsize(path) > budget:
-            break
-        with open(path, "rb") as handle:
-            data = handle.read(budget + 1)
-        if len(data) > budget:
-            break
+        data = read_below(run_dir, rel, min(recorded, budget))
+        if data is None:
+            if recorded > budget:  # the rest travel by SFTP
+                break
+            continue  # not there, not a regular file inside the run, or grown past its record
         found[rel] = base64.b64encode(data).decode("ascii")
         budget -= len(data)
     return found, budget

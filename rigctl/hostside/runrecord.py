@@ -15,10 +15,12 @@ follow from it); :func:`rigctl.results.run.open_run` gives it its run directory 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import re
 import secrets
+import stat
 import tempfile
 import types
 import typing
@@ -26,8 +28,6 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
-
-from rigctl.hostside.model_files import file_sha256
 
 RUN_FILE = "run.json"
 ANSWERS_FILE = "answers.jsonl"
@@ -150,7 +150,7 @@ class Server:
     def ctx_size(self) -> int | None:
         """``-c`` as deployed (the whole context, all slots)."""
         value = flag_value(self.argv, CTX_FLAGS)
-        return int(value) if value and value.isdigit() else None
+        return int(value) if value and re.fullmatch(r"[0-9]+", value) else None
 
     def flag(self, *names: str) -> str | None:
         return flag_value(self.argv, names)
@@ -258,16 +258,40 @@ class RunRecord:
     def seal(self, run_dir: Path, status: RunStatus = "done", error: str | None = None) -> None:
         """Record every raw file in the run directory with its hash, ``error`` (a failed run's reason),
         the end and ``status``, and save."""
-        self.files = [
-            RawFile(path=str(p.relative_to(run_dir)), sha256=file_sha256(p), bytes=p.stat().st_size)
-            for p in sorted(run_dir.rglob("*"))
-            if p.is_file() and p.name != RUN_FILE and not p.name.startswith(".")
-        ]
+        self.files = raw_files(run_dir)
         if error:
             self.extra["error"] = error
         self.status = status
         self.ended = utc_now()
         self.save(run_dir)
+
+
+def raw_files(run_dir: Path) -> list[RawFile]:
+    """Every regular file of the run but ``run.json`` and hidden ones, with its hash and size, in path order.
+    The walk goes from directory fds and opens each file ``O_NOFOLLOW``: a link the run holds (to a file, a
+    directory or a device outside it) is neither listed nor read, whoever seals the run (root seals a lost
+    job's that an older rigctl ran unsandboxed)."""
+    found: list[RawFile] = []
+    if not run_dir.is_dir():  # nothing written yet
+        return found
+    for top, _dirs, names, dir_fd in os.fwalk(run_dir, follow_symlinks=False):
+        for name in names:
+            if name == RUN_FILE or name.startswith("."):
+                continue
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+            except OSError:  # a link (ELOOP), or gone since the listing
+                continue
+            with os.fdopen(fd, "rb") as handle:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    continue
+                digest, size = hashlib.sha256(), 0
+                while chunk := handle.read(1 << 20):
+                    digest.update(chunk)
+                    size += len(chunk)
+            relative = os.path.relpath(os.path.join(top, name), run_dir)
+            found.append(RawFile(path=relative, sha256=digest.hexdigest(), bytes=size))
+    return sorted(found, key=lambda raw: raw.path.split("/"))
 
 
 _T = typing.TypeVar("_T")

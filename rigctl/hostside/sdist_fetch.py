@@ -309,7 +309,7 @@ def _find_file(requirement: str, index_urls: list[str], pick, kind: str, timeout
 def list_sdists(project: str, index_urls: list[str] | None = None, timeout: float = 60) -> dict[str, dict[str, str]]:
     """Every sdist of ``project`` the indexes list, by version (the first index to list a version wins):
     ``{version: {"filename", "url", "sha256"}}``. SdistFetchError when no index has the project."""
-    context = _pip_ssl_context()
+    context = pip_ssl_context()
     out: dict[str, dict[str, str]] = {}
     tried = []
     for index in pip_index_urls() if index_urls is None else index_urls:
@@ -368,7 +368,7 @@ def fetch_sdist(requirement: str, dest_path: str | os.PathLike[str], sha256: str
             raise SdistFetchError(f"archive {dest} has sha256 {present} but the pin is {pinned} "
                                   f"(left as it is; remove it to fetch {requirement} again)")
         return dest
-    context = _pip_ssl_context()
+    context = pip_ssl_context()
     entry = find_sdist(requirement, pip_index_urls() if index_urls is None else index_urls, timeout, context)
     _download(entry, dest, pinned, f"archive {dest} ({requirement}, {shown(entry['url'])})", timeout, context,
               max_bytes)
@@ -390,7 +390,7 @@ def fetch_wheel(requirement: str, dest_dir: str | os.PathLike[str], sha256: str,
     for present in sorted(directory.glob(f"{stem}*.whl")) if directory.is_dir() else ():
         if file_sha256(present) == pinned:
             return present
-    context = _pip_ssl_context()
+    context = pip_ssl_context()
     entry = _find_file(requirement, pip_index_urls() if index_urls is None else index_urls,
                        _wheel_picker(pinned, machine), "wheel", timeout, context)
     filename = entry["filename"]
@@ -445,7 +445,7 @@ def _download(entry: dict[str, str], dest: Path, pinned: str | None, where: str,
         part.unlink(missing_ok=True)
 
 
-def _pip_ssl_context() -> ssl.SSLContext | None:
+def pip_ssl_context() -> ssl.SSLContext | None:
     """pip's ``cert`` setting (PIP_CERT, pip.conf) as the CA bundle, as pip would verify the index."""
     cert = _pip_setting("cert")
     return ssl.create_default_context(cafile=cert) if cert else None

@@ -24,10 +24,11 @@ from typing import Any
 import yaml
 
 from rigctl.errors import ConfigError
+from rigctl.trust import data_text_problem
 
 #: The inventory variable naming the advisories a fleet accepts, each with its reason.
 ALLOWED_VAR = "rigctl_allowed_advisories"
-_BUILD_LABEL = re.compile(r"^b(\d+)$")
+_BUILD_LABEL = re.compile(r"b([0-9]+)")  # ASCII digits: \d and isdigit() take ² and ٣ too
 _ID = re.compile(r"^GHSA(-[23456789cfghjmpqrvwx]{4}){3}$")
 
 
@@ -118,7 +119,7 @@ def table() -> tuple[Advisory, ...]:
 
 def build_number(version: str) -> int | None:
     """The upstream build number of a pin label ``bNNNN``; None for anything else (a git commit)."""
-    found = _BUILD_LABEL.match(version.strip())
+    found = _BUILD_LABEL.fullmatch(version.strip())
     return int(found.group(1)) if found else None
 
 
@@ -127,8 +128,14 @@ def covering(build: int, advisories: Iterable[Advisory] | None = None) -> list[A
     return [a for a in (table() if advisories is None else advisories) if a.covers(build)]
 
 
-def allowed_advisories(value: Any, where: str) -> dict[str, str]:
-    """``rigctl_allowed_advisories`` as ``{id: reason}``; ConfigError naming ``where`` and the entry."""
+#: The longest reason an upgrade writes into the inventory for an accepted advisory.
+MAX_REASON = 500
+
+
+def allowed_advisories(value: Any, where: str, *, written: bool = False) -> dict[str, str]:
+    """``rigctl_allowed_advisories`` as ``{id: reason}``; ConfigError naming ``where`` and the entry.
+    ``written``: the reasons come from a command line and an upgrade writes them into the inventory, so
+    each must be one printable line of plain text (no template: the file tags it ``!unsafe`` too)."""
     if value is None:
         return {}
     if not isinstance(value, Mapping):
@@ -141,6 +148,9 @@ def allowed_advisories(value: Any, where: str) -> dict[str, str]:
                               f"(rigctl build advisories lists them)")
         if not isinstance(reason, str) or not reason.strip():
             raise ConfigError(f"{where}: {ALLOWED_VAR}.{ident}: give the reason it is accepted")
+        problem = data_text_problem(reason.strip(), MAX_REASON) if written else None
+        if problem:
+            raise ConfigError(f"{where}: {ident}: the reason must be plain text: {problem}")
         out[str(ident)] = reason.strip()
     return out
 

@@ -21,6 +21,7 @@ from pydantic import (
 )
 
 from rigctl.errors import ConfigError
+from rigctl.inventory.gates import Gates
 from rigctl.inventory.keys import SHA256
 from rigctl.trust import MASK, is_secret_name, mask_secret_values
 
@@ -279,7 +280,7 @@ def _batch_size(value: Any) -> int | str:
     if isinstance(value, bool) or not isinstance(value, int | str) or not _BATCH.match(str(value)):
         raise ValueError(f"{value!r} is not a batch size: a whole number of hosts (1, 2, ...) or a percentage "
                          "of them (1% to 100%)")
-    return int(value) if str(value).isdigit() else str(value)
+    return int(value) if re.fullmatch(r"[0-9]+", str(value)) else str(value)
 
 
 def parse_serial(value: Any) -> list[int | str]:
@@ -326,9 +327,9 @@ SCHEMA: dict[str, Any] = {
     "rigctl_serial": SerialSpec,
     # {advisory id: the reason the fleet accepts a build inside its range} (rigctl/inventory/advisories.py)
     "rigctl_allowed_advisories": dict[str, Annotated[str, Field(min_length=1)]],
-    # A mapping here; `rigctl build upgrade` reads its keys (rigctl/upgrade/gates.py, a layer above this one)
-    # and names every bad one.
-    "rigctl_upgrade_gates": dict[str, Any],
+    # The gates of `rigctl build upgrade` and `build bisect` (rigctl/inventory/gates.py); what needs the host
+    # too is checked by rigctl/upgrade/gates.py's check_gates.
+    "rigctl_upgrade_gates": Gates | None,
     "ansible_port": Annotated[int, Field(ge=1, le=65535)],
 }
 

@@ -16,13 +16,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import re
+import stat
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from rigctl.errors import ConfigError, RigctlError
 from rigctl.hostside import runrecord
+from rigctl.hostside.jobfiles import READ_LIMIT as RECORD_LIMIT
 from rigctl.hostside.model_files import file_sha256
 from rigctl.hostside.runrecord import (
     ANSWERS_FILE,
@@ -221,7 +224,7 @@ class RunRecord(runrecord.RunRecord):
     def load(cls, run_dir: Path) -> RunRecord:
         path = run_dir / RUN_FILE
         try:
-            data = parse_json(path.read_text(encoding="utf-8"), str(path))
+            data = parse_json(_read_record(path).decode("utf-8"), str(path))
         except FileNotFoundError:
             raise ConfigError(f"{run_dir}: no {RUN_FILE} (not a run directory)") from None
         except UnicodeDecodeError as exc:
@@ -231,6 +234,19 @@ class RunRecord(runrecord.RunRecord):
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{path}: not JSON ({exc.msg} at line {exc.lineno})") from None
         return cls.from_dict(data, str(path), bounded=True)
+
+
+def _read_record(path: Path) -> bytes:
+    """``run.json``'s bytes, checked on the open file rather than by path: not through a link (``O_NOFOLLOW``),
+    a regular file (a FIFO would block, a device never end), at most :data:`RECORD_LIMIT` bytes."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(f"{path}: not a regular file")
+        data = handle.read(RECORD_LIMIT + 1)
+    if len(data) > RECORD_LIMIT:
+        raise ConfigError(f"{path}: larger than {RECORD_LIMIT} bytes")
+    return data
 
 
 _RECORD_ADAPTER: Any = None

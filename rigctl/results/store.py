@@ -56,13 +56,13 @@ class ResultsStore:
         """Every stored run, oldest first; directories without a readable record are skipped with a warning
         (or handed to ``on_skip``, for a caller that reads the store again and again)."""
         for host_dir in self._host_dirs(host):
-            for run_dir in sorted(p for p in host_dir.glob("*") if p.is_dir()):
+            for run_dir in sorted(p for p in host_dir.glob("*") if _real_dir(p)):
                 record = _readable(run_dir, on_skip)
                 if record is not None and (kind is None or record.kind == kind):
                     yield StoredRun(host=host_dir.name, path=run_dir, record=record)
 
     def _host_dirs(self, host: str | None) -> list[Path]:
-        return [self.root / host] if host else sorted(p for p in self.root.glob("*") if p.is_dir())
+        return [self.root / host] if host else sorted(p for p in self.root.glob("*") if _real_dir(p))
 
     def last(self, limit: int, host: str | None = None, kind: str | None = None) -> list[StoredRun]:
         """``list(self.runs(host, kind))[-limit:]``, reading only the records it returns (and unreadable ones
@@ -71,7 +71,7 @@ class ResultsStore:
             raise ValueError(f"limit must be at least 1, got {limit}")
         found: list[StoredRun] = []
         for host_dir in reversed(self._host_dirs(host)):
-            for run_dir in sorted((p for p in host_dir.glob("*") if p.is_dir()), reverse=True):
+            for run_dir in sorted((p for p in host_dir.glob("*") if _real_dir(p)), reverse=True):
                 if len(found) >= limit:
                     return found[::-1]
                 if kind is not None and RUN_ID.match(run_dir.name) and not run_dir.name.startswith(f"{kind}-"):
@@ -87,7 +87,11 @@ class ResultsStore:
         if (path / RUN_FILE).is_file():
             record = RunRecord.load(path)
             return StoredRun(host=record.host, path=path, record=record)
+        if path.is_dir():  # a host's directory or the store itself: read as a host/id it would list every sibling
+            raise ConfigError(f"{ref}: not a run (a directory without {RUN_FILE})")
         host, _, run_id = ref.rpartition("/")
+        if "/" in host:
+            raise ConfigError(f"run {ref!r}: not found under {self.root} (a run is ID, HOST/ID or its directory)")
         # A run lives in the directory named by its id: look there first, loading one record per host rather
         # than every record of the store; only a directory not named by its record's id needs the scan.
         matches = self._named(host, run_id) or [run for run in self.runs(host or None) if run.id == run_id]
@@ -106,7 +110,7 @@ class ResultsStore:
                 run_dir = self.run_dir(name, run_id)
             except TrustError:
                 return []
-            record = _readable(run_dir) if (run_dir / RUN_FILE).is_file() else None
+            record = _readable(run_dir) if _real_dir(run_dir) and (run_dir / RUN_FILE).is_file() else None
             if record is not None and record.id == run_id:
                 found.append(StoredRun(host=name, path=run_dir, record=record))
         return found
@@ -121,6 +125,12 @@ class ResultsStore:
             elif file_sha256(path) != raw.sha256:
                 problems.append(f"{run.host}/{run.id}: {raw.path} does not match its sha256")
         return problems
+
+
+def _real_dir(path: Path) -> bool:
+    """A directory of the store itself: a link in it (to another tree, another run) is neither listed nor read;
+    its run.json is then opened without following a link (:meth:`RunRecord.load`)."""
+    return path.is_dir() and not path.is_symlink()
 
 
 def _readable(run_dir: Path, on_skip: Callable[[Path, ConfigError], None] | None = None) -> RunRecord | None:

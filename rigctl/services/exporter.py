@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import socket
 import threading
 import time
@@ -76,7 +77,7 @@ def parse_listen(listen: str) -> tuple[str, int]:
     """``127.0.0.1:9840``, ``[::1]:9840`` or ``:9840`` as (address, port). No address means loopback:
     every interface is served only when asked for by name (``0.0.0.0:9840``, ``[::]:9840``)."""
     address, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not re.fullmatch(r"[0-9]{1,5}", port) or not 0 < int(port) < 65536:
         raise ConfigError(f"--listen {listen!r}: expected ADDRESS:PORT, e.g. {DEFAULT_LISTEN}")
     return address.strip("[]") or "127.0.0.1", int(port)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,10 +23,12 @@ from rigctl.errors import BuildError, ConfigError
 from rigctl.fleet import candidate
 from rigctl.fleet.candidate import CandidateBuild
 from rigctl.inventory import Host, Inventory, Server, advisories
+from rigctl.inventory.gates import GATES_VAR, BenchGate, Gates, IdentityGate, Matrix, ServerGate
 from rigctl.results.run import Run
-from rigctl.results.store import ResultsStore, StoredRun, read_jsonl
+from rigctl.results.store import ResultsStore, StoredRun
 from rigctl.upgrade import gates as g
 from rigctl.upgrade import paired
+from rigctl.upgrade.record import checked_steps
 from rigctl.upgrade.upgrade import UpgradeRefused, _build_dict, _installed, instance_of, upgrade_run
 
 Say = Callable[[str], None]
@@ -36,19 +39,33 @@ STEPS_FILE = "steps.jsonl"
 SERVER_METRICS = ("decode", "ttft")
 
 
-def metric_gates(gates: g.Gates, metric: str) -> tuple[g.Gates, str]:
+def metric_gates(gates: Gates, metric: str) -> tuple[Gates, str]:
     """Only the section that measures ``metric``, and the gate name its verdict is read from."""
     if metric in SERVER_METRICS:
-        return g.Gates(speed_margin=gates.speed_margin, level=gates.level, bench=None, identity=None,
-                       server=gates.server or g.ServerGate(), quality=None), f"server {metric}"
+        return Gates(speed_margin=gates.speed_margin, level=gates.level, bench=None, identity=None,
+                       server=gates.server or ServerGate(), quality=None), f"server {metric}"
     if metric == "identity":
-        return g.Gates(speed_margin=gates.speed_margin, level=gates.level, bench=None, server=None,
-                       identity=gates.identity or g.IdentityGate(), quality=None), "identity"
+        return Gates(speed_margin=gates.speed_margin, level=gates.level, bench=None, server=None,
+                       identity=gates.identity or IdentityGate(), quality=None), "identity"
     if metric.startswith(("pp", "tg")):
-        bench = gates.bench or g.BenchGate()
-        return g.Gates(speed_margin=gates.speed_margin, level=gates.level, bench=bench, server=None, identity=None,
+        bench = gates.bench or BenchGate()
+        measured = bench_tests(bench.matrix)
+        if metric not in measured:
+            raise ConfigError(f"--metric {metric!r}: the gates' bench matrix does not measure it (it measures "
+                              f"{', '.join(measured) or 'nothing'})")
+        return Gates(speed_margin=gates.speed_margin, level=gates.level, bench=bench, server=None, identity=None,
                        quality=None), f"bench {metric}"
     raise ConfigError(f"--metric {metric!r}: a llama-bench test (tg128, pp512, ...), decode, ttft or identity")
+
+
+def bench_tests(matrix: Matrix) -> list[str]:
+    """The test names llama-bench reports for ``matrix``: each prompt and each generation length (0: none) at
+    each depth."""
+    from rigctl.bench.matrix import bench_test_name
+
+    depths = matrix.d or [0]
+    return [bench_test_name(p, 0, d) for d in depths for p in matrix.p if p] + \
+        [bench_test_name(0, n, d) for d in depths for n in matrix.n if n]
 
 
 @dataclass(frozen=True)
@@ -69,16 +86,24 @@ def parse_candidates(data: Any, origin: str) -> list[BisectCandidate]:
     out = []
     for index, item in enumerate(data):
         if isinstance(item, str):
-            out.append(BisectCandidate(item))
-            continue
+            item = {"version": item}
         if not isinstance(item, Mapping) or set(item) - {"version", "cmake"} or not isinstance(item.get("version"),
                                                                                               str):
             raise ConfigError(f"{origin}: item {index}: a version, or a mapping with version and cmake")
+        version = item["version"]
+        if not candidate.VERSION.fullmatch(version):
+            raise ConfigError(f"{origin}: item {index}: version {version!r}: expected a build label (b11434) or a "
+                              "git commit (7 to 40 hex digits)")
         cmake = item.get("cmake") or {}
-        if not isinstance(cmake, Mapping):
-            raise ConfigError(f"{origin}: item {index}: cmake: expected a mapping of CMake cache entries")
-        out.append(BisectCandidate(str(item["version"]),
-                                   candidate.parse_cmake_options(f"{k}={v}" for k, v in cmake.items())))
+        if not isinstance(cmake, Mapping) or not all(isinstance(k, str) and isinstance(v, str | int) and
+                                                     not isinstance(v, bool) for k, v in cmake.items()):
+            raise ConfigError(f"{origin}: item {index}: cmake: expected a mapping of CMake cache entries, "
+                              "NAME: VALUE")
+        try:
+            options = candidate.parse_cmake_options(f"{k}={v}" for k, v in cmake.items())
+        except ConfigError as exc:
+            raise ConfigError(f"{origin}: item {index}: cmake: {exc}") from None
+        out.append(BisectCandidate(version, options))
     labels = [c.label for c in out]
     if len(set(labels)) != len(labels):
         raise ConfigError(f"{origin}: a build is listed twice")
@@ -102,7 +127,7 @@ def offered_versions(host: Host, good: str, bad: str) -> list[BisectCandidate]:
     except sdist_fetch.SdistFetchError as exc:
         raise BuildError(str(exc)) from None
     numbers = sorted(int(v[: len(v) - len(suffix)]) for v in listed
-                     if v.endswith(suffix) and v[: len(v) - len(suffix)].isdigit())
+                     if v.endswith(suffix) and re.fullmatch(r"[0-9]+", v[: len(v) - len(suffix)]))
     found = [n for n in numbers if lo <= n <= hi]
     if not found or found[0] != lo or found[-1] != hi:
         raise ConfigError(f"{project}: the index offers no sdist of {good if lo not in found else bad}")
@@ -130,7 +155,7 @@ class BisectResult:
     resumed: int  # steps taken from an earlier run of the same bisect
 
 
-def _identity(host: str, metric: str, labels: Sequence[str], gates: g.Gates) -> str:
+def _identity(host: str, metric: str, labels: Sequence[str], gates: Gates) -> str:
     text = json.dumps({"host": host, "metric": metric, "builds": list(labels), "gates": gates.model_dump()},
                       sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -149,7 +174,9 @@ def bisect(inventory: Inventory, host_name: str, good: str, bad: str, *, metric:
     """The first build of the ordered list from ``good`` to ``bad`` that is worse than ``good`` on ``metric``."""
     store = store or ResultsStore()
     host = inventory.host(host_name)
-    gates, gate_name = metric_gates(g.load_gates(host.vars.get(g.GATES_VAR), f"host {host.name}", gates_file), metric)
+    loaded = g.load_gates(host.vars.get(GATES_VAR), f"host {host.name}", gates_file)
+    g.check_gates(loaded, host, f"--gates {gates_file}" if gates_file else f"host {host.name}: {GATES_VAR}")
+    gates, gate_name = metric_gates(loaded, metric)
     order = list(candidates) if candidates else offered_versions(host, good, bad)
     labels = [c.label for c in order]
     try:
@@ -160,6 +187,10 @@ def bisect(inventory: Inventory, host_name: str, good: str, bad: str, *, metric:
     if hi <= lo:
         raise ConfigError(f"--good {good} must come before --bad {bad} in the candidate list")
     order = order[lo:hi + 1]
+    # Every build's pin before anything is fetched, built or asked of the host: a version this host cannot
+    # build (a commit for an archive pin, a label for a git one) is refused here, not at its turn.
+    pins = {item.label: candidate.pin_for(host, item.version, cmake_options=item.cmake,
+                                          targets=("llama-server", "llama-bench")) for item in order}
     allowed = advisories.host_allowed(host)
     for item in order:
         number = advisories.build_number(item.version)
@@ -167,7 +198,7 @@ def bisect(inventory: Inventory, host_name: str, good: str, bad: str, *, metric:
             check = advisories.check_build(number, allowed)
             if check.vulnerable:
                 raise UpgradeRefused([check.refusal(f"bisect candidate {item.version}")])
-    server = instance_of(host, gates if gates.server else g.Gates())
+    server = instance_of(host, gates if gates.server else Gates())
     identity = _identity(host.name, metric, [c.label for c in order], gates)
     previous = _unfinished(store, host.name, identity)
     extra = {"identity": identity, "metric": metric, "gate": gate_name, "good": order[0].label,
@@ -175,16 +206,17 @@ def bisect(inventory: Inventory, host_name: str, good: str, bad: str, *, metric:
     with upgrade_run("bisect", host, server, store, extra, previous) as run:
         if previous is not None:
             say(f"resuming bisect {run.ref}")
-        steps = {row["label"]: Step(**row) for row in read_jsonl(run.path / STEPS_FILE)} \
-            if (run.path / STEPS_FILE).is_file() else {}
+        steps = {row["label"]: Step(**{k: row[k] for k in Step.__dataclass_fields__ if k in row})
+                 for row in checked_steps(run.path / STEPS_FILE)}
         try:
-            return _bisect(inventory, host, server, order, gates, gate_name, run, steps, store, say, on_event)
+            return _bisect(inventory, host, server, order, pins, gates, gate_name, run, steps, store, say, on_event)
         finally:
             run.record.extra["steps"] = len(steps)
 
 
-def _bisect(inventory: Inventory, host: Host, server: Server, order: Sequence[BisectCandidate], gates: g.Gates,
-            gate_name: str, run: Run, steps: dict[str, Step], store: ResultsStore, say: Say,
+def _bisect(inventory: Inventory, host: Host, server: Server, order: Sequence[BisectCandidate],
+            pins: Mapping[str, candidate.CandidatePin], gates: Gates, gate_name: str, run: Run,
+            steps: dict[str, Step], store: ResultsStore, say: Say,
             on_event: Callable[[Any], None] | None) -> BisectResult:
     """Measure the bad end, then midpoints, each step appended to the run's steps file (``steps``: those
     measured before, taken as they are)."""
@@ -192,10 +224,10 @@ def _bisect(inventory: Inventory, host: Host, server: Server, order: Sequence[Bi
     resumed = len(steps)
 
     def build(item: BisectCandidate) -> CandidateBuild:
-        pin = candidate.fetch_archive(candidate.pin_for(host, item.version, cmake_options=item.cmake,
-                                                        targets=("llama-server", "llama-bench")))
+        pin = candidate.fetch_archive(pins[item.label])
         made = candidate.build_candidate(inventory, host.name, pin, on_event=on_event)
-        say(f"{item.label}: {made.build.name} ({made.plan}, {made.seconds:.0f} s)")
+        archive = f", archive sha256 {pin.sha256}" if pin.sha256 else ""
+        say(f"{item.label}: {made.build.name} ({made.plan}, {made.seconds:.0f} s{archive})")
         return made
 
     good_build = build(order[0])

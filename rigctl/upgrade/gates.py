@@ -33,86 +33,17 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import numpy as np
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import ValidationError
 
-from rigctl.bench.matrix import Cooldown, Matrix
 from rigctl.errors import ConfigError, ProblemsError
+from rigctl.inventory import Host
+from rigctl.inventory.gates import GATES_VAR, Gates
 from rigctl.stats import DEFAULT_LEVEL, DEFAULT_RESAMPLES, DEFAULT_SEED, Interval, bootstrap_mean, paired_bootstrap
 
-#: The inventory variable with the fleet's gates.
-GATES_VAR = "rigctl_upgrade_gates"
-
 Verdict = Literal["pass", "fail", "undecided"]
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class _Budgeted(_Strict):
-    """A section measured ``BUDGET[0]`` times to start with and up to ``BUDGET[1]`` times while undecided:
-    the most is never below the start."""
-
-    BUDGET: ClassVar[tuple[str, str]]
-
-    @model_validator(mode="after")
-    def _budget(self) -> _Budgeted:
-        start, most = self.BUDGET
-        if getattr(self, most) < getattr(self, start):
-            raise ValueError(f"{most} {getattr(self, most)} is below {start} {getattr(self, start)}")
-        return self
-
-
-class BenchGate(_Budgeted):
-    BUDGET = ("rounds", "max_rounds")  # (start, most)
-
-    matrix: Matrix = Matrix(p=[512], n=[128], r=3)
-    rounds: int = Field(default=2, ge=1)
-    max_rounds: int = Field(default=6, ge=1)
-    models: list[str] = []  # default: the server instance's artifact
-    cooldown: Cooldown = Cooldown()  # each cell starts on a cool card, as every bench's
-    stop_servers: bool = True  # the host's servers give the card up for the cells
-
-
-class ServerGate(_Budgeted):
-    BUDGET = ("repeats", "max_repeats")  # (start, most)
-
-    instance: str | None = None  # default: the canary's first enabled instance
-    prompt_lengths: list[int] = Field(default=[128, 512], min_length=1)
-    max_tokens: int = Field(default=64, ge=1)
-    repeats: int = Field(default=3, ge=1)
-    max_repeats: int = Field(default=9, ge=1)
-    port_offset: int = Field(default=100, ge=1, le=10000)  # the candidate probe listens on the port plus this
-
-
-class IdentityGate(_Strict):
-    floor: float = Field(default=0.9, ge=0, le=1)
-    max_tokens: int = Field(default=64, ge=1)
-    kinds: list[str] = []  # prompt kinds of rigctl/bench/data/spec_prompts.yaml; default every kind
-
-
-class QualityGate(_Budgeted):
-    BUDGET = ("limit", "max_limit")  # (start, most)
-
-    task: str  # a shipped task's name or a task file
-    limit: int = Field(default=50, ge=1)
-    max_limit: int = Field(default=200, ge=1)
-    margin: float = Field(default=5.0, gt=0, le=100)  # equivalence margin, points
-    concurrency: int = Field(default=4, ge=1)
-
-
-class Gates(_Strict):
-    speed_margin: float = Field(default=0.95, gt=0, le=1)
-    level: float = Field(default=DEFAULT_LEVEL, gt=0.5, lt=1)
-    bench: BenchGate | None = BenchGate()
-    server: ServerGate | None = ServerGate()
-    identity: IdentityGate | None = IdentityGate()
-    quality: QualityGate | None = None
-    new_errors: int = Field(default=0, ge=0)
 
 
 def _problems(origin: str, exc: ValidationError) -> list[str]:
@@ -154,19 +85,47 @@ def load_gates(inventory_value: Any, where: str, file: Any = None) -> Gates:
         return parse_gates(base, f"{where}: {GATES_VAR}")
     from pathlib import Path
 
+    from rigctl.inputs import read_mapping
+
     path = Path(file)
-    try:
-        over = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise ConfigError(f"--gates {path}: {exc.strerror or exc}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--gates {path}: not YAML: {str(exc).splitlines()[0]}") from None
-    if over is None:
-        over = {}
-    if not isinstance(over, Mapping):
-        raise ConfigError(f"--gates {path}: expected a mapping of gates")
+    over = read_mapping(path, "--gates", expected="expected a mapping of gates", empty=True)
     parse_gates(over, f"--gates {path}")  # its own keys, named against the file
     return parse_gates(merge(base, over), f"--gates {path}")
+
+
+def check_gates(gates: Gates, host: Host, origin: str) -> None:
+    """What the schema cannot tell without the host, before anything is fetched or built: the bench's models
+    are artifacts of ``host``, the server gate's instance is one of its instances, the identity gate's prompt
+    kinds are shipped ones, the quality task is a shipped task or a task file that parses (its datasets are
+    not fetched). ConfigError naming ``origin`` and the key."""
+    from rigctl.bench.drafting import load_prompts
+    from rigctl.errors import EvalError
+    from rigctl.evals.tasks import find_task, parse_task
+    from rigctl.inputs import read_text
+
+    if gates.bench is not None:
+        available = [a.name for a in host.artifacts]
+        for index, model in enumerate(gates.bench.models):
+            if model not in available:
+                raise ConfigError(f"{origin}: bench.models.{index}: {model!r} is not an artifact of host {host.name} "
+                                  f"(it has: {', '.join(available) or 'none'})")
+    if gates.server is not None and gates.server.instance:
+        try:
+            host.server(gates.server.instance)
+        except ConfigError as exc:
+            raise ConfigError(f"{origin}: server.instance: {exc}") from None
+    if gates.identity is not None and gates.identity.kinds:
+        shipped = list(load_prompts())
+        for index, kind in enumerate(gates.identity.kinds):
+            if kind not in shipped:
+                raise ConfigError(f"{origin}: identity.kinds.{index}: no prompt kind {kind!r} (kinds: "
+                                  f"{', '.join(shipped)})")
+    if gates.quality is not None:
+        try:
+            path = find_task(gates.quality.task)
+            parse_task(read_text(path, "task", EvalError), str(path))
+        except EvalError as exc:
+            raise ConfigError(f"{origin}: quality.task: {exc}") from None
 
 
 # ----------------------------------------------------------------------------------------------- verdicts

@@ -36,6 +36,7 @@ from rigctl.errors import RigctlError, ServerError
 from rigctl.fleet.build import Build
 from rigctl.fleet.servers import probe_server, probe_unit, wait_ready
 from rigctl.inventory import Host, Server
+from rigctl.inventory.gates import BenchGate, Gates, IdentityGate, QualityGate, ServerGate
 from rigctl.llama_http import Endpoint, ServerClient, Timeouts
 from rigctl.results.store import ResultsStore
 from rigctl.ssh import session
@@ -95,7 +96,7 @@ def _append(path: Path, rows: Sequence[dict[str, Any]]) -> None:
 # ----------------------------------------------------------------------------------------------- bench
 
 
-def _bench(host: Host, server: Server, a: Side, b: Side, gate: g.BenchGate, rounds: int, store: ResultsStore,
+def _bench(host: Host, server: Server, a: Side, b: Side, gate: BenchGate, rounds: int, store: ResultsStore,
            say: Say) -> str:
     """One bench job of ``rounds`` cells per build and model, alternating the builds; its host/run id."""
     from rigctl import jobs
@@ -176,7 +177,7 @@ def serving(host: Host, server: Server, side: Side, *, port: int, purpose: str,
             yield probe.endpoint
 
 
-def _server_rows(clients: dict[str, ServerClient], prompts: Sequence[str], gate: g.ServerGate, repeats: range,
+def _server_rows(clients: dict[str, ServerClient], prompts: Sequence[str], gate: ServerGate, repeats: range,
                  order: Sequence[str]) -> list[dict[str, Any]]:
     from rigctl.bench.server import measure_prompt
 
@@ -219,7 +220,7 @@ def server_results(rows: Sequence[dict[str, Any]], a: Side, b: Side, margin: flo
     return out
 
 
-def _identity_rows(clients: dict[str, ServerClient], gate: g.IdentityGate, order: Sequence[str],
+def _identity_rows(clients: dict[str, ServerClient], gate: IdentityGate, order: Sequence[str],
                    seed: int) -> list[dict[str, Any]]:
     from rigctl.bench.drafting import load_prompts
 
@@ -237,7 +238,7 @@ def _identity_rows(clients: dict[str, ServerClient], gate: g.IdentityGate, order
     return rows
 
 
-def identity_result(rows: Sequence[dict[str, Any]], a: Side, b: Side, gate: g.IdentityGate,
+def identity_result(rows: Sequence[dict[str, Any]], a: Side, b: Side, gate: IdentityGate,
                     level: float) -> g.GateResult:
     by_kind: dict[str, dict[str, dict[str, Any]]] = {}
     for row in rows:
@@ -253,7 +254,7 @@ def identity_result(rows: Sequence[dict[str, Any]], a: Side, b: Side, gate: g.Id
 # ----------------------------------------------------------------------------------------------- quality
 
 
-def _eval_side(host: Host, server: Server, side: Side, endpoint: Endpoint, gate: g.QualityGate, limit: int,
+def _eval_side(host: Host, server: Server, side: Side, endpoint: Endpoint, gate: QualityGate, limit: int,
                store: ResultsStore, run_ref: str | None, probe_unit: str | None, port: int, extra: dict[str, Any],
                ) -> str:
     """Answer ``limit`` questions of the gate's task on ``endpoint`` (continuing run ``run_ref`` when given:
@@ -286,7 +287,7 @@ def _eval_side(host: Host, server: Server, side: Side, endpoint: Endpoint, gate:
     return run.ref
 
 
-def quality_result(store: ResultsStore, ref_a: str, ref_b: str, gate: g.QualityGate) -> g.GateResult:
+def quality_result(store: ResultsStore, ref_a: str, ref_b: str, gate: QualityGate) -> g.GateResult:
     """The quality gate from two eval runs paired question by question. A wrong answer (the scorer's ``error``
     says why) counts here and only here, never as a failed request: an eval request that still fails after its
     retries stops its run, and the measurement with it."""
@@ -308,7 +309,7 @@ def quality_result(store: ResultsStore, ref_a: str, ref_b: str, gate: g.QualityG
 # ----------------------------------------------------------------------------------------------- all of it
 
 
-def measure(host: Host, server: Server, a: Side, b: Side, gates: g.Gates, store: ResultsStore, run_dir: Path, *,
+def measure(host: Host, server: Server, a: Side, b: Side, gates: Gates, store: ResultsStore, run_dir: Path, *,
             a_is_instance: bool, say: Say = lambda _: None, record_extra: dict[str, Any] | None = None,
             seed: int = 1234) -> PairedResult:
     """Every gate of ``gates`` on ``a`` against ``b`` (B / A), measuring more while a gate is undecided and its
@@ -335,7 +336,7 @@ def measure(host: Host, server: Server, a: Side, b: Side, gates: g.Gates, store:
         result.errors = errors
         result.results.append(g.errors_gate(errors[a.label], errors[b.label], gates.new_errors))
         return result
-    offset = gates.server.port_offset if gates.server else g.ServerGate().port_offset
+    offset = gates.server.port_offset if gates.server else ServerGate().port_offset
     with ExitStack() as stack:
         endpoints = {a.label: stack.enter_context(serving(host, server, a, port=server.port + offset + 1,
                                                           purpose=f"{a.label} build", is_instance=a_is_instance)),

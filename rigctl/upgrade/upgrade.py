@@ -37,6 +37,7 @@ from rigctl.fleet.build import Build, read_builds
 from rigctl.fleet.candidate import CandidateBuild, CandidatePin
 from rigctl.fleet.servers import host_status, unit_states
 from rigctl.inventory import Host, Inventory, Server, advisories
+from rigctl.inventory.gates import GATES_VAR, Gates
 from rigctl.results.record import Provenance, RunKind
 from rigctl.results.run import Run
 from rigctl.results.stamp import inventory_server, inventory_stamp
@@ -169,7 +170,10 @@ def write_pin(inventory: Inventory, canary: Host, pin: CandidatePin, allowed: Ma
               hosts: Sequence[str]) -> tuple[Inventory, list[Path]]:
     """Write ``pin`` where the canary's pin is; the inventory again, checked (every problem of it puts the files
     back and raises ConfigError), and the files written."""
+    from ruamel.yaml.comments import TaggedScalar
+
     from rigctl.fleet.deploy import project_root
+    from rigctl.fleet.enroll import UNSAFE_TAG
     from rigctl.inventory.check import check
 
     try:
@@ -177,7 +181,11 @@ def write_pin(inventory: Inventory, canary: Host, pin: CandidatePin, allowed: Ma
     except ConfigError:
         roles = []
     files = PinFiles(inventory, pin_origin(inventory, canary))
-    written = files.write(pin_values(pin, allowed))
+    values = pin_values(pin, allowed)
+    if allowed:  # a reason is plain text: Ansible must never template what a command line gave
+        values[advisories.ALLOWED_VAR] = {ident: TaggedScalar(reason, style="'", tag=UNSAFE_TAG)
+                                          for ident, reason in allowed.items()}
+    written = files.write(values)
     try:
         reloaded = Inventory.load(inventory.source)
         problems = [p for p in check(reloaded, roles) if p.severity == "error"]
@@ -240,7 +248,7 @@ def _save_help(run_dir: Path, name: str, text: str) -> None:
 # ----------------------------------------------------------------------------------------------- shared steps
 
 
-def instance_of(host: Host, gates: g.Gates) -> Server:
+def instance_of(host: Host, gates: Gates) -> Server:
     """The instance the gates measure on ``host``: the server gate's, else the first enabled one."""
     name = gates.server.instance if gates.server and gates.server.instance else None
     if name:
@@ -259,7 +267,7 @@ def floor_check(pin: CandidatePin, build_number: int | None, allowed: Mapping[st
         raise UpgradeRefused([check.refusal(f"llama.cpp {pin.version}")])
 
 
-def check_flags(hosts: Sequence[Host], host: Host, build: Build, gates: g.Gates, run_dir: Path | None) -> list[str]:
+def check_flags(hosts: Sequence[Host], host: Host, build: Build, gates: Gates, run_dir: Path | None) -> list[str]:
     """The flags the candidate does not know: every profile of ``hosts``' servers against its llama-server's
     ``--help``, the gates' bench matrix against its llama-bench's; the help texts saved in ``run_dir``."""
     server_help = candidate.tool_help(host, f"{build.dir}/bin/llama-server")
@@ -344,22 +352,29 @@ def rollout(inventory: Inventory, hosts: Sequence[str], version: str, say: Say,
 def upgrade(inventory: Inventory, version: str, *, canary: str | None = None, gates_file: Path | None = None,
             cmake_options: Mapping[str, str] | None = None, allow: Mapping[str, str] | None = None,
             store: ResultsStore | None = None, say: Say = lambda _: None,
-            on_event: Callable[[Any], None] | None = None, tag: str | None = None) -> UpgradeResult:
+            on_event: Callable[[Any], None] | None = None, tag: str | None = None,
+            sha256: str | None = None) -> UpgradeResult:
     """Upgrade the canary's fleet (the hosts sharing its pin) to ``version``; see the module's docstring.
     UpgradeRefused (one line per problem) when a gate, a flag or the CVE floor refuses it. ``tag``: what the
-    record carries as ``extra.campaign`` (a campaign's step)."""
+    record carries as ``extra.campaign`` (a campaign's step). ``sha256``: the archive's, known from elsewhere (a
+    first fetch is otherwise held to the index's own hash, over https)."""
     store = store or ResultsStore()
     canary_host = inventory.host(canary) if canary else next(
         (h for h in inventory.hosts.values() if "llama_cpp_source" in h.vars), None)
     if canary_host is None:
         raise ConfigError("no host of the inventory pins llama.cpp")
     hosts = scope(inventory, canary_host)
-    gates = g.load_gates(canary_host.vars.get(g.GATES_VAR), f"host {canary_host.name}", gates_file)
-    allowed = {**advisories.host_allowed(canary_host), **advisories.allowed_advisories(allow, "--allow-advisory")}
+    gates = g.load_gates(canary_host.vars.get(GATES_VAR), f"host {canary_host.name}", gates_file)
+    g.check_gates(gates, canary_host, f"--gates {gates_file}" if gates_file else
+                  f"host {canary_host.name}: {GATES_VAR}")
+    allowed = {**advisories.host_allowed(canary_host), **advisories.allowed_advisories(allow, "--allow-advisory",
+                                                                                     written=True)}
     files = PinFiles(inventory, pin_origin(inventory, canary_host))
     archive = files.raw("llama_cpp_archive")
     pin = candidate.pin_for(canary_host, version, str(archive.get("path")) if isinstance(archive, Mapping) else None,
                             cmake_options=cmake_options)
+    if sha256 is not None:
+        pin = candidate.with_sha256(pin, sha256)
     current_pin = canary_host.llama_cpp
     if pin.version == current_pin.version and not pin.cmake_options:
         raise ConfigError(f"--to {version}: {canary_host.name} pins {version} already")
@@ -380,7 +395,7 @@ def upgrade(inventory: Inventory, version: str, *, canary: str | None = None, ga
 
 
 def _canary_and_rollout(inventory: Inventory, run: Run, canary: Host, hosts: Sequence[Host], server: Server,
-                        pin: CandidatePin, current: Build, gates: g.Gates, allowed: Mapping[str, str],
+                        pin: CandidatePin, current: Build, gates: Gates, allowed: Mapping[str, str],
                         store: ResultsStore, say: Say, on_event: Callable[[Any], None] | None) -> UpgradeResult:
     """The candidate built, checked and measured on the canary; the pin written and rolled out, or the candidate
     dropped and :class:`UpgradeRefused` raised (the record in ``run`` says which)."""
@@ -426,7 +441,7 @@ def _canary_and_rollout(inventory: Inventory, run: Run, canary: Host, hosts: Seq
 
 
 def _pre_measure_refusal(pin: CandidatePin, built: CandidateBuild, hosts: Sequence[Host], canary: Host,
-                         gates: g.Gates, allowed: Mapping[str, str], run_dir: Path) -> list[str]:
+                         gates: Gates, allowed: Mapping[str, str], run_dir: Path) -> list[str]:
     """Before the candidate serves anything: a git pin's build number against the CVE floor (now that the
     build reports it), and every flag against the candidate's own --help."""
     if pin.source == "git":

@@ -401,3 +401,17 @@ def test_compare_cli_names_each_gsm8k_score(tmp_path):
     text = " ".join(done.stdout.split())
     assert "score rigctl normalised" in text and "and by lm-eval's scores" in text
     assert "lm-eval strict-match" in text and "lm-eval flexible-extract" in text
+
+
+@pytest.mark.parametrize("bad", ["Infinity", "-Infinity", "NaN", "true"])
+def test_a_score_that_is_not_a_finite_number_is_refused_naming_the_answer(tmp_path, bad: str):
+    rows = _rows({"math": [1, 0, 1]})
+    eval_run(tmp_path, "desktop", "eval-a", "qwen-q4_0", rows)
+    run_dir = eval_run(tmp_path, "desktop", "eval-b", "gemma-qat", rows)
+    answers = run_dir / "answers.jsonl"
+    lines = answers.read_text().splitlines()
+    lines[1] = lines[1].replace('"score": 0', f'"score": {bad}')
+    answers.write_text("\n".join(lines) + "\n")
+    store = ResultsStore(tmp_path)
+    with pytest.raises(ConfigError, match=r"answers.jsonl: answer 2: score .* is not a finite number"):
+        compare_runs([store.find("desktop/eval-a"), store.find("desktop/eval-b")])

@@ -440,3 +440,51 @@ def test_roots_steps_hash_stop_and_start_only_what_the_spec_names(tmp_path: Path
     assert step("--finish").returncode == 0
     failed = jobhost.job_state(str(job_dir), spec, None)
     assert (failed["state"], failed["error"]) == ("failed", "cannot stop llama-server@wedged.service: Timed out")
+
+
+# ----------------------------------------------------------------------------------------------- links in a run
+
+
+def _run_with_links(tmp_path: Path) -> tuple[Path, Path, dict]:
+    """A jobs root whose run holds a raw file, then links a job could leave: a file link, a directory link and
+    a FIFO, all pointing at or standing for a secret outside the run."""
+    from rigctl.hostside.runrecord import RunRecord
+
+    secret = tmp_path / "secret"
+    secret.write_text("root's eyes only\n")
+    root = tmp_path / "results" / "desktop"
+    run_dir = root / "eval-20261203T100000Z-0001"
+    (run_dir / "raw").mkdir(parents=True)
+    (run_dir / "raw" / "answers.jsonl").write_text('{"id": 1}\n')
+    (run_dir / "linked.txt").symlink_to(secret)
+    (run_dir / "outside").symlink_to(tmp_path)
+    os.mkfifo(run_dir / "pipe")
+    record = RunRecord(id=run_dir.name, kind="eval", host="desktop", started="2026-12-03T10:00:00.0Z")
+    record.seal(run_dir)
+    return root, run_dir, record.to_dict()
+
+
+def test_sealing_a_run_lists_and_reads_no_link_and_no_fifo(tmp_path: Path):
+    _, _, record = _run_with_links(tmp_path)
+    assert [f["path"] for f in record["files"]] == ["raw/answers.jsonl"]  # no link, no FIFO (it would block)
+
+
+def test_the_root_run_listing_reads_no_file_through_a_link_and_none_past_its_recorded_size(tmp_path: Path):
+    root, run_dir, record = _run_with_links(tmp_path)
+    # The record names files through the links, as a job that rewrote its run.json could.
+    record["files"] += [{"path": "linked.txt", "sha256": "0" * 64, "bytes": 100},
+                        {"path": "outside/secret", "sha256": "0" * 64, "bytes": 100},
+                        {"path": "pipe", "sha256": "0" * 64, "bytes": 100},
+                        {"path": "../desktop/eval-20261203T100000Z-0001/run.json", "sha256": "0" * 64, "bytes": 100}]
+    (run_dir / "run.json").write_text(json.dumps(record))
+    inline, _ = jobhost.inline_files(str(run_dir), record, 1 << 20)
+    assert sorted(inline) == ["raw/answers.jsonl", "run.json"]
+    assert all(b"root's eyes" not in base64.b64decode(v) for v in inline.values())
+    # A raw file grown past the size its record names is not read past it: it is left to SFTP, which refuses it.
+    (run_dir / "raw" / "answers.jsonl").write_text('{"id": 1}\n' * 1000)
+    inline, _ = jobhost.inline_files(str(run_dir), record, 1 << 20)
+    assert sorted(inline) == ["run.json"]
+    # A run directory that is itself a link is not read by the listing.
+    (root / "eval-20261203T100000Z-0002").symlink_to(run_dir)
+    listed = jobhost.list_runs(str(root), "rigctl-job-", 1 << 20)
+    assert sorted(listed) == ["eval-20261203T100000Z-0001"]

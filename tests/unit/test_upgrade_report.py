@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -137,3 +138,47 @@ def test_a_bisect_renders_its_steps_and_the_first_bad_build(store: ResultsStore,
     assert all(p.exists() for p in links_of(text, tmp_path / "bisect"))
     chart = tmp_path / "bisect" / f"{run_dir.name}.png"
     assert report.charts == [chart] and f"]({chart.name})" in text and chart.read_bytes()[:4] == b"\x89PNG"
+
+
+RIGCTL = [str(Path(sys.executable).parent / "rigctl")]
+
+
+def _report(store: ResultsStore, ref: str, out: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*RIGCTL, "report", ref, "--results", str(store.root), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+@pytest.mark.parametrize(("kind", "extra", "steps", "key"), [
+    ("upgrade", {"measurement": ["not", "a", "mapping"]}, None, "extra: measurement"),
+    ("upgrade", {"measurement": {"results": [{"verdict": "pass"}]}}, None, "extra: measurement.results.0.gate"),
+    ("upgrade", {"rollout": [{"ok": True}]}, None, "extra: rollout.0.host"),
+    ("upgrade", {"gates": {"speed_margin": "fast"}}, None, "extra: gates.speed_margin"),
+    ("upgrade", {"candidate": "b11434"}, None, "extra: candidate"),
+    ("bisect", {"builds": "b1"}, None, "extra: builds"),
+    ("bisect", {"first_bad": "b2", "builds": ["b1", "b2"]}, [{"version": "b2"}], f"{STEPS_FILE}:1: label"),
+    ("bisect", {}, [["a list"]], f"{STEPS_FILE}:1: a list, not a JSON object"),
+])
+def test_a_malformed_upgrade_or_bisect_record_is_one_line_naming_file_and_key(store: ResultsStore, tmp_path: Path,
+                                                                              kind: str, extra: dict, steps, key: str):
+    run_dir = store.root / "desktop" / f"{kind}-20261203T100000Z-dddd"
+    run_dir.mkdir(parents=True)
+    if steps is not None:
+        (run_dir / STEPS_FILE).write_text("".join(json.dumps(s) + "\n" for s in steps))
+    RunRecord(id=run_dir.name, kind=kind, host="desktop", started="2026-12-03T10:00:00.0Z", status="done",
+              extra=extra).seal(run_dir)
+    done = _report(store, f"desktop/{run_dir.name}", tmp_path / "out")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert lines[0].startswith("error: ") and key in lines[0], lines
+    assert str(run_dir) in lines[0]
+
+
+def test_report_of_a_directory_says_not_a_run_without_a_warning_per_sibling(store: ResultsStore, tmp_path: Path):
+    for sibling in ("junk-1", "junk-2"):
+        (store.root / "desktop" / sibling).mkdir()
+    for ref in (store.root / "desktop", store.root):
+        done = _report(store, str(ref), tmp_path / "out")
+        assert done.returncode == 2 and done.stderr.strip() == f"error: {ref}: not a run (a directory without run.json)"
+        done = subprocess.run([*RIGCTL, "compare", str(ref), "desktop/bench-20261203T090000Z-aaaa", "--results",
+                               str(store.root)], capture_output=True, text=True, timeout=120, check=False)
+        assert done.returncode == 2 and done.stderr.strip() == f"error: {ref}: not a run (a directory without run.json)"

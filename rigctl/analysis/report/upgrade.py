@@ -15,7 +15,7 @@ from rigctl.analysis.report.markdown import Links, md_table
 from rigctl.charts import new_figure, save_png
 from rigctl.errors import ConfigError
 from rigctl.results.record import ANSWERS_FILE
-from rigctl.results.store import ResultsStore, StoredRun, read_jsonl
+from rigctl.results.store import ResultsStore, StoredRun
 
 
 def _num(value: Any, digits: int = 3) -> str:
@@ -110,10 +110,11 @@ def upgrade_section(run: StoredRun, links: Links, store: ResultsStore, out_dir: 
     # rigctl.upgrade's modules bring the fleet, SSH and HTTP clients: a second of every report's start, imported
     # only where a campaign has an upgrade or bisect run to show.
     from rigctl.upgrade.paired import IDENTITY_FILE, SERVER_FILE
+    from rigctl.upgrade.record import checked_extra
     from rigctl.upgrade.upgrade import HELP_DIR
 
     record = run.record
-    extra = record.extra
+    extra = checked_extra(run)
     head = "#" * level
     verdict = extra.get("verdict") or record.status
     title = f"{head} Upgrade {extra.get('from')} -> {extra.get('label') or extra.get('to')} on {record.host}: {verdict}"
@@ -183,12 +184,13 @@ def _exists(store: ResultsStore, ref: str) -> bool:
 def bisect_section(run: StoredRun, links: Links, store: ResultsStore, out_dir: Path, charts: list[Path],
                    level: int = 2) -> list[str]:
     from rigctl.upgrade.bisect import STEPS_FILE  # imported here as in upgrade_section
+    from rigctl.upgrade.record import checked_extra, checked_steps
 
     record = run.record
-    extra = record.extra
+    extra = checked_extra(run)
     head = "#" * level
-    steps = read_jsonl(run.path / STEPS_FILE) if (run.path / STEPS_FILE).is_file() else []
-    found = (f"first bad build **{extra['first_bad']}**, last good {extra['last_good']}" if extra.get("first_bad")
+    steps = checked_steps(run.path / STEPS_FILE)
+    found = (f"first bad build **{extra['first_bad']}**, last good {extra.get('last_good')}" if extra.get("first_bad")
              else f"undecided between {', '.join(extra.get('undecided_between') or [])}"
              if extra.get("undecided_between") else record.status)
     lines = [f"{head} Bisect {extra.get('good')} .. {extra.get('bad')} on {record.host} by {extra.get('gate')}: "
