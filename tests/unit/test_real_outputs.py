@@ -61,10 +61,32 @@ def _project(text: str, fields: Sequence[str]) -> str | None:
     return "\n".join(out) + "\n"
 
 
+#: Every field rigctl asks nvidia-smi for (the probe, fleet state, bench readings, stamp, the gpu_host
+#: role) and how rigctl reads its cell.
+_FIELD_READERS: dict[str, Callable[[str], object]] = {
+    **dict.fromkeys(("name", "uuid", "pci.bus_id", "driver_version", "compute_cap", "persistence_mode"),
+                    nvidia_smi.cell),
+    **dict.fromkeys(("index", "memory.total", "memory.used", "temperature.gpu", "clocks.sm", "clocks.mem",
+                     "clocks.max.sm"), nvidia_smi.whole),
+    **dict.fromkeys(("utilization.gpu", "power.draw", "power.limit"), nvidia_smi.number),
+    "clocks_event_reasons.active": nvidia_smi.reasons,
+}
+
+
 def _nvidia_smi_query(text: str) -> object:
-    """A recorded ``--query-gpu`` answer through each of rigctl's readers whose fields it holds: the
-    fleet state's GPU samples, the bench's clock readings and the stamp's GPU."""
-    out: dict[str, object] = {}
+    """A recorded ``--query-gpu`` answer: each field rigctl asks for that it holds, per GPU, as rigctl reads
+    the cell; then through each of rigctl's readers whose fields it holds all of: the fleet state's GPU
+    samples, the bench's clock readings and the stamp's GPU."""
+    out: dict[str, object] = {"cells": []}
+    for field, read in _FIELD_READERS.items():
+        column = _project(text, [field])
+        if column is None:
+            continue
+        lines = column.splitlines()
+        while len(out["cells"]) < len(lines):
+            out["cells"].append({})
+        for row, line in zip(out["cells"], lines, strict=True):
+            row[field] = read(line)
     state = _project(text, NVIDIA_SMI_FIELDS)
     if state is not None:
         out["fleet_state"] = [dataclasses.asdict(sample) for sample in parse_nvidia_smi(state)]
