@@ -12,7 +12,7 @@ import pytest
 from inventory_support import edit_yaml
 
 from rigctl.bench.server import MemoryPoint, kv_bytes_per_token
-from rigctl.errors import ProbeError
+from rigctl.errors import ConfigError, ProbeError
 from rigctl.fleet.host_facts import inventory_vars, parse_probe
 from rigctl.hostside import nvidia_smi
 from rigctl.inventory import Inventory
@@ -134,3 +134,16 @@ def test_the_memory_slope_skips_sizes_the_driver_reports_no_memory_for() -> None
     assert kv_bytes_per_token([MemoryPoint(1024, None), MemoryPoint(2048, None)]) is None
     slope = kv_bytes_per_token([MemoryPoint(1024, 1000), MemoryPoint(2048, 1016), MemoryPoint(4096, None)])
     assert slope == pytest.approx(16 * 1024 * 1024 / 1024)
+
+
+def test_a_bench_uses_the_gpus_it_names_and_refuses_a_mig_gpu(rigs: Path) -> None:
+    from rigctl.bench.matrix import bench_job_spec, parse_spec
+
+    spec = parse_spec({"hosts": ["laptop-1650ti"], "models": ["gemma-4-e2b-qat-q4_0"], "gpus": [0]}, "spec")
+    host = Inventory.load(rigs).host("laptop-1650ti")
+    assert bench_job_spec(host, spec).params["gpus"] == [0]
+    with pytest.raises(ConfigError, match=r"laptop-1650ti: bench gpus: GPU 1 does not exist \(nvidia-smi indexes 0\)"):
+        bench_job_spec(host, spec.model_copy(update={"gpus": [1]}))
+    edit_yaml(rigs / "host_vars/laptop-1650ti.yml", lambda d: _mig_laptop(d, MIG_UUID))
+    with pytest.raises(ConfigError, match="host laptop-1650ti: bench gpus: GPU 0 has MIG on"):
+        bench_job_spec(Inventory.load(rigs).host("laptop-1650ti"), spec)
