@@ -132,7 +132,7 @@ class Server:
     profile: Profile
     port: int
     enabled: bool
-    gpu: int | None  # gpu_host_gpus index, pinned with CUDA_VISIBLE_DEVICES
+    gpu: int | str | None  # gpu_host_gpus index or MIG instance UUID, pinned with CUDA_VISIBLE_DEVICES
     model: Artifact  # what it loads
     draft_model: Artifact | None  # the drafter it loads with -md
     address: str  # where the controller reaches the host
@@ -223,6 +223,15 @@ class Host:
         return Gpu(gpu.name, gpu.vram_mib, gpu.compute_capability, gpu.bandwidth_gbs)
 
     @property
+    def gpu_indexes(self) -> dict[int, bool]:
+        """The host's GPUs as nvidia-smi indexes them, each with whether MIG is on (its instances listed)."""
+        gpus = self._validated("gpu_host_gpus", None)
+        if gpus:
+            return {g.index: bool(g.mig) for g in gpus}
+        first = self._validated("gpu_host_gpu", None)
+        return {0: bool(first.mig)} if first is not None else {}
+
+    @property
     def llama_cpp(self) -> LlamaCppPin:
         source = self._validated("llama_cpp_source", None)
         if source is None:
@@ -270,7 +279,7 @@ class Host:
             out.append(Server(
                 host=self.name, name=plan["name"], artifact=plan["artifact"],
                 profile=Profile(plan["profile_name"], plan["profile"]), port=plan["port"],
-                enabled=plan["enabled"], gpu=None if plan["gpu"] is None else int(plan["gpu"]),
+                enabled=plan["enabled"], gpu=_gpu_pin(plan["gpu"]),
                 model=Artifact(plan["artifact"], plan["model"], pins.get(plan["artifact"])),
                 draft_model=Artifact(draft, plan["draft_model"], pins.get(draft)) if draft else None,
                 address=self.address, bind=plan["bind"], flags=tuple(plan["flags"]), config_dir=config_dir,
@@ -667,3 +676,9 @@ def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
 
+
+def _gpu_pin(value: object) -> int | str | None:
+    """An instance's GPU pin: a gpu_host_gpus index, or a MIG instance's UUID (kept as text)."""
+    if value is None:
+        return None
+    return value if isinstance(value, str) and value.startswith("MIG-") else int(str(value))
