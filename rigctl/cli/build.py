@@ -36,10 +36,11 @@ def build_status(limit: LimitOption = None) -> None:
             failed = True
             continue
         cur = builds.current
-        table.add_row(name, str(cur) if cur else "-", cur.key if cur else "-", cur.cpu if cur else "-",
-                      (cur.cuda_architectures or "on") if cur and cur.cuda else "off",
-                      cur.built_on if cur else "-", str(builds.previous) if builds.previous else "-",
-                      str(builds.candidate) if builds.candidate else "-")
+        # Every cell but the host's name is what the host's build manifests say: shown as text.
+        table.add_row(name, *(outside_text(cell) for cell in (
+            cur if cur else "-", cur.key if cur else "-", cur.cpu if cur else "-",
+            (cur.cuda_architectures or "on") if cur and cur.cuda else "off",
+            cur.built_on if cur else "-", builds.previous or "-", builds.candidate or "-")))
     console.print(table)
     if failed:
         raise typer.Exit(1)
@@ -166,11 +167,12 @@ def build_advisories(limit: LimitOption = None) -> None:
     from rigctl.inventory import advisories
 
     table = Table(title="llama.cpp advisories (rigctl/inventory/data/llama_cpp_advisories.yaml)")
-    for column in ("advisory", "CVE", "severity", "builds", "fixed in", "summary"):
+    for column in ("advisory", "CVE", "severity", "builds", "fixed in", "flags", "summary", "sources"):
         table.add_column(column)
     for advisory in advisories.table():
         table.add_row(advisory.id, advisory.cve or "-", advisory.severity, advisory.range_text,
-                      f"b{advisory.fixed}" if advisory.fixed is not None else "-", advisory.summary)
+                      f"b{advisory.fixed}" if advisory.fixed is not None else "-", ", ".join(advisory.flags) or "-",
+                      Text(advisory.summary), Text("\n".join((advisory.url, *advisory.sources))))
     console.print(table)
     hosts = Table(title="hosts against the floor")
     for column in ("host", "pinned", "running", "accepted"):
