@@ -115,9 +115,9 @@ def test_a_line_break_in_a_profile_value_is_refused_and_never_adds_a_flag(lab: P
     key = next(iter(values))
     problems = [p for p in check(Inventory.load(lab)) if p.key.startswith(f"llama_server_profiles.lab.{key}")]
     assert any("would add a flag" in p.message for p in problems)
-    # provision reads the same plan: it cannot be made, so nothing is written.
+    # provision reads the same plan before any play: it cannot be made, so nothing is written.
     with pytest.raises(ConfigError, match="would add a flag to the arguments file"):
-        Inventory.load(lab).host("desktop").servers
+        flag_policy.refuse_dangerous_flags(Inventory.load(lab).select(None))
     with pytest.raises(ProfileError, match="would add a flag"):
         server_flags(values, model_path="/m.gguf", port=8080, alias="a")
 
