@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
@@ -12,6 +12,9 @@ from rich.text import Text
 from rigctl.cli.common import LimitOption, ResultsOption, console, load_inventory, results_store
 from rigctl.cli.render import about_host, outside_text, print_event, print_task
 from rigctl.errors import ConfigError, RigctlError
+
+if TYPE_CHECKING:  # the fleet's modules load SSH clients: imported where used
+    from rigctl.fleet.build import Builds
 
 app = typer.Typer(no_args_is_help=True, help="llama.cpp builds on the hosts: status, rollback, gated upgrades, "
                                              "bisects and the CVE floor.")
@@ -24,26 +27,29 @@ def build_status(limit: LimitOption = None) -> None:
     from rigctl.fleet.build import read_builds
     from rigctl.ssh import on_each_host
 
+    found = on_each_host(load_inventory().select(limit), read_builds, thread_name_prefix="rigctl-builds")
+    console.print(builds_table(found))
+    if any(isinstance(builds, RigctlError) for builds in found.values()):
+        raise typer.Exit(1)
+
+
+def builds_table(found: dict[str, Builds | RigctlError]) -> Table:
+    """Each host's builds, or why they could not be read. Every cell but the host's name is what the host's
+    build manifests (or its error) say: shown as text, never read as markup."""
     table = Table(title="llama.cpp builds")
     for column in ("host", "current", "key", "CPU", "CUDA", "built on", "previous", "candidate"):
         table.add_column(column)
-    failed = False
-    for name, builds in on_each_host(load_inventory().select(limit), read_builds,
-                                     thread_name_prefix="rigctl-builds").items():
+    for name, builds in found.items():
         if isinstance(builds, RigctlError):
             table.add_row(name, Text.assemble(("unreadable: ", "red"), about_host(name, builds)),
                           "-", "-", "-", "-", "-", "-")
-            failed = True
             continue
         cur = builds.current
-        # Every cell but the host's name is what the host's build manifests say: shown as text.
         table.add_row(name, *(outside_text(cell) for cell in (
             cur if cur else "-", cur.key if cur else "-", cur.cpu if cur else "-",
             (cur.cuda_architectures or "on") if cur and cur.cuda else "off",
             cur.built_on if cur else "-", builds.previous or "-", builds.candidate or "-")))
-    console.print(table)
-    if failed:
-        raise typer.Exit(1)
+    return table
 
 
 @app.command("rollback")

@@ -4,6 +4,7 @@ and the error line every command ends with."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -47,3 +48,60 @@ def test_an_error_quoting_outside_text_is_one_line_of_text(tmp_path: Path) -> No
     assert done.returncode == 2
     assert done.stderr == (f"error: inventory {tmp_path}/inv [/] [bold]x\\x1b[2J\\nerror: forged: "
                            "no such file or directory\n")
+
+
+HOSTILE = "x [/] [bold]y\x1b[2J\x1b]0;owned\x07"
+SHOWN = "x [/] [bold]y\\x1b[2J\\x1b]0;owned\\x07"
+
+
+def rendered(renderable) -> str:
+    from io import StringIO
+
+    from rich.console import Console
+
+    out = StringIO()
+    Console(file=out, color_system=None, width=1000, soft_wrap=True).print(renderable)
+    return out.getvalue()
+
+
+def test_servers_table_shows_what_systemd_and_the_server_said_as_text() -> None:
+    from rigctl.cli.servers import servers_table
+    from rigctl.fleet.servers import ServerStatus
+
+    row = ServerStatus(host="desktop", name="smollm2", port=8080, artifact="a", profile="lab", enabled=True,
+                       state=HOSTILE, main_pid=7, healthy=False, health=HOSTILE, model=HOSTILE, build=HOSTILE)
+    text = rendered(servers_table([row]))
+    assert "\x1b" not in text and "\x07" not in text
+    assert text.count(SHOWN) == 4  # state, model, build, health
+
+
+def test_build_status_shows_the_hosts_manifests_as_text() -> None:
+    from rigctl.cli.build import builds_table
+    from rigctl.errors import ConnectError
+    from rigctl.fleet.build import Build, Builds
+
+    build = Build(name=HOSTILE, dir="/opt/x", key=HOSTILE, version="b1", commit="c", build_number=1,
+                  source="archive", cuda=True, cuda_architectures=HOSTILE, cuda_version="12", built_on=HOSTILE,
+                  built_at="t")
+    text = rendered(builds_table({"desktop": Builds("desktop", build, build, build),
+                                  "laptop": ConnectError("laptop", HOSTILE)}))
+    assert "\x1b" not in text and "\x07" not in text
+    assert text.count(SHOWN) >= 7  # current, key, CUDA, built on, previous, candidate, laptop's error
+
+
+def test_compare_prints_a_records_sets_and_answers_as_text(tmp_path: Path) -> None:
+    """The habits table (and every other) shows the record's set names and answers literally."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from handmade_runs import eval_run
+
+    rows = [{"id": f"q{i}", "set": HOSTILE, "score": i % 2, "cutoff": False, "pred": HOSTILE, "gold": "[/]"}
+            for i in range(10)]
+    eval_run(tmp_path, "desktop", "eval-20261130T050000Z-0001", "m-a", rows)
+    eval_run(tmp_path, "desktop", "eval-20261130T050000Z-0002", "m-b", [{**r, "score": 1} for r in rows])
+    done = subprocess.run([sys.executable, "-m", "rigctl.cli", "compare", "desktop/eval-20261130T050000Z-0001",
+                           "desktop/eval-20261130T050000Z-0002"], capture_output=True, text=True, timeout=300,
+                          cwd=REPO, env={**os.environ, "RIGCTL_RESULTS": str(tmp_path), "COLUMNS": "400"})
+    assert done.returncode == 0, done.stderr
+    assert "\x1b" not in done.stdout + done.stderr and "\x07" not in done.stdout + done.stderr
+    habits = done.stdout.split("answer habits", 1)[1]
+    assert habits.count(SHOWN) == 4 and "[/] 10" in habits  # two runs: set and predicted answer each
