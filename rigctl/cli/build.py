@@ -173,13 +173,18 @@ def build_advisories(limit: LimitOption = None) -> None:
     from rigctl.inventory import advisories
 
     table = Table(title="llama.cpp advisories (rigctl/inventory/data/llama_cpp_advisories.yaml)")
-    for column in ("advisory", "CVE", "severity", "builds", "fixed in", "flags", "summary", "sources"):
+    for column in ("advisory", "CVE", "severity", "builds", "fixed in", "flags", "summary"):
         table.add_column(column)
     for advisory in advisories.table():
         table.add_row(advisory.id, advisory.cve or "-", advisory.severity, advisory.range_text,
                       f"b{advisory.fixed}" if advisory.fixed is not None else "-", ", ".join(advisory.flags) or "-",
-                      Text(advisory.summary), Text("\n".join((advisory.url, *advisory.sources))))
+                      Text(advisory.summary))
     console.print(table)
+    # Where each range was read, in full: a URL cut to a table column's width cites nothing.
+    console.print("sources:", highlight=False)
+    for advisory in advisories.table():
+        for source in (advisory.url, *advisory.sources):
+            console.print(Text(f"  {advisory.id}: {source}"), soft_wrap=True, highlight=False)
     hosts = Table(title="hosts against the floor")
     for column in ("host", "pinned", "running", "accepted"):
         hosts.add_column(column)

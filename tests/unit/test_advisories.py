@@ -183,3 +183,28 @@ def test_the_table_file_is_yaml_with_a_header_that_explains_its_semantics():
     text = (REPO / "rigctl" / "inventory" / "data" / "llama_cpp_advisories.yaml").read_text()
     assert "last_affected" in text.split("advisories:")[0] and "GHSA-8947-pfff-2f3c" in text.split("advisories:")[0]
     assert isinstance(yaml.safe_load(text)["advisories"], list)
+
+
+def test_build_advisories_lists_the_new_advisories_with_their_sources():
+    """`rigctl build advisories`: every entry with its range, flags and sources (the lab's hosts are down here:
+    their running build is unknown, the listing still completes)."""
+    import os
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-m", "rigctl.cli", "-i", str(REPO / "inventory" / "lab"), "build",
+                           "advisories"], capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env={**os.environ, "RIGCTL_LAB_SLOT": "5", "COLUMNS": "4000"})
+    assert done.returncode == 0, done.stderr
+    rows = {line.split("│")[1].strip(): line for line in done.stdout.splitlines()
+            if line.count("│") == 8 and line.split("│")[1].strip()}
+    for ident, builds, source in (
+            ("CVE-2026-43627", "b1283-b9058", "https://nvd.nist.gov/vuln/detail/CVE-2026-43627"),
+            ("CVE-2026-43628", "b3978-b9058", "https://nvd.nist.gov/vuln/detail/CVE-2026-43628"),
+            ("CVE-2026-43629", "b4882-b9058", "https://nvd.nist.gov/vuln/detail/CVE-2026-43629"),
+            ("CVE-2026-43632", "b7492-b9060", "https://nvd.nist.gov/vuln/detail/CVE-2026-43632"),
+            ("CVE-2026-52130", "no range stated", "https://nvd.nist.gov/vuln/detail/CVE-2026-52130"),
+            ("CVE-2026-52131", "<= b5693", "https://github.com/advisories/GHSA-jfjx-j76r-xrpf"),
+            ("CVE-2026-52132", "through commit 97f06e9", "https://osv.dev/vulnerability/CVE-2026-52132"),
+            ("ggml-org/llama.cpp#25288", "no range stated", "https://github.com/ggml-org/llama.cpp/issues/25288")):
+        assert builds in rows[ident] and f"  {ident}: {source}" in done.stdout.split("\nsources:\n")[1], ident
+    assert "--rerank, --reranking" in rows["CVE-2026-52132"] and "--rpc" in rows["ggml-org/llama.cpp#25289"]
