@@ -54,41 +54,6 @@ HOSTILE = "x [/] [bold]y\x1b[2J\x1b]0;owned\x07"
 SHOWN = "x [/] [bold]y\\x1b[2J\\x1b]0;owned\\x07"
 
 
-def rendered(renderable) -> str:
-    from io import StringIO
-
-    from rich.console import Console
-
-    out = StringIO()
-    Console(file=out, color_system=None, width=1000, soft_wrap=True).print(renderable)
-    return out.getvalue()
-
-
-def test_servers_table_shows_what_systemd_and_the_server_said_as_text() -> None:
-    from rigctl.cli.servers import servers_table
-    from rigctl.fleet.servers import ServerStatus
-
-    row = ServerStatus(host="desktop", name="smollm2", port=8080, artifact="a", profile="lab", enabled=True,
-                       state=HOSTILE, main_pid=7, healthy=False, health=HOSTILE, model=HOSTILE, build=HOSTILE)
-    text = rendered(servers_table([row]))
-    assert "\x1b" not in text and "\x07" not in text
-    assert text.count(SHOWN) == 4  # state, model, build, health
-
-
-def test_build_status_shows_the_hosts_manifests_as_text() -> None:
-    from rigctl.cli.build import builds_table
-    from rigctl.errors import ConnectError
-    from rigctl.fleet.build import Build, Builds
-
-    build = Build(name=HOSTILE, dir="/opt/x", key=HOSTILE, version="b1", commit="c", build_number=1,
-                  source="archive", cuda=True, cuda_architectures=HOSTILE, cuda_version="12", built_on=HOSTILE,
-                  built_at="t")
-    text = rendered(builds_table({"desktop": Builds("desktop", build, build, build),
-                                  "laptop": ConnectError("laptop", HOSTILE)}))
-    assert "\x1b" not in text and "\x07" not in text
-    assert text.count(SHOWN) >= 7  # current, key, CUDA, built on, previous, candidate, laptop's error
-
-
 def test_compare_prints_a_records_sets_and_answers_as_text(tmp_path: Path) -> None:
     """The habits table (and every other) shows the record's set names and answers literally."""
     sys.path.insert(0, str(REPO / "tests"))
