@@ -104,7 +104,7 @@ class FleetTools:
         # Before its record is read: a directory of that id linked out of the store is refused unread.
         hosts = [self.store.root / parts[0]] if len(parts) == 2 else list(self.store.root.glob("*"))
         for candidate in (host / parts[-1] for host in hosts):
-            if candidate.is_symlink() or candidate.parent.is_symlink():
+            if os.path.lexists(candidate) and (candidate.is_symlink() or candidate.parent.is_symlink()):
                 contained(self.store.root, candidate, f"run {ref!r}")
         run = self.store.find(ref)
         self.confined(run)
