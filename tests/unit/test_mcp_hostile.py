@@ -146,9 +146,17 @@ def test_every_tool_returns_host_text_only_wrapped_and_capped(tmp_path: Path, ho
         answers = [(name, await client.call_tool(name, args)) for name, args in [*CALLS.items(), *MORE]]
         return names, answers
 
+    actions = StdioServerParameters(command=str(RIGCTL), args=["-i", str(inventory), "mcp", "--allow-actions"],
+                                    env=env, cwd=str(REPO))
+
     async def main():
         async with Client(params, read_timeout_seconds=300) as client:
-            return await body(client)
+            names, answers = await body(client)
+        # The actions allowed: each reaches the (closed) host and answers with what failed there.
+        async with Client(actions, read_timeout_seconds=300) as client:
+            for name in ("restart_server", "start_bench", "start_eval", "pull_results"):
+                answers.append((f"{name} (allowed)", await client.call_tool(name, CALLS[name])))
+        return names, answers
 
     names, answers = asyncio.run(main())
     assert names == set(CALLS)  # every tool is walked
@@ -183,6 +191,11 @@ def test_every_tool_returns_host_text_only_wrapped_and_capped(tmp_path: Path, ho
     assert results["server_logs"][0].is_error and results["job_status"][0].is_error
     for action in ("restart_server", "start_bench", "start_eval", "pull_results"):
         assert results[action][0].is_error and "--allow-actions" in tool_text(results[action][0])
+        allowed = results[f"{action} (allowed)"][0]
+        assert "--allow-actions" not in tool_text(allowed)
+    pulled = results["pull_results (allowed)"][0]
+    assert not pulled.is_error
+    assert "cannot connect" in pulled.structured_content["hosts"]["desktop"]["error"]["untrusted"]
 
 
 def test_open_world_hint_says_which_tools_take_in_what_hosts_say(tmp_path: Path):
