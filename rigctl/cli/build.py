@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
@@ -12,6 +12,9 @@ from rich.text import Text
 from rigctl.cli.common import LimitOption, ResultsOption, console, load_inventory, results_store
 from rigctl.cli.render import about_host, outside_text, print_event, print_task
 from rigctl.errors import ConfigError, RigctlError
+
+if TYPE_CHECKING:  # the fleet's modules load SSH clients: imported where used
+    from rigctl.fleet.build import Builds
 
 app = typer.Typer(no_args_is_help=True, help="llama.cpp builds on the hosts: status, rollback, gated upgrades, "
                                              "bisects and the CVE floor.")
@@ -24,25 +27,29 @@ def build_status(limit: LimitOption = None) -> None:
     from rigctl.fleet.build import read_builds
     from rigctl.ssh import on_each_host
 
+    found = on_each_host(load_inventory().select(limit), read_builds, thread_name_prefix="rigctl-builds")
+    console.print(builds_table(found))
+    if any(isinstance(builds, RigctlError) for builds in found.values()):
+        raise typer.Exit(1)
+
+
+def builds_table(found: dict[str, Builds | RigctlError]) -> Table:
+    """Each host's builds, or why they could not be read. Every cell but the host's name is what the host's
+    build manifests (or its error) say: shown as text, never read as markup."""
     table = Table(title="llama.cpp builds")
     for column in ("host", "current", "key", "CPU", "CUDA", "built on", "previous", "candidate"):
         table.add_column(column)
-    failed = False
-    for name, builds in on_each_host(load_inventory().select(limit), read_builds,
-                                     thread_name_prefix="rigctl-builds").items():
+    for name, builds in found.items():
         if isinstance(builds, RigctlError):
             table.add_row(name, Text.assemble(("unreadable: ", "red"), about_host(name, builds)),
                           "-", "-", "-", "-", "-", "-")
-            failed = True
             continue
         cur = builds.current
-        table.add_row(name, str(cur) if cur else "-", cur.key if cur else "-", cur.cpu if cur else "-",
-                      (cur.cuda_architectures or "on") if cur and cur.cuda else "off",
-                      cur.built_on if cur else "-", str(builds.previous) if builds.previous else "-",
-                      str(builds.candidate) if builds.candidate else "-")
-    console.print(table)
-    if failed:
-        raise typer.Exit(1)
+        table.add_row(name, *(outside_text(cell) for cell in (
+            cur if cur else "-", cur.key if cur else "-", cur.cpu if cur else "-",
+            (cur.cuda_architectures or "on") if cur and cur.cuda else "off",
+            cur.built_on if cur else "-", builds.previous or "-", builds.candidate or "-")))
+    return table
 
 
 @app.command("rollback")
@@ -164,12 +171,18 @@ def build_advisories(limit: LimitOption = None) -> None:
     from rigctl.inventory import advisories
 
     table = Table(title="llama.cpp advisories (rigctl/inventory/data/llama_cpp_advisories.yaml)")
-    for column in ("advisory", "CVE", "severity", "builds", "fixed in", "summary"):
+    for column in ("advisory", "CVE", "severity", "builds", "fixed in", "flags", "summary"):
         table.add_column(column)
     for advisory in advisories.table():
         table.add_row(advisory.id, advisory.cve or "-", advisory.severity, advisory.range_text,
-                      f"b{advisory.fixed}" if advisory.fixed is not None else "-", advisory.summary)
+                      f"b{advisory.fixed}" if advisory.fixed is not None else "-", ", ".join(advisory.flags) or "-",
+                      Text(advisory.summary))
     console.print(table)
+    # Where each range was read, in full: a URL cut to a table column's width cites nothing.
+    console.print("sources:", highlight=False)
+    for advisory in advisories.table():
+        for source in (advisory.url, *advisory.sources):
+            console.print(Text(f"  {advisory.id}: {source}"), soft_wrap=True, highlight=False)
     hosts = Table(title="hosts against the floor")
     for column in ("host", "pinned", "running", "accepted"):
         hosts.add_column(column)

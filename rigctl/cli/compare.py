@@ -57,10 +57,10 @@ def print_eval_comparison(result: Comparison) -> None:
         named = any(v.scoring.metric != "score" for v in pair.variants)
         title += f", score {GSM8K_SCORES['score']}" if named else ""
         if pair.forced:
-            err_console.print(f"warning: compared with --force: {pair.forced}", markup=False, highlight=False)
+            err_console.print(outside_text(f"warning: compared with --force: {pair.forced}"))
         if pair.only_a or pair.only_b:
-            err_console.print(f"note: {pair.only_a} questions only in {pair.a.name}, {pair.only_b} only in "
-                              f"{pair.b.name}; left out", markup=False, highlight=False)
+            err_console.print(outside_text(f"note: {pair.only_a} questions only in {pair.a.name}, {pair.only_b} "
+                                           f"only in {pair.b.name}; left out"))
         table = Table(title=outside_text(title))
         columns = ["set", "n", "A", "B", "B - A, points (95%)", "b / c", "p (exact)"]
         columns += [f"±{pair.margin:g} points"] if pair.margin is not None else []
@@ -75,12 +75,11 @@ def print_eval_comparison(result: Comparison) -> None:
         console.print(table)
         if pair.replicate is not None:
             noise = pair.replicate
-            console.print(
+            console.print(outside_text(
                 f"replicate {noise.run.name}: disagrees with A on {ratio_text(noise.disagreement)} of {noise.n} "
                 f"questions (A and B: {ratio_text(pair.disagreement) if pair.disagreement else '-'}); its gap "
                 f"{points(noise.gap)} points: the A/B gap is " +
-                ("within replicate noise" if pair.within_noise else "clearly larger than replicate noise"),
-                markup=False, highlight=False)
+                ("within replicate noise" if pair.within_noise else "clearly larger than replicate noise")))
         if len(result.pairs) > 1:
             console.print(f"overall p (Holm-adjusted across the {len(result.pairs)} pairs): "
                           f"{p_text(result.holm[index])}", markup=False, highlight=False)
@@ -93,16 +92,17 @@ def print_eval_comparison(result: Comparison) -> None:
             for variant in pair.variants:
                 overall = variant.overall
                 moved = (overall.gap.estimate - base) * 100
-                sens.add_row(variant.label, str(overall.n), f"{overall.score_a:.3f}", f"{overall.score_b:.3f}",
-                             points(overall.gap), "" if variant is recorded else f"{moved:+.1f}")
+                sens.add_row(outside_text(variant.label), str(overall.n), f"{overall.score_a:.3f}",
+                             f"{overall.score_b:.3f}", points(overall.gap),
+                             "" if variant is recorded else f"{moved:+.1f}")
             console.print(sens)
     if len(result.runs) > 2:
         matrix = Table(title="overall gap, column - row, points (95%)")
         matrix.add_column("run")
         for run in result.runs:
-            matrix.add_column(run.label, justify="right")
+            matrix.add_column(outside_text(run.label), justify="right")
         for run, row in zip(result.runs, result.matrix(), strict=True):
-            matrix.add_row(run.label, *("-" if gap is None else points(gap.gap) for gap in row))
+            matrix.add_row(outside_text(run.label), *("-" if gap is None else points(gap.gap) for gap in row))
         console.print(matrix)
 
 
@@ -133,7 +133,7 @@ def print_flips(result: Comparison) -> None:
                           outside_text(_clip(flip.reply_a)), outside_text(_clip(flip.reply_b)))
         console.print(table)
         a_file, b_file = pair.files
-        console.print(f"replies in full: {a_file} and {b_file}", markup=False, highlight=False, soft_wrap=True)
+        console.print(outside_text(f"replies in full: {a_file} and {b_file}"), soft_wrap=True)
 
 
 def print_plan(result: Comparison) -> None:
@@ -147,7 +147,8 @@ def print_plan(result: Comparison) -> None:
         table.add_column(column, justify="left" if column in ("pair", "set") else "right")
     for row in plan(result):
         discordant = f"{row.discordant} ({row.discordance:.0%})" if row.discordant is not None else "graded"
-        table.add_row(f"{row.pair.b.name} - {row.pair.a.name}", row.gap.set, str(row.gap.n), discordant,
+        table.add_row(outside_text(f"{row.pair.b.name} - {row.pair.a.name}"), outside_text(row.gap.set),
+                      str(row.gap.n), discordant,
                       *(gap_points(g) for g in row.detectable), style="bold" if row.gap.set == "overall" else None)
     console.print(table)
 
@@ -158,7 +159,9 @@ def print_habits(habits: list[RunHabits]) -> None:
         table.add_column(column)
     for run in habits:
         for s in run.sets:
-            table.add_row(run.run.label, s.set, str(s.n), _labels(s.predicted), _labels(s.gold),
+            # The run's label, its sets and the answers it recorded are the record's text.
+            table.add_row(outside_text(run.run.label), outside_text(s.set), str(s.n),
+                          outside_text(_labels(s.predicted)), outside_text(_labels(s.gold)),
                           _share(s.cutoff, s.n), _share(s.toolless, s.tool_rows),
                           str(s.missed_calls) if s.tool_rows else "-")
     console.print(table)
@@ -171,7 +174,7 @@ def print_load_comparison(stored, **bootstrap: int) -> None:
     if len(stored) != 2:
         raise ConfigError(f"a load comparison needs two load runs, got {len(stored)}")
     a, b = stored
-    table = Table(title=f"load: B {b.host}/{b.id} / A {a.host}/{a.id}, level by level")
+    table = Table(title=outside_text(f"load: B {b.host}/{b.id} / A {a.host}/{a.id}, level by level"))
     for column in ("concurrency", "A output t/s", "B output t/s", "output t/s B / A (95%)", "TTFT B / A (95%)",
                    "TPOT B / A (95%)", "errors A, B"):
         table.add_column(column, justify="right")
@@ -234,12 +237,12 @@ def compare(
         return
     if all(run.record.kind == "bench" for run in stored):
         bench = compare_bench_runs(stored, by=by, **bootstrap)
-        table = Table(title=f"tokens/s: {bench.b} / {bench.a}")
+        table = Table(title=outside_text(f"tokens/s: {bench.b} / {bench.a}"))
         for column in ("test", "settings", f"A: {bench.a}", f"B: {bench.b}", "B / A (95%)"):
-            table.add_column(column, justify="left" if column in ("test", "settings") else "right")
+            table.add_column(outside_text(column), justify="left" if column in ("test", "settings") else "right")
         for r in bench.ratios:
-            table.add_row(r.test, f"{r.config} fa{r.flash_attn}", f"{r.mean_a:.2f}", f"{r.mean_b:.2f}",
-                          ratio_text(r.ratio))
+            table.add_row(outside_text(r.test), outside_text(f"{r.config} fa{r.flash_attn}"), f"{r.mean_a:.2f}",
+                          f"{r.mean_b:.2f}", ratio_text(r.ratio))
         console.print(table)
         if not bench.ratios:
             raise ConfigError(f"no test with equal settings on both sides ({bench.a} vs {bench.b})")

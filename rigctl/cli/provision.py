@@ -22,12 +22,15 @@ def provision(
 ) -> None:
     """Run playbooks/site.yml through ansible-runner; per-task progress, then a per-host summary (with each
     host's batch, and the batch that stopped a rolling rollout). A llama.cpp pin inside a published advisory's
-    range (the CVE floor) is refused before anything runs."""
+    range (the CVE floor), and a server flag of the dangerous-flag policy the inventory does not allow, are
+    refused before anything runs."""
     from rigctl.fleet.deploy import rollout_serial, run_playbook
     from rigctl.inventory.advisories import refuse_vulnerable_pins
+    from rigctl.inventory.flag_policy import refuse_dangerous_flags
 
     inventory = load_inventory()
     refuse_vulnerable_pins(inventory.select(limit))
+    refuse_dangerous_flags(inventory.select(limit))
     result = run_playbook(inventory, playbook, limit=limit, tags=tags or (), check=check,
                           on_event=print_event, on_task=print_task,
                           serial=rollout_serial(inventory.select(limit), serial))

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from rigctl.cli.common import ResultsOption, console, err_console, results_store
+from rigctl.cli.render import outside_text
 
 
 def report(
@@ -29,13 +30,14 @@ def report(
         store = results_store(results)
         run = store.find(str(campaign))
         built = build_run_report(run, store, out or Path("reports") / run.id)
-        console.print(built.headline, markup=False, highlight=False, soft_wrap=True)
-        console.print(f"\nreport: {built.path} ({len(built.charts)} charts)", markup=False, highlight=False)
+        # An upgrade's or a bisect's record: versions, hosts and gate figures as the rigs wrote them.
+        console.print(outside_text(built.headline, lines=True), soft_wrap=True)
+        console.print(outside_text(f"\nreport: {built.path} ({len(built.charts)} charts)", lines=True))
         return
     loaded = load_campaign(campaign)
     built = build_report(loaded, results_store(results), out or default_out_dir(loaded))
-    console.print(built.headline, markup=False, highlight=False, soft_wrap=True)
-    console.print(f"\nreport: {built.path} ({len(built.charts)} charts)", markup=False, highlight=False)
+    console.print(outside_text(built.headline, lines=True), soft_wrap=True)
+    console.print(outside_text(f"\nreport: {built.path} ({len(built.charts)} charts)", lines=True))
     if built.missing:
-        err_console.print(f"not pulled yet: {'; '.join(built.missing)} (rigctl campaign run {campaign})",
-                          markup=False, highlight=False, soft_wrap=True)
+        err_console.print(outside_text(f"not pulled yet: {'; '.join(built.missing)} (rigctl campaign run {campaign})"),
+                          soft_wrap=True)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from rigctl.cli.common import LimitOption, console, finite, load_inventory
 from rigctl.cli.render import outside_text
+
+if TYPE_CHECKING:  # the fleet's modules load SSH and HTTP clients: imported where used
+    from rigctl.fleet.servers import ServerStatus
 
 app = typer.Typer(no_args_is_help=False, invoke_without_command=True,
                   help="llama-server instances: state, port, model, build, health; restart; logs.")
@@ -27,24 +31,30 @@ def servers_list(
     from rigctl.fleet.servers import list_servers
 
     rows = list_servers(load_inventory(), limit)
+    console.print(servers_table(rows))
+    if any(r.enabled and not r.healthy for r in rows):
+        raise typer.Exit(1)
+
+
+def servers_table(rows: list[ServerStatus]) -> Table:
+    """The instances' table. What systemd, the server or the host said (state, model, build, health) is
+    shown as text, styled, never read as markup."""
     table = Table(title="llama-server instances")
     for column in ("host", "server", "state", "pid", "port", "artifact", "profile", "model", "build", "health"):
         table.add_column(column)
     for row in rows:
-        style = _STATE_STYLE.get(row.state, "yellow")
-        state = f"[{style}]{row.state}[/{style}]" + ("" if row.enabled else " (disabled)")
+        state = outside_text(row.state + ("" if row.enabled else " (disabled)"))
+        state.stylize(_STATE_STYLE.get(row.state, "yellow"))
         if row.healthy and row.health == "ok":
-            health = "[green]ok[/green]"
+            health = Text("ok", style="green")
         elif row.health == "disabled":
-            health = "[dim]-[/dim]"
-        else:  # what the server or the host said
+            health = Text("-", style="dim")
+        else:
             health = outside_text(row.error or row.health)
             health.stylize("red")
-        table.add_row(row.host, row.name, state, str(row.main_pid or "-"), str(row.port), row.artifact, row.profile,
-                      outside_text(row.model or "-"), outside_text(row.build or "-"), health)
-    console.print(table)
-    if any(r.enabled and not r.healthy for r in rows):
-        raise typer.Exit(1)
+        table.add_row(row.host, row.name, state, outside_text(row.main_pid or "-"), str(row.port), row.artifact,
+                      row.profile, outside_text(row.model or "-"), outside_text(row.build or "-"), health)
+    return table
 
 
 @app.command("restart")

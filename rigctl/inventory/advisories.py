@@ -29,14 +29,19 @@ from rigctl.trust import data_text_problem
 #: The inventory variable naming the advisories a fleet accepts, each with its reason.
 ALLOWED_VAR = "rigctl_allowed_advisories"
 _BUILD_LABEL = re.compile(r"b([0-9]+)")  # ASCII digits: \d and isdigit() take ² and ٣ too
-_ID = re.compile(r"^GHSA(-[23456789cfghjmpqrvwx]{4}){3}$")
+#: An entry's id: the repository's GHSA, else the CVE (upstream took no private reports from 2026-06), else
+#: the upstream issue that reported it.
+_ID = re.compile(r"^(?:GHSA(-[23456789cfghjmpqrvwx]{4}){3}|CVE-[0-9]{4}-[0-9]{4,}|ggml-org/llama\.cpp#[0-9]+)$")
+_COMMIT = re.compile(r"^[0-9a-f]{7,40}$")
+#: A llama-server flag as the table names one: what the dangerous-flag policy compares.
+_FLAG = re.compile(r"^--[a-z0-9][a-z0-9-]*$")
 
 
 @dataclass(frozen=True)
 class Advisory:
     """One advisory and the builds it covers (see the table's header for the range semantics)."""
 
-    id: str  # GHSA-xxxx-xxxx-xxxx
+    id: str  # GHSA-xxxx-xxxx-xxxx, CVE-YYYY-N or ggml-org/llama.cpp#N
     cve: str | None
     severity: str
     summary: str
@@ -44,13 +49,25 @@ class Advisory:
     last_affected: int | None = None
     fixed: int | None = None
     sources: tuple[str, ...] = ()
+    #: The commit a CVE names as its last affected one, when it names no build.
+    through_commit: str | None = None
+    #: The llama-server flags the attack needs (the dangerous-flag policy cites the advisory for them).
+    flags: tuple[str, ...] = ()
 
     @property
     def url(self) -> str:
-        return f"https://github.com/ggml-org/llama.cpp/security/advisories/{self.id}"
+        if self.id.startswith("GHSA-"):
+            return f"https://github.com/ggml-org/llama.cpp/security/advisories/{self.id}"
+        if self.id.startswith("CVE-"):
+            return f"https://nvd.nist.gov/vuln/detail/{self.id}"
+        return f"https://github.com/ggml-org/llama.cpp/issues/{self.id.rpartition('#')[2]}"
+
+    @property
+    def has_build_range(self) -> bool:
+        return self.last_affected is not None or self.fixed is not None
 
     def covers(self, build: int) -> bool:
-        if build < self.introduced:
+        if build < self.introduced or not self.has_build_range:
             return False
         if self.fixed is not None:
             return build < self.fixed
@@ -58,7 +75,9 @@ class Advisory:
 
     @property
     def range_text(self) -> str:
-        """The covered builds, short: ``b7492-b9060``, ``< b8146``."""
+        """The covered builds, short: ``b7492-b9060``, ``< b8146``, or what the source states instead."""
+        if not self.has_build_range:
+            return f"through commit {self.through_commit}" if self.through_commit else "no range stated"
         start = f"b{self.introduced}" if self.introduced else ""
         if self.fixed is not None:
             return f"{start}-b{self.fixed - 1}" if start else f"< b{self.fixed}"
@@ -67,7 +86,7 @@ class Advisory:
     def describe(self) -> str:
         """``GHSA-… (CVE-…, critical, builds b7492-b9060, fixed in b…): summary``."""
         fixed = f", fixed in b{self.fixed}" if self.fixed is not None else ", no fixed build named"
-        cve = f"{self.cve}, " if self.cve else ""
+        cve = f"{self.cve}, " if self.cve and self.cve != self.id else ""
         return f"{self.id} ({cve}{self.severity}, builds {self.range_text}{fixed}): {self.summary}"
 
 
@@ -81,13 +100,15 @@ def parse_table(data: Any, origin: str) -> list[Advisory]:
         where = f"{origin}: advisories[{index}]"
         if not isinstance(entry, Mapping):
             raise ConfigError(f"{where}: expected a mapping")
-        known = {"id", "cve", "severity", "summary", "introduced", "last_affected", "fixed", "sources"}
+        known = {"id", "cve", "severity", "summary", "introduced", "last_affected", "fixed", "sources",
+                 "through_commit", "flags"}
         unknown = sorted(str(k) for k in entry if k not in known)
         if unknown:
             raise ConfigError(f"{where}: unknown key {unknown[0]}")
         ident = str(entry.get("id", ""))
         if not _ID.match(ident) or ident in seen:
-            raise ConfigError(f"{where}: id {ident!r} is not a GHSA id, or is listed twice")
+            raise ConfigError(f"{where}: id {ident!r} is not a GHSA id, a CVE id or an upstream issue, "
+                              "or is listed twice")
         seen.add(ident)
         bounds = {}
         for key in ("introduced", "last_affected", "fixed"):
@@ -95,18 +116,30 @@ def parse_table(data: Any, origin: str) -> list[Advisory]:
             if value is not None and (type(value) is not int or value < 0):
                 raise ConfigError(f"{where} ({ident}): {key}: expected a build number, got {value!r}")
             bounds[key] = value
+        commit = entry.get("through_commit")
+        if commit is not None and (not isinstance(commit, str) or not _COMMIT.match(commit)):
+            raise ConfigError(f"{where} ({ident}): through_commit: expected a commit hash, got {commit!r}")
+        flags = entry.get("flags") or []
+        if not isinstance(flags, list) or not all(isinstance(f, str) and _FLAG.match(f) for f in flags):
+            raise ConfigError(f"{where} ({ident}): flags: expected a list of llama-server flags (--name)")
         if bounds["last_affected"] is None and bounds["fixed"] is None:
-            raise ConfigError(f"{where} ({ident}): needs last_affected or fixed")
-        end = bounds["fixed"] if bounds["fixed"] is not None else bounds["last_affected"] + 1
-        if end <= (bounds["introduced"] or 0):
-            raise ConfigError(f"{where} ({ident}): covers no build (introduced {bounds['introduced']}, end {end})")
+            if bounds["introduced"] is not None:
+                raise ConfigError(f"{where} ({ident}): introduced needs last_affected or fixed")
+        else:
+            if commit is not None:
+                raise ConfigError(f"{where} ({ident}): through_commit is for an advisory that names no build")
+            end = bounds["fixed"] if bounds["fixed"] is not None else bounds["last_affected"] + 1
+            if end <= (bounds["introduced"] or 0):
+                raise ConfigError(f"{where} ({ident}): covers no build (introduced {bounds['introduced']}, "
+                                  f"end {end})")
         sources = entry.get("sources") or []
         if not isinstance(sources, list) or not sources or not all(isinstance(s, str) and s for s in sources):
             raise ConfigError(f"{where} ({ident}): sources: every advisory cites where its range was read")
         out.append(Advisory(id=ident, cve=str(entry["cve"]) if entry.get("cve") else None,
                             severity=str(entry.get("severity", "unknown")), summary=str(entry.get("summary", "")),
                             introduced=bounds["introduced"] or 0, last_affected=bounds["last_affected"],
-                            fixed=bounds["fixed"], sources=tuple(sources)))
+                            fixed=bounds["fixed"], sources=tuple(sources), through_commit=commit,
+                            flags=tuple(flags)))
     return out
 
 

@@ -98,6 +98,7 @@ def check_host(host: Host, known: set[str]) -> list[Problem]:
     out.extend(_check_servers(where, parsed))
     out.extend(_check_pins(where, v, parsed))
     out.extend(_check_exposure(host, parsed))
+    out.extend(_check_flags(host, parsed))
     out.extend(_check_gpus(where, parsed))
     return out
 
@@ -172,6 +173,25 @@ def _check_exposure(host: Host, parsed: Mapping[str, Any]) -> list[Problem]:
                     f"serves on {server.bind} without llama_server_api_key: anyone who reaches the host "
                     "can use it (bind 127.0.0.1, or set a key from ansible-vault)", "warning")
             for server in servers if not server.api_key and not _is_loopback(server.bind)]
+
+
+def _check_flags(host: Host, parsed: Mapping[str, Any]) -> list[Problem]:
+    """The dangerous-flag policy: each instance whose arguments carry a flag the inventory does not allow,
+    and each allowance that names no flag of the policy."""
+    from rigctl.inventory import flag_policy
+
+    where = f"host {host.name}"
+    try:
+        flag_policy.allowed_flags(parsed.get(flag_policy.ALLOWED_VAR), where)
+    except ConfigError as exc:
+        return [Problem(where, flag_policy.ALLOWED_VAR, str(exc).removeprefix(f"{where}: "))]
+    if "llama_server_profiles" not in parsed or "llama_server_instances" not in parsed:
+        return []
+    try:
+        refusals = flag_policy.host_refusals(host)
+    except ConfigError:
+        return []  # a profile that does not resolve or render is reported by the schema and _check_servers
+    return [Problem(where, f"llama_server_instances.{instance}", line) for instance, line in refusals]
 
 
 def _is_loopback(address: str) -> bool:

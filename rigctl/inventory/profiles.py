@@ -138,6 +138,11 @@ def server_flags(profile: Mapping[str, Any], *, model_path: str, port: int, alia
         lines.append(f"--api-key-file {api_key_file}")
     for extra in profile.get("extra_args") or ():
         lines.append(str(extra).strip())
+    broken = next((line for line in lines if not line.isprintable()), None)
+    if broken is not None:
+        # One flag per line: a line break inside a value would be read as a flag of its own.
+        raise ProfileError(f"{broken!r}: a line break or control character in a profile value would add a "
+                           "flag to the arguments file", reason="a line break or control character in a value")
     return lines
 
 

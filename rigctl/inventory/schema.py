@@ -37,6 +37,19 @@ def _plain_name(value: str) -> str:
 
 
 Name = Annotated[str, AfterValidator(_plain_name)]
+
+
+def _one_line(value: str) -> str:
+    # The arguments file holds one flag per line: a line break in a value would start a flag of its own.
+    odd = next((ch for ch in value if not ch.isprintable()), None)
+    if odd is not None:
+        raise ValueError(f"{value!r}: a line break or control character ({odd!r}) in a value would add a flag "
+                         "to the arguments file")
+    return value
+
+
+#: A profile's text that becomes (part of) one line of the arguments file.
+ArgText = Annotated[str, AfterValidator(_one_line)]
 #: Compute capabilities NVIDIA has shipped (and CUDA's matching architectures, 8.6 -> 86).
 COMPUTE_CAPABILITIES = ("3.5", "3.7", "5.0", "5.2", "5.3", "6.0", "6.1", "6.2", "7.0", "7.2", "7.5", "8.0", "8.6",
                         "8.7", "8.8", "8.9", "9.0", "10.0", "10.1", "10.3", "11.0", "12.0", "12.1")
@@ -206,7 +219,7 @@ class ModelSpec(_Strict):
 class SpecDecoding(_Strict):
     type: Literal["draft-mtp", "draft-simple"]
     draft_n_max: int = Field(ge=1, le=16)
-    draft_model: str | None = None
+    draft_model: ArgText | None = None
     n_gpu_layers_draft: int | None = Field(default=None, ge=0)
 
     @model_validator(mode="after")
@@ -220,8 +233,8 @@ class SpecDecoding(_Strict):
 
 
 class ProfileSpec(_Strict):
-    extends: str | None = None
-    host: str | None = None
+    extends: ArgText | None = None
+    host: ArgText | None = None
     n_gpu_layers: int | None = Field(default=None, ge=0)
     ctx_size: int | None = Field(default=None, ge=0)
     cache_type_k: Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"] | None = None
@@ -232,10 +245,10 @@ class ProfileSpec(_Strict):
     parallel: int | None = Field(default=None, ge=1)
     reasoning: Literal["on", "off", "auto"] | None = None
     metrics: bool | None = None
-    alias: str | None = None
-    override_tensor: str | list[str] | None = None
+    alias: ArgText | None = None
+    override_tensor: ArgText | list[ArgText] | None = None
     spec: SpecDecoding | None = None
-    extra_args: list[str] | None = None
+    extra_args: list[ArgText] | None = None
 
     @field_validator("flash_attn", "reasoning", mode="before")
     @classmethod
@@ -251,7 +264,7 @@ class SpecOverride(_Strict):
 
     type: Literal["draft-mtp", "draft-simple"] | None = None
     draft_n_max: int | None = Field(default=None, ge=1, le=16)
-    draft_model: str | None = None
+    draft_model: ArgText | None = None
     n_gpu_layers_draft: int | None = Field(default=None, ge=0)
 
 
@@ -334,7 +347,7 @@ SCHEMA: dict[str, Any] = {
     "llama_server_profiles": dict[Name, ProfileSpec],
     "llama_server_instances": dict[Name, InstanceSpec],
     "llama_server_profile_overrides": dict[str, ProfileOverride],
-    "llama_server_bind_address": str,
+    "llama_server_bind_address": ArgText,
     "llama_server_api_key": str,
     "models_pins": dict[str, Annotated[str, Field(pattern=SHA256.pattern)]],
     "models_pin_policy": Literal["fail", "warn"],
@@ -345,6 +358,8 @@ SCHEMA: dict[str, Any] = {
     "rigctl_serial": SerialSpec,
     # {advisory id: the reason the fleet accepts a build inside its range} (rigctl/inventory/advisories.py)
     "rigctl_allowed_advisories": dict[str, Annotated[str, Field(min_length=1)]],
+    # {llama-server flag: the reason the fleet uses it} (the dangerous-flag policy, rigctl/inventory/flag_policy.py)
+    "rigctl_allowed_server_flags": dict[str, Annotated[str, Field(min_length=1)]],
     # The gates of `rigctl build upgrade` and `build bisect` (rigctl/inventory/gates.py); what needs the host
     # too is checked by rigctl/upgrade/gates.py's check_gates.
     "rigctl_upgrade_gates": Gates | None,

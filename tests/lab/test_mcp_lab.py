@@ -34,7 +34,7 @@ def test_fleet_status_both_rigs_up_and_servers_healthy(lab_served: Inventory, tm
         assert host["gpus"] and host["gpus"][0]["memory_total_mib"] > 0
         assert [m["drift"] for m in host["models"]] == [False] * len(host["models"])
         server = host["servers"]["smollm2"]
-        assert server["state"] == "active" and server["healthy"] is True and server["main_pid"] > 0
+        assert server["state"] == {"untrusted": "active"} and server["healthy"] is True and server["main_pid"] > 0
     # What the server and the host said comes back marked as data.
     assert health["healthy"] and health["props"]["model_path"]["untrusted"].endswith(".gguf")
     assert health["props"]["build_info"]["untrusted"]
@@ -69,11 +69,11 @@ def test_start_a_short_eval_and_read_its_result_through_the_tools(lab_served: In
     async def body(client: Client):
         started = tool_data(await client.call_tool(
             "start_eval", {"host": "desktop", "server": "smollm2", "task": task.name, "concurrency": 2}))
-        job_id = started["job"]["id"]
+        job_id = started["job"]["id"]["untrusted"]  # the host named it: data the client passes back
         deadline = time.monotonic() + 180
         while True:
             jobs = tool_data(await client.call_tool("job_status", {"host": "desktop", "job": job_id}))["jobs"]
-            if jobs[0]["state"] in ("done", "failed", "stopped", "lost") or time.monotonic() > deadline:
+            if jobs[0]["state"]["untrusted"] in ("done", "failed", "stopped", "lost") or time.monotonic() > deadline:
                 break
             await asyncio.sleep(1)
         pulled = tool_data(await client.call_tool("pull_results", {"host": "desktop"}))
@@ -82,14 +82,15 @@ def test_start_a_short_eval_and_read_its_result_through_the_tools(lab_served: In
 
     started, job, pulled, listed = mcp_session(results, "--allow-actions", "--task-dir", str(tmp_path), body=body)
     assert started["questions"] == len(questions)
-    assert job["state"] == "done", job
+    assert job["state"] == {"untrusted": "done"}, job
     assert job["done"] == job["total"] == len(questions)
-    assert started["job"]["id"] in pulled["hosts"]["desktop"]["copied"]
-    runs = [r for r in listed["runs"] if r["id"] == started["job"]["id"]]
+    job_id = started["job"]["id"]["untrusted"]
+    assert {"untrusted": job_id} in pulled["hosts"]["desktop"]["copied"]
+    runs = [r for r in listed["runs"] if r["id"] == job_id]  # the store's layout vouches for a run's id
     assert len(runs) == 1
     run = runs[0]
-    assert run["status"] == "done" and run["task"] == {"untrusted": "arith"}
-    assert run["artifacts"] == ["smollm2-135m-q4_1"]
+    assert run["status"] == {"untrusted": "done"} and run["task"] == {"untrusted": "arith"}
+    assert run["artifacts"] == [{"untrusted": "smollm2-135m-q4_1"}]
     assert run["questions"] == len(questions) and 0.0 <= run["score"] <= 1.0
     # The score the tool reports is the mean of the answers file the run wrote.
     answers_file = results / "desktop" / run["id"] / "answers.jsonl"

@@ -25,6 +25,7 @@ from inventory_support import edit_yaml  # noqa: E402
 pytestmark = pytest.mark.lab
 
 ADVISORY = "GHSA-6hc7-9rph-cm99"  # CVE-2026-43631: builds b7492 through b9060
+SIBLING = "CVE-2026-43632"  # the same builds, the same dangling vocabulary from six more endpoints
 
 
 def vulnerable(inventory_dir: Path, results: Path) -> dict[tuple[str, str], tuple[float, str]]:
@@ -54,7 +55,8 @@ def test_a_pin_inside_a_cve_range_is_refused_and_the_exporter_metric_flips(lab_s
     pins = copy / "group_vars" / "all" / "llama_cpp.yml"
     edit_yaml(pins, lambda d: d.update(llama_cpp_version="b9060"))  # a hand edit of the pin
     after = vulnerable(copy, tmp_path / "results")
-    assert after[("desktop", "pinned")] == (1.0, ADVISORY) and after[("laptop", "pinned")] == (1.0, ADVISORY)
+    both = f"{ADVISORY},{SIBLING}"
+    assert after[("desktop", "pinned")] == (1.0, both) and after[("laptop", "pinned")] == (1.0, both)
     assert after[("desktop", "running")] == (0.0, "")  # what runs is still the lab's build
 
     check = subprocess.run([*RIGCTL, "inventory", "check"], capture_output=True, text=True, env=env, timeout=300,
@@ -72,6 +74,7 @@ def test_a_pin_inside_a_cve_range_is_refused_and_the_exporter_metric_flips(lab_s
     assert upgrade.stderr.startswith(f"error: llama.cpp b9060 (build 9060) is inside {ADVISORY} (CVE-2026-43631")
     assert lab_served.host("desktop").llama_cpp.version == running
 
-    edit_yaml(pins, lambda d: d.update(rigctl_allowed_advisories={ADVISORY: "no instance runs --sleep-idle-seconds"}))
+    edit_yaml(pins, lambda d: d.update(rigctl_allowed_advisories={ADVISORY: "no instance runs --sleep-idle-seconds",
+                                                                  SIBLING: "no instance runs --sleep-idle-seconds"}))
     accepted = vulnerable(copy, tmp_path / "results")
     assert accepted[("desktop", "pinned")] == (0.0, "")

@@ -392,7 +392,7 @@ def test_mcp_list_results_gives_a_bad_run_its_error_and_lists_the_rest(tmp_path:
     runs = {run["id"]: run for run in tools.list_results()["runs"]}
     assert set(runs) == {GOOD_A, GOOD_B, bad.name}
     assert runs[GOOD_A]["score"] == 0.5 and "error" not in runs[GOOD_A]
-    assert "answers.jsonl:1: JSON nested deeper than 64 levels" in runs[bad.name]["error"]
+    assert "answers.jsonl:1: JSON nested deeper than 64 levels" in runs[bad.name]["error"]["untrusted"]
     assert tools.compare_runs(GOOD_A, GOOD_B)["overall"]["n"] == 20
 
 

@@ -4,6 +4,7 @@ and the error line every command ends with."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -47,3 +48,25 @@ def test_an_error_quoting_outside_text_is_one_line_of_text(tmp_path: Path) -> No
     assert done.returncode == 2
     assert done.stderr == (f"error: inventory {tmp_path}/inv [/] [bold]x\\x1b[2J\\nerror: forged: "
                            "no such file or directory\n")
+
+
+HOSTILE = "x [/] [bold]y\x1b[2J\x1b]0;owned\x07"
+SHOWN = "x [/] [bold]y\\x1b[2J\\x1b]0;owned\\x07"
+
+
+def test_compare_prints_a_records_sets_and_answers_as_text(tmp_path: Path) -> None:
+    """The habits table (and every other) shows the record's set names and answers literally."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from handmade_runs import eval_run
+
+    rows = [{"id": f"q{i}", "set": HOSTILE, "score": i % 2, "cutoff": False, "pred": HOSTILE, "gold": "[/]"}
+            for i in range(10)]
+    eval_run(tmp_path, "desktop", "eval-20261130T050000Z-0001", "m-a", rows)
+    eval_run(tmp_path, "desktop", "eval-20261130T050000Z-0002", "m-b", [{**r, "score": 1} for r in rows])
+    done = subprocess.run([sys.executable, "-m", "rigctl.cli", "compare", "desktop/eval-20261130T050000Z-0001",
+                           "desktop/eval-20261130T050000Z-0002"], capture_output=True, text=True, timeout=300,
+                          cwd=REPO, env={**os.environ, "RIGCTL_RESULTS": str(tmp_path), "COLUMNS": "400"})
+    assert done.returncode == 0, done.stderr
+    assert "\x1b" not in done.stdout + done.stderr and "\x07" not in done.stdout + done.stderr
+    habits = done.stdout.split("answer habits", 1)[1]
+    assert habits.count(SHOWN) == 4 and "[/] 10" in habits  # two runs: set and predicted answer each

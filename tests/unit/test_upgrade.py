@@ -107,11 +107,18 @@ def test_a_pin_inside_an_advisory_range_is_refused_before_anything_is_fetched(la
     assert done.stderr.startswith("error: llama.cpp b9060 (build 9060) is inside GHSA-6hc7-9rph-cm99 (CVE-2026-43631")
     assert len(done.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "cache" / "sources").exists()  # nothing fetched
-    # Accepting it by name moves the refusal on to the next step (here: the unreachable index).
-    done = subprocess.run([*RIGCTL, "-i", str(lab_copy), "build", "upgrade", "--to", "b9060", "--allow-advisory",
-                           "GHSA-6hc7-9rph-cm99=no instance runs --sleep-idle-seconds"],
+    # Accepting one of the two advisories that cover it leaves the other (a CVE without a GHSA) refusing.
+    accept = ["--allow-advisory", "GHSA-6hc7-9rph-cm99=no instance runs --sleep-idle-seconds"]
+    done = subprocess.run([*RIGCTL, "-i", str(lab_copy), "build", "upgrade", "--to", "b9060", *accept],
                           capture_output=True, text=True, env=env, timeout=120, check=False)
-    assert "GHSA-6hc7" not in done.stderr and done.returncode != 0
+    assert done.returncode == 1 and "GHSA-6hc7" not in done.stderr
+    assert done.stderr.startswith("error: llama.cpp b9060 (build 9060) is inside CVE-2026-43632 (high, builds b7492")
+    assert not (tmp_path / "cache" / "sources").exists()
+    # Accepting both by name moves the refusal on to the next step (here: the unreachable index).
+    done = subprocess.run([*RIGCTL, "-i", str(lab_copy), "build", "upgrade", "--to", "b9060", *accept,
+                           "--allow-advisory", "CVE-2026-43632=no instance runs --sleep-idle-seconds"],
+                          capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert "GHSA-6hc7" not in done.stderr and "CVE-2026-43632" not in done.stderr and done.returncode != 0
 
 
 def _interval(estimate: float, low: float, high: float) -> Interval:

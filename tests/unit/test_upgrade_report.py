@@ -4,6 +4,7 @@ upgrade and of a bisect record, every link in it pointing at a file that exists.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -75,7 +76,8 @@ def links_of(markdown: str, base: Path) -> list[Path]:
     return [base / target for target in re.findall(r"\]\(([^)#]+)\)", markdown) if not target.startswith("http")]
 
 
-def test_a_refused_upgrade_renders_with_every_figure_linked_to_its_raw_file(store: ResultsStore, tmp_path: Path):
+def refused_upgrade(store: ResultsStore, label: str = "b11434 CMAKE_BUILD_TYPE=Debug") -> tuple[Path, str, list]:
+    """A refused upgrade's run directory in ``store`` (its record sealed), the refusal line and its bench gates."""
     bench, _ = bench_results(store, ["desktop/bench-20261203T090000Z-aaaa"], Side("current", CURRENT),
                              Side("candidate", CANDIDATE), 0.9, 0.95)
     identity = g.identity_gate([True] * 6, 0.8, detail={"differing": [], "file": IDENTITY_FILE})
@@ -87,10 +89,9 @@ def test_a_refused_upgrade_renders_with_every_figure_linked_to_its_raw_file(stor
     (run_dir / "help" / "llama-server.txt").write_text("-h, --help\n")
     (run_dir / SERVER_FILE).write_text(json.dumps({"repeat": 1, "prompt": 0, "side": "current"}) + "\n")
     (run_dir / IDENTITY_FILE).write_text(json.dumps({"kind": "chat", "side": "current", "text": "x"}) + "\n")
-    line = ("upgrade to b11434 CMAKE_BUILD_TYPE=Debug refused by gate bench pp64 (failed): "
-            + bench[0].figures)
+    line = f"upgrade to {label} refused by gate bench pp64 (failed): " + bench[0].figures
     record = RunRecord(id=run_dir.name, kind="upgrade", host="desktop", started="2026-12-03T09:10:00.0Z",
-                       extra={"from": "b11434", "to": "b11434", "label": "b11434 CMAKE_BUILD_TYPE=Debug",
+                       extra={"from": "b11434", "to": "b11434", "label": label,
                               "canary": "desktop", "scope": ["desktop", "laptop"], "instance": "smollm2",
                               "gates": {"speed_margin": 0.9}, "current": {"name": CURRENT.name, "key": CURRENT.key},
                               "candidate": {"name": CANDIDATE.name, "key": CANDIDATE.key, "plan": "build",
@@ -100,6 +101,11 @@ def test_a_refused_upgrade_renders_with_every_figure_linked_to_its_raw_file(stor
                                               "eval_runs": {}},
                               "verdict": "refused", "refused_by": "bench pp64", "problems": [line]})
     record.seal(run_dir)
+    return run_dir, line, bench
+
+
+def test_a_refused_upgrade_renders_with_every_figure_linked_to_its_raw_file(store: ResultsStore, tmp_path: Path):
+    run_dir, line, bench = refused_upgrade(store)
     out = tmp_path / "report"
     report = build_run_report(store.find(f"desktop/{run_dir.name}"), store, out)
     text = report.path.read_text()
@@ -182,3 +188,17 @@ def test_report_of_a_directory_says_not_a_run_without_a_warning_per_sibling(stor
         done = subprocess.run([*RIGCTL, "compare", str(ref), "desktop/bench-20261203T090000Z-aaaa", "--results",
                                str(store.root)], capture_output=True, text=True, timeout=120, check=False)
         assert done.returncode == 2 and done.stderr.strip() == f"error: {ref}: not a run (a directory without run.json)"
+
+
+def test_report_of_an_upgrade_record_prints_its_text_as_text(store: ResultsStore, tmp_path: Path):
+    """What the record says (its label, its refusal) reaches the terminal with markup and escapes shown, not
+    interpreted: no terminal control, no crash on a closing tag."""
+    label = "b11434 [/] [bold]x\x1b[2J\x1b]0;owned\x07"
+    run_dir, _line, _bench = refused_upgrade(store, label)
+    done = subprocess.run([sys.executable, "-m", "rigctl.cli", "report", f"desktop/{run_dir.name}",
+                           "--out", str(tmp_path / "report")], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[2],
+                          env={**os.environ, "RIGCTL_RESULTS": str(store.root), "COLUMNS": "400"})
+    assert done.returncode == 0, done.stderr
+    assert "\x1b" not in done.stdout and "\x07" not in done.stdout
+    assert "b11434 [/] [bold]x\\x1b[2J\\x1b]0;owned\\x07" in done.stdout
