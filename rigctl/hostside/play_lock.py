@@ -126,7 +126,8 @@ def controller_holder(command: str, *, pid: int | None = None) -> dict[str, Any]
 
 
 def _stat(pid: int) -> tuple[str, int, str] | None:
-    """(command name, parent pid, start time in clock ticks) of ``pid``; None when it is gone."""
+    """(command name, parent pid, start time in clock ticks) of ``pid``; None when it is gone (a zombie,
+    which its parent has yet to reap, is gone: it holds nothing and takes no signal)."""
     try:
         with open(f"/proc/{pid}/stat") as handle:
             text = handle.read()
@@ -134,7 +135,7 @@ def _stat(pid: int) -> tuple[str, int, str] | None:
         return None
     name = text[text.index("(") + 1:text.rindex(")")]
     fields = text.rsplit(")", 1)[1].split()
-    return name, int(fields[1]), fields[19]
+    return None if fields[0] == "Z" else (name, int(fields[1]), fields[19])
 
 
 def alive(pid: int, start: str) -> bool:
