@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 BUILD = "b1-0123456789ab"
 BINARY = b"#!/bin/sh\necho llama-server\n"
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the role's tasks make root-owned files")
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the role's tasks make root-owned files")
 
 _PLAY = textwrap.dedent("""\
     - hosts: localhost
@@ -76,6 +76,7 @@ def _staged(tmp_path: Path) -> Path:
     return tmp_path / "opt" / f".staging-{BUILD}"
 
 
+@needs_root
 def test_a_pack_that_is_not_the_controllers_pin_is_not_unpacked(tmp_path: Path) -> None:
     """The manifest inside the pack matches its binaries (its builder wrote both): the pin is what counts."""
     pack = _pack({"./build.json": (_manifest(BINARY), 0o644, 0), "./bin/llama-server": (BINARY, 0o755, 0)})
@@ -88,6 +89,7 @@ def test_a_pack_that_is_not_the_controllers_pin_is_not_unpacked(tmp_path: Path) 
     assert not _staged(tmp_path).exists()
 
 
+@needs_root
 def test_a_pinned_pack_is_unpacked_with_no_owners_and_no_setuid(tmp_path: Path) -> None:
     """A builder's pack whose files say owner 1234 and setuid: root's files, modes under root's umask, no
     setuid (GNU tar's --no-same-permissions drops it; the role's find refuses one that would remain)."""
@@ -97,3 +99,44 @@ def test_a_pinned_pack_is_unpacked_with_no_owners_and_no_setuid(tmp_path: Path) 
     found = {str(path.relative_to(_staged(tmp_path))): (path.stat().st_uid, oct(path.stat().st_mode & 0o7777))
              for path in _staged(tmp_path).rglob("*")}
     assert found == {"build.json": (0, "0o644"), "bin": (0, "0o755"), "bin/llama-server": (0, "0o755")}, found
+
+
+_PLAN_PLAY = textwrap.dedent("""\
+    - hosts: all
+      gather_facts: false
+      tasks:
+        - name: The llama_cpp role's install tasks
+          ansible.builtin.include_role:
+            name: llama_cpp
+            tasks_from: install
+    """)
+
+
+def _plans(tmp_path: Path, builders: list[str]) -> list[str]:
+    """What each of three twins would get (check mode: nothing is made), where b says it has the build."""
+    hosts = {"all": {"vars": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable,
+                              "llama_cpp_build_once": True, "rigctl_cache_dir": str(tmp_path / "cache"),
+                              "llama_cpp_install_root": str(tmp_path / "opt"),
+                              "llama_cpp_work_root": str(tmp_path / "work")},
+                     "hosts": {name: {"__llama_cpp_installed": {"stat": {"exists": name == "b"}}}
+                               for name in ("a", "b", "c")}}}
+    tmp_path.mkdir()
+    (tmp_path / "hosts.json").write_text(json.dumps(hosts))
+    (tmp_path / "play.yml").write_text(_PLAN_PLAY)
+    (tmp_path / "ansible.cfg").write_text(f"[defaults]\nroles_path = {REPO / 'roles'}\n"
+                                          f"module_utils = {REPO / 'rigctl/hostside'}\n")
+    env = {**os.environ, "ANSIBLE_CONFIG": str(tmp_path / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"}
+    done = subprocess.run([str(Path(sys.executable).with_name("ansible-playbook")), "-i", str(tmp_path / "hosts.json"),
+                           str(tmp_path / "play.yml"), "--check",
+                           "-e", json.dumps({"llama_cpp_build_hosts": builders})],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return sorted(line.strip().removeprefix('"msg": "').split(" llama.cpp ")[0]
+                  for line in done.stdout.splitlines() if '"msg": "' in line and " would " in line)
+
+
+def test_the_pack_comes_from_a_builder_the_inventory_names_never_from_a_host_that_says_it_has_the_build(
+        tmp_path: Path) -> None:
+    """b says it has the build: it keeps its own, and nobody takes it from b for that."""
+    assert _plans(tmp_path / "any", []) == ["a: would build", "c: would copy from a"]
+    assert _plans(tmp_path / "named", ["c"]) == ["a: would copy from c", "c: would build"]
