@@ -55,14 +55,22 @@ def properties(read_write: Sequence[str], device_allow: Sequence[str] = DEVICE_A
 
 def model_unit_properties() -> list[str]:
     """The hardening of the units that make model files (the converter, llama-quantize, llama-imatrix): the
-    server unit's, under a dynamic user, with no network and no socket of any family (they read and write
-    files only, so not even AF_UNIX: no talking to the host's daemons), writing nothing but the unit's own
+    server unit's, under a dynamic user, with no network and no sockets (they read and write files only, so
+    not even AF_UNIX: no talking to the host's daemons), writing nothing but the unit's own
     state directory (systemd makes ``StateDirectory=`` writable). A system call outside the filter fails
     with EPERM rather than killing the process, so that a converter's optional call is an error it may
     handle, never a way out."""
     server = [line for line in properties(()) if not line.startswith("RestrictAddressFamilies=")]
-    return ["DynamicUser=yes", "PrivateNetwork=yes", "UMask=0022", *server, "RestrictAddressFamilies=none",
+    return ["DynamicUser=yes", "PrivateNetwork=yes", "UMask=0022", *server, f"RestrictAddressFamilies=~{_NO_SOCKETS}",
             "SystemCallErrorNumber=EPERM"]
+
+
+#: The socket families a model unit is denied: every one a file-making command could reach anything with.
+#: A deny list because systemd-run (252) refuses ``RestrictAddressFamilies=none`` for a transient unit
+#: ("Invalid argument"), and an empty allow list means "allow all" in a unit file but "deny all" through
+#: systemd-run: no spelling of "none" means the same everywhere.
+_NO_SOCKETS = ("AF_UNIX AF_INET AF_INET6 AF_NETLINK AF_PACKET AF_VSOCK AF_ALG AF_BLUETOOTH AF_CAN AF_XDP "
+               "AF_TIPC AF_RDS AF_KEY AF_X25 AF_AX25 AF_APPLETALK AF_IPX AF_LLC AF_IB AF_MPLS AF_QIPCRTR")
 
 
 class UnsafeOutput(OSError):
