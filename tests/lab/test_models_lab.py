@@ -329,8 +329,8 @@ def test_a_converter_that_leaves_a_link_to_the_api_key_file_gets_nothing(lab_up,
     stat_key = f"stat -c '%u %g %a %s' {key}"
     with SshClient(SshTarget.from_host(lab_up.host("desktop"))) as ssh:
         made = ssh.run(f"test -e {key} && echo have || echo none", timeout=30).stdout.strip() == "none"
-        if made:  # a rig the servers' role has not run on yet: a key file as the role writes it
-            ssh.run(f"mkdir -p {os.path.dirname(key)} && printf 'k\\n' > {key} && chown root:llama {key} "
+        if made:  # a rig the servers' role has not run on yet: a key file like the role's (its group: not root)
+            ssh.run(f"mkdir -p {os.path.dirname(key)} && printf 'k\\n' > {key} && chown root:nogroup {key} "
                     f"&& chmod 0640 {key}", timeout=30)
         before = ssh.run(stat_key, timeout=30).stdout.split()
         project = _module_project(tmp_path, {
