@@ -5,7 +5,7 @@ compiles share one build tree). Two locks keep them apart, both per host, whatev
 checkout or copy names it:
 
 * **On the host** (the ``play_lock`` role, :mod:`rigctl.hostside.play_lock`): the play's first task takes
-  ``/run/lock/rigctl/play.lock`` and its last one frees it; it is held for as long as the controller's
+  ``/run/rigctl/play.lock`` and its last one frees it; it is held for as long as the controller's
   connection lasts, so it binds every controller and user. rigctl hands the play its record of itself
   (:func:`holder_env`) for the refusal to name.
 * **On the controller** (here): before any connection, an flock(2) per host address under the cache

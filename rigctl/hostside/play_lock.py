@@ -10,24 +10,32 @@ runs a command and stops it (its whole process group, and a transient unit's cgr
 second of that connection ending; with no command it just waits for the connection to end, holding what
 it inherited.
 
-**The play lock.** ``/run/lock/rigctl/play.lock``, an flock(2) held by a :data:`WHILE_CONNECTED` process
+**The play lock.** ``/run/rigctl/play.lock``, an flock(2) held by a :data:`WHILE_CONNECTED` process
 that the play's first task starts (:func:`acquire`) and its last one stops (:func:`release`). The kernel
 drops the lock when that process ends, so a play whose controller died frees the host within a second of
-its connection closing, and a play that failed on a host frees it when the controller disconnects. Beside
-it, ``play.json`` names the holder: the controller (host name, user, the rigctl process and its command),
-the SSH client's address and when it took the lock. A second play (another checkout, another copy of the
-inventory, another user or machine) is refused naming that holder; a ``play.json`` whose lock nobody holds
-is a stale one, taken over and reported.
+its connection closing. Beside it, ``play.json`` names the holder: the controller (host name, user, the
+rigctl process and its command), the SSH client's address and when it took the lock. A second play
+(another checkout, another copy of the inventory, another user or machine) is refused naming that holder;
+a ``play.json`` whose lock nobody holds is a stale one (its holder died), taken over and reported. A play
+that ends, by success or failure, releases the lock leaving ``last.json`` with its outcome instead.
+
+The directory is root's alone (made 0700; one another user made or opened up is refused), and every file
+in it is opened from its descriptor without following links, written only as a new file and renamed into
+place: a local user can neither point root's writes elsewhere nor hold the lock. :func:`release` signals
+only the keeper :func:`acquire` started (pinned by a pidfd, then checked by start time and by holding the
+lock file).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
 import secrets
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -35,9 +43,12 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-LOCK_DIR = "/run/lock/rigctl"
+#: Made by root, mode 0700: not /run/lock, where any local user may make ``rigctl/`` first.
+LOCK_DIR = "/run/rigctl"
 LOCK_FILE = "play.lock"
 HOLDER_FILE = "play.json"
+#: The record the last play left when it released the lock, with its outcome.
+LAST_FILE = "last.json"
 #: How long :func:`acquire` waits for a holder whose connection has just ended to let go.
 RELEASE_WAIT_S = 3.0
 #: Exit status of :data:`WHILE_CONNECTED` when it stopped its command because the connection ended.
@@ -115,7 +126,8 @@ def controller_holder(command: str, *, pid: int | None = None) -> dict[str, Any]
 
 
 def _stat(pid: int) -> tuple[str, int, str] | None:
-    """(command name, parent pid, start time in clock ticks) of ``pid``; None when it is gone."""
+    """(command name, parent pid, start time in clock ticks) of ``pid``; None when it is gone (a zombie,
+    which its parent has yet to reap, is gone: it holds nothing and takes no signal)."""
     try:
         with open(f"/proc/{pid}/stat") as handle:
             text = handle.read()
@@ -123,7 +135,7 @@ def _stat(pid: int) -> tuple[str, int, str] | None:
         return None
     name = text[text.index("(") + 1:text.rindex(")")]
     fields = text.rsplit(")", 1)[1].split()
-    return name, int(fields[1]), fields[19]
+    return None if fields[0] == "Z" else (name, int(fields[1]), fields[19])
 
 
 def alive(pid: int, start: str) -> bool:
@@ -169,23 +181,72 @@ def while_connected(python: str, command: Sequence[str], link: tuple[int, str] |
 # ------------------------------------------------------------------------------------------- the lock
 
 
-def _read_holder(lock_dir: str) -> dict[str, Any]:
+class LockDirRefused(OSError):
+    """The lock directory is not one only this user can write (made by someone else, or opened up)."""
+
+
+#: The most of a holder record read back: the module caps what the controller sends far below this.
+_RECORD_MAX = 64 << 10
+
+
+def _open_dir(lock_dir: str) -> int:
+    """A descriptor of ``lock_dir``, made here (mode 0700) when absent. Refused unless it is a directory (not
+    a link to one) owned by this user that nobody else may write: everything below is opened from this
+    descriptor, so nothing another user made or swaps in can turn a write or a signal elsewhere."""
+    parent = os.path.dirname(os.path.normpath(lock_dir)) or "."
+    os.makedirs(parent, mode=0o755, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(lock_dir, 0o700)
     try:
-        with open(os.path.join(lock_dir, HOLDER_FILE), encoding="utf-8") as handle:
-            found = json.load(handle)
+        fd = os.open(lock_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise LockDirRefused(exc.errno, f"{lock_dir}: not a directory of its own ({exc.strerror}); refused") from None
+    found = os.fstat(fd)
+    problem = ""
+    if found.st_uid != os.geteuid():
+        problem = f"owned by uid {found.st_uid}, not {os.geteuid()}"
+    elif found.st_mode & 0o077:
+        problem = f"mode {stat.S_IMODE(found.st_mode):04o} lets others in (0700 expected)"
+    if problem:
+        os.close(fd)
+        raise LockDirRefused(errno.EPERM, f"{lock_dir}: {problem}; refused (remove it and run the play again)")
+    return fd
+
+
+def _read_holder(dir_fd: int, name: str = HOLDER_FILE) -> dict[str, Any]:
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
+    except OSError:
+        return {}
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return {}
+        found = json.loads(os.read(fd, _RECORD_MAX).decode("utf-8"))
     except (OSError, ValueError):
         return {}
+    finally:
+        os.close(fd)
     return found if isinstance(found, dict) else {}
 
 
-def _write_holder(lock_dir: str, holder: Mapping[str, Any]) -> None:
-    path = os.path.join(lock_dir, HOLDER_FILE)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        json.dump(dict(holder), handle, sort_keys=True)
-        handle.write("\n")
-    os.replace(tmp, path)
+def _write_record(dir_fd: int, name: str, record: Mapping[str, Any]) -> None:
+    """``record`` as ``name`` in the lock directory: written to a new file (never an existing one, never
+    through a link) and renamed over ``name``."""
+    tmp = f".{name}.{secrets.token_hex(8)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(dict(record), handle, sort_keys=True)
+            handle.write("\n")
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
+
+
+def _open_lock(dir_fd: int) -> int:
+    return os.open(LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
 
 
 def acquire(holder: Mapping[str, Any], *, lock_dir: str = LOCK_DIR, python: str = sys.executable,
@@ -193,10 +254,14 @@ def acquire(holder: Mapping[str, Any], *, lock_dir: str = LOCK_DIR, python: str 
     """Take this host's play lock for ``holder`` (what :func:`controller_holder` says, and whatever the
     caller adds), held by a :data:`WHILE_CONNECTED` process until :func:`release` or the end of the
     controller's connection. The record written, with ``stale``: the record of a holder that was gone
-    (None when the lock was free). :class:`LockBusy` naming the holder when another play holds it."""
-    os.makedirs(lock_dir, mode=0o755, exist_ok=True)
-    fd = os.open(os.path.join(lock_dir, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    without releasing it (None when the lock was free or released), and ``previous``: the record the last
+    play left when it released the lock (its ``outcome``), None when there is none. :class:`LockBusy`
+    naming the holder when another play holds it; :class:`LockDirRefused` when ``lock_dir`` is not this
+    user's alone."""
+    dir_fd = _open_dir(lock_dir)
+    fd = -1
     try:
+        fd = _open_lock(dir_fd)
         deadline = time.monotonic() + wait_s
         while True:
             try:
@@ -205,9 +270,10 @@ def acquire(holder: Mapping[str, Any], *, lock_dir: str = LOCK_DIR, python: str 
             except BlockingIOError:
                 # A holder whose connection just ended lets go within a second: wait that long, no longer.
                 if time.monotonic() >= deadline:
-                    raise LockBusy(_read_holder(lock_dir)) from None
+                    raise LockBusy(_read_holder(dir_fd)) from None
                 time.sleep(0.2)
-        previous = _read_holder(lock_dir)
+        stale = _read_holder(dir_fd)
+        previous = _read_holder(dir_fd, LAST_FILE)
         pid, start = link or connection()
         token = secrets.token_hex(8)
         keeper = subprocess.Popen([python, "-c", WHILE_CONNECTED, str(pid), start], pass_fds=(fd,),
@@ -223,39 +289,85 @@ def acquire(holder: Mapping[str, Any], *, lock_dir: str = LOCK_DIR, python: str 
                   "keeper_start": keeper_stat[2] if keeper_stat else "", "connection_pid": pid,
                   "ssh_client": (os.environ.get("SSH_CLIENT") or "").split(" ")[0] or holder.get("ssh_client"),
                   "taken": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
-        _write_holder(lock_dir, record)
+        _write_record(dir_fd, HOLDER_FILE, record)
     finally:
-        os.close(fd)  # the keeper's copy holds the lock now (or, refused, nobody's did)
-    return {**record, "stale": previous or None}
+        if fd >= 0:
+            os.close(fd)  # the keeper's copy holds the lock now (or, refused, nobody's did)
+        os.close(dir_fd)
+    return {**record, "stale": stale or None, "previous": previous or None}
 
 
-def release(token: str, *, lock_dir: str = LOCK_DIR) -> bool:
-    """Free the lock that :func:`acquire` took with ``token``: stop its keeper, remove the record. False when
-    the lock is not (any more) that one's."""
-    holder = _read_holder(lock_dir)
-    if not token or holder.get("token") != token:
+def _holds(pid: int, lock: os.stat_result) -> bool:
+    """Whether ``pid`` has the lock file open (the keeper is the one process given it)."""
+    try:
+        names = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
         return False
-    with contextlib.suppress(OSError):
-        os.unlink(os.path.join(lock_dir, HOLDER_FILE))
-    pid, start = holder.get("keeper_pid"), str(holder.get("keeper_start") or "")
-    if isinstance(pid, int) and start and alive(pid, start):
+    for name in names:
+        try:
+            found = os.stat(f"/proc/{pid}/fd/{name}")
+        except OSError:
+            continue
+        if (found.st_dev, found.st_ino) == (lock.st_dev, lock.st_ino):
+            return True
+    return False
+
+
+def _stop_keeper(pid: int, start: str, lock: os.stat_result) -> None:
+    """SIGTERM the keeper :func:`acquire` started, and only it: the pid is pinned with a pidfd first, then
+    checked to be that process (its start time, and the lock file among its open files), so a pid the
+    kernel has since given another process is never signalled."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        return  # gone
+    try:
+        if not (alive(pid, start) and _holds(pid, lock)):
+            return
         with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGTERM)
+            signal.pidfd_send_signal(pidfd, signal.SIGTERM)
         deadline = time.monotonic() + 5
         while alive(pid, start) and time.monotonic() < deadline:
             time.sleep(0.05)
+    finally:
+        os.close(pidfd)
+
+
+def release(token: str, *, lock_dir: str = LOCK_DIR, outcome: str = "ok") -> bool:
+    """Free the lock that :func:`acquire` took with ``token``: stop its keeper, and leave the holder's record
+    as :data:`LAST_FILE` with ``outcome`` (``ok``, or ``failed`` for a play that ended by failure) and when
+    it was released, so that the next play knows its predecessor let go rather than died. False when the
+    lock is not (any more) that one's."""
+    dir_fd = _open_dir(lock_dir)
+    try:
+        holder = _read_holder(dir_fd)
+        if not token or holder.get("token") != token:
+            return False
+        _write_record(dir_fd, LAST_FILE, {**holder, "outcome": outcome,
+                                          "released": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")})
+        with contextlib.suppress(OSError):
+            os.unlink(HOLDER_FILE, dir_fd=dir_fd)
+        pid, start = holder.get("keeper_pid"), str(holder.get("keeper_start") or "")
+        if isinstance(pid, int) and not isinstance(pid, bool) and pid > 1 and start:
+            with contextlib.suppress(OSError):
+                _stop_keeper(pid, start, os.stat(LOCK_FILE, dir_fd=dir_fd, follow_symlinks=False))
+    finally:
+        os.close(dir_fd)
     return True
 
 
 def holder(lock_dir: str = LOCK_DIR) -> dict[str, Any] | None:
     """The record of the play holding this host's lock now; None when nobody holds it."""
-    os.makedirs(lock_dir, mode=0o755, exist_ok=True)
-    fd = os.open(os.path.join(lock_dir, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    dir_fd = _open_dir(lock_dir)
     try:
+        fd = _open_lock(dir_fd)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return _read_holder(lock_dir)
-        return None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return _read_holder(dir_fd)
+            return None
+        finally:
+            os.close(fd)
     finally:
-        os.close(fd)
+        os.close(dir_fd)

@@ -108,12 +108,29 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def pin_path(artifact: Path) -> Path:
+    """The controller's pin of a published build (the llama_cpp role's ``_llama_cpp_artifact_pin``): its
+    sha256, without which no host takes the pack."""
+    return artifact.with_name(artifact.name + ".sha256")
+
+
 def is_prepared(record: Prepared, digest: str, cache_dir: Path) -> bool:
-    """The record is for these inputs and its artifact is in the cache, byte for byte."""
+    """The record is for these inputs and its artifact is in the cache, byte for byte, with no other pin."""
     if record.digest != digest:
         return False
     artifact = cache_dir / record.artifact
-    return artifact.is_file() and file_sha256(artifact) == record.artifact_sha256
+    if not artifact.is_file() or file_sha256(artifact) != record.artifact_sha256:
+        return False
+    pin = pin_path(artifact)
+    return not pin.exists() or pin.read_text(encoding="utf-8").strip() == record.artifact_sha256
+
+
+def ensure_pin(record: Prepared, cache_dir: Path) -> None:
+    """The pin of the record's artifact, from the record (this controller's own when it first made the
+    artifact): a cache prepared before packs had pins gets one, never from what a host says."""
+    pin = pin_path(cache_dir / record.artifact)
+    if not pin.exists():
+        write_atomically(pin, record.artifact_sha256 + "\n")
 
 
 @contextmanager
@@ -160,6 +177,7 @@ def prepare(
             record = _build(inventory, lab, build_rig, digest, on_task, on_event)
             record.save(record_path)
             outcome["made"] = True
+        ensure_pin(record, config.cache_dir)
         outcome["detail"] = f"{record.build} in {record.artifact}"
 
     wheels = build_rig.vars.get("gpu_host_cuda_wheels") or []

@@ -268,7 +268,7 @@ def test_two_checkouts_one_play_per_host_and_a_killed_holder_frees_it(served: In
         frozen = descendants(first.pid, but=WATCHDOG)
         for pid in frozen:
             os.kill(pid, signal.SIGSTOP)
-        holder_file = json.loads(_remote(served, "desktop", "cat /run/lock/rigctl/play.json"))
+        holder_file = json.loads(_remote(served, "desktop", "cat /run/rigctl/play.json"))
         assert holder_file["pid"] == first.pid and holder_file["command"].startswith("rigctl -i ")
 
         second = subprocess.run([*RIGCTL, "-i", str(copies[1]), "provision", "--tags", "llama_server"],
@@ -298,7 +298,7 @@ def test_two_checkouts_one_play_per_host_and_a_killed_holder_frees_it(served: In
         if first.poll() is None:
             first.kill()
     freed = time.monotonic()
-    while _remote(served, "desktop", "flock -n /run/lock/rigctl/play.lock true && echo free || echo held",
+    while _remote(served, "desktop", "flock -n /run/rigctl/play.lock true && echo free || echo held",
                   check=False).strip() != "free":
         assert time.monotonic() - freed < 30
         time.sleep(0.2)
@@ -308,7 +308,37 @@ def test_two_checkouts_one_play_per_host_and_a_killed_holder_frees_it(served: In
                            capture_output=True, text=True, env=env("b"), cwd=REPO, timeout=600)
     assert third.returncode == 0, third.stdout + third.stderr
     assert f"took over the play lock left by pid {first.pid} on" in third.stdout, third.stdout
-    assert _remote(served, "desktop", "ls /run/lock/rigctl").split() == ["play.lock"]  # freed at its end
+    # Freed at its end: no holder record, the last play's record with its outcome.
+    assert _remote(served, "desktop", "ls /run/rigctl").split() == ["last.json", "play.lock"]
+    assert json.loads(_remote(served, "desktop", "cat /run/rigctl/last.json"))["outcome"] == "ok"
+
+
+@pytest.mark.lab
+@pytest.mark.timeout(300)
+def test_a_failed_play_frees_its_hosts_saying_so_and_the_next_takes_over_nothing(served: Inventory) -> None:
+    """A play that fails on a rig (its servers' settings are not a mapping) releases the rig's lock in the
+    block's ``always``, leaving its record with outcome ``failed``; the next play names the failure and takes
+    nothing over. The lock directory is root's, 0700."""
+    messages: list[str] = []
+
+    def provision(extravars: dict[str, Any] | None = None) -> Any:
+        return run_playbook(served, "site.yml", limit="desktop", tags=["llama_server"], extravars=extravars,
+                            on_event=lambda event: messages.append(event.message))
+
+    failed = provision({"llama_server_profiles": "not a mapping"})
+    assert not failed.hosts["desktop"].succeeded
+    assert "play lock" not in (failed.hosts["desktop"].failure or ""), failed.hosts["desktop"]
+    assert _remote(served, "desktop", "ls /run/rigctl").split() == ["last.json", "play.lock"]
+    last = json.loads(_remote(served, "desktop", "cat /run/rigctl/last.json"))
+    assert last["outcome"] == "failed", last
+    assert _remote(served, "desktop", "stat -c '%U %a' /run/rigctl").split() == ["root", "700"]
+
+    messages.clear()
+    provision().raise_for_failures()
+    said = "\n".join(messages)
+    assert "took over" not in said, said
+    assert "play lock taken; the last play, pid " in said and "ended by failure here" in said, said
+    assert json.loads(_remote(served, "desktop", "cat /run/rigctl/last.json"))["outcome"] == "ok"
 
 
 @pytest.mark.lab

@@ -277,15 +277,16 @@ def test_a_hostile_mirror_and_checkouts_with_code_are_refused(inv_dir, checkout,
 _ESCAPES = ("/root/rigctl-sandbox-escape", "/etc/rigctl-sandbox-escape", "/var/lib/rigctl/rigctl-sandbox-escape",
             "/var/cache/rigctl/models/rigctl-sandbox-escape")
 # What a hostile converter would try: say who it is, write outside its output, reach the network (the
-# rig's own sshd: reachable from anything not cut off). It reports on its last line and fails.
+# rig's own sshd: reachable from anything not cut off), open a Unix socket (the host's daemons: D-Bus, systemd
+# and journald listen on them). It reports on its last line and fails.
 _PROBE = ("out=$1; wrote=; for f in " + " ".join(_ESCAPES) + "; do touch $f 2>/dev/null && wrote=\"$wrote $f\"; done; "
           "echo ok > $out && own=yes; (exec 3<>/dev/tcp/$2/22) 2>/dev/null && net=reached || net=none; "
-          "echo \"uid=$(id -u) own=${own:-no} wrote=[${wrote# }] net=$net\"; exit 3")
+          "python3 -c 'import socket; socket.socket(socket.AF_UNIX)' 2>/dev/null && unix=reached || unix=none; "
+          "echo \"uid=$(id -u) own=${own:-no} wrote=[${wrote# }] net=$net unix=$unix\"; exit 3")
 
 
-@pytest.mark.lab
-def test_a_models_command_runs_unprivileged_offline_and_writes_only_its_output(lab_up, tmp_path):
-    """The models role's module running a command as it runs the converter and llama-quantize."""
+def _module_project(tmp_path: Path, task: dict) -> Path:
+    """A project whose one play runs ``task`` on desktop with the repository's roles and module_utils."""
     project = tmp_path / "project"
     (project / "playbooks").mkdir(parents=True)
     config = (REPO / "ansible.cfg").read_text()
@@ -294,18 +295,59 @@ def test_a_models_command_runs_unprivileged_offline_and_writes_only_its_output(l
     (project / "ansible.cfg").write_text(config.replace("module_utils = rigctl/hostside",
                                                         f"module_utils = {REPO / 'rigctl/hostside'}"))
     (project / "playbooks" / "probe.yml").write_text(yaml.safe_dump([{
-        "hosts": "desktop", "gather_facts": False, "become": True, "tasks": [{
-            "name": "Run the probe as a models command", "models_artifact": {
-                "name": "sandbox-probe", "model": "probe", "host": "{{ inventory_hostname }}", "kind": "quantize",
-                "input": "/etc/hostname", "path": "/var/lib/rigctl/models-sandbox/probe.gguf",
-                "argv": ["/bin/bash", "-c", _PROBE, "probe", "{output}", "{{ ansible_host }}"]}}]}]))
+        "hosts": "desktop", "gather_facts": False, "become": True, "tasks": [task]}]))
+    return project
+
+
+@pytest.mark.lab
+def test_a_models_command_runs_unprivileged_offline_and_writes_only_its_output(lab_up, tmp_path):
+    """The models role's module running a command as it runs the converter and llama-quantize."""
+    project = _module_project(tmp_path, {
+        "name": "Run the probe as a models command", "models_artifact": {
+            "name": "sandbox-probe", "model": "probe", "host": "{{ inventory_hostname }}", "kind": "quantize",
+            "input": "/etc/hostname", "path": "/var/lib/rigctl/models-sandbox/probe.gguf",
+            "argv": ["/bin/bash", "-c", _PROBE, "probe", "{output}", "{{ ansible_host }}"]}})
     result = run_playbook(lab_up, "probe.yml", project=project, timeout=600)
     failure = result.hosts["desktop"].failure or ""
     last = failure.rsplit(": ", 1)[-1]
-    assert re.fullmatch(r"uid=(\d+) own=yes wrote=\[\] net=none", last), failure
+    assert re.fullmatch(r"uid=(\d+) own=yes wrote=\[\] net=none unix=none", last), failure
     assert int(last.split()[0].removeprefix("uid=")) != 0
     with SshClient(SshTarget.from_host(lab_up.host("desktop"))) as ssh:
         left = ssh.run(f"ls -d {' '.join(_ESCAPES)} /var/lib/private/rigctl-models-* /var/lib/rigctl-models-* "
                        "/var/lib/rigctl/models-sandbox/* 2>/dev/null; true", timeout=30).stdout.split()
         ssh.run("rm -rf /var/lib/rigctl/models-sandbox", timeout=60)
     assert left == []  # nothing escaped; the unit's state directory and the partial output are gone
+
+
+@pytest.mark.lab
+def test_a_converter_that_leaves_a_link_to_the_api_key_file_gets_nothing(lab_up, tmp_path):
+    """Issue 39: the sandboxed command's output left as a symbolic link to the API key file. Root used to
+    move the link into place and chown/chmod its target (the key file became root:root 0644): now the
+    artifact fails naming the link, and the key file's owner, group, mode and content are what they were."""
+    key = lab_up.host("desktop").server("smollm2").key_file
+    assert key, "the lab's servers have an API key"
+    stat_key = f"stat -c '%u %g %a %s' {key}"
+    with SshClient(SshTarget.from_host(lab_up.host("desktop"))) as ssh:
+        made = ssh.run(f"test -e {key} && echo have || echo none", timeout=30).stdout.strip() == "none"
+        if made:  # a rig the servers' role has not run on yet: a key file like the role's (its group: not root)
+            ssh.run(f"mkdir -p {os.path.dirname(key)} && printf 'k\\n' > {key} && chown root:nogroup {key} "
+                    f"&& chmod 0640 {key}", timeout=30)
+        before = ssh.run(stat_key, timeout=30).stdout.split()
+        project = _module_project(tmp_path, {
+            "name": "Run a converter that leaves a link", "models_artifact": {
+                "name": "link-probe", "model": "probe", "host": "{{ inventory_hostname }}", "kind": "quantize",
+                "input": "/etc/hostname", "path": "/var/lib/rigctl/models-sandbox/link.gguf",
+                "argv": ["/bin/sh", "-c", 'ln -s "$2" "$1"', "converter", "{output}", key]}})
+        try:
+            result = run_playbook(lab_up, "probe.yml", project=project, timeout=600)
+            failure = result.hosts["desktop"].failure or ""
+            after = ssh.run(stat_key, timeout=30).stdout.split()
+            left = ssh.run("ls -A /var/lib/rigctl/models-sandbox /var/lib/private/ 2>/dev/null | "
+                           "grep -e link -e rigctl-models || true", timeout=30).stdout.split()
+        finally:
+            ssh.run("rm -rf /var/lib/rigctl/models-sandbox" + (f" {key}" if made else ""), timeout=60)
+    assert after == before, (before, after)
+    assert re.search(r"desktop: link-probe: `/bin/sh -c .*` left no plain file: "
+                     r"/var/lib/private/rigctl-models-link-probe-[0-9a-f]{8}/\.link\.gguf\.partial is a symbolic "
+                     r"link, not the command's output; refused$", failure), failure
+    assert left == [], left

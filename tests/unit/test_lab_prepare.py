@@ -10,7 +10,16 @@ from labrigs_support import make_test_inventory, real_inventory
 
 from rigctl.errors import ConfigError
 from rigctl.inventory import Inventory
-from rigctl.lab.prepare import Prepared, artifact_path, deciding_digest, fetch_cuda_wheels, file_sha256, is_prepared
+from rigctl.lab.prepare import (
+    Prepared,
+    artifact_path,
+    deciding_digest,
+    ensure_pin,
+    fetch_cuda_wheels,
+    file_sha256,
+    is_prepared,
+    pin_path,
+)
 from rigctl.lab.rigs import Lab
 
 IMAGE = "bookworm-minbase-abc123-r3.tar.zst"
@@ -45,6 +54,19 @@ def test_prepared_only_with_the_same_digest_and_the_artifact_byte_for_byte(tmp_p
     assert not is_prepared(record, "d" * 64, tmp_path)
     (tmp_path / record.artifact).unlink()
     assert not is_prepared(record, "d" * 64, tmp_path)
+
+
+def test_a_prepared_artifact_gets_its_pin_from_the_record_and_another_pin_unprepares_it(tmp_path: Path) -> None:
+    """A cache prepared before packs had the controller's pin gets it from prepare's own record (made when
+    this controller first made the artifact); a pin that disagrees with the record means it is not ready."""
+    record = _prepared(tmp_path)
+    pin = pin_path(tmp_path / record.artifact)
+    assert pin.name == "b11434-0123456789ab.tar.gz.sha256" and not pin.exists()
+    ensure_pin(record, tmp_path)
+    assert pin.read_text() == record.artifact_sha256 + "\n" and is_prepared(record, "d" * 64, tmp_path)
+    pin.write_text("f" * 64 + "\n")
+    ensure_pin(record, tmp_path)  # never overwrites a pin
+    assert pin.read_text() == "f" * 64 + "\n" and not is_prepared(record, "d" * 64, tmp_path)
 
 
 def test_the_record_round_trips_and_a_damaged_one_reads_as_none(tmp_path: Path) -> None:

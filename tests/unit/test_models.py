@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -268,3 +269,89 @@ def test_the_role_refuses_to_convert_a_source_at_a_branch_in_one_line(tmp_path: 
     assert done.returncode != 0, out
     assert ('"msg": "localhost: models_catalog.m.source.revision is \\"main\\", a branch or tag: a source that is '
             'converted must pin a commit (40 hex digits)"') in out, out
+
+
+# ----------------------------------------------------------------- what the sandbox leaves (issue 39, item 1)
+
+
+def _left_in(tmp_path: Path) -> tuple:
+    """A Sandbox whose state directory is a temporary one, and a file of root's it must never touch."""
+    module = _artifact_module()
+    sandbox = module.Sandbox("rigctl-models-m-q4_0-0123abcd")
+    state = tmp_path / "private" / sandbox.state
+    state.mkdir(parents=True)
+    sandbox.dir = sandbox.private = str(state)
+    key = tmp_path / "etc" / "api-key"
+    key.parent.mkdir()
+    key.write_text("sk-secret\n")
+    key.chmod(0o640)
+    (tmp_path / "models").mkdir()
+    return module, sandbox, state, key
+
+
+def test_output_left_as_a_link_to_a_file_of_roots_is_refused_and_that_file_untouched(tmp_path: Path) -> None:
+    module, sandbox, state, key = _left_in(tmp_path)
+    (state / "m.gguf").symlink_to(key)
+    dest = tmp_path / "models" / ".m.gguf.partial"
+    if os.geteuid() == 0:  # owned by someone else, so that a chown to root shows
+        os.chown(key, 1234, 5678)
+    before = key.stat()
+    refused: OSError | None = None
+    try:
+        sandbox.take("m.gguf", str(dest))
+    except OSError as exc:
+        refused = exc
+    after = key.stat()
+    assert (after.st_uid, after.st_gid, oct(after.st_mode)) == (before.st_uid, before.st_gid, oct(before.st_mode))
+    assert isinstance(refused, module.UnsafeOutput)
+    assert str(refused.strerror).endswith("m.gguf is a symbolic link, not the command's output; refused")
+    assert key.read_text() == "sk-secret\n" and not dest.exists() and not dest.is_symlink()
+
+
+def test_output_left_as_a_hard_link_or_a_fifo_is_refused(tmp_path: Path) -> None:
+    module, sandbox, state, key = _left_in(tmp_path)
+    os.link(key, state / "linked.gguf")
+    os.mkfifo(state / "fifo.gguf")
+    for name, kind in (("linked.gguf", "a hard link to another file"), ("fifo.gguf", "not a regular file")):
+        with pytest.raises(module.UnsafeOutput, match=kind):
+            sandbox.take(name, str(tmp_path / "models" / name))
+    assert key.stat().st_mode & 0o777 == 0o640
+
+
+def test_a_plain_output_is_taken_roots_0644_and_an_absent_one_is_none(tmp_path: Path) -> None:
+    _, sandbox, state, _ = _left_in(tmp_path)
+    (state / "m.gguf").write_bytes(b"GGUF data")
+    (state / "m.gguf").chmod(0o600)
+    dest = tmp_path / "models" / ".m.gguf.partial"
+    dest.symlink_to(tmp_path / "etc" / "api-key")  # a stale link where the output goes: replaced, not followed
+    assert sandbox.take("m.gguf", str(dest)) is True
+    found = dest.lstat()
+    assert dest.read_bytes() == b"GGUF data" and found.st_mode == 0o100644 and found.st_uid == 0
+    assert (tmp_path / "etc" / "api-key").read_text() == "sk-secret\n"
+    assert sandbox.take("none.gguf", str(tmp_path / "models" / "none.gguf")) is False
+
+
+def test_output_on_another_file_system_is_copied_into_a_new_file(tmp_path: Path) -> None:
+    from rigctl.hostside.sandbox import take_output
+
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or os.stat(shm).st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("needs /dev/shm on a file system of its own")
+    with tempfile.TemporaryDirectory(dir=shm) as state:
+        Path(state, "m.gguf").write_bytes(b"GGUF" * 1000)
+        dest = tmp_path / "m.gguf"
+        assert take_output(state, "m.gguf", str(dest), uid=os.getuid(), gid=os.getgid()) is True
+        assert dest.read_bytes() == b"GGUF" * 1000 and dest.stat().st_mode == 0o100644
+
+
+def test_the_models_units_have_the_server_units_hardening_and_no_sockets() -> None:
+    from rigctl.hostside import sandbox as hardening
+
+    argv = _artifact_module().Sandbox("rigctl-models-m-bf16-0123abcd").argv(["/bin/true"], {}, 60)
+    properties = [a.removeprefix("--property=") for a in argv if a.startswith("--property=")]
+    server = [line for line in hardening.properties(()) if not line.startswith("RestrictAddressFamilies=")]
+    assert all(line in properties for line in server), set(server) - set(properties)
+    families = [line for line in properties if line.startswith("RestrictAddressFamilies=")]
+    assert "SystemCallFilter=@system-service" in properties and len(families) == 1
+    assert families[0].startswith("RestrictAddressFamilies=~")  # a deny list: no family below is reachable
+    assert {"AF_UNIX", "AF_INET", "AF_INET6", "AF_NETLINK", "AF_PACKET"} <= set(families[0].split("~")[1].split())

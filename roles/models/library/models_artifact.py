@@ -17,8 +17,9 @@ description:
     nothing runs and changed is false.
   - Supports check mode (reports whether it would make the artifact).
   - The command (the converter, llama-quantize, llama-imatrix) runs sandboxed as a transient systemd
-    service - a dynamic unprivileged user, no network, the file system read-only but for the unit's own
-    state directory, where it writes its output; root then moves that file beside I(path).
+    service - a dynamic unprivileged user, the server unit's hardening, no network and no sockets, the file
+    system read-only but for the unit's own state directory, where it writes its output; root then moves
+    that file beside I(path), opened without following links and refused unless it is a plain file.
   - The GGUF reader (module_utils gguf, rigctl/hostside/gguf.py) is standard library only, so the module
     runs with the host's system python3; rigctl's tests check it against the gguf package's reader.
 options:
@@ -73,6 +74,7 @@ from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.gguf import GGUFError, read_header, type_summary
 from ansible.module_utils.model_checkout import describe, remote_code
 from ansible.module_utils.model_files import file_sha256, manifest_path
+from ansible.module_utils.sandbox import UnsafeOutput, model_unit_properties, take_output
 
 MANIFEST_VERSION = 1
 
@@ -158,16 +160,6 @@ def disk_note(directory: str) -> str:
     return f"; disk full: {free // 1024} KiB free on the file system of {directory}" if free < DISK_FULL_BYTES else ""
 
 
-#: What the command runs under: it reads the checkout, the venv and the build, and writes only its output.
-#: A model's code (trust_remote_code), a converter bug or a llama.cpp exploit gets an unprivileged user
-#: with no network and nothing to write to but that file.
-SANDBOX = (
-    "DynamicUser=yes", "PrivateNetwork=yes", "ProtectSystem=strict", "ProtectHome=yes", "PrivateTmp=yes",
-    "NoNewPrivileges=yes", "ProtectKernelTunables=yes", "ProtectKernelModules=yes", "ProtectKernelLogs=yes",
-    "ProtectControlGroups=yes", "ProtectClock=yes", "ProtectHostname=yes", "RestrictNamespaces=yes",
-    "RestrictRealtime=yes", "RestrictSUIDSGID=yes", "LockPersonality=yes", "CapabilityBoundingSet=",
-    "UMask=0022",
-)
 #: Seconds systemd gets to stop a command that ran past its time.
 _STOP_GRACE = 60
 
@@ -175,19 +167,27 @@ _STOP_GRACE = 60
 class Sandbox:
     """One command's transient unit and its state directory (``/var/lib/<state>``, the one place it may
     write). ``output(name)`` is a path inside it as the command sees it; :meth:`take` moves such a file
-    out, owned by root; :meth:`remove` leaves nothing of the unit behind."""
+    out, owned by root; :meth:`remove` leaves nothing of the unit behind.
+
+    The unit has the server unit's hardening and no sockets (module_utils sandbox: a model's code, a
+    converter bug or a llama.cpp exploit gets an unprivileged user with no network and nothing to write to
+    but its state directory), and what it leaves there is taken as data: a link or anything but a plain
+    file is refused, never followed by root."""
 
     def __init__(self, unit: str):
         self.unit = unit
         self.state = unit
         self.dir = os.path.join("/var/lib", self.state)
+        # Where the state really is with DynamicUser (/var/lib/<state> is a link to it): root's 0700
+        # /var/lib/private, so the sandbox cannot swap the directory, only what is in it.
+        self.private = os.path.join("/var/lib/private", self.state)
 
     def output(self, name: str) -> str:
         return os.path.join(self.dir, name)
 
     def argv(self, argv: list, env: dict, timeout: int) -> list:
         return ["systemd-run", f"--unit={self.unit}", "--wait", "--pipe", "--collect", "--quiet",
-                "--service-type=exec", *[f"--property={prop}" for prop in SANDBOX],
+                "--service-type=exec", *[f"--property={prop}" for prop in model_unit_properties()],
                 f"--property=StateDirectory={self.state}", f"--property=RuntimeMaxSec={timeout}",
                 "--setenv=HOME=/tmp", "--setenv=HF_HUB_OFFLINE=1",
                 *[f"--setenv={k}={v}" for k, v in env.items()], "--", *argv]
@@ -201,15 +201,13 @@ class Sandbox:
             subprocess.run(["systemctl", "stop", f"{self.unit}.service"], capture_output=True, timeout=60, check=False)
             return subprocess.CompletedProcess(exc.cmd, 124, exc.stdout or "", f"timed out after {timeout} s")
 
-    def take(self, name: str, dest: str) -> None:
-        """The command's output ``name`` to ``dest`` (same directory as the final file), root's, 0644."""
-        shutil.move(self.output(name), dest)
-        os.chown(dest, 0, 0)
-        os.chmod(dest, 0o644)
+    def take(self, name: str, dest: str) -> bool:
+        """The command's output ``name`` to ``dest`` (same directory as the final file), root's, 0644; False
+        when it left none. :class:`UnsafeOutput` for a link or anything but a plain file."""
+        return take_output(self.private, name, dest)
 
     def remove(self) -> None:
-        # With DynamicUser the state lives in /var/lib/private/<state>; /var/lib/<state> links to it.
-        shutil.rmtree(os.path.join("/var/lib/private", self.state), ignore_errors=True)
+        shutil.rmtree(self.private, ignore_errors=True)
         if os.path.islink(self.dir):
             os.unlink(self.dir)
         else:
@@ -383,8 +381,9 @@ def _run_sandboxed(module: AnsibleModule, sandbox: Sandbox, argv: list, output: 
             module.fail_json(msg=f"{p['host']}: {p['name']}: `{shlex.join(argv)}` exited {proc.returncode}: "
                                  f"{tail[-1] if tail else 'no output'}{disk_note(directory)}",
                              stdout=proc.stdout[-4000:], stderr=proc.stderr[-4000:])
-        if os.path.isfile(inside):
-            sandbox.take(os.path.basename(output), output)
+        sandbox.take(os.path.basename(output), output)
+    except UnsafeOutput as exc:
+        module.fail_json(msg=f"{p['host']}: {p['name']}: `{shlex.join(argv)}` left no plain file: {exc.strerror}")
     finally:
         sandbox.remove()
 
