@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -348,31 +349,47 @@ def test_missing_tool_names_its_package(tmp_path: Path, monkeypatch: pytest.Monk
         lab.up()
 
 
+def readable_by_others(request: pytest.FixtureRequest) -> Path:
+    """A fresh directory another uid can reach, removed after the test. pytest's tmp_path is root's alone,
+    and the checkout may be too (a clone in root's 0700 home): what a test runs as another uid is copied
+    here, never run from the checkout."""
+    readable = Path(tempfile.mkdtemp(prefix="rigctl-lab-test-", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(readable))
+    readable.chmod(0o755)
+    return readable
+
+
+#: The interpreter a test runs as another uid: the one running the tests, by its real path (the venv's
+#: link may sit inside an unreachable checkout).
+OTHER_UID_PYTHON = os.path.realpath(sys.executable)
+
+
 @needs_root
-def test_up_refuses_when_not_root() -> None:
+def test_up_refuses_when_not_root(request: pytest.FixtureRequest) -> None:
     if shutil.which("setpriv") is None:
         pytest.skip("needs setpriv to drop root")
-    # pytest's own temporary directories are root's alone; the unprivileged child needs to read this one.
-    readable = Path(tempfile.mkdtemp(prefix="rigctl-lab-test-"))
-    readable.chmod(0o755)
-    inv = make_test_inventory(readable / "inv", readable / "lab")
+    readable = readable_by_others(request)
+    lab = Lab.from_inventory(Inventory.load(make_test_inventory(readable / "inv", readable / "lab")))
+    (readable / "lab.pickle").write_bytes(pickle.dumps(lab))
+    # What the unprivileged child imports: rigctl and its one import outside the standard library.
+    for package in (REPO / "rigctl", Path(yaml.__file__).parent):
+        shutil.copytree(package, readable / "lib" / package.name, ignore=shutil.ignore_patterns("__pycache__"))
     home = readable / "home"
     home.mkdir()
     os.chown(home, 65534, 65534)
     code = (
-        "from rigctl.inventory import Inventory\nfrom rigctl.lab.rigs import Lab\nfrom rigctl.errors import LabError\n"
-        f"lab = Lab.from_inventory(Inventory.load({str(inv)!r}))\n"
+        "import pickle\nfrom rigctl.errors import LabError\n"
+        f"lab = pickle.loads(open({str(readable / 'lab.pickle')!r}, 'rb').read())\n"
         "try:\n    lab.up()\nexcept LabError as exc:\n    print(exc)\n"
     )
     done = subprocess.run(
-        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code],
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", OTHER_UID_PYTHON, "-c", code],
         capture_output=True,
         text=True,
         timeout=120,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO), "HOME": str(home)},
+        cwd=readable,
+        env={**os.environ, "PYTHONPATH": str(readable / "lib"), "HOME": str(home)},
     )
-    shutil.rmtree(readable)
     assert (
         done.stdout.strip() == "the lab rigs need root (network namespaces, systemd-nspawn, debootstrap); run as root"
     ), done.stderr
@@ -514,9 +531,9 @@ def test_stand_in_sequences_move_on_for_a_reader_who_cannot_write_the_state(
     """rigctl's jobs read the card as the service account in a read-only sandbox: their readings move on
     through the sequences too (a cursor in the reader's own /tmp), the state itself stays as root left it."""
     state = json.loads(gpu_state.read_text())
-    shared = Path(tempfile.mkdtemp(prefix="rigctl-lab-smi-", dir="/tmp"))  # pytest's tmp_path is root's only
-    request.addfinalizer(lambda: shutil.rmtree(shared))
-    shared.chmod(0o755)
+    shared = readable_by_others(request)
+    stand_in = shared / "nvidia-smi"
+    shutil.copy2(NVIDIA_SMI, stand_in)
     gpu_state = shared / "gpu.json"
     gpu_state.write_text(json.dumps({**state, "temperature_sequence": [83, 62, 44]}))
     reader_tmp = shared / "reader-tmp"
@@ -530,8 +547,8 @@ def test_stand_in_sequences_move_on_for_a_reader_who_cannot_write_the_state(
                 "--reuid=65534",
                 "--regid=65534",
                 "--clear-groups",
-                sys.executable,
-                str(NVIDIA_SMI),
+                OTHER_UID_PYTHON,
+                str(stand_in),
                 "--query-gpu=temperature.gpu",
                 "--format=csv,noheader,nounits",
             ],
