@@ -33,6 +33,8 @@ def servers_list(
     for row in rows:
         style = _STATE_STYLE.get(row.state, "yellow")
         state = f"[{style}]{row.state}[/{style}]" + ("" if row.enabled else " (disabled)")
+        if row.pending_restart:  # files a play wrote and did not get to apply: the next provision restarts it
+            state += f" [yellow]pending restart ({', '.join(row.pending_restart)})[/yellow]"
         if row.healthy and row.health == "ok":
             health = "[green]ok[/green]"
         elif row.health == "disabled":
