@@ -130,7 +130,8 @@ def test_a_provision_killed_before_the_restart_is_settled_by_the_next(served: In
         again = subprocess.run([*RIGCTL, "-i", str(changed), "provision", "--limit", "desktop", "--tags",
                                 "llama_server"], capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
         assert again.returncode == 0, again.stdout + again.stderr
-        assert list_servers(Inventory.load(changed), "desktop")[0].main_pid == pid  # settled: nothing restarted
+        after = {row.name: row for row in list_servers(Inventory.load(changed), "desktop")}
+        assert after["smollm2"].main_pid == pid  # settled: nothing restarted
     finally:
         run_playbook(served, "site.yml", limit="desktop", tags=["llama_server"]).raise_for_failures()
     assert _n_ctx(served) == 2048
