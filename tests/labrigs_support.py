@@ -29,7 +29,8 @@ TEST_PREFIX = "lt-"
 # The lab tests' own rigs live beside the slot labs (10.213.0-6, one per RIGCTL_LAB_SLOT) on subnets and
 # bridges of their own, also per slot: two slots testing at once, or a test beside a developer's slot lab,
 # never meet on an address or a bridge name.
-LAB_SLOT = int(os.environ.get("RIGCTL_LAB_SLOT", "0") or "0")
+SLOT_VARIABLE = "RIGCTL_LAB_SLOT"
+LAB_SLOT = int(os.environ.get(SLOT_VARIABLE, "0") or "0")
 
 
 TEST_NETWORK = f"10.213.{20 + LAB_SLOT}"
@@ -59,8 +60,20 @@ def rig(name: str, address: str) -> RigSpec:
     )
 
 
-def real_inventory() -> Inventory:
-    return Inventory.load(LAB_INVENTORY)
+def real_inventory(slot: int | None = None) -> Inventory:
+    """inventory/lab as the lab tests' slot sees it, or as slot ``slot`` does: a unit test names its slot,
+    so that it passes whatever RIGCTL_LAB_SLOT the shell has (the inventory reads it while loading)."""
+    if slot is None:
+        return Inventory.load(LAB_INVENTORY)
+    before = os.environ.get(SLOT_VARIABLE)
+    os.environ[SLOT_VARIABLE] = str(slot)
+    try:
+        return Inventory.load(LAB_INVENTORY)
+    finally:
+        if before is None:
+            del os.environ[SLOT_VARIABLE]
+        else:
+            os.environ[SLOT_VARIABLE] = before
 
 
 def make_test_inventory(

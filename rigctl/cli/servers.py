@@ -45,6 +45,10 @@ def servers_table(rows: list[ServerStatus]) -> Table:
     for row in rows:
         state = outside_text(row.state + ("" if row.enabled else " (disabled)"))
         state.stylize(_STATE_STYLE.get(row.state, "yellow"))
+        if row.pending_restart:  # files a play wrote and did not get to apply: the next provision restarts it
+            pending = outside_text(f" pending restart ({', '.join(row.pending_restart)})")
+            pending.stylize("yellow")
+            state.append(pending)
         if row.healthy and row.health == "ok":
             health = Text("ok", style="green")
         elif row.health == "disabled":

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rigctl.errors import ConfigError, RemoteCommandError, RigctlError, ServerError
+from rigctl.hostside import ship
 from rigctl.hostside import units as host_units
 from rigctl.hostside.sandbox import run_options
 from rigctl.inventory import Host, Inventory, Server
@@ -85,6 +86,9 @@ class ServerStatus:
     model: str | None = None  # /props model_path
     build: str | None = None  # /props build_info
     error: str | None = None
+    #: What of the running process differs from the instance's files now (arguments, binary, environment):
+    #: files written by a play that did not get to restart it. Empty when it runs its files or does not run.
+    pending_restart: tuple[str, ...] = ()
 
 
 def parse_unit_show(text: str) -> dict[str, UnitState]:
@@ -111,6 +115,37 @@ def show_command(servers: Iterable[str]) -> str:
     """The remote command whose output :func:`parse_unit_show` reads."""
     units = " ".join(shlex.quote(unit_name(s)) for s in servers)
     return f"systemctl show -p {','.join(UNIT_PROPERTIES)} {units}"
+
+
+def parse_pending_restarts(data: object, host: str) -> dict[str, tuple[str, ...]]:
+    """:mod:`rigctl.hostside.server_drift`'s answer, decoded: instance -> what differs. ConfigError naming the
+    host when it is not that."""
+    if not isinstance(data, dict) or not all(
+        isinstance(what, list) and all(isinstance(w, str) for w in what) for what in data.values()
+    ):
+        raise ConfigError(f"{host}: the running-process check answered a {type(data).__name__}, not instance -> "
+                          "list of differences")
+    return {str(name): tuple(what) for name, what in data.items()}
+
+
+def pending_restarts(host: Host, servers: Iterable[Server]) -> dict[str, tuple[str, ...]]:
+    """The running instances of ``servers`` on ``host`` whose process differs from their files now, with what
+    differs (:mod:`rigctl.hostside.server_drift`)."""
+    by_dir: dict[str, list[str]] = {}
+    for server in servers:
+        by_dir.setdefault(server.config_dir, []).append(server.name)
+    pending: dict[str, tuple[str, ...]] = {}
+    with session(host) as ssh:
+        for config_dir, names in by_dir.items():
+            cmd = ship.python_command("server_drift", json.dumps({"config_dir": config_dir, "names": names}))
+            answer = ssh.run(cmd, timeout=SSH_TIMEOUT, check=True).stdout
+            try:
+                decoded = json.loads(answer)
+            except ValueError:
+                raise ConfigError(f"{host.name}: the running-process check answered {answer[:80]!r}, "
+                                  "not JSON") from None
+            pending.update(parse_pending_restarts(decoded, host.name))
+    return pending
 
 
 def unit_states(host: Host, servers: Iterable[str]) -> dict[str, UnitState]:
@@ -143,9 +178,10 @@ def host_status(host: Host) -> list[ServerStatus]:
     instances = host.servers
     try:
         states = unit_states(host, (s.name for s in instances))
+        pending = pending_restarts(host, instances)
         error = None
     except RigctlError as exc:
-        states, error = {}, str(exc)
+        states, pending, error = {}, {}, str(exc)
     rows = []
     for inst in instances:
         unit = states.get(inst.name)
@@ -161,7 +197,7 @@ def host_status(host: Host) -> list[ServerStatus]:
         healthy, health, model, build = probe(inst)
         rows.append(ServerStatus(host.name, inst.name, inst.port, inst.artifact, inst.profile.name, inst.enabled,
                                  state, unit.main_pid if unit else 0,
-                                 healthy, health, model, build))
+                                 healthy, health, model, build, pending_restart=pending.get(inst.name, ())))
     return rows
 
 

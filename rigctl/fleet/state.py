@@ -25,7 +25,7 @@ from typing import Any
 from rigctl.errors import ConfigError, RigctlError, one_line
 from rigctl.fleet.build import Builds, parse_fact
 from rigctl.fleet.models import expected_sha256, parse_manifest
-from rigctl.fleet.servers import UNIT_PROPERTIES, UnitState, parse_unit_show
+from rigctl.fleet.servers import UNIT_PROPERTIES, UnitState, parse_pending_restarts, parse_unit_show
 from rigctl.hostside import nvidia_smi, ship
 from rigctl.hostside.llama_cpp_fact import FACT_PATH
 from rigctl.inventory import Host, Inventory
@@ -93,6 +93,9 @@ class HostState:
     gpu_error: str | None = None
     units: list[UnitState] = field(default_factory=list)
     models: list[ModelFact] = field(default_factory=list)
+    #: Running instances whose process differs from their files (files a play wrote and did not apply),
+    #: with what differs: :mod:`rigctl.hostside.server_drift`.
+    pending_restarts: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -282,6 +285,9 @@ class FleetState:
 
         plan = self.plans[host.name]
         models = {a.name: a.path for a in host.artifacts}
+        servers_by_dir: dict[str, list[str]] = {}
+        for server in host.servers:
+            servers_by_dir.setdefault(server.config_dir, []).append(server.name)
         args = {
             "fact": FACT_PATH,
             "gpu_fields": ",".join(NVIDIA_SMI_FIELDS),
@@ -289,6 +295,7 @@ class FleetState:
             "unit_properties": ",".join(UNIT_PROPERTIES),
             "units": [unit_name(name) for name in plan.servers],
             "models": models,
+            "servers": servers_by_dir,
             "timeout": max(1.0, self.host_timeout / 2),
         }
         cmd = ship.python_command("fleet_state", json.dumps(args))
@@ -325,6 +332,10 @@ class FleetState:
         if facts.gpu_error:
             log.info("%s: no GPU sample: %s", host.name, facts.gpu_error)
         facts.units = list(parse_unit_show((raw.get("units") or {}).get("out", "")).values())
+        try:
+            facts.pending_restarts = parse_pending_restarts(raw.get("pending_restarts") or {}, host.name)
+        except RigctlError as exc:
+            self._warn(str(exc))
         pins = host.pins
         to_hash: dict[str, list[int]] = {}
         for name, entry in sorted((raw.get("models") or {}).items()):

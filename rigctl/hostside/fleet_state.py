@@ -3,10 +3,11 @@ parses, as one JSON object, in one round trip. Standard library only; run as a o
 nothing on the host.
 
 ``main([ARGS])``: ``ARGS`` is JSON with ``fact`` (the llama_cpp role's fact file), ``gpu_fields`` and
-``timeout`` (for ``nvidia-smi``), ``unit_pattern``, ``unit_properties`` and ``units`` (for ``systemctl``)
-and ``models`` (artifact -> path). Prints ``fact`` (its text or null), ``nvidia_smi`` and ``units``
-({rc, out, err} of those commands) and ``models`` (artifact -> path, :func:`model_files.identity` or
-null, manifest text or null).
+``timeout`` (for ``nvidia-smi``), ``unit_pattern``, ``unit_properties`` and ``units`` (for ``systemctl``),
+``models`` (artifact -> path) and ``servers`` (configuration directory -> instance names). Prints ``fact``
+(its text or null), ``nvidia_smi`` and ``units`` ({rc, out, err} of those commands), ``models`` (artifact ->
+path, :func:`model_files.identity` or null, manifest text or null) and ``pending_restarts`` (the running
+instances whose process differs from their files: :func:`server_drift.pending_restarts`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import subprocess
 import sys
 from typing import Any
 
-from rigctl.hostside import model_files
+from rigctl.hostside import model_files, server_drift
 
 
 def run(argv: list[str], timeout: float) -> dict[str, Any]:
@@ -64,6 +65,9 @@ def read_state(args: dict[str, Any]) -> dict[str, Any]:
         except OSError:
             stat = None
         models[name] = {"path": path, "stat": stat, "manifest": model_files.read_manifest(path)}
+    pending = out["pending_restarts"] = {}
+    for config_dir, names in (args.get("servers") or {}).items():
+        pending.update(server_drift.pending_restarts(config_dir, list(names)))
     return out
 
 

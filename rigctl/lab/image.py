@@ -1,5 +1,9 @@
 """The lab's Debian base image: built once with debootstrap into the controller's cache (a zstd tarball
-named after what went into it), unpacked once beside it, and shared read-only by every rig's overlay."""
+named after what went into it), unpacked once beside it, and shared read-only by every rig's overlay.
+
+The cache is shared by every lab slot, so two processes may want the same image at once: each entry (the
+tarball, the tree) is made under its own :func:`rigctl.files.entry_lock` and lands by one rename, so the
+second process waits and takes the first one's complete entry instead of making it again or colliding."""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from rigctl.errors import LabError
+from rigctl.files import entry_lock
 from rigctl.lab.system import (
     COMMAND_TIMEOUT_S,
     alive,
@@ -118,6 +123,18 @@ def image_file_name(suite: str, variant: str, packages: Sequence[str], revision:
     return f"{suite}-{variant}-{digest}.tar.zst"
 
 
+def ensure_base_image(target: Path) -> BaseImage:
+    """The tarball at ``target`` from the cache, or built there first (by this process, or by another one
+    this waits for)."""
+    if not target.is_file():
+        with entry_lock(target, DEBOOTSTRAP_TIMEOUT_S + PACK_TIMEOUT_S, LabError):
+            if not target.is_file():
+                return build_base_image(target)
+    size = target.stat().st_size
+    log.info("base image: %s (cached, %.0f MB)", target, size / 1e6)
+    return BaseImage(target, size, built=False)
+
+
 def build_base_image(target: Path) -> BaseImage:
     started = time.monotonic()
     mirror = apt_mirror(
@@ -146,21 +163,35 @@ def build_base_image(target: Path) -> BaseImage:
 
 
 def ensure_base_tree(image: BaseImage) -> Path:
+    """The image's unpacked tree beside its tarball: present only once complete (it lands by one rename),
+    made by this process or by another one this waits for."""
     tree = image.tree
     if tree.is_dir():
         return tree
-    with in_step("base image", "unpack"):
-        _remove_abandoned_work(image.path.parent)
-        workdir = Path(tempfile.mkdtemp(prefix=f".unpack-{os.getpid()}-", dir=image.path.parent))
-        try:
-            staged = workdir / "rootfs"
-            staged.mkdir()
-            _unpack(image.path, staged)
-            staged.rename(tree)
-        finally:
-            remove_tree(workdir)
-    _remove_unused_base_trees(keep=tree)
+    with in_step("base image", "unpack"), entry_lock(tree, UNPACK_TIMEOUT_S * 2, LabError):
+        if not tree.is_dir():
+            _unpack_into(image.path, tree)
+        _remove_unused_base_trees(keep=tree)
     return tree
+
+
+def _unpack_into(tarball: Path, tree: Path) -> None:
+    _remove_abandoned_work(tarball.parent)
+    workdir = Path(tempfile.mkdtemp(prefix=f".unpack-{os.getpid()}-", dir=tarball.parent))
+    try:
+        staged = workdir / "rootfs"
+        staged.mkdir()
+        _unpack(tarball, staged)
+        try:
+            staged.rename(tree)
+        except OSError:
+            # Lost to a writer that did not take the entry's lock: its tree landed by the same one
+            # rename, so being there means it is complete; take it.
+            if not tree.is_dir():
+                raise
+            log.info("base image: %s was unpacked by another process meanwhile; using it", tree)
+    finally:
+        remove_tree(workdir)
 
 
 def _remove_unused_base_trees(keep: Path) -> None:

@@ -59,7 +59,7 @@ from rigctl.lab.image import (
     SUITE,
     VARIANT,
     BaseImage,
-    build_base_image,
+    ensure_base_image,
     ensure_base_tree,
     image_file_name,
 )
@@ -316,11 +316,7 @@ class Lab:
         return self.config.image_dir / image_file_name(SUITE, VARIANT, BASE_PACKAGES, IMAGE_RECIPE_REVISION)
 
     def _ensure_base_image(self) -> BaseImage:
-        path = self.image_path
-        if path.is_file():
-            log.info("base image: %s (cached, %.0f MB)", path, path.stat().st_size / 1e6)
-            return BaseImage(path, path.stat().st_size, built=False)
-        return build_base_image(path)
+        return ensure_base_image(self.image_path)
 
     # ------------------------------------------------------------------ up
 

@@ -81,7 +81,8 @@ def test_build_drift_by_version_or_commit():
 def _snapshot(now: float) -> tuple[Snapshot, dict[str, HostPlan]]:
     plans = {
         "desktop": HostPlan("desktop", "b11434", "archive",
-                            {"qwen": {"artifact": "qwen-q4_0", "profile": "p", "port": 8080, "enabled": True}}),
+                            {"qwen": {"artifact": "qwen-q4_0", "profile": "p", "port": 8080, "enabled": True},
+                             "smol": {"artifact": "smol-q4_1", "profile": "p", "port": 8081, "enabled": True}}),
         "laptop": HostPlan("laptop", "b11434", "archive", {}),
     }
     desktop = HostState(
@@ -89,6 +90,7 @@ def _snapshot(now: float) -> tuple[Snapshot, dict[str, HostPlan]]:
         gpus=[GpuSample("0", "GPU-aaaa", "RTX 3050", 61.0, 3e9, 8e9, 0.5)],
         units=[UnitState("llama-server@qwen.service", "active", "running", 77, 0)],
         models=[ModelFact("qwen-q4_0", "/m/qwen-q4_0.gguf", True, "a" * 64, None, "b" * 64, 1234)],
+        pending_restarts={"qwen": ("arguments",)},
     )
     laptop = HostState("laptop", up=False, error="connection refused", duration_seconds=0.01)
     snap = Snapshot(completed_at=now - 3.0, duration_seconds=0.5, hosts={"desktop": desktop, "laptop": laptop},
@@ -119,6 +121,10 @@ def test_metric_families_label_every_series_and_skip_a_down_hosts_state():
     assert not [lab for name, rows in samples.items() if name.startswith("rigctl_gpu") for lab, _ in rows
                 if lab["host"] == "laptop"]
     assert sample_value(samples, "rigctl_server_info", host="desktop", server="qwen", port="8080") == 1.0
+    # qwen runs other files than its own (a play wrote them and was killed before its restart); smol runs its own.
+    assert sample_value(samples, "rigctl_server_pending_restart", host="desktop", server="qwen") == 1.0
+    assert sample_value(samples, "rigctl_server_pending_restart", host="desktop", server="smol") == 0.0
+    assert not [lab for lab, _ in samples["rigctl_server_pending_restart"] if lab["host"] == "laptop"]
 
 
 def test_before_the_first_collection_age_is_nan_and_families_are_declared():

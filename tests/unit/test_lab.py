@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -20,7 +21,14 @@ from rigctl.errors import ConfigError, LabError
 from rigctl.inventory import Inventory
 from rigctl.lab.config import check_lab_paths, known_hosts_lines, render_etc_hosts
 from rigctl.lab.gpu import GpuState, gpu_seed
-from rigctl.lab.image import BASE_PACKAGES, IMAGE_RECIPE_REVISION, apt_mirror, image_file_name
+from rigctl.lab.image import (
+    BASE_PACKAGES,
+    IMAGE_RECIPE_REVISION,
+    BaseImage,
+    _unpack_into,
+    apt_mirror,
+    image_file_name,
+)
 from rigctl.lab.network import check_lab_network, dead_end_gateway, find_host_conflicts, lab_mac, rig_tag, veth_name
 from rigctl.lab.rigs import Lab
 from rigctl.lab.system import cgroup_roots, mounts_under
@@ -76,6 +84,57 @@ def test_image_name_carries_the_package_list_hash() -> None:
     assert image_file_name("bookworm", "minbase", BASE_PACKAGES, IMAGE_RECIPE_REVISION + 1) != name
 
 
+def _small_image(cache: Path, files: int) -> BaseImage:
+    """A real zstd tarball of ``files`` small files where the lab keeps its base image."""
+    source = cache / "source"
+    for n in range(files):
+        (source / f"d{n % 10}").mkdir(parents=True, exist_ok=True)
+        (source / f"d{n % 10}" / f"f{n}").write_text(f"file {n}\n" * 20)
+    tarball = cache / "lab" / "bookworm-minbase-0123456789abcdef.tar.zst"
+    tarball.parent.mkdir(parents=True)
+    subprocess.run(f"tar -C {source} -cf - . | zstd -q -o {tarball}", shell=True, check=True, timeout=60)
+    return BaseImage(tarball, tarball.stat().st_size, built=False)
+
+
+@pytest.mark.skipif(not shutil.which("zstd"), reason="needs zstd")
+def test_unpackers_started_together_all_get_one_complete_tree(tmp_path: Path) -> None:
+    """Two lab slots sharing a cache unpack the same base image at once: every one of them gets the tree,
+    whole, and none fails on the other's rename (what `lab prepare` beside `lab up` once did)."""
+    image = _small_image(tmp_path, 3000)
+    go = tmp_path / "go"
+    code = (
+        "import sys, time\nfrom pathlib import Path\nfrom rigctl.lab.image import BaseImage, ensure_base_tree\n"
+        f"while not Path({str(go)!r}).exists():\n    time.sleep(0.01)\n"
+        f"print(ensure_base_tree(BaseImage(Path({str(image.path)!r}), 0, built=False)))\n"
+    )
+    unpackers = [
+        subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+        for _ in range(3)
+    ]
+    time.sleep(1.0)  # every interpreter up and polling, so they start within milliseconds of each other
+    go.touch()
+    outcomes = [(proc.wait(timeout=120), *proc.communicate()) for proc in unpackers]
+    assert outcomes == [(0, f"{image.tree}\n", "")] * 3
+    unpacked = sorted(p.relative_to(image.tree) for p in image.tree.rglob("f*"))
+    assert unpacked == sorted(p.relative_to(tmp_path / "source") for p in (tmp_path / "source").rglob("f*"))
+    assert len(unpacked) == 3000
+    assert [p.name for p in image.path.parent.iterdir() if p.name.startswith(".unpack-")] == []
+
+
+@pytest.mark.skipif(not shutil.which("zstd"), reason="needs zstd")
+def test_an_unpacker_that_loses_the_rename_takes_the_winners_tree(tmp_path: Path) -> None:
+    """A writer that did not take the entry's lock (an older rigctl) landed its tree first: this one's
+    rename fails, and it uses that tree instead of failing, leaving no work directory behind."""
+    image = _small_image(tmp_path, 5)
+    winner = image.tree
+    winner.mkdir()
+    (winner / "theirs").write_text("the winner's tree\n")
+    _unpack_into(image.path, winner)
+    assert [p.name for p in winner.iterdir()] == ["theirs"]
+    assert sorted(p.name for p in image.path.parent.iterdir()) == sorted([image.path.name, winner.name])
+
+
 def test_dead_end_gateway_is_the_last_host_address() -> None:
     assert str(dead_end_gateway("10.213.0.1/24")) == "10.213.0.254"
     assert str(dead_end_gateway("192.0.2.9/28")) == "192.0.2.14"
@@ -109,7 +168,7 @@ def test_check_lab_network_rejects_duplicates_and_long_names() -> None:
 
 
 def test_lab_paths_must_fit_overlay_mount_options() -> None:
-    config = Lab.from_inventory(real_inventory()).config
+    config = Lab.from_inventory(real_inventory(slot=0)).config
     check_lab_paths(config)
     with pytest.raises(LabError, match="rigctl_lab.dir /srv/lab:1 must be an absolute path without"):
         check_lab_paths(dataclasses.replace(config, dir=Path("/srv/lab:1")))
@@ -118,7 +177,7 @@ def test_lab_paths_must_fit_overlay_mount_options() -> None:
 
 
 def test_find_host_conflicts_names_strangers_only() -> None:
-    config = Lab.from_inventory(real_inventory()).config
+    config = Lab.from_inventory(real_inventory(slot=0)).config
     mine = {
         "ifname": "rigctl-br0",
         "ifalias": config.link_marker,
@@ -216,7 +275,7 @@ def test_gpu_seed_from_the_inventory_and_state_checks() -> None:
 
 
 def test_lab_from_the_lab_inventory() -> None:
-    inventory = real_inventory()
+    inventory = real_inventory(slot=0)
     lab = Lab.from_inventory(inventory)
     lab_vars = inventory.hosts["desktop"].vars["rigctl_lab"]
     assert lab.config.dir == Path(lab_vars["dir"])
@@ -232,7 +291,7 @@ def test_lab_from_the_lab_inventory() -> None:
 
 
 def test_ssh_argv_is_strict_and_unknown_rigs_are_named() -> None:
-    lab = Lab.from_inventory(real_inventory())
+    lab = Lab.from_inventory(real_inventory(slot=0))
     config = lab.config
     assert lab.ssh_argv("laptop") == [
         "ssh",
@@ -290,31 +349,47 @@ def test_missing_tool_names_its_package(tmp_path: Path, monkeypatch: pytest.Monk
         lab.up()
 
 
+def readable_by_others(request: pytest.FixtureRequest) -> Path:
+    """A fresh directory another uid can reach, removed after the test. pytest's tmp_path is root's alone,
+    and the checkout may be too (a clone in root's 0700 home): what a test runs as another uid is copied
+    here, never run from the checkout."""
+    readable = Path(tempfile.mkdtemp(prefix="rigctl-lab-test-", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(readable))
+    readable.chmod(0o755)
+    return readable
+
+
+#: The interpreter a test runs as another uid: the one running the tests, by its real path (the venv's
+#: link may sit inside an unreachable checkout).
+OTHER_UID_PYTHON = os.path.realpath(sys.executable)
+
+
 @needs_root
-def test_up_refuses_when_not_root() -> None:
+def test_up_refuses_when_not_root(request: pytest.FixtureRequest) -> None:
     if shutil.which("setpriv") is None:
         pytest.skip("needs setpriv to drop root")
-    # pytest's own temporary directories are root's alone; the unprivileged child needs to read this one.
-    readable = Path(tempfile.mkdtemp(prefix="rigctl-lab-test-"))
-    readable.chmod(0o755)
-    inv = make_test_inventory(readable / "inv", readable / "lab")
+    readable = readable_by_others(request)
+    lab = Lab.from_inventory(Inventory.load(make_test_inventory(readable / "inv", readable / "lab")))
+    (readable / "lab.pickle").write_bytes(pickle.dumps(lab))
+    # What the unprivileged child imports: rigctl and its one import outside the standard library.
+    for package in (REPO / "rigctl", Path(yaml.__file__).parent):
+        shutil.copytree(package, readable / "lib" / package.name, ignore=shutil.ignore_patterns("__pycache__"))
     home = readable / "home"
     home.mkdir()
     os.chown(home, 65534, 65534)
     code = (
-        "from rigctl.inventory import Inventory\nfrom rigctl.lab.rigs import Lab\nfrom rigctl.errors import LabError\n"
-        f"lab = Lab.from_inventory(Inventory.load({str(inv)!r}))\n"
+        "import pickle\nfrom rigctl.errors import LabError\n"
+        f"lab = pickle.loads(open({str(readable / 'lab.pickle')!r}, 'rb').read())\n"
         "try:\n    lab.up()\nexcept LabError as exc:\n    print(exc)\n"
     )
     done = subprocess.run(
-        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code],
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", OTHER_UID_PYTHON, "-c", code],
         capture_output=True,
         text=True,
         timeout=120,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO), "HOME": str(home)},
+        cwd=readable,
+        env={**os.environ, "PYTHONPATH": str(readable / "lib"), "HOME": str(home)},
     )
-    shutil.rmtree(readable)
     assert (
         done.stdout.strip() == "the lab rigs need root (network namespaces, systemd-nspawn, debootstrap); run as root"
     ), done.stderr
@@ -456,9 +531,9 @@ def test_stand_in_sequences_move_on_for_a_reader_who_cannot_write_the_state(
     """rigctl's jobs read the card as the service account in a read-only sandbox: their readings move on
     through the sequences too (a cursor in the reader's own /tmp), the state itself stays as root left it."""
     state = json.loads(gpu_state.read_text())
-    shared = Path(tempfile.mkdtemp(prefix="rigctl-lab-smi-", dir="/tmp"))  # pytest's tmp_path is root's only
-    request.addfinalizer(lambda: shutil.rmtree(shared))
-    shared.chmod(0o755)
+    shared = readable_by_others(request)
+    stand_in = shared / "nvidia-smi"
+    shutil.copy2(NVIDIA_SMI, stand_in)
     gpu_state = shared / "gpu.json"
     gpu_state.write_text(json.dumps({**state, "temperature_sequence": [83, 62, 44]}))
     reader_tmp = shared / "reader-tmp"
@@ -472,8 +547,8 @@ def test_stand_in_sequences_move_on_for_a_reader_who_cannot_write_the_state(
                 "--reuid=65534",
                 "--regid=65534",
                 "--clear-groups",
-                sys.executable,
-                str(NVIDIA_SMI),
+                OTHER_UID_PYTHON,
+                str(stand_in),
                 "--query-gpu=temperature.gpu",
                 "--format=csv,noheader,nounits",
             ],
@@ -506,7 +581,7 @@ def test_stand_in_persistence_mode_and_summary_table(gpu_state: Path) -> None:
 
 def test_set_gpu_can_rename_the_stand_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``name`` is both the rig's and a GPU field: the rig's is positional only, so the GPU's can be set."""
-    lab = Lab.from_inventory(real_inventory())
+    lab = Lab.from_inventory(real_inventory(slot=0))
     state = tmp_path / "gpu.json"
     state.write_text(lab.rig("desktop").gpu.to_json())
     monkeypatch.setattr(Lab, "_gpu_state_path", lambda self, rig: state)

@@ -26,7 +26,7 @@ IMAGE = "bookworm-minbase-abc123-r3.tar.zst"
 
 
 def test_the_digest_follows_the_pin_flags_and_image_and_nothing_else() -> None:
-    desktop = real_inventory().hosts["desktop"].vars
+    desktop = real_inventory(slot=0).hosts["desktop"].vars
     base = deciding_digest(IMAGE, desktop)
     assert deciding_digest(IMAGE, dict(desktop)) == base
     assert deciding_digest(IMAGE, {**desktop, "llama_cpp_version": "b11435"}) != base
@@ -81,8 +81,8 @@ def test_the_record_round_trips_and_a_damaged_one_reads_as_none(tmp_path: Path) 
 
 
 def test_the_lab_binds_the_rigs_ccache_to_one_dir_per_lab_under_the_cache() -> None:
-    config = Lab.from_inventory(real_inventory()).config
-    desktop = real_inventory().hosts["desktop"].vars
+    config = Lab.from_inventory(real_inventory(slot=0)).config
+    desktop = real_inventory(slot=0).hosts["desktop"].vars
     assert config.guest_ccache_dir == PurePosixPath(desktop["llama_cpp_ccache_dir"])
     assert config.compiler_cache == config.cache_dir / "ccache" / config.dir.name
 
@@ -121,6 +121,6 @@ def test_cuda_wheels_already_in_the_cache_are_not_fetched_again(tmp_path: Path) 
 
 
 def test_the_lab_inventory_pins_the_wheels_prepare_fetches() -> None:
-    rig = real_inventory().host("desktop").vars
+    rig = real_inventory(slot=0).host("desktop").vars
     assert rig["gpu_host_cuda_source"] == "wheels"
     assert {wheel["name"] for wheel in rig["gpu_host_cuda_wheels"]} >= {"nvidia-cuda-nvcc", "nvidia-cublas"}

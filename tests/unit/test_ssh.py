@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-from labrigs_support import LAB_SLOT
 from loopback_sshd import MuteSshd, wait_for
 
 import rigctl
@@ -47,10 +46,10 @@ def test_target_looks_up_address_then_name() -> None:
 
 
 def test_target_from_inventory_host(lab_inventory: Inventory) -> None:
-    # The lab inventory follows RIGCTL_LAB_SLOT (inventory/lab/group_vars/all/lab.yml): slot 0 is the default lab.
-    lab_dir = Path("/var/lib/rigctl/lab" if LAB_SLOT == 0 else f"/var/lib/rigctl/lab-{LAB_SLOT}")
+    # The unit tests' lab inventory is slot 0's (tests/unit/conftest.py), the default lab.
+    lab_dir = Path("/var/lib/rigctl/lab")
     target = SshTarget.from_host(lab_inventory.host("laptop"))
-    assert (target.name, target.address, target.port, target.user) == ("laptop", f"10.213.{LAB_SLOT}.12", 22, "root")
+    assert (target.name, target.address, target.port, target.user) == ("laptop", "10.213.0.12", 22, "root")
     assert target.key_file == lab_dir / "id_ed25519"
     assert target.known_hosts == lab_dir / "known_hosts"
 
