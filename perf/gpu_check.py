@@ -38,6 +38,7 @@ import importlib.util
 import json
 import math
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -204,8 +205,9 @@ def probe_gpu(work: Path) -> HostFacts:
                           "(nothing was built)")
     token = new_token()
     try:
-        done = subprocess.run(["bash", "-c", probe_command(token, disk_path=str(work))], capture_output=True,
-                              text=True, errors="replace", timeout=60, check=False)
+        command = probe_command(token, disk_path=shlex.quote(str(work)))
+        done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, errors="replace", timeout=60,
+                              check=False)
     except subprocess.TimeoutExpired:
         raise ConfigError("gpu-check: the host probe did not finish within 60 s (nothing was built)") from None
     return parse_probe("localhost", done.stdout, token)
