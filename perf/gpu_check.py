@@ -58,7 +58,7 @@ sys.path.insert(0, str(REPO))  # run as a script from a bare checkout (no venv o
 
 import yaml  # noqa: E402
 
-from rigctl.bench.bandwidth import decode_bound  # noqa: E402
+from rigctl.bench.bandwidth import NO_FIGURE, decode_bound  # noqa: E402
 from rigctl.errors import BuildError, ConfigError, RigctlError  # noqa: E402
 from rigctl.files import cache_dir  # noqa: E402
 from rigctl.fleet.host_facts import HostFacts, new_token, parse_probe, probe_command  # noqa: E402
@@ -527,6 +527,8 @@ def bound_text(tokens_per_s: float, bandwidth: float | None, model: Path, *, cud
                generated: int) -> str:
     """A decode figure against the card's bound, by rigctl's own formula (weights from the GGUF's tensor
     table, the KV cache from its shape)."""
+    if bandwidth is None:  # decode_bound would blame the inventory, which this check does not read
+        return f"{NO_FIGURE} (--cpu: no card, so no bandwidth to hold it against)"
     header = gguf_reader.read_header(str(model))
     artifact = {"manifest": {"types": gguf_reader.type_summary(header)}, "gguf": gguf_shape(str(model))}
     entry = {"n_gpu_layers": 99 if cuda else 0, "n_gen": generated, "n_depth": context, "type_k": "f16",

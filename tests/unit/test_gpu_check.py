@@ -179,8 +179,11 @@ def test_the_bound_is_rigctls_and_a_cpu_run_has_none(tmp_path: Path) -> None:
     kv_per_token = 1 * 8 * (128 * 2 + 128 * 2)
     bound = 100e9 / (plan.nbytes + kv_per_token * 64)
     assert text == f"{1000.0 / bound:.1%} of the {bound:.1f} t/s that 100 GB/s allows"
-    assert gpu_check.bound_text(10.0, None, path, cuda=False, context=0, generated=128).startswith(
-        "no bandwidth figure")
+    assert gpu_check.bound_text(10.0, None, path, cuda=False, context=0, generated=128) == (
+        "no bandwidth figure (--cpu: no card, so no bandwidth to hold it against)")
+    # a bandwidth given for a CPU run: rigctl's bound has no figure for -ngl 0 either
+    assert gpu_check.bound_text(10.0, 50.0, path, cuda=False, context=0, generated=128) == (
+        "no bandwidth figure (a CPU run (-ngl 0))")
 
 
 def test_the_pin_is_the_lab_inventorys_archive_in_the_cache(tmp_path: Path) -> None:
