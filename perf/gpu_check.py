@@ -422,26 +422,30 @@ def write_model(gguf: types.ModuleType, plan: ModelPlan, vocab: list[tuple[str, 
 # ------------------------------------------------------------------------------------- bench and serve
 
 
-def bench_cell(bin_dir: Path, model: Path, work: Path, *, cuda: bool, tokens: int) -> tuple[dict[str, Any], dict]:
+def bench_cell(bin_dir: Path, model: Path, work: Path, *, cuda: bool, tokens: int) -> tuple[float, float, dict]:
     """One llama-bench cell (pp512, tg``tokens``, 3 repetitions) with rigctl's clock poller around it:
-    (the generation test's result, the throttle verdict of the readings)."""
+    (the generation test's mean and standard deviation in tokens/s, the throttle verdict of the readings)."""
     matrix = {"p": 512, "n": tokens, "r": 3, "ngl": 99 if cuda else 0}
     argv = llama_bench_argv(str(bin_dir / "llama-bench"), str(model), matrix)
     readings_path = work / "clocks.jsonl"
     readings_path.unlink(missing_ok=True)
     reader = GpuReader(types.SimpleNamespace(gpu_query=stamp.gpu_query))
     with ClockPoller(reader, readings_path, interval_s=0.2) as poller:
-        done = subprocess.run(argv, capture_output=True, text=True, errors="replace", timeout=BENCH_TIMEOUT_S,
-                              check=False, env={**os.environ, **GPU_ENV})
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, errors="replace", timeout=BENCH_TIMEOUT_S,
+                                  check=False, env={**os.environ, **GPU_ENV})
+        except subprocess.TimeoutExpired:
+            raise RigctlError(f"gpu-check: llama-bench gave no result within {BENCH_TIMEOUT_S} s") from None
     if done.returncode != 0:
         raise RigctlError(f"gpu-check: llama-bench exited {done.returncode}: "
                           f"{(done.stderr.strip().splitlines() or ['no output'])[-1][:240]}")
     try:
         results = json.loads(done.stdout)
         gen = next(r for r in results if r.get("n_gen", 0) > 0 and r.get("n_prompt", 0) == 0)
-    except (ValueError, StopIteration, AttributeError, TypeError):
+        mean, stddev = float(gen["avg_ts"]), float(gen.get("stddev_ts", 0.0))
+    except (ValueError, StopIteration, AttributeError, TypeError, KeyError):
         raise RigctlError(f"gpu-check: llama-bench printed no generation result: {done.stdout[:200]!r}") from None
-    return gen, throttle_verdict(poller.readings, MIN_SM_FRACTION)
+    return mean, stddev, throttle_verdict(poller.readings, MIN_SM_FRACTION)
 
 
 def _free_port() -> int:
@@ -576,7 +580,7 @@ def run(args: argparse.Namespace) -> float:
     plan = model_plan(args.model_mib, len(vocab))
     model = args.work / f"random-{args.model_mib}mib.gguf"
     write_model(load_gguf_package(src), plan, vocab, model)
-    step(f"model: {model.name}, llama, {plan.n_layer} layers of {plan.n_embd}, Q4_0, "
+    step(f"model: {model.name}, llama, {plan.n_layer} layer{'s' * (plan.n_layer != 1)} of {plan.n_embd}, Q4_0, "
          f"{model.stat().st_size / 2**20:.0f} MiB, written with the archive's gguf-py; {FAIR_PROBE}")
 
     bandwidth = args.bandwidth_gbs or (card_bandwidth_gbs(nvcc, args.work) if cuda else None)
@@ -584,10 +588,9 @@ def run(args: argparse.Namespace) -> float:
         step(f"bandwidth: {bandwidth:.0f} GB/s " + ("(--bandwidth-gbs)" if args.bandwidth_gbs else
                                                     "(the card's memory clock x bus width)"))
 
-    gen, clocks = bench_cell(bin_dir, model, args.work, cuda=cuda, tokens=args.tokens)
-    tg = float(gen["avg_ts"])
+    tg, tg_stddev, clocks = bench_cell(bin_dir, model, args.work, cuda=cuda, tokens=args.tokens)
     state = ("throttled: " + "; ".join(clocks["why"])) if clocks["throttled"] else "not throttled"
-    step(f"llama-bench cell: tg{args.tokens} {tg:.1f} t/s (±{float(gen.get('stddev_ts', 0)):.1f}); clocks: "
+    step(f"llama-bench cell: tg{args.tokens} {tg:.1f} t/s (±{tg_stddev:.1f}); clocks: "
          f"{clocks['samples']} readings, {state}, reasons seen {clocks['reasons'] or 'none'}, lowest busy SM clock "
          f"{clocks['min_sm_fraction'] if clocks['min_sm_fraction'] is not None else 'n/a'} of max")
     step("  bench decode against the bandwidth bound: "
