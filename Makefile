@@ -10,7 +10,7 @@ export PIP_CACHE_DIR ?= $(RIGCTL_CACHE_DIR)/pip
 # Prometheus (and promtool) from Debian: the monitoring tests start the real thing.
 HOST_PACKAGES := systemd-container debootstrap iproute2 openssh-client zstd prometheus
 
-.PHONY: demo test check lint venv host-deps prepare cuda-check upgrade-check lab-down clean
+.PHONY: demo test check lint venv host-deps prepare cuda-check gpu-check upgrade-check lab-down clean
 
 venv: $(VENV)/.installed
 
@@ -57,6 +57,14 @@ upgrade-check: prepare
 cuda-check: prepare
 	RIGCTL_CUDA_CHECK=1 PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/pytest -v -rA tests/lab/test_cuda_lab.py \
 	  tests/lab/test_llama_cpp_lab.py::test_cuda_configure_accepts_the_flags
+
+# On a machine with an NVIDIA GPU, its driver and nvcc (as root; no network, no lab): the pinned llama.cpp built with
+# CUDA for that GPU only, the role's smoke test, rigctl's probe, a bench cell with clock readings and a server decode
+# against the card's bandwidth bound, on a random-weight model made there (perf/gpu_check.py; the README has it).
+# Without a GPU it refuses in one line before building. The venv's Python when there is one, else the system's
+# (a machine without network has no venv; it needs PyYAML and numpy). GPU_CHECK_ARGS: e.g. --model-mib 1024.
+gpu-check:
+	$(if $(wildcard $(PY)),$(PY),python3) perf/gpu_check.py $(GPU_CHECK_ARGS)
 
 demo: prepare
 	$(RIGCTL) inventory check
