@@ -354,9 +354,12 @@ def test_an_accepted_advisory_s_reason_is_written_unsafe_and_read_back_as_the_te
     pin = candidate.CandidatePin(**{**pin.__dict__, "sha256": "ab" * 32})
     # The command line refuses a template marker in a reason; the file is tagged all the same.
     reason = "kept as text: {{ 7 * 6 }}"
-    reloaded, written = write_pin(inventory, desktop, pin, {"GHSA-6hc7-9rph-cm99": reason}, ["desktop"])
+    # b9060 is inside two advisories' ranges: both must be accepted for the pin to pass inventory check.
+    accepted = {"GHSA-6hc7-9rph-cm99": reason, "CVE-2026-43632": reason}
+    reloaded, written = write_pin(inventory, desktop, pin, accepted, ["desktop"])
     assert f"GHSA-6hc7-9rph-cm99: !unsafe '{reason}'" in written[0].read_text()
-    assert advisories.host_allowed(reloaded.host("desktop")) == {"GHSA-6hc7-9rph-cm99": reason}
+    assert f"CVE-2026-43632: !unsafe '{reason}'" in written[0].read_text()
+    assert advisories.host_allowed(reloaded.host("desktop")) == accepted
 
 
 # ----------------------------------------------------------------------------------------------- bisect
