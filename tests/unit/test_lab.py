@@ -19,7 +19,7 @@ from labrigs_support import LAB_SLOT, REPO, TEST_NETWORK, lab_skip_reason, make_
 from rigctl.errors import ConfigError, LabError
 from rigctl.inventory import Inventory
 from rigctl.lab.config import check_lab_paths, known_hosts_lines, render_etc_hosts
-from rigctl.lab.gpu import GpuState, gpu_seed
+from rigctl.lab.gpu import GpuState, capture_text, gpu_seed
 from rigctl.lab.image import BASE_PACKAGES, IMAGE_RECIPE_REVISION, apt_mirror, image_file_name
 from rigctl.lab.network import check_lab_network, dead_end_gateway, find_host_conflicts, lab_mac, rig_tag, veth_name
 from rigctl.lab.rigs import Lab
@@ -502,6 +502,97 @@ def test_stand_in_persistence_mode_and_summary_table(gpu_state: Path) -> None:
     assert all(len(line) == 89 for line in table[1:] if line.startswith(("|", "+")))
     assert any("Lab stand-in for RTX 3050" in line and " On " in line for line in table)
     assert any("41C" in line and "512MiB /  8192MiB" in line for line in table)
+
+
+# ----------------------------------------------------------------------------------------------- replayed captures
+
+
+def captured(tmp_path: Path, capture: str, **readings: object) -> Path:
+    state = gpu_seed("duo", {"capture": capture})
+    path = tmp_path / "gpu.json"
+    path.write_text(GpuState.from_mapping({**dataclasses.asdict(state), **readings}, "test").to_json())
+    return path
+
+
+def test_a_captured_card_prints_its_recorded_table_as_it_was(tmp_path: Path) -> None:
+    for capture in ("r610-2x-rtx5090", "gb10-unified-memory"):
+        source, table = capture_text(capture)
+        assert source.startswith("# source: https://github.com/")
+        shown = smi(captured(tmp_path, capture))
+        assert shown.returncode == 0 and shown.stdout == table, shown.stdout
+
+
+def test_a_captured_card_shows_the_tests_readings_in_its_own_columns(tmp_path: Path) -> None:
+    state = gpu_seed("duo", {"capture": "r610-2x-rtx5090"})
+    second = {**state.additional_gpus[0], "temperature": 83, "memory_used_mib": 512, "utilization_gpu": 100}
+    path = captured(tmp_path, "r610-2x-rtx5090", temperature=7, memory_used_mib=0, utilization_gpu=5,
+                    additional_gpus=[second])
+    _, table = capture_text("r610-2x-rtx5090")
+    shown = smi(path).stdout.splitlines()
+    recorded = table.splitlines()
+    assert [len(line) for line in shown] == [len(line) for line in recorded]
+    changed = {n: line for n, line in enumerate(shown) if line != recorded[n]}
+    assert changed == {
+        9: "|  0%    7C    P8             22W /  575W |       0MiB /  32607MiB |      5%      Default |",
+        13: "| 31%   83C    P8             12W /  600W |     512MiB /  32607MiB |    100%      Default |",
+    }
+    # The R610 header as the driver prints it: no "Driver Version", no "CUDA Version".
+    assert "KMD Version: 610.57.04     CUDA UMD Version: 13.3" in shown[2]
+    only = smi(path, "-i", "1").stdout.splitlines()
+    assert only[:8] == recorded[:8] and only[8:] == shown[12:]
+    query = "--query-gpu=index,name,memory.total,compute_cap,driver_version,uuid,pci.bus_id,temperature.gpu"
+    rows = smi(path, query, "--format=csv,noheader,nounits").stdout.splitlines()
+    assert [row.split(", ")[:5] + row.split(", ")[6:] for row in rows] == [
+        ["0", "NVIDIA GeForce RTX 5090", "32607", "12.0", "610.57.04", "00000000:01:00.0", "7"],
+        ["1", "NVIDIA GeForce RTX 5090", "32607", "12.0", "610.57.04", "00000000:02:00.0", "83"],
+    ]
+    assert smi(path, query, "--format=csv,noheader,nounits", "--id=1").stdout == rows[1] + "\n"
+    assert smi(path, query, "--format=csv,noheader,nounits", "-i", rows[1].split(", ")[5]).stdout == rows[1] + "\n"
+    assert smi(path, "--query-gpu=mig.mode.current", "--format=csv,noheader").stdout == "[N/A]\n[N/A]\n"
+    missing = smi(path, query, "--format=csv", "-i", "2")
+    assert (missing.returncode, missing.stdout) == (6, "No devices were found\n")
+
+
+def test_a_unified_memory_card_answers_as_the_real_ones_did(tmp_path: Path) -> None:
+    path = captured(tmp_path, "gb10-unified-memory", temperature=35, power_draw_w=11.17)
+    # https://github.com/marimo-team/marimo/pull/6822: a DGX Spark's answer to this very query.
+    assert smi(path, "--query-gpu=index,name,memory.total,memory.used,memory.free",
+               "--format=csv,noheader,nounits").stdout == "0, NVIDIA GB10, [N/A], [N/A], [N/A]\n"
+    # https://github.com/XuehaiPan/nvitop/pull/208: another's, with units (none after [N/A]).
+    assert smi(path, "--query-gpu=memory.total,memory.used,memory.free,utilization.gpu,power.draw,temperature.gpu",
+               "--format=csv").stdout.splitlines() == [
+        "memory.total [MiB], memory.used [MiB], memory.free [MiB], utilization.gpu [%], power.draw [W], "
+        "temperature.gpu",
+        "[N/A], [N/A], [N/A], 0 %, 11.17 W, 35",
+    ]
+
+
+def test_a_captured_card_stays_that_card(tmp_path: Path) -> None:
+    state = dataclasses.asdict(gpu_seed("duo", {"capture": "r610-2x-rtx5090"}))
+    for field, value in (("name", "NVIDIA GeForce RTX 4090"), ("memory_total_mib", 65536), ("cuda_version", "12.2"),
+                         ("summary", "")):
+        with pytest.raises(ConfigError, match=f"t: {field} must stay as capture r610-2x-rtx5090 has them"):
+            GpuState.from_mapping({**state, field: value}, "t")
+    with pytest.raises(ConfigError, match="memory_used_mib 40000 is outside 0..32607"):
+        GpuState.from_mapping({**state, "memory_used_mib": 40000}, "t")
+    second = {**state["additional_gpus"][0], "memory_used_mib": 40000}
+    with pytest.raises(ConfigError, match=r"additional_gpus\[0\]: memory_used_mib 40000 is outside"):
+        GpuState.from_mapping({**state, "additional_gpus": [second]}, "t")
+    with pytest.raises(ConfigError, match="duo: gpu_host_gpu: capture nope: no such capture"):
+        gpu_seed("duo", {"capture": "nope"})
+    with pytest.raises(ConfigError, match="duo: gpu_host_gpu: a captured card takes nothing but capture"):
+        gpu_seed("duo", {"capture": "gb10-unified-memory", "vram_mib": 1})
+    with pytest.raises(ConfigError, match="not a capture name"):
+        gpu_seed("duo", {"capture": "../../etc/passwd"})
+
+
+def test_a_stranger_rig_can_replay_a_capture() -> None:
+    from rigctl.lab.config import _stranger
+
+    rig = _stranger("duo", {"address": "10.213.9.14", "capture": "r610-2x-rtx5090"})
+    assert rig.stranger and rig.gpu.capture == "r610-2x-rtx5090" and len(rig.gpu.additional_gpus) == 1
+    with pytest.raises(ConfigError, match="rigctl_lab.unenrolled.duo: needs address and either gpus"):
+        _stranger("duo", {"address": "10.213.9.14", "capture": "gb10-unified-memory", "gpus": [{}]})
 
 
 def test_set_gpu_can_rename_the_stand_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
