@@ -515,7 +515,7 @@ def captured(tmp_path: Path, capture: str, **readings: object) -> Path:
 
 
 def test_a_captured_card_prints_its_recorded_table_as_it_was(tmp_path: Path) -> None:
-    for capture in ("r610-2x-rtx5090", "gb10-unified-memory"):
+    for capture in ("r610-2x-rtx5090", "gb10-unified-memory", "rtx3050-8gb", "gtx1650ti"):
         source, table = capture_text(capture)
         assert source.startswith("# source: https://github.com/")
         shown = smi(captured(tmp_path, capture))
@@ -584,6 +584,18 @@ def test_a_captured_card_stays_that_card(tmp_path: Path) -> None:
         gpu_seed("duo", {"capture": "gb10-unified-memory", "vram_mib": 1})
     with pytest.raises(ConfigError, match="not a capture name"):
         gpu_seed("duo", {"capture": "../../etc/passwd"})
+
+
+def test_the_reference_pair_from_their_captures() -> None:
+    """The reference rigs' cards (an RTX 3050 8 GB, sm_86; a GTX 1650 Ti 4 GB, sm_75) as real ones printed them."""
+    desktop = gpu_seed("desktop", {"capture": "rtx3050-8gb"})
+    laptop = gpu_seed("laptop", {"capture": "gtx1650ti"})
+    assert (desktop.name, desktop.memory_total_mib, desktop.compute_cap, desktop.driver_version,
+            desktop.cuda_version) == ("NVIDIA GeForce RTX 3050", 8192, "8.6", "550.163.01", "12.4")
+    assert (laptop.name, laptop.memory_total_mib, laptop.compute_cap, laptop.driver_version,
+            laptop.cuda_version) == ("NVIDIA GeForce GTX 1650 Ti", 4096, "7.5", "560.35.03", "12.6")
+    assert (desktop.memory_used_mib, desktop.temperature, laptop.memory_used_mib, laptop.temperature) == (
+        520, 44, 364, 37)
 
 
 def test_a_stranger_rig_can_replay_a_capture() -> None:
