@@ -1,0 +1,135 @@
+"""Hosts whose stand-in GPU replays a recorded real nvidia-smi (rigctl/lab/captures/nvidia-smi/): a 2-GPU
+host on an R610 driver (whose header reads `KMD Version`/`CUDA UMD Version`) and a unified-memory DGX Spark
+(memory `Not Supported`, `[N/A]` in queries) are enrolled with `hosts add` as a new user would; the 2-GPU
+host then serves an instance pinned to GPU 1. Works on a copy of the lab inventory."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import REPO, lab_unavailable_reason
+from ruamel.yaml import YAML
+
+from rigctl.inventory import Inventory
+from rigctl.lab.rigs import Lab
+
+pytestmark = pytest.mark.lab
+
+#: Two RTX 5090s (power caps 575 W and 600 W, GPU 1 drives a display) on driver 610.57.04.
+DUO = "duo"
+#: A DGX Spark: one GB10 sharing the machine's memory, driver 580.126.09.
+SPARK = "spark"
+RIGS = {DUO: {"address": "10.213.{{ rigctl_lab_slot }}.14", "capture": "r610-2x-rtx5090"},
+        SPARK: {"address": "10.213.{{ rigctl_lab_slot }}.15", "capture": "gb10-unified-memory"}}
+
+
+@pytest.fixture(scope="module")
+def captured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Lab]]:
+    """A copy of the lab inventory whose lab has two more rigs, not enrolled, each replaying a capture; up."""
+    reason = lab_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    inv = tmp_path_factory.mktemp("captures") / "lab"
+    shutil.copytree(REPO / "inventory" / "lab", inv)
+    yaml = YAML()
+    lab_vars = inv / "group_vars" / "all" / "lab.yml"
+    data = yaml.load(lab_vars.read_text())
+    data["rigctl_lab"]["unenrolled"] = RIGS
+    with lab_vars.open("w") as f:
+        yaml.dump(data, f)
+    lab = Lab.from_inventory(Inventory.load(inv))
+    lab.up()
+    try:
+        yield inv, lab
+    finally:
+        for name in RIGS:
+            lab.remove(name)
+
+
+def rigctl(inv: Path, *args: str, stdin: str = "", timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "RIGCTL_PROJECT": str(REPO),
+           "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+    # A session of its own: no controlling terminal, so the password prompt reads stdin as a script's would.
+    return subprocess.run([sys.executable, "-m", "rigctl.cli", "-i", str(inv), *args], input=stdin, cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout, env=env, start_new_session=True)
+
+
+def enrol(inv: Path, lab: Lab, name: str) -> subprocess.CompletedProcess[str]:
+    """`hosts add` as the rig's owner would run it: the fingerprint its console shows, its root password."""
+    shown = lab.guest_run(name, ["ssh-keygen", "-lf", "/etc/ssh/ssh_host_ed25519_key.pub"]).split()[1]
+    return rigctl(inv, "hosts", "add", name, lab.rig(name).address, "--ask-pass", "--fingerprint", shown,
+                  "--group", "lab", stdin=lab.root_password(name) + "\n")
+
+
+def test_the_stand_ins_print_the_recorded_tables(captured: tuple[Path, Lab]) -> None:
+    _, lab = captured
+    duo = lab.guest_run(DUO, ["nvidia-smi"]).splitlines()
+    assert "KMD Version: 610.57.04     CUDA UMD Version: 13.3" in duo[2]
+    assert [line.split("|")[1].split()[:4] for line in duo if "RTX 5090" in line] == [
+        ["0", "NVIDIA", "GeForce", "RTX"], ["1", "NVIDIA", "GeForce", "RTX"]]
+    spark = lab.guest_run(SPARK, ["nvidia-smi", "--query-gpu=index,name,memory.total,memory.used,memory.free",
+                                  "--format=csv,noheader,nounits"])
+    assert spark.strip() == "0, NVIDIA GB10, [N/A], [N/A], [N/A]"
+
+
+def test_hosts_add_enrols_the_r610_two_gpu_host_with_its_facts(captured: tuple[Path, Lab]) -> None:
+    inv, lab = captured
+    added = enrol(inv, lab, DUO)
+    assert added.returncode == 0, added.stdout + added.stderr
+    host = Inventory.load(inv).hosts[DUO]
+    gpu = {"name": "NVIDIA GeForce RTX 5090", "vram_mib": 32607, "compute_capability": "12.0"}
+    assert host.vars["gpu_host_gpu"] == gpu
+    assert host.vars["gpu_host_gpus"] == [{"index": 0, **gpu}, {"index": 1, **gpu}]
+    assert host.vars["llama_cpp_cuda_architectures"] == "120"
+    facts = host.vars["rigctl_host_facts"]
+    # The R610 header's versions: the driver's own and the CUDA its user-mode driver supports.
+    assert facts["driver_version"] == "610.57.04" and facts["cuda_version"] == "13.3"
+    check = rigctl(inv, "inventory", "check")
+    assert check.returncode == 0 and ", 0 errors" in check.stdout, check.stdout + check.stderr
+
+
+def test_hosts_add_enrols_the_unified_memory_host(captured: tuple[Path, Lab]) -> None:
+    """A GB10 reports no memory of its own ([N/A]): a working host, enrolled, with no VRAM figure made up."""
+    inv, lab = captured
+    added = enrol(inv, lab, SPARK)
+    assert added.returncode == 0, added.stdout + added.stderr
+    host = Inventory.load(inv).hosts[SPARK]
+    assert host.vars["gpu_host_gpu"]["name"] == "NVIDIA GB10"
+    assert host.vars["gpu_host_gpu"]["compute_capability"] == "12.1"
+    assert host.vars["gpu_host_gpu"].get("vram_mib") != 0
+    facts = host.vars["rigctl_host_facts"]
+    assert facts["driver_version"] == "580.126.09" and facts["cuda_version"] == "13.0"
+
+
+def test_an_instance_pinned_to_gpu_1_runs_in_pci_bus_order(captured: tuple[Path, Lab]) -> None:
+    """CUDA numbers devices fastest first unless told otherwise; nvidia-smi numbers them by PCI bus. The pin
+    names nvidia-smi's GPU 1, so the process must carry CUDA_DEVICE_ORDER=PCI_BUS_ID beside it."""
+    inv, lab = captured
+    if DUO not in Inventory.load(inv).hosts:
+        assert enrol(inv, lab, DUO).returncode == 0
+    vars_file = inv / "host_vars" / f"{DUO}.yml"
+    vars_file.write_text(vars_file.read_text() + "llama_server_instances:\n  smollm2:\n"
+                         "    artifact: smollm2-135m-q4_1\n    profile: lab\n    port: 8080\n    gpu: 1\n")
+    provisioned = rigctl(inv, "provision", "--limit", DUO, timeout=1800)
+    assert provisioned.returncode == 0, provisioned.stdout[-4000:] + provisioned.stderr
+    base = f"http://{lab.rig(DUO).address}:8080"
+    deadline = time.monotonic() + 120
+    healthy = False
+    while not healthy and time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            healthy = httpx.get(f"{base}/health", timeout=5).status_code == 200
+        if not healthy:
+            time.sleep(1)
+    assert healthy, f"{base}/health did not answer 200 within 120 s"
+    pid = lab.guest_run(DUO, ["systemctl", "show", "-p", "MainPID", "--value", "llama-server@smollm2"]).strip()
+    environ = lab.guest_run(DUO, ["cat", f"/proc/{pid}/environ"]).split("\0")
+    assert "CUDA_VISIBLE_DEVICES=1" in environ and "CUDA_DEVICE_ORDER=PCI_BUS_ID" in environ, environ
