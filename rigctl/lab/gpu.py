@@ -168,11 +168,12 @@ def _check_memory(origin: str, used: int, total: int | None) -> None:
 
 #: What a summary table does not print: each captured model's compute capability (NVIDIA's CUDA GPU list).
 CAPTURED_COMPUTE_CAPABILITY = {"NVIDIA GeForce RTX 3050": "8.6", "NVIDIA GeForce GTX 1650 Ti": "7.5",
+                               "NVIDIA A100-PCIE-40GB": "8.0",
                                "NVIDIA GeForce RTX 5090": "12.0", "NVIDIA GB10": "12.1"}
 _HEADER = re.compile(r"NVIDIA-SMI \S+\s+(?:Driver|KMD) Version: (\S+)\s+CUDA (?:UMD )?Version: (\S+)")
 _ROW_NAME = re.compile(r"^\|\s+(\d+)\s+(\S.*?)\s+(On|Off)\s+\|\s+([0-9A-Fa-f]{8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.\d)\s")
 _ROW_READINGS = re.compile(r"^\|\s*\S+\s+(\d+)C\s+P\d+\s+(\S+)\s*/\s*\S+\s*\|\s*"
-                           r"(?:(\d+)MiB\s*/\s*(\d+)MiB|Not Supported)\s*\|\s*(\d+)%")
+                           r"(?:(\d+)MiB\s*/\s*(\d+)MiB|Not Supported)\s*\|\s*(?:(\d+)%|N/A)")
 _ROW_MIG = re.compile(r"^\|\s+\|\s+\|\s+(\S+)\s+\|$")
 
 
@@ -226,7 +227,7 @@ def _captured_state(name: str, first_uuid: str) -> GpuState:
             "power_draw_w": float(power) if power.replace(".", "", 1).isdigit() else DEFAULT_GPU_POWER_W,
             "memory_used_mib": int(readings.group(3) or 0),
             "memory_total_mib": int(readings.group(4)) if readings.group(4) else None,
-            "utilization_gpu": int(readings.group(5)), "mig_mode": mig.group(1),
+            "utilization_gpu": int(readings.group(5) or 0), "mig_mode": mig.group(1),
             "uuid": first_uuid if not gpus else f"GPU-{uuid.uuid5(uuid.NAMESPACE_URL, f'{first_uuid}/{len(gpus)}')}",
         })
     if not gpus:

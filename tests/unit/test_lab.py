@@ -515,7 +515,7 @@ def captured(tmp_path: Path, capture: str, **readings: object) -> Path:
 
 
 def test_a_captured_card_prints_its_recorded_table_as_it_was(tmp_path: Path) -> None:
-    for capture in ("r610-2x-rtx5090", "gb10-unified-memory", "rtx3050-8gb", "gtx1650ti"):
+    for capture in ("r610-2x-rtx5090", "gb10-unified-memory", "rtx3050-8gb", "gtx1650ti", "a100-mig"):
         source, table = capture_text(capture)
         assert source.startswith("# source: https://github.com/")
         shown = smi(captured(tmp_path, capture))
@@ -565,6 +565,14 @@ def test_a_unified_memory_card_answers_as_the_real_ones_did(tmp_path: Path) -> N
         "temperature.gpu",
         "[N/A], [N/A], [N/A], 0 %, 11.17 W, 35",
     ]
+
+
+def test_a_mig_host_says_which_gpu_is_partitioned(tmp_path: Path) -> None:
+    """Two A100s, MIG on GPU 0 only: the partitioned card reports no utilisation of its own."""
+    path = captured(tmp_path, "a100-mig")
+    assert smi(path, "--query-gpu=index,name,mig.mode.current,utilization.gpu,memory.total",
+               "--format=csv,noheader,nounits").stdout.splitlines() == [
+        "0, NVIDIA A100-PCIE-40GB, Enabled, [N/A], 40960", "1, NVIDIA A100-PCIE-40GB, Disabled, 0, 40960"]
 
 
 def test_a_captured_card_stays_that_card(tmp_path: Path) -> None:
