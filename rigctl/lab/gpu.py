@@ -168,7 +168,9 @@ def _check_memory(origin: str, used: int, total: int | None) -> None:
 
 #: What a summary table does not print: each captured model's compute capability (NVIDIA's CUDA GPU list).
 CAPTURED_COMPUTE_CAPABILITY = {"NVIDIA GeForce RTX 3050": "8.6", "NVIDIA GeForce GTX 1650 Ti": "7.5",
-                               "NVIDIA A100-PCIE-40GB": "8.0",
+                               "NVIDIA A100-PCIE-40GB": "8.0", "NVIDIA GeForce RTX 2060": "7.5",
+                               "NVIDIA GeForce RTX 3060": "8.6", "NVIDIA GeForce RTX 3060 Ti": "8.6",
+                               "NVIDIA GeForce RTX 3070": "8.6",
                                "NVIDIA GeForce RTX 5090": "12.0", "NVIDIA GB10": "12.1"}
 _HEADER = re.compile(r"NVIDIA-SMI \S+\s+(?:Driver|KMD) Version: (\S+)\s+CUDA (?:UMD )?Version: (\S+)")
 _ROW_NAME = re.compile(r"^\|\s+(\d+)\s+(\S.*?)\s+(On|Off)\s+\|\s+([0-9A-Fa-f]{8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.\d)\s")

@@ -1,7 +1,8 @@
 """Hosts whose stand-in GPU replays a recorded real nvidia-smi (rigctl/lab/captures/nvidia-smi/): a 2-GPU
-host on an R610 driver (whose header reads `KMD Version`/`CUDA UMD Version`) and a unified-memory DGX Spark
-(memory `Not Supported`, `[N/A]` in queries) are enrolled with `hosts add` as a new user would; the 2-GPU
-host then serves an instance pinned to GPU 1. Works on a copy of the lab inventory."""
+host on an R610 driver (whose header reads `KMD Version`/`CUDA UMD Version`), a server of five mixed GPUs and
+a unified-memory DGX Spark (memory `Not Supported`, `[N/A]` in queries) are enrolled with `hosts add` as a
+new user would; the mixed host then serves an instance pinned to GPU 1. Works on a copy of the lab
+inventory."""
 
 from __future__ import annotations
 
@@ -28,8 +29,11 @@ pytestmark = pytest.mark.lab
 DUO = "duo"
 #: A DGX Spark: one GB10 sharing the machine's memory, driver 580.126.09.
 SPARK = "spark"
+#: RTX 2060, 3060, 3060, 3060 Ti, 3070 (bus order), driver 560.35.03: CUDA's fastest-first order is another.
+MIXED = "mixed"
 RIGS = {DUO: {"address": "10.213.{{ rigctl_lab_slot }}.14", "capture": "r610-2x-rtx5090"},
-        SPARK: {"address": "10.213.{{ rigctl_lab_slot }}.15", "capture": "gb10-unified-memory"}}
+        SPARK: {"address": "10.213.{{ rigctl_lab_slot }}.15", "capture": "gb10-unified-memory"},
+        MIXED: {"address": "10.213.{{ rigctl_lab_slot }}.16", "capture": "mixed-5-gpu"}}
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +101,20 @@ def test_hosts_add_enrols_the_r610_two_gpu_host_with_its_facts(captured: tuple[P
     assert check.returncode == 0 and ", 0 errors" in check.stdout, check.stdout + check.stderr
 
 
+def test_hosts_add_enrols_the_mixed_host_with_every_card(captured: tuple[Path, Lab]) -> None:
+    inv, lab = captured
+    added = enrol(inv, lab, MIXED)
+    assert added.returncode == 0, added.stdout + added.stderr
+    host = Inventory.load(inv).hosts[MIXED]
+    assert [(g["index"], g["name"], g["vram_mib"], g["compute_capability"]) for g in host.vars["gpu_host_gpus"]] == [
+        (0, "NVIDIA GeForce RTX 2060", 6144, "7.5"), (1, "NVIDIA GeForce RTX 3060", 12288, "8.6"),
+        (2, "NVIDIA GeForce RTX 3060", 12288, "8.6"), (3, "NVIDIA GeForce RTX 3060 Ti", 8192, "8.6"),
+        (4, "NVIDIA GeForce RTX 3070", 8192, "8.6")]
+    assert host.vars["llama_cpp_cuda_architectures"] == "75;86"
+    facts = host.vars["rigctl_host_facts"]
+    assert facts["driver_version"] == "560.35.03" and facts["cuda_version"] == "12.6"
+
+
 def test_hosts_add_enrols_the_unified_memory_host(captured: tuple[Path, Lab]) -> None:
     """A GB10 reports no memory of its own ([N/A]): a working host, enrolled, with no VRAM figure made up."""
     inv, lab = captured
@@ -112,16 +130,17 @@ def test_hosts_add_enrols_the_unified_memory_host(captured: tuple[Path, Lab]) ->
 
 def test_an_instance_pinned_to_gpu_1_runs_in_pci_bus_order(captured: tuple[Path, Lab]) -> None:
     """CUDA numbers devices fastest first unless told otherwise; nvidia-smi numbers them by PCI bus. The pin
-    names nvidia-smi's GPU 1, so the process must carry CUDA_DEVICE_ORDER=PCI_BUS_ID beside it."""
+    names nvidia-smi's GPU 1 (the first RTX 3060; CUDA's default order puts the faster 3070 and 3060 Ti ahead
+    of it), so the process must carry CUDA_DEVICE_ORDER=PCI_BUS_ID beside it."""
     inv, lab = captured
-    if DUO not in Inventory.load(inv).hosts:
-        assert enrol(inv, lab, DUO).returncode == 0
-    vars_file = inv / "host_vars" / f"{DUO}.yml"
+    if MIXED not in Inventory.load(inv).hosts:
+        assert enrol(inv, lab, MIXED).returncode == 0
+    vars_file = inv / "host_vars" / f"{MIXED}.yml"
     vars_file.write_text(vars_file.read_text() + "llama_server_instances:\n  smollm2:\n"
                          "    artifact: smollm2-135m-q4_1\n    profile: lab\n    port: 8080\n    gpu: 1\n")
-    provisioned = rigctl(inv, "provision", "--limit", DUO, timeout=1800)
+    provisioned = rigctl(inv, "provision", "--limit", MIXED, timeout=1800)
     assert provisioned.returncode == 0, provisioned.stdout[-4000:] + provisioned.stderr
-    base = f"http://{lab.rig(DUO).address}:8080"
+    base = f"http://{lab.rig(MIXED).address}:8080"
     deadline = time.monotonic() + 120
     healthy = False
     while not healthy and time.monotonic() < deadline:
@@ -130,6 +149,6 @@ def test_an_instance_pinned_to_gpu_1_runs_in_pci_bus_order(captured: tuple[Path,
         if not healthy:
             time.sleep(1)
     assert healthy, f"{base}/health did not answer 200 within 120 s"
-    pid = lab.guest_run(DUO, ["systemctl", "show", "-p", "MainPID", "--value", "llama-server@smollm2"]).strip()
-    environ = lab.guest_run(DUO, ["cat", f"/proc/{pid}/environ"]).split("\0")
+    pid = lab.guest_run(MIXED, ["systemctl", "show", "-p", "MainPID", "--value", "llama-server@smollm2"]).strip()
+    environ = lab.guest_run(MIXED, ["cat", f"/proc/{pid}/environ"]).split("\0")
     assert "CUDA_VISIBLE_DEVICES=1" in environ and "CUDA_DEVICE_ORDER=PCI_BUS_ID" in environ, environ

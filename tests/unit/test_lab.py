@@ -515,7 +515,8 @@ def captured(tmp_path: Path, capture: str, **readings: object) -> Path:
 
 
 def test_a_captured_card_prints_its_recorded_table_as_it_was(tmp_path: Path) -> None:
-    for capture in ("r610-2x-rtx5090", "gb10-unified-memory", "rtx3050-8gb", "gtx1650ti", "a100-mig"):
+    for capture in ("r610-2x-rtx5090", "gb10-unified-memory", "rtx3050-8gb", "gtx1650ti", "a100-mig",
+                    "mixed-5-gpu"):
         source, table = capture_text(capture)
         assert source.startswith("# source: https://github.com/")
         shown = smi(captured(tmp_path, capture))
@@ -565,6 +566,17 @@ def test_a_unified_memory_card_answers_as_the_real_ones_did(tmp_path: Path) -> N
         "temperature.gpu",
         "[N/A], [N/A], [N/A], 0 %, 11.17 W, 35",
     ]
+
+
+def test_a_mixed_host_lists_its_cards_in_bus_order(tmp_path: Path) -> None:
+    path = captured(tmp_path, "mixed-5-gpu")
+    assert smi(path, "--query-gpu=index,name,pci.bus_id,compute_cap,memory.total",
+               "--format=csv,noheader,nounits").stdout.splitlines() == [
+        "0, NVIDIA GeForce RTX 2060, 00000000:01:00.0, 7.5, 6144",
+        "1, NVIDIA GeForce RTX 3060, 00000000:02:00.0, 8.6, 12288",
+        "2, NVIDIA GeForce RTX 3060, 00000000:03:00.0, 8.6, 12288",
+        "3, NVIDIA GeForce RTX 3060 Ti, 00000000:06:00.0, 8.6, 8192",
+        "4, NVIDIA GeForce RTX 3070, 00000000:08:00.0, 8.6, 8192"]
 
 
 def test_a_mig_host_says_which_gpu_is_partitioned(tmp_path: Path) -> None:
