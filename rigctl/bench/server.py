@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from rigctl.fleet.servers import probe_server, restart_instance, stopped, wait_ready
+from rigctl.hostside import nvidia_smi
 from rigctl.inventory import Host, Server
 from rigctl.llama_http import ServerClient, Timeouts
 from rigctl.results.run import RunResult, open_run
@@ -54,7 +55,7 @@ class SweepPoint:
 @dataclass(frozen=True)
 class MemoryPoint:
     ctx_size: int
-    memory_used_mib: int
+    memory_used_mib: int | None  # None where the driver reports none (a unified-memory GPU)
 
 
 @dataclass
@@ -68,6 +69,7 @@ class ServerBenchResult(RunResult):
 
 def kv_bytes_per_token(points: Sequence[MemoryPoint]) -> float | None:
     """Slope of memory.used over context size, in bytes per token (None with fewer than two sizes)."""
+    points = [p for p in points if p.memory_used_mib is not None]
     sizes = {p.ctx_size for p in points}
     if len(sizes) < 2:
         return None
@@ -97,9 +99,15 @@ def measure_prompt(server: ServerClient, prompt: str, max_tokens: int) -> SweepP
                       timings.predicted_per_second if timings else 0.0, timings.predicted_n if timings else 0)
 
 
-def _memory_used(ssh: SshClient) -> int:
-    result = ssh.run("nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits", timeout=30, check=True)
-    return int(float(result.stdout.strip().splitlines()[0]))
+def _memory_used(ssh: SshClient, gpu: int | str | None) -> int | None:
+    """GPU memory in use (MiB) on the instance's GPU, or summed over every GPU when it is not pinned to one
+    by index (unpinned it uses them all; a MIG instance's use shows on its whole GPU, and the sweep needs
+    only the change); None where the driver reports none (a unified-memory GPU's is ``[N/A]``)."""
+    selection = f" -i {gpu}" if isinstance(gpu, int) else ""
+    result = ssh.run(f"nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits{selection}", timeout=30,
+                     check=True)
+    used = [nvidia_smi.whole(row["memory.used"]) for row in nvidia_smi.query_rows(result.stdout, ["memory.used"])]
+    return None if not used or None in used else sum(u for u in used if u is not None)
 
 
 def run_server_bench(
@@ -155,8 +163,9 @@ def _memory_sweep(ssh: SshClient, server: Server, ctx_sizes: Sequence[int], port
     with stopped(ssh, server):
         for size in ctx_sizes:
             with probe_server(ssh, server, {"ctx_size": int(size)}, port, f"ctx {size}"):
-                points.append(MemoryPoint(size, _memory_used(ssh)))
-                say(f"ctx {size}: {points[-1].memory_used_mib} MiB")
+                points.append(MemoryPoint(size, _memory_used(ssh, server.gpu)))
+                used = points[-1].memory_used_mib
+                say(f"ctx {size}: {used} MiB" if used is not None else f"ctx {size}: the driver reports no memory use")
     return points
 
 

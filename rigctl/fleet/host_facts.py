@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from rigctl.errors import ProbeError
+from rigctl.hostside import nvidia_smi
 from rigctl.inventory.keys import HOST_TEXT_MAX
 from rigctl.trust import data_text_problem
 
@@ -26,10 +27,9 @@ GPU_QUERY = "index,name,memory.total,compute_cap,driver_version,uuid,pci.bus_id"
 ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl",
              "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
 PROBE_TIMEOUT_S = 60.0
-_SECTIONS = ("gpus", "smi", "cpu", "cpus", "memory", "disk", "os")
+_SECTIONS = ("gpus", "smi", "list", "cpu", "cpus", "memory", "disk", "os")
 _COMPUTE_CAP = re.compile(r"^\d{1,2}\.\d$")
 _VERSION = re.compile(r"^\d+(\.\d+){0,3}$")
-_CUDA_VERSION = re.compile(r"CUDA Version:\s*(\d+\.\d+)")
 
 
 class HostText(str):
@@ -48,12 +48,28 @@ def host_text(host: str, field: str, text: str) -> HostText:
 
 
 @dataclass(frozen=True)
+class MigFacts:
+    """One MIG instance of a GPU (``nvidia-smi -L``): what a process pinned to ``uuid`` sees."""
+
+    device: int
+    profile: HostText
+    uuid: HostText
+
+
+@dataclass(frozen=True)
 class GpuFacts:
     index: int
     name: HostText
-    vram_mib: int
+    vram_mib: int | None  # None: the driver reports none (a unified-memory GPU: GB10, Grace Hopper)
     compute_capability: str
     uuid: HostText
+    mig: tuple[MigFacts, ...] = ()  # MIG instances; none when MIG is off
+
+    @property
+    def unified_memory(self) -> bool:
+        """Whether the GPU has no memory of its own to report: it uses the host's (``memory.total`` is
+        ``[N/A]`` by design on GB10 and Grace Hopper)."""
+        return self.vram_mib is None
 
     @property
     def cuda_arch(self) -> str:
@@ -88,6 +104,7 @@ def probe_command(token: str, disk_path: str = "/var/lib") -> str:
     return "; ".join([
         section("gpus", f"nvidia-smi --query-gpu={GPU_QUERY} --format=csv,noheader,nounits 2>&1 || echo 'rc='$?"),
         section("smi", "nvidia-smi 2>&1 | head -n 12"),
+        section("list", "nvidia-smi -L 2>&1"),
         section("cpu", "grep -m1 -E '^model name' /proc/cpuinfo; grep -m1 -E '^flags' /proc/cpuinfo"),
         section("cpus", "nproc"),
         section("memory", "grep -E '^MemTotal:' /proc/meminfo"),
@@ -104,15 +121,17 @@ def new_token() -> str:
 def parse_probe(host: str, output: str, token: str) -> HostFacts:
     """The facts in ``output`` of :func:`probe_command` run with ``token`` on ``host``."""
     sections = _split(host, output, token)
-    gpus, driver = _gpus(host, sections["gpus"])
-    cuda = _CUDA_VERSION.search(sections["smi"])
-    if cuda is None:
-        raise ProbeError(host, "cuda_version", "nvidia-smi's summary names no CUDA version")
+    summary = nvidia_smi.summary_versions(sections["smi"])
+    gpus, driver = _gpus(host, sections["gpus"], summary.driver)
+    if summary.cuda is None:
+        raise ProbeError(host, "cuda_version", "nvidia-smi's summary names no CUDA version "
+                                               "(neither 'CUDA Version' nor 'CUDA UMD Version')")
+    gpus = _with_mig(host, gpus, sections["list"])
     model, flags = _cpu(host, sections["cpu"])
     return HostFacts(
         gpus=gpus,
         driver_version=driver,
-        cuda_version=cuda.group(1),
+        cuda_version=summary.cuda,
         cpu_model=model,
         cpu_flags=flags,
         cpus=_positive_int(host, "cpus", sections["cpus"].strip()),
@@ -144,35 +163,58 @@ def _split(host: str, output: str, token: str) -> dict[str, str]:
     return {name: "\n".join(lines) for name, lines in found.items()}
 
 
-def _gpus(host: str, text: str) -> tuple[tuple[GpuFacts, ...], str]:
+def _gpus(host: str, text: str, summary_driver: str | None) -> tuple[tuple[GpuFacts, ...], str]:
+    """The query's GPUs and their driver (the summary's where the query reports none)."""
     lines = [line for line in text.splitlines() if line.strip()]
     if not lines or lines[-1].startswith("rc="):
         reason = lines[0].strip() if lines else "no output"
         raise ProbeError(host, "gpus", f"nvidia-smi failed: {reason}")
+    fields = GPU_QUERY.split(",")
     gpus: list[GpuFacts] = []
     drivers = set()
     for number, line in enumerate(lines, 1):
-        cells = [c.strip() for c in line.split(",")]
-        if len(cells) != len(GPU_QUERY.split(",")):
-            raise ProbeError(host, f"gpus line {number}", f"expected {len(GPU_QUERY.split(','))} fields: {line!r}")
-        index, name, vram, cap, driver, uuid, _bus = cells
+        try:
+            (cells,) = nvidia_smi.query_rows(line, fields)
+        except ValueError:
+            raise ProbeError(host, f"gpus line {number}", f"expected {len(fields)} fields: {line!r}") from None
+        index = cells["index"]
         where = f"gpus[{index}]"
+        name, cap = nvidia_smi.cell(cells["name"]), nvidia_smi.cell(cells["compute_cap"]) or ""
+        driver = nvidia_smi.cell(cells["driver_version"]) or summary_driver or ""
         if not name:
-            raise ProbeError(host, f"{where}.name", "empty")
+            raise ProbeError(host, f"{where}.name", "not reported")
         if not _COMPUTE_CAP.match(cap):
-            raise ProbeError(host, f"{where}.compute_capability", f"{cap!r} is not major.minor")
+            raise ProbeError(host, f"{where}.compute_capability", f"{cells['compute_cap']!r} is not major.minor")
         if not _VERSION.match(driver):
-            raise ProbeError(host, "driver_version", f"{driver!r} is not a version")
+            raise ProbeError(host, "driver_version", f"{cells['driver_version']!r} is not a version")
         drivers.add(driver)
+        vram = None if nvidia_smi.cell(cells["memory.total"]) is None else \
+            _positive_int(host, f"{where}.vram_mib", cells["memory.total"])
         gpus.append(GpuFacts(_int(host, f"{where}.index", index), host_text(host, f"{where}.name", name),
-                             _positive_int(host, f"{where}.vram_mib", vram), cap,
-                             host_text(host, f"{where}.uuid", uuid)))
+                             vram, cap, host_text(host, f"{where}.uuid", cells["uuid"])))
     if len(drivers) != 1:
         raise ProbeError(host, "driver_version", f"GPUs report different drivers: {', '.join(sorted(drivers))}")
     indexes = [g.index for g in gpus]
     if indexes != list(range(len(gpus))):
         raise ProbeError(host, "gpus", f"indexes {indexes} are not 0..{len(gpus) - 1} in order")
     return tuple(gpus), drivers.pop()
+
+
+def _with_mig(host: str, gpus: tuple[GpuFacts, ...], text: str) -> tuple[GpuFacts, ...]:
+    """``gpus`` with their MIG instances from ``nvidia-smi -L``; a listing that cannot be read (an old
+    driver's wording) leaves them without, as a host without MIG is."""
+    try:
+        listed = {g.index: g for g in nvidia_smi.list_gpus(text)}
+    except ValueError:
+        return gpus
+    out = []
+    for gpu in gpus:
+        entry = listed.get(gpu.index)
+        mig = tuple(MigFacts(m.device, host_text(host, f"gpus[{gpu.index}].mig[{m.device}].profile", m.profile),
+                             host_text(host, f"gpus[{gpu.index}].mig[{m.device}].uuid", m.uuid))
+                    for m in (entry.mig if entry else ()))
+        out.append(GpuFacts(gpu.index, gpu.name, gpu.vram_mib, gpu.compute_capability, gpu.uuid, mig))
+    return tuple(out)
 
 
 def _cpu(host: str, text: str) -> tuple[HostText, tuple[str, ...]]:
@@ -237,16 +279,9 @@ def inventory_vars(facts: HostFacts) -> dict[str, object]:
     GPU as ``gpu_host_gpus`` when there are several, the CUDA architectures, the rest as
     ``rigctl_host_facts``. Free disk space is shown, not recorded: it changes on its own, and a record
     of it would make every `hosts add` rewrite the file."""
-    first = facts.gpus[0]
-    out: dict[str, object] = {
-        "gpu_host_gpu": {"name": first.name, "vram_mib": first.vram_mib,
-                         "compute_capability": first.compute_capability},
-    }
+    out: dict[str, object] = {"gpu_host_gpu": _gpu_vars(facts, facts.gpus[0])}
     if len(facts.gpus) > 1:
-        out["gpu_host_gpus"] = [
-            {"index": g.index, "name": g.name, "vram_mib": g.vram_mib, "compute_capability": g.compute_capability}
-            for g in facts.gpus
-        ]
+        out["gpu_host_gpus"] = [{"index": g.index, **_gpu_vars(facts, g)} for g in facts.gpus]
     out["llama_cpp_cuda_architectures"] = facts.cuda_architectures
     out["rigctl_host_facts"] = {
         "driver_version": facts.driver_version,
@@ -257,6 +292,19 @@ def inventory_vars(facts: HostFacts) -> dict[str, object]:
         "memory_mib": facts.memory_mib,
         "os": facts.os,
     }
+    return out
+
+
+def _gpu_vars(facts: HostFacts, gpu: GpuFacts) -> dict[str, object]:
+    """One GPU as the inventory states it. A unified-memory GPU's memory is what the platform offers it,
+    the host's (the VRAM checks use it); its MIG instances, where MIG is on, by UUID."""
+    out: dict[str, object] = {"name": gpu.name,
+                              "vram_mib": facts.memory_mib if gpu.unified_memory else gpu.vram_mib,
+                              "compute_capability": gpu.compute_capability}
+    if gpu.unified_memory:
+        out["unified_memory"] = True
+    if gpu.mig:
+        out["mig"] = [{"device": m.device, "profile": m.profile, "uuid": m.uuid} for m in gpu.mig]
     return out
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -27,7 +26,7 @@ from rigctl.errors import ConfigError, RigctlError, one_line
 from rigctl.fleet.build import Builds, parse_fact
 from rigctl.fleet.models import expected_sha256, parse_manifest
 from rigctl.fleet.servers import UNIT_PROPERTIES, UnitState, parse_unit_show
-from rigctl.hostside import ship
+from rigctl.hostside import nvidia_smi, ship
 from rigctl.hostside.llama_cpp_fact import FACT_PATH
 from rigctl.inventory import Host, Inventory
 from rigctl.inventory.advisories import FloorCheck, build_number, check_build, host_allowed
@@ -138,36 +137,21 @@ class HostPlan:
         return current.version != self.pinned_version
 
 
-def _number(text: str) -> float | None:
-    text = text.strip()
-    if not text or text.startswith("[") or text.upper() in {"N/A", "NOT SUPPORTED"}:
-        return None  # nvidia-smi's [N/A], [Not Supported], [Unknown Error]
-    try:
-        value = float(text)
-    except ValueError:
-        return None
-    return value if math.isfinite(value) else None
-
-
 def parse_nvidia_smi(text: str) -> list[GpuSample]:
-    """``nvidia-smi --query-gpu=<NVIDIA_SMI_FIELDS> --format=csv,noheader,nounits`` as samples."""
+    """``nvidia-smi --query-gpu=<NVIDIA_SMI_FIELDS> --format=csv,noheader,nounits`` as samples; a cell the
+    driver cannot fill (a unified-memory GPU's memory.total, a MIG GPU's utilization) is None."""
     samples = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        cells = [c.strip() for c in line.split(",")]
-        if len(cells) != len(NVIDIA_SMI_FIELDS):
-            raise ValueError(f"nvidia-smi line {number}: {len(cells)} fields, expected {len(NVIDIA_SMI_FIELDS)}")
-        index, uuid, name, temperature, used, total, utilization = cells
-        used_mib, total_mib, util = _number(used), _number(total), _number(utilization)
+    for row in nvidia_smi.query_rows(text, NVIDIA_SMI_FIELDS):
+        used_mib, total_mib = nvidia_smi.number(row["memory.used"]), nvidia_smi.number(row["memory.total"])
+        utilization = nvidia_smi.number(row["utilization.gpu"])
         samples.append(GpuSample(
-            index=index,
-            uuid=uuid,
-            name=name,
-            temperature_celsius=_number(temperature),
+            index=row["index"],
+            uuid=row["uuid"],
+            name=row["name"],
+            temperature_celsius=nvidia_smi.number(row["temperature.gpu"]),
             memory_used_bytes=used_mib * _MIB if used_mib is not None else None,
             memory_total_bytes=total_mib * _MIB if total_mib is not None else None,
-            utilization_ratio=util / 100.0 if util is not None else None,
+            utilization_ratio=utilization / 100.0 if utilization is not None else None,
         ))
     return samples
 

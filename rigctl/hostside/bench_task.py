@@ -46,14 +46,16 @@ them, and its ``servers`` carry their argv as deployed, read just before.
 
 from __future__ import annotations
 
+import functools
 import json
+import operator
 import subprocess
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from rigctl.hostside import gguf
+from rigctl.hostside import gguf, nvidia_smi
 
 #: Matrix keys in llama-bench's flag order; list values become comma lists.
 MATRIX_FLAGS = (("p", "-p"), ("n", "-n"), ("r", "-r"), ("fa", "-fa"), ("ngl", "-ngl"), ("t", "-t"),
@@ -80,92 +82,69 @@ def plan_cells(models: list[dict[str, str]], rounds: int, order: str) -> list[tu
     raise ValueError(f"order must be alternate or grouped, not {order!r}")
 
 
-#: One GPU reading, in this order (names as ``nvidia-smi --help-query-gpu`` lists them).
-READING_FIELDS = ("clocks.sm", "clocks.mem", "clocks.max.sm", "power.draw", "clocks_event_reasons.active",
-                  "temperature.gpu")
-#: Drivers before R535 know the reasons field only by its old name.
-LEGACY_READING_FIELDS = tuple("clocks_throttle_reasons.active" if f == "clocks_event_reasons.active" else f
-                              for f in READING_FIELDS)
-READING_KEYS = ("sm_mhz", "mem_mhz", "max_sm_mhz", "power_w", "reasons", "temp_c")
-#: NVML's clock event reasons (nvmlClocksEventReason*), bit -> name.
-REASONS = {0x1: "gpu_idle", 0x2: "applications_clocks_setting", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
-           0x10: "sync_boost", 0x20: "sw_thermal_slowdown", 0x40: "hw_thermal_slowdown",
-           0x80: "hw_power_brake_slowdown", 0x100: "display_clock_setting"}
-GPU_IDLE = 0x1
-#: The reasons that mean heat or power held the clocks down: a cell never starts under them and a
-#: cell that saw one is throttled.
-THROTTLE_REASONS = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
-
-
-def reason_names(mask: int) -> list[str]:
-    return [name for bit, name in REASONS.items() if mask & bit] + (
-        [f"0x{mask & ~sum(REASONS):x}"] if mask & ~sum(REASONS) else [])
-
-
-def _number(cell: str) -> float | None:
-    """A numeric cell; None for what the driver cannot report (``[N/A]``, ``[Not Supported]``)."""
-    try:
-        return float(cell)
-    except ValueError:
-        return None
-
-
-def parse_reading(stdout: str) -> dict[str, Any]:
-    """GPU 0's reading from ``nvidia-smi --query-gpu=<READING_FIELDS> --format=csv,noheader,nounits``."""
-    cells = [c.strip() for c in stdout.strip().splitlines()[0].split(",")]
-    if len(cells) != len(READING_FIELDS):
-        raise ValueError(f"expected {len(READING_FIELDS)} fields, got {len(cells)}: {stdout.strip()[:200]!r}")
-    reading: dict[str, Any] = dict(zip(READING_KEYS, (_number(c) for c in cells), strict=True))
-    try:
-        reading["reasons"] = int(cells[4], 16)
-    except ValueError:
-        reading["reasons"] = None
-    for key in ("sm_mhz", "mem_mhz", "max_sm_mhz", "temp_c"):
-        if reading[key] is not None:
-            reading[key] = int(reading[key])
-    return reading
-
-
 class GpuReader:
-    """Reads :data:`READING_FIELDS`, falling back once to the drivers' old name for the reasons field."""
+    """Readings of the GPUs a cell uses (``gpus``: nvidia-smi indexes, asked with ``-i``; None: every GPU,
+    as an unpinned llama-bench uses them all), falling back once to the drivers' old name for the reasons
+    field. Each reading names its GPU (``gpu``), so several GPUs' lines are never mixed."""
 
-    def __init__(self, job: Any):
+    def __init__(self, job: Any, gpus: list[int] | None = None):
         self.job = job
-        self.fields: tuple[str, ...] = READING_FIELDS
+        self.gpus = gpus
+        self.fields: tuple[str, ...] = nvidia_smi.READING_FIELDS
 
-    def read(self) -> dict[str, Any] | None:
-        """One reading, or None without nvidia-smi (or when it answers neither spelling)."""
-        out = self.job.gpu_query(",".join(self.fields))
-        if not out and self.fields == READING_FIELDS:
-            out = self.job.gpu_query(",".join(LEGACY_READING_FIELDS))
+    @property
+    def selection(self) -> list[str]:
+        """nvidia-smi's option naming the GPUs read (none: every GPU)."""
+        return ["-i", ",".join(str(g) for g in self.gpus)] if self.gpus else []
+
+    def read(self) -> list[dict[str, Any]] | None:
+        """One reading per GPU read, or None without nvidia-smi (or when it answers neither spelling)."""
+        out = self.job.gpu_query(",".join(self.fields), self.selection)
+        if not out and self.fields == nvidia_smi.READING_FIELDS:
+            out = self.job.gpu_query(",".join(nvidia_smi.LEGACY_READING_FIELDS), self.selection)
             if out:
-                self.fields = LEGACY_READING_FIELDS
-        return parse_reading(out) if out else None
+                self.fields = nvidia_smi.LEGACY_READING_FIELDS
+        return [nvidia_smi.parse_reading(line) for line in out.splitlines() if line.strip()] if out else None
 
 
 def throttle_verdict(readings: list[dict[str, Any]], min_sm_fraction: float) -> dict[str, Any]:
-    """Whether a cell ran throttled, from its readings: a thermal/power reason active in any, or the SM
-    clock of a busy reading (GPU-idle reason off) below ``min_sm_fraction`` of its maximum."""
-    mask = 0
-    lowest: float | None = None
-    for r in readings:
+    """Whether a cell ran throttled, from the readings taken while its llama-bench ran (``during``; the
+    one taken as the cell starts, before the model loads, and the one after it ends say nothing of it):
+    on any GPU read, a thermal or power reason held (:func:`~rigctl.hostside.nvidia_smi.held_reasons`:
+    not on an idle GPU, not a power cap at idle power), or the SM clock of a busy reading (GPU-idle
+    reason off) below ``min_sm_fraction`` of its maximum."""
+    during = [r for r in readings if r.get("during", True)]
+    several = len({r.get("gpu") for r in during}) > 1
+    mask = held = 0
+    lowest: tuple[float, Any] | None = None
+    held_on: set[Any] = set()
+    for r in during:
         mask |= r.get("reasons") or 0
-        busy = not (r.get("reasons") or 0) & GPU_IDLE
+        reading_held = nvidia_smi.held_reasons(r)
+        if reading_held:
+            held |= reading_held
+            held_on.add(r.get("gpu"))
+        busy = not (r.get("reasons") or 0) & nvidia_smi.GPU_IDLE
         if busy and r.get("sm_mhz") is not None and r.get("max_sm_mhz"):
             fraction = r["sm_mhz"] / r["max_sm_mhz"]
-            lowest = fraction if lowest is None else min(lowest, fraction)
+            if lowest is None or fraction < lowest[0]:
+                lowest = (fraction, r.get("gpu"))
     why = []
-    if mask & THROTTLE_REASONS:
-        why.append("reason " + ", ".join(reason_names(mask & THROTTLE_REASONS)))
-    if lowest is not None and lowest < min_sm_fraction:
-        why.append(f"SM clock at {lowest:.0%} of its max (below {min_sm_fraction:.0%})")
-    return {"throttled": bool(why), "why": why, "min_sm_fraction": None if lowest is None else round(lowest, 4),
-            "reasons": reason_names(mask), "samples": len(readings)}
+    if held:
+        where = f" on GPU {', '.join(str(g) for g in sorted(held_on, key=str))}" if several else ""
+        why.append("reason " + ", ".join(nvidia_smi.reason_names(held)) + where)
+    if lowest is not None and lowest[0] < min_sm_fraction:
+        where = f" on GPU {lowest[1]}" if several else ""
+        why.append(f"SM clock at {lowest[0]:.0%} of its max (below {min_sm_fraction:.0%}){where}")
+    return {"throttled": bool(why), "why": why,
+            "min_sm_fraction": None if lowest is None else round(lowest[0], 4),
+            "reasons": nvidia_smi.reason_names(mask), "samples": len(during)}
 
 
 def cool_down(gpu: GpuReader, job: Any, threshold: float | None, timeout_s: float, poll_s: float) -> dict[str, Any]:
-    """Poll until the GPU is at or below ``threshold`` with no thermal or power reason active; every
-    temperature and reasons reading, the wait and whether it timed out."""
+    """Poll until every GPU the cell uses is at or below ``threshold`` with no thermal or power reason held;
+    per poll the hottest GPU's temperature and the reasons of all of them, the wait and whether it timed
+    out."""
     temps: list[int] = []
     reasons: list[int | None] = []
     started = time.monotonic()
@@ -175,20 +154,24 @@ def cool_down(gpu: GpuReader, job: Any, threshold: float | None, timeout_s: floa
                 "timed_out": timed_out}
 
     while True:
-        reading = gpu.read()
-        if reading is None or reading["temp_c"] is None:
+        readings = gpu.read()
+        known = [r for r in readings or [] if r["temp_c"] is not None]
+        if not readings or len(known) != len(readings):
             if threshold is None:
                 return outcome(False)
-            raise job.TaskError("cool-down needs nvidia-smi's temperature.gpu and none could be read")
-        temps.append(reading["temp_c"])
-        reasons.append(reading["reasons"])
+            raise job.TaskError("cool-down needs nvidia-smi's temperature.gpu of every GPU the cell uses "
+                                "and none could be read")
+        hottest = max(r["temp_c"] for r in known)
+        masks = [r["reasons"] for r in readings if r["reasons"] is not None]
+        temps.append(hottest)
+        reasons.append(functools.reduce(operator.or_, masks) if masks else None)
         if threshold is None:
             return outcome(False)
-        held = (reading["reasons"] or 0) & THROTTLE_REASONS
-        if reading["temp_c"] <= threshold and not held:
+        held = functools.reduce(operator.or_, (nvidia_smi.held_reasons(r) for r in readings), 0)
+        if hottest <= threshold and not held:
             return outcome(False)
         if time.monotonic() - started >= timeout_s:
-            state = f"{reading['temp_c']} °C" + (f", {', '.join(reason_names(held))}" if held else "")
+            state = f"{hottest} °C" + (f", {', '.join(nvidia_smi.reason_names(held))}" if held else "")
             job.log(f"GPU still at {state} after {timeout_s:g} s (threshold {threshold:g} °C); running the cell")
             return outcome(True)
         time.sleep(poll_s)
@@ -196,22 +179,29 @@ def cool_down(gpu: GpuReader, job: Any, threshold: float | None, timeout_s: floa
 
 class ClockPoller:
     """Readings through one cell from one ``nvidia-smi --query-gpu=... -lms N`` process (the tool's own
-    loop: no process started per reading): its first line as the cell starts (waited for), one every
-    ``interval_s``, and one more read when the cell ends. Each reading goes to ``path`` as it comes, so
-    a stopped run keeps what it saw."""
+    loop: no process started per reading) of the GPUs the cell uses: its first lines as the cell starts
+    (waited for), one per GPU every ``interval_s``, and one more read when the cell ends. Readings taken
+    between :meth:`bench_started` and the end of the ``with`` block are marked ``during``: the verdict is
+    theirs alone. Each reading goes to ``path`` as it comes, so a stopped run keeps what it saw."""
 
     def __init__(self, gpu: GpuReader, path: Any, interval_s: float):
         self.gpu, self.path, self.interval_s = gpu, path, interval_s
         self.readings: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._first = threading.Event()
+        self._during = False
         self._proc: subprocess.Popen[str] | None = None
         self._thread: threading.Thread | None = None
         self._t0 = 0.0
 
+    def bench_started(self) -> None:
+        """llama-bench starts now: readings from here until the block ends are taken while it runs."""
+        with self._lock:
+            self._during = True
+
     def _add(self, reading: dict[str, Any]) -> None:
         with self._lock:
-            reading = {"t_s": round(time.monotonic() - self._t0, 3), **reading}
+            reading = {"t_s": round(time.monotonic() - self._t0, 3), "during": self._during, **reading}
             self.readings.append(reading)
             with open(self.path, "a") as out:
                 out.write(json.dumps(reading, sort_keys=True) + "\n")
@@ -220,8 +210,8 @@ class ClockPoller:
         assert self._proc is not None and self._proc.stdout is not None
         for line in self._proc.stdout:
             try:
-                self._add(parse_reading(line))
-            except (ValueError, IndexError):  # a line the driver garbled: skip it, keep following
+                self._add(nvidia_smi.parse_reading(line))
+            except ValueError:  # a line the driver garbled: skip it, keep following
                 continue
             finally:
                 self._first.set()
@@ -230,7 +220,7 @@ class ClockPoller:
     def __enter__(self) -> ClockPoller:
         self._t0 = time.monotonic()
         argv = ["nvidia-smi", f"--query-gpu={','.join(self.gpu.fields)}", "--format=csv,noheader,nounits",
-                "-lms", str(max(100, int(self.interval_s * 1000)))]
+                *self.gpu.selection, "-lms", str(max(100, int(self.interval_s * 1000)))]
         try:
             self._proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         except OSError:
@@ -241,6 +231,8 @@ class ClockPoller:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._during = False
         if self._proc is not None:
             self._proc.terminate()
             try:
@@ -254,8 +246,8 @@ class ClockPoller:
             last = self.gpu.read()
         except ValueError:
             last = None
-        if last is not None:
-            self._add(last)
+        for reading in last or []:
+            self._add(reading)
 
 
 #: What the bandwidth bound needs of a model: its layers and attention shape (KV bytes per token).
@@ -311,7 +303,8 @@ def run(job: Any) -> None:
     job.save_record()
     raw_dir = job.run_dir / "llama-bench"
     raw_dir.mkdir(parents=True, exist_ok=True)
-    gpu = GpuReader(job)
+    gpus = p.get("gpus")
+    gpu = GpuReader(job, [int(g) for g in gpus] if gpus else None)
     job.record.extra.setdefault("servers_stopped", [])
     for index, (round_no, model) in enumerate(cells, 1):
         name = model["name"]
@@ -324,6 +317,7 @@ def run(job: Any) -> None:
         started = job.now()
         with ClockPoller(gpu, raw_dir / f"{stem}.clocks.jsonl", float(clocks.get("sample_s", 1.0))) as poller:
             began = time.monotonic()
+            poller.bench_started()
             done = job.run(argv, timeout=float(p.get("cell_timeout_s", 3600)),
                            stdout=raw_dir / f"{stem}.json", stderr=raw_dir / f"{stem}.log")
             llama_bench_s = round(time.monotonic() - began, 3)

@@ -223,9 +223,10 @@ class Job:
         if self.stopping:
             raise Stopped()
 
-    def gpu_query(self, fields: str) -> str | None:
-        """``nvidia-smi --query-gpu=FIELDS`` (csv, no header, no units); None without nvidia-smi."""
-        return stamp.gpu_query(fields)
+    def gpu_query(self, fields: str, selection: list[str] | None = None) -> str | None:
+        """``nvidia-smi --query-gpu=FIELDS`` (csv, no header, no units) of the GPUs ``selection`` names
+        (``["-i", "0,1"]``; none: every GPU); None without nvidia-smi."""
+        return stamp.gpu_query(fields, selection)
 
     def artifact(self, name: str, path: str) -> Artifact:
         """A model file as the run record lists it (:func:`rigctl.hostside.stamp.artifact`), its sha256

@@ -33,7 +33,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from rigctl.hostside import llama_cpp_fact, model_files
+from rigctl.hostside import llama_cpp_fact, model_files, nvidia_smi
 from rigctl.hostside.runrecord import Artifact, Gpu, LlamaCppBuild, Provenance, Server, from_plain
 
 GPU_FIELDS = "name,driver_version,memory.total,compute_cap"
@@ -119,10 +119,12 @@ def active_servers() -> list[str]:
     return sorted(u.removeprefix("llama-server@").removesuffix(".service") for u in units)
 
 
-def gpu_query(fields: str = GPU_FIELDS) -> str | None:
-    """``nvidia-smi --query-gpu=FIELDS`` (csv, no header, no units); None without nvidia-smi."""
+def gpu_query(fields: str = GPU_FIELDS, selection: list[str] | None = None) -> str | None:
+    """``nvidia-smi --query-gpu=FIELDS`` (csv, no header, no units) of the GPUs ``selection`` names
+    (``["-i", "0,1"]``; none: every GPU); None without nvidia-smi."""
     try:
-        done = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
+        done = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits",
+                               *(selection or [])],
                               capture_output=True, text=True, timeout=SYSTEMCTL_TIMEOUT_S, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return None
@@ -130,11 +132,15 @@ def gpu_query(fields: str = GPU_FIELDS) -> str | None:
 
 
 def parse_gpu_query(stdout: str) -> dict[str, Any]:
-    """The answer of :func:`gpu_query` for ``GPU_FIELDS``: the first GPU's name, driver, VRAM and compute
-    capability."""
-    first = stdout.strip().splitlines()[0]
-    name, driver, vram, compute = (cell.strip() for cell in first.split(","))
-    return {"name": name, "driver": driver, "vram_mib": int(float(vram)), "compute_capability": compute}
+    """The answer of :func:`gpu_query` for ``GPU_FIELDS``: the first GPU's name, driver, VRAM (None where
+    the driver reports none: a unified-memory GPU's is ``[N/A]``) and compute capability."""
+    rows = nvidia_smi.query_rows(stdout, GPU_FIELDS.split(","))
+    if not rows:
+        raise ValueError("no GPU line")
+    first = rows[0]
+    return {"name": nvidia_smi.cell(first["name"]), "driver": nvidia_smi.cell(first["driver_version"]),
+            "vram_mib": nvidia_smi.whole(first["memory.total"]),
+            "compute_capability": nvidia_smi.cell(first["compute_cap"])}
 
 
 def read_gpu(inventory: Gpu) -> tuple[Gpu, str | None]:
@@ -145,7 +151,7 @@ def read_gpu(inventory: Gpu) -> tuple[Gpu, str | None]:
         return inventory, None
     try:
         return Gpu(**parse_gpu_query(answer), bandwidth_gbs=inventory.bandwidth_gbs), None
-    except (ValueError, IndexError) as exc:
+    except ValueError as exc:
         return inventory, f"nvidia-smi answer not read: {exc}"
 
 

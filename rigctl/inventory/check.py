@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import ipaddress
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +123,27 @@ def _check_facts_are_text(where: str, v: Mapping[str, Any]) -> list[Problem]:
     for key in sorted(PROBED_KEYS & set(v)):
         walk(key, v[key])
     return out
+
+
+def _check_gpu_pin(where: str, key: str, pin: int | str | None, gpus: Sequence[GpuSpec]) -> list[Problem]:
+    """An instance's GPU pin against the GPUs: an index that exists and, on a GPU with MIG on, a MIG
+    instance's UUID instead (CUDA sees no whole GPU there: the index would start the server on none)."""
+    if pin is None:
+        return []
+    if isinstance(pin, str):
+        listed = [m.uuid for g in gpus for m in g.mig]
+        if pin not in listed:
+            return [Problem(where, key, f"{pin} is not a MIG instance of this host's GPUs "
+                                        f"({', '.join(listed) or 'none has MIG on'})")]
+        return []
+    count = max(len(gpus), 1)
+    if pin >= count:
+        return [Problem(where, key, f"GPU {pin} does not exist: this host has {count} "
+                                    f"(gpu_host_gpus indexes 0..{count - 1})")]
+    if gpus and gpus[pin].mig:
+        return [Problem(where, key, f"GPU {pin} has MIG on: pin the instance to one of its MIG instances by "
+                                    f"UUID ({', '.join(m.uuid for m in gpus[pin].mig)})")]
+    return []
 
 
 def _check_gpus(where: str, parsed: Mapping[str, Any]) -> list[Problem]:
@@ -301,10 +322,8 @@ def _check_servers(where: str, parsed: Mapping[str, Any]) -> list[Problem]:
     gpus: list[IndexedGpuSpec] | None = parsed.get("gpu_host_gpus")
     for name, inst in sorted(instances.items()):
         base = f"llama_server_instances.{name}"
-        if inst.gpu is not None and inst.gpu >= len(gpus or [None]):
-            count = len(gpus) if gpus else 1
-            out.append(Problem(where, f"{base}.gpu", f"GPU {inst.gpu} does not exist: this host has {count} "
-                                                     f"(gpu_host_gpus indexes 0..{count - 1})"))
+        first_gpu = parsed.get("gpu_host_gpu")
+        out.extend(_check_gpu_pin(where, f"{base}.gpu", inst.gpu, gpus or ([first_gpu] if first_gpu else [])))
         if artifacts and inst.artifact not in artifacts:
             out.append(Problem(where, f"{base}.artifact", f"{inst.artifact!r} is not an artifact in models_catalog"))
         # Profiles that failed validation are reported already; don't call every reference to them unknown.

@@ -132,7 +132,7 @@ class Server:
     profile: Profile
     port: int
     enabled: bool
-    gpu: int | None  # gpu_host_gpus index, pinned with CUDA_VISIBLE_DEVICES
+    gpu: int | str | None  # gpu_host_gpus index or MIG instance UUID, pinned with CUDA_VISIBLE_DEVICES
     model: Artifact  # what it loads
     draft_model: Artifact | None  # the drafter it loads with -md
     address: str  # where the controller reaches the host
@@ -270,7 +270,7 @@ class Host:
             out.append(Server(
                 host=self.name, name=plan["name"], artifact=plan["artifact"],
                 profile=Profile(plan["profile_name"], plan["profile"]), port=plan["port"],
-                enabled=plan["enabled"], gpu=None if plan["gpu"] is None else int(plan["gpu"]),
+                enabled=plan["enabled"], gpu=_gpu_pin(plan["gpu"]),
                 model=Artifact(plan["artifact"], plan["model"], pins.get(plan["artifact"])),
                 draft_model=Artifact(draft, plan["draft_model"], pins.get(draft)) if draft else None,
                 address=self.address, bind=plan["bind"], flags=tuple(plan["flags"]), config_dir=config_dir,
@@ -667,3 +667,9 @@ def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
 
+
+def _gpu_pin(value: object) -> int | str | None:
+    """An instance's GPU pin: a gpu_host_gpus index, or a MIG instance's UUID (kept as text)."""
+    if value is None:
+        return None
+    return value if isinstance(value, str) and value.startswith("MIG-") else int(str(value))

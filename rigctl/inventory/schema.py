@@ -85,11 +85,28 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=False)
 
 
+#: A MIG instance's UUID as ``nvidia-smi -L`` prints it (``MIG-GPU-<uuid>/<gi>/<ci>`` before R470).
+MIG_UUID = r"^MIG-[0-9A-Za-z/-]+$"
+
+
+class MigSpec(_Strict):
+    """One MIG instance of a GPU, as ``nvidia-smi -L`` lists it."""
+
+    device: int = Field(ge=0)
+    profile: str = Field(min_length=1)
+    uuid: Annotated[str, Field(pattern=MIG_UUID)]
+
+
 class GpuSpec(_Strict):
     name: str = Field(min_length=1)
+    #: A unified-memory GPU's (GB10, Grace Hopper) is the host's memory: what the platform offers it.
     vram_mib: int = Field(gt=0, le=MAX_VRAM_MIB)
     compute_capability: Annotated[str, AfterValidator(_known_cc)]
     bandwidth_gbs: float | None = Field(default=None, gt=0)
+    #: The GPU has no memory of its own (nvidia-smi's memory.total is [N/A]); vram_mib is the host's.
+    unified_memory: bool = False
+    #: MIG instances, when MIG is on: a process sees one instance, not the whole card.
+    mig: list[MigSpec] = Field(default_factory=list)
 
 
 class IndexedGpuSpec(GpuSpec):
@@ -254,8 +271,9 @@ class InstanceSpec(_Strict):
     profile: str = Field(min_length=1)
     port: int = Field(ge=1, le=65535)
     enabled: bool = True
-    #: The GPU (gpu_host_gpus index) the instance is pinned to with CUDA_VISIBLE_DEVICES.
-    gpu: int | None = Field(default=None, ge=0)
+    #: What the instance is pinned to with CUDA_VISIBLE_DEVICES: a GPU (gpu_host_gpus index) or, on a GPU
+    #: with MIG on, one of its MIG instances by UUID (an index names no device CUDA can use there).
+    gpu: Annotated[int, Field(ge=0)] | Annotated[str, Field(pattern=MIG_UUID)] | None = None
 
 
 class UnenrolledRigSpec(_Strict):

@@ -29,6 +29,7 @@ IDLE_GPU_TEMPERATURE_C = 35
 DEFAULT_GPU_MAX_SM_MHZ = 1950
 DEFAULT_GPU_MEM_MHZ = 7000
 DEFAULT_GPU_POWER_W = 20.0
+DEFAULT_GPU_POWER_LIMIT_W = 250.0
 #: What one entry of ``clocks_sequence`` may set.
 GPU_CLOCK_KEYS = {"clocks_sm_mhz": int, "clocks_mem_mhz": int, "power_draw_w": (int, float),
                   "clocks_event_reasons": int}
@@ -36,6 +37,7 @@ ADDITIONAL_GPU_FIELDS = frozenset({"name", "memory_total_mib", "compute_cap", "u
 #: What a second, third... GPU may set for itself besides; what it does not set comes from the first GPU.
 ADDITIONAL_GPU_READINGS = {"temperature": int, "memory_used_mib": int, "utilization_gpu": int,
                            "persistence_mode": bool, "mig_mode": str, "power_draw_w": (int, float),
+                           "power_limit_w": (int, float, type(None)),
                            "clocks_sm_mhz": int, "clocks_max_sm_mhz": int, "clocks_mem_mhz": int,
                            "clocks_event_reasons": int}
 #: The fields a capture fixes: a test may move a captured card's readings, never make it another card.
@@ -66,6 +68,8 @@ class GpuState:
     clocks_max_sm_mhz: int = DEFAULT_GPU_MAX_SM_MHZ
     clocks_mem_mhz: int = DEFAULT_GPU_MEM_MHZ
     power_draw_w: float = DEFAULT_GPU_POWER_W
+    #: None: the card reports no power limit (a GB10 prints N/A).
+    power_limit_w: float | None = DEFAULT_GPU_POWER_LIMIT_W
     #: NVML clock event reasons bitmask (0x40: HW thermal slowdown, 0x4: SW power cap, ...).
     clocks_event_reasons: int = 0
     #: Each nvidia-smi call that reports a clock, power or reasons field applies the next entry (a
@@ -102,8 +106,9 @@ class GpuState:
             values["temperature_sequence"] = tuple(values["temperature_sequence"] or ())
         if "clocks_sequence" in values:
             values["clocks_sequence"] = tuple(values["clocks_sequence"] or ())
-        if isinstance(values.get("power_draw_w"), int) and not isinstance(values["power_draw_w"], bool):
-            values["power_draw_w"] = float(values["power_draw_w"])
+        for watts in ("power_draw_w", "power_limit_w"):
+            if isinstance(values.get(watts), int) and not isinstance(values[watts], bool):
+                values[watts] = float(values[watts])
         if "additional_gpus" in values:
             values["additional_gpus"] = tuple(values["additional_gpus"] or ())
         try:
@@ -128,6 +133,9 @@ class GpuState:
                     type(v) is bool or not isinstance(v, GPU_CLOCK_KEYS[k]) for k, v in entry.items()):
                 raise ConfigError(f"{origin}: clocks_sequence entries must map some of "
                                   f"{', '.join(sorted(GPU_CLOCK_KEYS))} to numbers, got {entry!r}")
+        if self.power_limit_w is not None and type(self.power_limit_w) is not float:
+            raise ConfigError(f"{origin}: GPU field power_limit_w must be a number or null, "
+                              f"got {self.power_limit_w!r}")
         if self.memory_total_mib is not None and type(self.memory_total_mib) is not int:
             raise ConfigError(f"{origin}: GPU field memory_total_mib must be int or null, "
                               f"got {self.memory_total_mib!r}")
@@ -174,7 +182,7 @@ CAPTURED_COMPUTE_CAPABILITY = {"NVIDIA GeForce RTX 3050": "8.6", "NVIDIA GeForce
                                "NVIDIA GeForce RTX 5090": "12.0", "NVIDIA GB10": "12.1"}
 _HEADER = re.compile(r"NVIDIA-SMI \S+\s+(?:Driver|KMD) Version: (\S+)\s+CUDA (?:UMD )?Version: (\S+)")
 _ROW_NAME = re.compile(r"^\|\s+(\d+)\s+(\S.*?)\s+(On|Off)\s+\|\s+([0-9A-Fa-f]{8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.\d)\s")
-_ROW_READINGS = re.compile(r"^\|\s*\S+\s+(\d+)C\s+P\d+\s+(\S+)\s*/\s*\S+\s*\|\s*"
+_ROW_READINGS = re.compile(r"^\|\s*\S+\s+(\d+)C\s+P\d+\s+(\S+)\s*/\s*(\S+)\s*\|\s*"
                            r"(?:(\d+)MiB\s*/\s*(\d+)MiB|Not Supported)\s*\|\s*(?:(\d+)%|N/A)")
 _ROW_MIG = re.compile(r"^\|\s+\|\s+\|\s+(\S+)\s+\|$")
 
@@ -222,14 +230,15 @@ def _captured_state(name: str, first_uuid: str) -> GpuState:
         if model not in CAPTURED_COMPUTE_CAPABILITY:
             raise ConfigError(f"capture {name}: no compute capability known for {model!r} "
                               "(a name the table cut short ends in ...)")
-        power = readings.group(2).removesuffix("W")
+        power, cap = (readings.group(n).removesuffix("W") for n in (2, 3))
         gpus.append({
             "name": model, "persistence_mode": row.group(3) == "On", "pci_bus_id": row.group(4),
             "compute_cap": CAPTURED_COMPUTE_CAPABILITY[model], "temperature": int(readings.group(1)),
             "power_draw_w": float(power) if power.replace(".", "", 1).isdigit() else DEFAULT_GPU_POWER_W,
-            "memory_used_mib": int(readings.group(3) or 0),
-            "memory_total_mib": int(readings.group(4)) if readings.group(4) else None,
-            "utilization_gpu": int(readings.group(5) or 0), "mig_mode": mig.group(1),
+            "power_limit_w": float(cap) if cap.isdigit() else None,
+            "memory_used_mib": int(readings.group(4) or 0),
+            "memory_total_mib": int(readings.group(5)) if readings.group(5) else None,
+            "utilization_gpu": int(readings.group(6) or 0), "mig_mode": mig.group(1),
             "uuid": first_uuid if not gpus else f"GPU-{uuid.uuid5(uuid.NAMESPACE_URL, f'{first_uuid}/{len(gpus)}')}",
         })
     if not gpus:

@@ -25,7 +25,8 @@ from rigctl.bench.matrix import (
     to_png,
 )
 from rigctl.errors import ConfigError
-from rigctl.hostside.bench_task import gguf_shape, llama_bench_argv, parse_reading, plan_cells, throttle_verdict
+from rigctl.hostside.bench_task import gguf_shape, llama_bench_argv, plan_cells, throttle_verdict
+from rigctl.hostside.nvidia_smi import held_reasons, parse_reading
 from rigctl.results.record import RunRecord
 from rigctl.results.store import ResultsStore
 
@@ -118,18 +119,22 @@ def test_yaml_spec_with_flag_overrides(tmp_path: Path) -> None:
 
 
 def test_parse_reading() -> None:
-    # nvidia-smi --query-gpu=clocks.sm,clocks.mem,clocks.max.sm,power.draw,clocks_event_reasons.active,temperature.gpu
-    reading = parse_reading("1845, 7000, 2100, 61.32, 0x0000000000000000, 41\n210, 405, 2100, 5.1, 0x1, 30\n")
-    assert reading == {"sm_mhz": 1845, "mem_mhz": 7000, "max_sm_mhz": 2100, "power_w": 61.32, "reasons": 0,
-                       "temp_c": 41}  # GPU 0
-    # Laptop GPUs often report no power draw.
-    assert parse_reading("1500, 6000, 1785, [N/A], 0x0000000000000040, 87")["power_w"] is None
-    with pytest.raises(ValueError, match="expected 6 fields"):
+    # nvidia-smi --query-gpu=index,clocks.sm,clocks.mem,clocks.max.sm,power.draw,power.limit,
+    #   clocks_event_reasons.active,temperature.gpu --format=csv,noheader,nounits (one line per GPU)
+    reading = parse_reading("1, 1845, 7000, 2100, 61.32, 250.00, 0x0000000000000000, 41\n")
+    assert reading == {"gpu": 1, "sm_mhz": 1845, "mem_mhz": 7000, "max_sm_mhz": 2100, "power_w": 61.32,
+                       "power_limit_w": 250.0, "reasons": 0, "temp_c": 41}
+    # Laptop GPUs often report no power draw; a driver error reads as not reported.
+    laptop = parse_reading("0, 1500, 6000, 1785, [N/A], [Not Supported], 0x0000000000000040, ERR!")
+    assert (laptop["power_w"], laptop["power_limit_w"], laptop["temp_c"]) == (None, None, None)
+    with pytest.raises(ValueError, match="expected 8"):
         parse_reading("41\n")
 
 
-def _reading(sm: int, reasons: int = 0, max_sm: int = 2000) -> dict:
-    return {"sm_mhz": sm, "mem_mhz": 7000, "max_sm_mhz": max_sm, "power_w": 60.0, "reasons": reasons, "temp_c": 50}
+def _reading(sm: int, reasons: int = 0, max_sm: int = 2000, gpu: int = 0, during: bool = True,
+             power: float = 200.0) -> dict:
+    return {"gpu": gpu, "sm_mhz": sm, "mem_mhz": 7000, "max_sm_mhz": max_sm, "power_w": power,
+            "power_limit_w": 250.0, "reasons": reasons, "temp_c": 50, "during": during}
 
 
 def test_throttle_verdict() -> None:
@@ -146,6 +151,34 @@ def test_throttle_verdict() -> None:
     assert not throttle_verdict([_reading(1900, reasons=0x12)], 0.8)["throttled"]
     assert throttle_verdict([], 0.8) == {"throttled": False, "why": [], "min_sm_fraction": None, "reasons": [],
                                          "samples": 0}
+
+
+def test_throttle_verdict_only_from_readings_while_llama_bench_runs() -> None:
+    # The reading taken as the cell starts (before the model loads) and the one after it ends are kept in
+    # the clocks file but say nothing of the cell: a power cap or a low clock there is no verdict.
+    before, after = _reading(300, reasons=0x4, during=False), _reading(200, reasons=0x20, during=False)
+    verdict = throttle_verdict([before, _reading(1900), _reading(1880), after], 0.8)
+    assert not verdict["throttled"] and verdict["samples"] == 2
+
+
+def test_idle_reasons_are_not_throttling() -> None:
+    # A recorded idle RTX 2080 SUPER (595.71.05, tests/fixtures/real/nvidia-smi-query): reasons 0x4 (SW power
+    # cap) at 39.32 W of 250 W and no gpu_idle bit. A cap at idle power is the driver's idle policy.
+    idle_cap = _reading(765, reasons=0x4, max_sm=2145, power=39.32)
+    assert held_reasons(idle_cap) == 0
+    assert not any(why.startswith("reason") for why in throttle_verdict([idle_cap], 0.8)["why"])
+    # With the gpu_idle bit nothing counts; a cap at load power does.
+    assert held_reasons(_reading(300, reasons=0x5)) == 0
+    assert held_reasons(_reading(1700, reasons=0x4, power=245.0)) == 0x4
+    assert throttle_verdict([_reading(1900, reasons=0x4, power=245.0)], 0.8)["why"] == ["reason sw_power_cap"]
+
+
+def test_throttle_verdict_keeps_each_gpu_apart() -> None:
+    # Two GPUs' lines of one -lms loop: GPU 1 throttles, GPU 0 does not; the verdict names GPU 1.
+    readings = [_reading(1900, gpu=0), _reading(1000, gpu=1, max_sm=1500), _reading(1900, gpu=0),
+                _reading(1450, gpu=1, max_sm=1500, reasons=0x20)]
+    verdict = throttle_verdict(readings, 0.8)
+    assert verdict["why"] == ["reason sw_thermal_slowdown on GPU 1", "SM clock at 67% of its max (below 80%) on GPU 1"]
 
 
 def test_gguf_shape_reads_a_real_gguf_header(tmp_path: Path) -> None:

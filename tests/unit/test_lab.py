@@ -550,6 +550,8 @@ def test_a_captured_card_shows_the_tests_readings_in_its_own_columns(tmp_path: P
     assert smi(path, query, "--format=csv,noheader,nounits", "--id=1").stdout == rows[1] + "\n"
     assert smi(path, query, "--format=csv,noheader,nounits", "-i", rows[1].split(", ")[5]).stdout == rows[1] + "\n"
     assert smi(path, "--query-gpu=mig.mode.current", "--format=csv,noheader").stdout == "[N/A]\n[N/A]\n"
+    # Each card's own power cap, as its table row shows it (575 W and 600 W).
+    assert smi(path, "--query-gpu=power.limit", "--format=csv,noheader").stdout == "575.00 W\n600.00 W\n"
     missing = smi(path, query, "--format=csv", "-i", "2")
     assert (missing.returncode, missing.stdout) == (6, "No devices were found\n")
 
@@ -566,6 +568,7 @@ def test_a_unified_memory_card_answers_as_the_real_ones_did(tmp_path: Path) -> N
         "temperature.gpu",
         "[N/A], [N/A], [N/A], 0 %, 11.17 W, 35",
     ]
+    assert smi(path, "--query-gpu=power.limit", "--format=csv,noheader").stdout == "[N/A]\n"
 
 
 def test_a_mixed_host_lists_its_cards_in_bus_order(tmp_path: Path) -> None:

@@ -4,18 +4,108 @@ text, so a parser that misreads a real tool's output fails here, not on a user's
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
 
+from rigctl.fleet.state import NVIDIA_SMI_FIELDS, parse_nvidia_smi
+from rigctl.hostside import nvidia_smi
+from rigctl.hostside.stamp import GPU_FIELDS, parse_gpu_query
+
 REAL = Path(__file__).resolve().parents[1] / "fixtures" / "real"
 SOURCE_PREFIX = "# source: "
 
+def _nvidia_smi_summary(text: str) -> object:
+    """Plain ``nvidia-smi``: the versions rigctl reads from its header (the probe, the llama_cpp role's
+    probe module)."""
+    return dataclasses.asdict(nvidia_smi.summary_versions(text))
+
+
+def _nvidia_smi_list(text: str) -> object:
+    """``nvidia-smi -L``: each GPU and its MIG instances (the probe)."""
+    return [{**dataclasses.asdict(gpu), "mig": [dataclasses.asdict(m) for m in gpu.mig]}
+            for gpu in nvidia_smi.list_gpus(text)]
+
+
+#: rigctl's field names that nvidia-smi's CSV header spells otherwise (``--help-query-gpu`` lists both).
+_HEADER_NAMES = {"clocks.sm": "clocks.current.sm", "clocks.mem": "clocks.current.memory"}
+
+
+def _project(text: str, fields: Sequence[str]) -> str | None:
+    """A recorded ``--query-gpu=<many fields> --format=csv`` answer (header, units) cut down to what
+    ``--query-gpu=<fields> --format=csv,noheader,nounits`` prints on the same GPUs: the columns by the
+    header's names, each cell without the unit the header names (what ``nounits`` leaves out), as the
+    exporter's own replaying stand-in does. None when the capture lacks one of the fields."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    header = [re.sub(r" \[[^]]*\]$", "", name.strip()) for name in lines[0].split(",")]
+    units = [re.search(r"\[([^]]*)\]$", name.strip()) for name in lines[0].split(",")]
+    columns = []
+    for field in fields:
+        name = _HEADER_NAMES.get(field, field)
+        if name not in header:
+            return None
+        columns.append(header.index(name))
+    out = []
+    for line in lines[1:]:
+        cells = [c.strip() for c in line.split(",")]
+        kept = []
+        for column in columns:
+            unit = units[column]
+            cell = cells[column]
+            kept.append(cell.removesuffix(f" {unit.group(1)}") if unit else cell)
+        out.append(", ".join(kept))
+    return "\n".join(out) + "\n"
+
+
+#: Every field rigctl asks nvidia-smi for (the probe, fleet state, bench readings, stamp, the gpu_host
+#: role) and how rigctl reads its cell.
+_FIELD_READERS: dict[str, Callable[[str], object]] = {
+    **dict.fromkeys(("name", "uuid", "pci.bus_id", "driver_version", "compute_cap", "persistence_mode"),
+                    nvidia_smi.cell),
+    **dict.fromkeys(("index", "memory.total", "memory.used", "temperature.gpu", "clocks.sm", "clocks.mem",
+                     "clocks.max.sm"), nvidia_smi.whole),
+    **dict.fromkeys(("utilization.gpu", "power.draw", "power.limit"), nvidia_smi.number),
+    "clocks_event_reasons.active": nvidia_smi.reasons,
+}
+
+
+def _nvidia_smi_query(text: str) -> object:
+    """A recorded ``--query-gpu`` answer: each field rigctl asks for that it holds, per GPU, as rigctl reads
+    the cell; then through each of rigctl's readers whose fields it holds all of: the fleet state's GPU
+    samples, the bench's clock readings and the stamp's GPU."""
+    out: dict[str, object] = {"cells": []}
+    for field, read in _FIELD_READERS.items():
+        column = _project(text, [field])
+        if column is None:
+            continue
+        lines = column.splitlines()
+        while len(out["cells"]) < len(lines):
+            out["cells"].append({})
+        for row, line in zip(out["cells"], lines, strict=True):
+            row[field] = read(line)
+    state = _project(text, NVIDIA_SMI_FIELDS)
+    if state is not None:
+        out["fleet_state"] = [dataclasses.asdict(sample) for sample in parse_nvidia_smi(state)]
+    readings = _project(text, nvidia_smi.READING_FIELDS)
+    if readings is not None:
+        out["readings"] = [nvidia_smi.parse_reading(line) for line in readings.splitlines()]
+    stamp = _project(text, GPU_FIELDS.split(","))
+    if stamp is not None:
+        out["stamp"] = parse_gpu_query(stamp)
+    return out
+
+
 #: kind (the folder under tests/fixtures/real) -> reader: the capture's text (source line removed) to a
 #: JSON-able value compared with the expectation file.
-READERS: dict[str, Callable[[str], object]] = {}
+READERS: dict[str, Callable[[str], object]] = {
+    "nvidia-smi-summary": _nvidia_smi_summary,
+    "nvidia-smi-list": _nvidia_smi_list,
+    "nvidia-smi-query": _nvidia_smi_query,
+}
 
 
 def captures() -> list[Path]:
