@@ -116,15 +116,15 @@ def test_hosts_add_enrols_the_mixed_host_with_every_card(captured: tuple[Path, L
 
 
 def test_hosts_add_enrols_the_unified_memory_host(captured: tuple[Path, Lab]) -> None:
-    """A GB10 reports no memory of its own ([N/A]): a working host, enrolled, with no VRAM figure made up."""
+    """A GB10 reports no memory of its own ([N/A]): a working host, enrolled, its GPU marked unified memory
+    with the memory the platform offers it (the host's), not a number made up."""
     inv, lab = captured
     added = enrol(inv, lab, SPARK)
     assert added.returncode == 0, added.stdout + added.stderr
     host = Inventory.load(inv).hosts[SPARK]
-    assert host.vars["gpu_host_gpu"]["name"] == "NVIDIA GB10"
-    assert host.vars["gpu_host_gpu"]["compute_capability"] == "12.1"
-    assert host.vars["gpu_host_gpu"].get("vram_mib") != 0
     facts = host.vars["rigctl_host_facts"]
+    assert host.vars["gpu_host_gpu"] == {"name": "NVIDIA GB10", "vram_mib": facts["memory_mib"],
+                                         "compute_capability": "12.1", "unified_memory": True}
     assert facts["driver_version"] == "580.126.09" and facts["cuda_version"] == "13.0"
 
 
