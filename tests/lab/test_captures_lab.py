@@ -1,12 +1,13 @@
 """Hosts whose stand-in GPU replays a recorded real nvidia-smi (rigctl/lab/captures/nvidia-smi/): a 2-GPU
 host on an R610 driver (whose header reads `KMD Version`/`CUDA UMD Version`), a server of five mixed GPUs and
 a unified-memory DGX Spark (memory `Not Supported`, `[N/A]` in queries) are enrolled with `hosts add` as a
-new user would; the mixed host then serves an instance pinned to GPU 1. Works on a copy of the lab
-inventory."""
+new user would; the mixed host then serves an instance pinned to GPU 1 and benches with a cool-down that
+watches every card the cell uses. Works on a copy of the lab inventory."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -59,9 +60,11 @@ def captured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, L
             lab.remove(name)
 
 
-def rigctl(inv: Path, *args: str, stdin: str = "", timeout: float = 900) -> subprocess.CompletedProcess[str]:
+def rigctl(inv: Path, *args: str, stdin: str = "", timeout: float = 900,
+           results: Path | None = None) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "RIGCTL_PROJECT": str(REPO),
-           "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+           "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+           **({"RIGCTL_RESULTS": str(results)} if results else {})}
     # A session of its own: no controlling terminal, so the password prompt reads stdin as a script's would.
     return subprocess.run([sys.executable, "-m", "rigctl.cli", "-i", str(inv), *args], input=stdin, cwd=REPO,
                           capture_output=True, text=True, timeout=timeout, env=env, start_new_session=True)
@@ -128,18 +131,26 @@ def test_hosts_add_enrols_the_unified_memory_host(captured: tuple[Path, Lab]) ->
     assert facts["driver_version"] == "580.126.09" and facts["cuda_version"] == "13.0"
 
 
-def test_an_instance_pinned_to_gpu_1_runs_in_pci_bus_order(captured: tuple[Path, Lab]) -> None:
-    """CUDA numbers devices fastest first unless told otherwise; nvidia-smi numbers them by PCI bus. The pin
-    names nvidia-smi's GPU 1 (the first RTX 3060; CUDA's default order puts the faster 3070 and 3060 Ti ahead
-    of it), so the process must carry CUDA_DEVICE_ORDER=PCI_BUS_ID beside it."""
+@pytest.fixture(scope="module")
+def mixed_serving(captured: tuple[Path, Lab]) -> tuple[Path, Lab]:
+    """The mixed host enrolled and provisioned with SmolLM2 as instance ``smollm2``, pinned to GPU 1."""
     inv, lab = captured
     if MIXED not in Inventory.load(inv).hosts:
-        assert enrol(inv, lab, MIXED).returncode == 0
+        added = enrol(inv, lab, MIXED)
+        assert added.returncode == 0, added.stdout + added.stderr
     vars_file = inv / "host_vars" / f"{MIXED}.yml"
     vars_file.write_text(vars_file.read_text() + "llama_server_instances:\n  smollm2:\n"
                          "    artifact: smollm2-135m-q4_1\n    profile: lab\n    port: 8080\n    gpu: 1\n")
     provisioned = rigctl(inv, "provision", "--limit", MIXED, timeout=1800)
     assert provisioned.returncode == 0, provisioned.stdout[-4000:] + provisioned.stderr
+    return inv, lab
+
+
+def test_an_instance_pinned_to_gpu_1_runs_in_pci_bus_order(mixed_serving: tuple[Path, Lab]) -> None:
+    """CUDA numbers devices fastest first unless told otherwise; nvidia-smi numbers them by PCI bus. The pin
+    names nvidia-smi's GPU 1 (the first RTX 3060; CUDA's default order puts the faster 3070 and 3060 Ti ahead
+    of it), so the process must carry CUDA_DEVICE_ORDER=PCI_BUS_ID beside it."""
+    _, lab = mixed_serving
     base = f"http://{lab.rig(MIXED).address}:8080"
     deadline = time.monotonic() + 120
     healthy = False
@@ -152,3 +163,27 @@ def test_an_instance_pinned_to_gpu_1_runs_in_pci_bus_order(captured: tuple[Path,
     pid = lab.guest_run(MIXED, ["systemctl", "show", "-p", "MainPID", "--value", "llama-server@smollm2"]).strip()
     environ = lab.guest_run(MIXED, ["cat", f"/proc/{pid}/environ"]).split("\0")
     assert "CUDA_VISIBLE_DEVICES=1" in environ and "CUDA_DEVICE_ORDER=PCI_BUS_ID" in environ, environ
+
+
+def test_a_bench_cools_down_on_every_card_its_cell_uses(mixed_serving: tuple[Path, Lab], tmp_path: Path) -> None:
+    """llama-bench uses every GPU of the host: the cell waits while any of them is hot, here GPU 3 (the 3060 Ti)
+    at 85 °C while GPU 0, the one a single-GPU cool-down would watch, is cool; the clock series holds each
+    card's readings."""
+    inv, lab = mixed_serving
+    state = lab.gpu_state(MIXED)
+    cool = [{**g, "temperature": 35} for g in state.additional_gpus]
+    hot = [{**g, "temperature": 85 if number == 2 else 35} for number, g in enumerate(state.additional_gpus)]
+    lab.set_gpu(MIXED, temperature=35, temperature_sequence=[], additional_gpus=hot)
+    try:
+        done = rigctl(inv, "bench", "run", "-H", MIXED, "-m", "smollm2-135m-q4_1", "-p", "16", "-n", "4", "-r", "1",
+                      "-t", "1", "--rounds", "1", "--cooldown", "40", "--cooldown-poll", "0.5",
+                      "--cooldown-timeout", "3", "--clock-sample", "600", "--wait", results=tmp_path, timeout=900)
+    finally:
+        lab.set_gpu(MIXED, additional_gpus=cool)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr
+    [cells_file] = list(tmp_path.rglob("cells.jsonl"))
+    [cell] = [json.loads(line) for line in cells_file.read_text().splitlines()]
+    wait = cell["cooldown"]
+    assert wait["timed_out"] and wait["waited_s"] >= 3 and set(wait["readings"]) == {85}, wait
+    series = [json.loads(line) for line in (cells_file.parent / cell["clocks"]).read_text().splitlines()]
+    assert {r["gpu"] for r in series} == {0, 1, 2, 3, 4}, series
