@@ -34,15 +34,17 @@ DEFAULT_GPU_POWER_LIMIT_W = 250.0
 GPU_CLOCK_KEYS = {"clocks_sm_mhz": int, "clocks_mem_mhz": int, "power_draw_w": (int, float),
                   "clocks_event_reasons": int}
 ADDITIONAL_GPU_FIELDS = frozenset({"name", "memory_total_mib", "compute_cap", "uuid", "pci_bus_id"})
-#: What a second, third... GPU may set for itself besides; what it does not set comes from the first GPU.
+#: The readings a second, third... GPU may have of its own; what it does not set comes from the first GPU.
 ADDITIONAL_GPU_READINGS = {"temperature": int, "memory_used_mib": int, "utilization_gpu": int,
-                           "persistence_mode": bool, "mig_mode": str, "power_draw_w": (int, float),
+                           "persistence_mode": bool, "power_draw_w": (int, float),
                            "power_limit_w": (int, float, type(None)),
                            "clocks_sm_mhz": int, "clocks_max_sm_mhz": int, "clocks_mem_mhz": int,
                            "clocks_event_reasons": int}
+#: Besides, its MIG mode (as a capture has it).
+ADDITIONAL_GPU_OPTIONAL = {**ADDITIONAL_GPU_READINGS, "mig_mode": str}
 #: The fields a capture fixes: a test may move a captured card's readings, never make it another card.
 CAPTURED_FIELDS = ("name", "memory_total_mib", "compute_cap", "driver_version", "cuda_version", "pci_bus_id",
-                   "additional_gpus", "summary")
+                   "mig_mode", "additional_gpus", "summary")
 GPU_LOCK_TIMEOUT_S = 10
 
 
@@ -143,14 +145,14 @@ class GpuState:
         for number, extra in enumerate(self.additional_gpus):
             where = f"{origin}: additional_gpus[{number}]"
             if not isinstance(extra, Mapping) or not ADDITIONAL_GPU_FIELDS <= set(extra) <= (
-                    ADDITIONAL_GPU_FIELDS | set(ADDITIONAL_GPU_READINGS)):
+                    ADDITIONAL_GPU_FIELDS | set(ADDITIONAL_GPU_OPTIONAL)):
                 raise ConfigError(f"{where} must have {', '.join(sorted(ADDITIONAL_GPU_FIELDS))} and may have "
-                                  f"{', '.join(sorted(ADDITIONAL_GPU_READINGS))}")
+                                  f"{', '.join(sorted(ADDITIONAL_GPU_OPTIONAL))}")
             if extra["memory_total_mib"] is not None and type(extra["memory_total_mib"]) is not int or not all(
                 type(extra[k]) is str for k in ADDITIONAL_GPU_FIELDS - {"memory_total_mib"}
-            ) or any(type(v) is bool and ADDITIONAL_GPU_READINGS[k] is not bool
-                     or not isinstance(v, ADDITIONAL_GPU_READINGS[k]) for k, v in extra.items()
-                     if k in ADDITIONAL_GPU_READINGS):
+            ) or any(type(v) is bool and ADDITIONAL_GPU_OPTIONAL[k] is not bool
+                     or not isinstance(v, ADDITIONAL_GPU_OPTIONAL[k]) for k, v in extra.items()
+                     if k in ADDITIONAL_GPU_OPTIONAL):
                 raise ConfigError(f"{where} has a value of the wrong type")
             _check_memory(where, extra.get("memory_used_mib", self.memory_used_mib), extra["memory_total_mib"])
         if self.capture:

@@ -596,6 +596,9 @@ def test_a_captured_card_stays_that_card(tmp_path: Path) -> None:
                          ("summary", "")):
         with pytest.raises(ConfigError, match=f"t: {field} must stay as capture r610-2x-rtx5090 has them"):
             GpuState.from_mapping({**state, field: value}, "t")
+    with pytest.raises(ConfigError, match="t: mig_mode, additional_gpus must stay as capture"):
+        GpuState.from_mapping({**state, "mig_mode": "Enabled", "additional_gpus": [
+            {**state["additional_gpus"][0], "mig_mode": "Enabled"}]}, "t")
     with pytest.raises(ConfigError, match="memory_used_mib 40000 is outside 0..32607"):
         GpuState.from_mapping({**state, "memory_used_mib": 40000}, "t")
     second = {**state["additional_gpus"][0], "memory_used_mib": 40000}
