@@ -624,6 +624,34 @@ def test_the_reference_pair_from_their_captures() -> None:
         520, 44, 364, 37)
 
 
+@pytest.mark.parametrize(("capture", "driver", "cuda", "cards", "architectures"), [
+    ("r610-2x-rtx5090", "610.57.04", "13.3", [("NVIDIA GeForce RTX 5090", 32607, "12.0")] * 2, "120"),
+    ("gb10-unified-memory", "580.126.09", "13.0", [("NVIDIA GB10", None, "12.1")], "121"),
+    ("mixed-5-gpu", "560.35.03", "12.6", [("NVIDIA GeForce RTX 2060", 6144, "7.5"),
+                                          ("NVIDIA GeForce RTX 3060", 12288, "8.6"),
+                                          ("NVIDIA GeForce RTX 3060", 12288, "8.6"),
+                                          ("NVIDIA GeForce RTX 3060 Ti", 8192, "8.6"),
+                                          ("NVIDIA GeForce RTX 3070", 8192, "8.6")], "75;86"),
+    ("a100-mig", "535.129.03", "12.2", [("NVIDIA A100-PCIE-40GB", 40960, "8.0")] * 2, "80"),
+    ("rtx3050-8gb", "550.163.01", "12.4", [("NVIDIA GeForce RTX 3050", 8192, "8.6")], "86"),
+    ("gtx1650ti", "560.35.03", "12.6", [("NVIDIA GeForce GTX 1650 Ti", 4096, "7.5")], "75"),
+])
+def test_the_probe_reads_a_replayed_capture_as_the_card_it_was(
+        tmp_path: Path, capture: str, driver: str, cuda: str, cards: list, architectures: str) -> None:
+    """rigctl's own probe command, run against the stand-in replaying each capture: the facts are the card's."""
+    from rigctl.fleet.host_facts import parse_probe, probe_command
+
+    state = captured(tmp_path, capture)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvidia-smi").symlink_to(NVIDIA_SMI)
+    env = {**os.environ, "RIGCTL_LAB_GPU_STATE": str(state), "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
+    out = subprocess.run(["bash", "-c", probe_command("t0k")], capture_output=True, text=True, env=env,
+                         timeout=60).stdout
+    facts = parse_probe("h", out, "t0k")
+    assert (facts.driver_version, facts.cuda_version, facts.cuda_architectures) == (driver, cuda, architectures)
+    assert [(g.name, g.vram_mib, g.compute_capability) for g in facts.gpus] == cards
+
+
 def test_a_stranger_rig_can_replay_a_capture() -> None:
     from rigctl.lab.config import _stranger
 
