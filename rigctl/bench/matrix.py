@@ -119,6 +119,8 @@ class BenchSpec(_Strict):
     clocks: Clocks = Clocks()
     stop_servers: bool = True
     cell_timeout_s: float = Field(default=3600.0, gt=0)
+    #: The GPUs the cells use (nvidia-smi indexes, pinned in PCI bus order); None: every GPU of the host.
+    gpus: list[int] | None = Field(default=None, min_length=1)
 
 
 def parse_spec(data: Mapping[str, Any], origin: str) -> BenchSpec:
@@ -159,6 +161,7 @@ def bench_job_spec(host: Host, spec: BenchSpec, builds: Sequence[tuple[str, str]
     if builds:
         models = [{**model, "llama_bench": f"{directory}/bin/llama-bench", "build": build}
                   for model in models for build, directory in builds]
+    _check_gpus(host, spec.gpus)
     params = {
         "llama_bench": llama_bench_path(host),
         "models": models,
@@ -169,11 +172,28 @@ def bench_job_spec(host: Host, spec: BenchSpec, builds: Sequence[tuple[str, str]
         "clocks": spec.clocks.model_dump(),
         "bandwidth_gbs": host.gpu.bandwidth_gbs if host.gpu else None,
         "cell_timeout_s": spec.cell_timeout_s,
+        "gpus": spec.gpus,
     }
     cells = len(plan_cells(models, spec.rounds, spec.order))
     budget = cells * (spec.cell_timeout_s + spec.cooldown.timeout_s) + 600
     return jobs.JobSpec(kind="bench", task=BENCH_TASK, params=params, lock="gpu", max_runtime_s=int(budget),
                         stop_servers=spec.stop_servers, artifacts=tuple(m["path"] for m in models))
+
+
+def _check_gpus(host: Host, gpus: list[int] | None) -> None:
+    """ConfigError naming the host when a GPU the cells would use does not exist or has MIG on: llama-bench
+    pinned to a GPU index finds no device under MIG, and the clock readings are the whole card's, not the
+    instance's, so a MIG GPU's verdict would judge what the cell did not run on."""
+    present = host.gpu_indexes
+    for index in gpus or []:
+        if present and index not in present:
+            raise ConfigError(f"host {host.name}: bench gpus: GPU {index} does not exist "
+                              f"(nvidia-smi indexes {', '.join(map(str, present))})")
+    mig = sorted(i for i, on in present.items() if on and (gpus is None or i in gpus))
+    if mig:
+        raise ConfigError(f"host {host.name}: bench gpus: GPU {', '.join(map(str, mig))} has MIG on; llama-bench "
+                          f"cannot be pinned to a MIG instance by index and its clocks are the whole card's "
+                          f"(bench another GPU with gpus: [...], or turn MIG off)")
 
 
 def start_bench(inventory: Inventory, spec: BenchSpec) -> dict[str, jobs.JobInfo | RigctlError]:

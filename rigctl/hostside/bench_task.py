@@ -4,14 +4,16 @@ One *cell* is one llama-bench invocation for one model with the whole matrix (ll
 the comma lists itself, as in ``-p 512,2048 -n 128 -r 5 -d 0,4096``). ``rounds`` cells per model are
 run in ``alternate`` order (A, B, A, B, ...) or ``grouped`` (A, A, ..., B, B, ...).
 
-Before each cell the GPU is polled with ``nvidia-smi`` until it is at or below the threshold *and*
-no thermal or power clock-event reason is active (or the timeout passes, which is recorded and the
-cell runs anyway). While the cell runs a light poller (one ``nvidia-smi -lms`` process looping on its
-own every ``clocks.sample_s``, read by one thread, plus one reading as the cell ends) records the SM and
-memory clocks, the SM clock's maximum, power draw, the active clock-event reasons and the
-temperature. A cell is ``throttled`` when a thermal or power reason was active in any reading, or
-the SM clock of a reading with the card busy (the GPU-idle reason off) fell below
-``clocks.min_sm_fraction`` of its maximum.
+The GPUs a cell uses are ``gpus`` (nvidia-smi indexes: llama-bench runs with them as
+CUDA_VISIBLE_DEVICES, in PCI bus order) or, without, every GPU; every reading is theirs (``-i``), one per
+GPU. Before each cell they are polled with ``nvidia-smi`` until each is at or below the threshold *and*
+holds no thermal or power clock-event reason (or the timeout passes, which is recorded and the cell runs
+anyway). While the cell runs a light poller (one ``nvidia-smi -lms`` process looping on its own every
+``clocks.sample_s``, read by one thread, plus one reading as the cell ends) records each GPU's SM and
+memory clocks, the SM clock's maximum, power draw and limit, the active clock-event reasons and the
+temperature. A cell is ``throttled`` when, in a reading taken while llama-bench ran, a GPU held a
+thermal or power reason (not the idle reasons: gpu_idle, a software power cap at idle power), or the SM
+clock of a GPU busy (the GPU-idle reason off) fell below ``clocks.min_sm_fraction`` of its maximum.
 
 Raw files in the run directory (what summaries and reports read):
 
@@ -21,9 +23,11 @@ Raw files in the run directory (what summaries and reports read):
                                                 and ``samples_ns`` lists
     llama-bench/cell-NNN-<artifact>.log         llama-bench's stderr
     llama-bench/cell-NNN-<artifact>.clocks.jsonl  the cell's GPU readings, one JSON line each: t_s
-                                                (seconds since the cell started), sm_mhz, mem_mhz,
-                                                max_sm_mhz, power_w, reasons (bitmask), temp_c
-                                                (null where the driver reports N/A)
+                                                (seconds since the cell started), during (taken
+                                                while llama-bench ran), gpu (nvidia-smi index),
+                                                sm_mhz, mem_mhz, max_sm_mhz, power_w, power_limit_w,
+                                                reasons (bitmask), temp_c (null where the driver
+                                                reports N/A)
     cells.jsonl                                 one line per cell: index, round, artifact, path,
                                                 command, started, ended, cooldown {readings,
                                                 reasons, waited_s, timed_out}, temp_start_c,
@@ -36,7 +40,7 @@ path}, with ``llama_bench`` and ``build`` where the cells alternate builds rathe
 entry's binary and the build's name, which its cells.jsonl lines carry], ``matrix`` {p, n, r, fa, ngl,
 t, ctk, ctv, d}, ``rounds``, ``order``, ``cooldown`` {threshold_c (null: no gating), timeout_s,
 poll_s}, ``clocks`` {sample_s, min_sm_fraction}, ``bandwidth_gbs`` (the inventory's figure for the GPU,
-recorded), ``cell_timeout_s``.
+recorded), ``cell_timeout_s``, ``gpus`` (null: every GPU).
 
 A bench that takes the card from the host's servers (:class:`rigctl.jobs.JobSpec` ``stop_servers``) finds
 them stopped: the job's unit stopped them, as root, before this task began, and starts them again after it
@@ -303,8 +307,10 @@ def run(job: Any) -> None:
     job.save_record()
     raw_dir = job.run_dir / "llama-bench"
     raw_dir.mkdir(parents=True, exist_ok=True)
-    gpus = p.get("gpus")
-    gpu = GpuReader(job, [int(g) for g in gpus] if gpus else None)
+    gpus = [int(g) for g in p["gpus"]] if p.get("gpus") else None
+    gpu = GpuReader(job, gpus)
+    # nvidia-smi's indexes follow the PCI bus; CUDA counts fastest first unless told to do the same.
+    pin = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))} if gpus else None
     job.record.extra.setdefault("servers_stopped", [])
     for index, (round_no, model) in enumerate(cells, 1):
         name = model["name"]
@@ -319,7 +325,7 @@ def run(job: Any) -> None:
             began = time.monotonic()
             poller.bench_started()
             done = job.run(argv, timeout=float(p.get("cell_timeout_s", 3600)),
-                           stdout=raw_dir / f"{stem}.json", stderr=raw_dir / f"{stem}.log")
+                           stdout=raw_dir / f"{stem}.json", stderr=raw_dir / f"{stem}.log", env=pin)
             llama_bench_s = round(time.monotonic() - began, 3)
         ended = job.now()
         verdict = throttle_verdict(poller.readings, min_fraction)

@@ -176,17 +176,19 @@ class Job:
 
     def run(
         self, argv: list[str], *, timeout: float, stdout: Path | None = None, stderr: Path | None = None,
-        record: bool = True,
+        record: bool = True, env: dict[str, str] | None = None,
     ) -> subprocess.CompletedProcess[bytes]:
-        """Run ``argv`` (recorded in the run record's commands), its output to files or captured."""
+        """Run ``argv`` (recorded in the run record's commands, with ``env``: variables set on top of the
+        job's own), its output to files or captured."""
         if self.stopping:
             raise Stopped()
         if record:
-            self.record.commands.append(shlex.join(argv))
+            self.record.commands.append(shlex.join([*(f"{k}={v}" for k, v in (env or {}).items()), *argv]))
         out = open(stdout, "wb") if stdout else subprocess.PIPE  # noqa: SIM115 (closed below)
         err = open(stderr, "wb") if stderr else subprocess.PIPE  # noqa: SIM115
         try:
-            self._child = subprocess.Popen(argv, stdout=out, stderr=err)
+            self._child = subprocess.Popen(argv, stdout=out, stderr=err,
+                                           env={**os.environ, **env} if env else None)
             try:
                 captured_out, captured_err = self._child.communicate(timeout=timeout)
             except subprocess.TimeoutExpired:

@@ -223,6 +223,15 @@ class Host:
         return Gpu(gpu.name, gpu.vram_mib, gpu.compute_capability, gpu.bandwidth_gbs)
 
     @property
+    def gpu_indexes(self) -> dict[int, bool]:
+        """The host's GPUs as nvidia-smi indexes them, each with whether MIG is on (its instances listed)."""
+        gpus = self._validated("gpu_host_gpus", None)
+        if gpus:
+            return {g.index: bool(g.mig) for g in gpus}
+        first = self._validated("gpu_host_gpu", None)
+        return {0: bool(first.mig)} if first is not None else {}
+
+    @property
     def llama_cpp(self) -> LlamaCppPin:
         source = self._validated("llama_cpp_source", None)
         if source is None:

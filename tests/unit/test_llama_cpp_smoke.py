@@ -16,11 +16,14 @@ from types import ModuleType
 import pytest
 
 from rigctl.fleet.build import parse_fact
+from rigctl.hostside import nvidia_smi
 
 LIBRARY = Path(__file__).resolve().parents[2] / "roles" / "llama_cpp" / "library"
 
 
 def _module(name: str) -> ModuleType:
+    # ansible.cfg's module_utils path makes rigctl/hostside/nvidia_smi.py ansible.module_utils.nvidia_smi.
+    sys.modules.setdefault("ansible.module_utils.nvidia_smi", nvidia_smi)
     spec = importlib.util.spec_from_file_location(name, LIBRARY / f"{name}.py")
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)

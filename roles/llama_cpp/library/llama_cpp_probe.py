@@ -14,6 +14,8 @@ description:
     C(-march=native) compiles for (from /proc/cpuinfo flags) with their short hash; free space under
     the given paths.
   - Never changes the host; supports check mode.
+  - nvidia-smi's output is read by module_utils nvidia_smi (rigctl/hostside/nvidia_smi.py), the reader rigctl's
+    probe uses too: both header generations (Driver/CUDA Version and R610's KMD/CUDA UMD Version).
 options:
   paths:
     description: Directories whose file systems must hold the build (nearest existing parent).
@@ -38,6 +40,7 @@ import shutil
 import subprocess
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.nvidia_smi import cell, summary_versions
 
 
 def _run(argv: list[str], timeout: float = 20.0) -> tuple[int, str]:
@@ -157,13 +160,13 @@ def main() -> None:
     if p["nvidia_smi"] and result["nvidia_smi"]:
         rc, out = _run(["nvidia-smi"])
         if rc == 0:
-            cuda = re.search(r"CUDA Version:\s*([0-9.]+)", out)
-            driver = re.search(r"Driver Version:\s*([0-9.]+)", out)
-            result["driver_cuda_version"] = cuda.group(1) if cuda else None
-            result["driver_version"] = driver.group(1) if driver else None
+            # Either header generation: Driver/CUDA Version, or R610's KMD/CUDA UMD Version.
+            versions = summary_versions(out)
+            result["driver_cuda_version"], result["driver_version"] = versions.cuda, versions.driver
         rc, out = _run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"])
         if rc == 0:
-            result["compute_caps"] = [line.strip() for line in out.splitlines() if line.strip()]
+            caps = (cell(line) for line in out.splitlines())
+            result["compute_caps"] = [cap for cap in caps if cap is not None]
     module.exit_json(**result)
 
 
