@@ -12,7 +12,7 @@ from typing import Any
 
 from rigctl.errors import ConfigError, LabError
 from rigctl.inventory import Host
-from rigctl.lab.gpu import GpuState, gpu_seed
+from rigctl.lab.gpu import GpuState, gpu_from_capture, gpu_seed, host_gpu_uuid
 
 #: Marks the links the lab made (``ip link ... alias``), so it never touches a stranger's.
 LINK_MARKER_PREFIX = "rigctl-lab:"
@@ -217,7 +217,10 @@ def _stranger(name: str, spec: Any) -> RigSpec:
         raise ConfigError(f"{origin}: needs address and either gpus (a list of name, vram_mib, compute_capability) "
                           "or capture (one of the lab's recorded real nvidia-smi captures)")
     if spec.get("capture"):
-        state = gpu_seed(name, {"capture": spec["capture"]})
+        try:
+            state = gpu_from_capture(str(spec["capture"]), host_gpu_uuid(name))
+        except ConfigError as exc:
+            raise ConfigError(f"{origin}: {exc}") from None
         return RigSpec(name, str(spec["address"]), 22, "root", state, stranger=True, enrolled=False)
     gpus = spec["gpus"]
     if not isinstance(gpus, Sequence) or not all(isinstance(g, Mapping) for g in gpus):

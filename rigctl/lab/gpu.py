@@ -250,25 +250,21 @@ def _captured_state(name: str, first_uuid: str) -> GpuState:
                     additional_gpus=tuple(others), capture=name, summary=table)
 
 
+def host_gpu_uuid(host: str) -> str:
+    """The stand-in's UUID for ``host``'s first GPU: fixed by the rig's name, different for every rig."""
+    return f"GPU-{uuid.uuid5(uuid.NAMESPACE_URL, f'rigctl-lab:{host}')}"
+
+
 def gpu_seed(host: str, gpu: Mapping[str, Any]) -> GpuState:
-    """The stand-in GPU's first state, from the host's ``gpu_host_gpu``: a made-up card (name, vram_mib,
-    compute_capability) or a recorded real one (capture: the name of one of the lab's captures)."""
+    """The stand-in GPU's first state, from the host's ``gpu_host_gpu``."""
     origin = f"{host}: gpu_host_gpu"
-    host_uuid = f"GPU-{uuid.uuid5(uuid.NAMESPACE_URL, f'rigctl-lab:{host}')}"
-    if "capture" in gpu:
-        if set(gpu) != {"capture"}:
-            raise ConfigError(f"{origin}: a captured card takes nothing but capture (the capture says the rest)")
-        try:
-            return gpu_from_capture(str(gpu["capture"]), host_uuid)
-        except ConfigError as exc:
-            raise ConfigError(f"{origin}: {exc}") from None
     try:
         return GpuState.from_mapping(
             {
                 "name": str(gpu["name"]),
                 "memory_total_mib": int(gpu["vram_mib"]),
                 "compute_cap": str(gpu["compute_capability"]),
-                "uuid": host_uuid,
+                "uuid": host_gpu_uuid(host),
                 **{k: str(gpu[k]) for k in ("driver_version", "cuda_version") if k in gpu},
             },
             origin,

@@ -19,7 +19,7 @@ from labrigs_support import LAB_SLOT, REPO, TEST_NETWORK, lab_skip_reason, make_
 from rigctl.errors import ConfigError, LabError
 from rigctl.inventory import Inventory
 from rigctl.lab.config import check_lab_paths, known_hosts_lines, render_etc_hosts
-from rigctl.lab.gpu import GpuState, capture_text, gpu_seed
+from rigctl.lab.gpu import GpuState, capture_text, gpu_from_capture, gpu_seed
 from rigctl.lab.image import BASE_PACKAGES, IMAGE_RECIPE_REVISION, apt_mirror, image_file_name
 from rigctl.lab.network import check_lab_network, dead_end_gateway, find_host_conflicts, lab_mac, rig_tag, veth_name
 from rigctl.lab.rigs import Lab
@@ -508,7 +508,7 @@ def test_stand_in_persistence_mode_and_summary_table(gpu_state: Path) -> None:
 
 
 def captured(tmp_path: Path, capture: str, **readings: object) -> Path:
-    state = gpu_seed("duo", {"capture": capture})
+    state = gpu_from_capture(capture, "GPU-duo")
     path = tmp_path / "gpu.json"
     path.write_text(GpuState.from_mapping({**dataclasses.asdict(state), **readings}, "test").to_json())
     return path
@@ -524,7 +524,7 @@ def test_a_captured_card_prints_its_recorded_table_as_it_was(tmp_path: Path) -> 
 
 
 def test_a_captured_card_shows_the_tests_readings_in_its_own_columns(tmp_path: Path) -> None:
-    state = gpu_seed("duo", {"capture": "r610-2x-rtx5090"})
+    state = gpu_from_capture("r610-2x-rtx5090", "GPU-duo")
     second = {**state.additional_gpus[0], "temperature": 83, "memory_used_mib": 512, "utilization_gpu": 100}
     path = captured(tmp_path, "r610-2x-rtx5090", temperature=7, memory_used_mib=0, utilization_gpu=5,
                     additional_gpus=[second])
@@ -591,7 +591,7 @@ def test_a_mig_host_says_which_gpu_is_partitioned(tmp_path: Path) -> None:
 
 
 def test_a_captured_card_stays_that_card(tmp_path: Path) -> None:
-    state = dataclasses.asdict(gpu_seed("duo", {"capture": "r610-2x-rtx5090"}))
+    state = dataclasses.asdict(gpu_from_capture("r610-2x-rtx5090", "GPU-duo"))
     for field, value in (("name", "NVIDIA GeForce RTX 4090"), ("memory_total_mib", 65536), ("cuda_version", "12.2"),
                          ("summary", "")):
         with pytest.raises(ConfigError, match=f"t: {field} must stay as capture r610-2x-rtx5090 has them"):
@@ -604,18 +604,16 @@ def test_a_captured_card_stays_that_card(tmp_path: Path) -> None:
     second = {**state["additional_gpus"][0], "memory_used_mib": 40000}
     with pytest.raises(ConfigError, match=r"additional_gpus\[0\]: memory_used_mib 40000 is outside"):
         GpuState.from_mapping({**state, "additional_gpus": [second]}, "t")
-    with pytest.raises(ConfigError, match="duo: gpu_host_gpu: capture nope: no such capture"):
-        gpu_seed("duo", {"capture": "nope"})
-    with pytest.raises(ConfigError, match="duo: gpu_host_gpu: a captured card takes nothing but capture"):
-        gpu_seed("duo", {"capture": "gb10-unified-memory", "vram_mib": 1})
+    with pytest.raises(ConfigError, match="capture nope: no such capture"):
+        gpu_from_capture("nope", "GPU-duo")
     with pytest.raises(ConfigError, match="not a capture name"):
-        gpu_seed("duo", {"capture": "../../etc/passwd"})
+        gpu_from_capture("../../etc/passwd", "GPU-duo")
 
 
 def test_the_reference_pair_from_their_captures() -> None:
     """The reference rigs' cards (an RTX 3050 8 GB, sm_86; a GTX 1650 Ti 4 GB, sm_75) as real ones printed them."""
-    desktop = gpu_seed("desktop", {"capture": "rtx3050-8gb"})
-    laptop = gpu_seed("laptop", {"capture": "gtx1650ti"})
+    desktop = gpu_from_capture("rtx3050-8gb", "GPU-desktop")
+    laptop = gpu_from_capture("gtx1650ti", "GPU-laptop")
     assert (desktop.name, desktop.memory_total_mib, desktop.compute_cap, desktop.driver_version,
             desktop.cuda_version) == ("NVIDIA GeForce RTX 3050", 8192, "8.6", "550.163.01", "12.4")
     assert (laptop.name, laptop.memory_total_mib, laptop.compute_cap, laptop.driver_version,
@@ -659,6 +657,8 @@ def test_a_stranger_rig_can_replay_a_capture() -> None:
     assert rig.stranger and rig.gpu.capture == "r610-2x-rtx5090" and len(rig.gpu.additional_gpus) == 1
     with pytest.raises(ConfigError, match="rigctl_lab.unenrolled.duo: needs address and either gpus"):
         _stranger("duo", {"address": "10.213.9.14", "capture": "gb10-unified-memory", "gpus": [{}]})
+    with pytest.raises(ConfigError, match="rigctl_lab.unenrolled.duo: capture nope: no such capture"):
+        _stranger("duo", {"address": "10.213.9.14", "capture": "nope"})
 
 
 def test_set_gpu_can_rename_the_stand_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
