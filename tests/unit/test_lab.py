@@ -650,6 +650,19 @@ def test_the_probe_reads_a_replayed_capture_as_the_card_it_was(
     assert [(g.name, g.vram_mib, g.compute_capability) for g in facts.gpus] == cards
 
 
+def test_the_inventory_schema_takes_a_strangers_capture_or_gpus_not_both() -> None:
+    from pydantic import ValidationError
+
+    from rigctl.inventory.schema import UnenrolledRigSpec
+
+    assert UnenrolledRigSpec.model_validate({"address": "10.213.9.14", "capture": "mixed-5-gpu"}).capture
+    gpu = {"name": "g", "vram_mib": 4096, "compute_capability": "7.5"}
+    for wrong in ({"address": "10.213.9.14"}, {"address": "10.213.9.14", "capture": "a100-mig", "gpus": [gpu]},
+                  {"address": "10.213.9.14", "capture": "../x"}):
+        with pytest.raises(ValidationError):
+            UnenrolledRigSpec.model_validate(wrong)
+
+
 def test_a_stranger_rig_can_replay_a_capture() -> None:
     from rigctl.lab.config import _stranger
 
