@@ -201,12 +201,11 @@ def _gpus(host: str, text: str, summary_driver: str | None) -> tuple[tuple[GpuFa
 
 
 def _with_mig(host: str, gpus: tuple[GpuFacts, ...], text: str) -> tuple[GpuFacts, ...]:
-    """``gpus`` with their MIG instances from ``nvidia-smi -L``; a listing that cannot be read (an old
-    driver's wording) leaves them without, as a host without MIG is."""
+    """``gpus`` with their MIG instances from ``nvidia-smi -L``; ProbeError naming the line it cannot read."""
     try:
         listed = {g.index: g for g in nvidia_smi.list_gpus(text)}
-    except ValueError:
-        return gpus
+    except ValueError as exc:
+        raise ProbeError(host, "gpus.mig", str(exc)) from None
     out = []
     for gpu in gpus:
         entry = listed.get(gpu.index)

@@ -11,7 +11,8 @@ holds no thermal or power clock-event reason (or the timeout passes, which is re
 anyway). While the cell runs a light poller (one ``nvidia-smi -lms`` process looping on its own every
 ``clocks.sample_s``, read by one thread, plus one reading as the cell ends) records each GPU's SM and
 memory clocks, the SM clock's maximum, power draw and limit, the active clock-event reasons and the
-temperature. A cell is ``throttled`` when, in a reading taken while llama-bench ran, a GPU held a
+temperature. A cell is ``throttled`` when, in a reading taken while llama-bench ran or as it ended (not
+the one before it loads the model), a GPU held a
 thermal or power reason (not the idle reasons: gpu_idle, a software power cap at idle power), or the SM
 clock of a GPU busy (the GPU-idle reason off) fell below ``clocks.min_sm_fraction`` of its maximum.
 
@@ -24,7 +25,8 @@ Raw files in the run directory (what summaries and reports read):
     llama-bench/cell-NNN-<artifact>.log         llama-bench's stderr
     llama-bench/cell-NNN-<artifact>.clocks.jsonl  the cell's GPU readings, one JSON line each: t_s
                                                 (seconds since the cell started), during (taken
-                                                while llama-bench ran), gpu (nvidia-smi index),
+                                                from llama-bench's start through the reading as the
+                                                cell ends), gpu (nvidia-smi index),
                                                 sm_mhz, mem_mhz, max_sm_mhz, power_w, power_limit_w,
                                                 reasons (bitmask), temp_c (null where the driver
                                                 reports N/A)
@@ -112,18 +114,19 @@ class GpuReader:
 
 
 def throttle_verdict(readings: list[dict[str, Any]], min_sm_fraction: float) -> dict[str, Any]:
-    """Whether a cell ran throttled, from the readings taken while its llama-bench ran (``during``; the
-    one taken as the cell starts, before the model loads, and the one after it ends say nothing of it):
-    on any GPU read, a thermal or power reason held (:func:`~rigctl.hostside.nvidia_smi.held_reasons`:
-    not on an idle GPU, not a power cap at idle power), or the SM clock of a busy reading (GPU-idle
-    reason off) below ``min_sm_fraction`` of its maximum."""
+    """Whether a cell ran throttled, from the readings taken while its llama-bench ran (``during``: from
+    its start through the reading as it ends; the one taken as the cell starts, before llama-bench loads
+    the model, says nothing of it): on any GPU read, a thermal or power reason held
+    (:func:`~rigctl.hostside.nvidia_smi.held_reasons`: not on an idle GPU, not a power cap at idle
+    power), or the SM clock of a busy reading (GPU-idle reason off) below ``min_sm_fraction`` of its
+    maximum. ``samples`` counts every reading of the cell, ``reasons`` names every reason any showed."""
     during = [r for r in readings if r.get("during", True)]
     several = len({r.get("gpu") for r in during}) > 1
-    mask = held = 0
+    mask = functools.reduce(operator.or_, (r.get("reasons") or 0 for r in readings), 0)
+    held = 0
     lowest: tuple[float, Any] | None = None
     held_on: set[Any] = set()
     for r in during:
-        mask |= r.get("reasons") or 0
         reading_held = nvidia_smi.held_reasons(r)
         if reading_held:
             held |= reading_held
@@ -142,7 +145,7 @@ def throttle_verdict(readings: list[dict[str, Any]], min_sm_fraction: float) -> 
         why.append(f"SM clock at {lowest[0]:.0%} of its max (below {min_sm_fraction:.0%}){where}")
     return {"throttled": bool(why), "why": why,
             "min_sm_fraction": None if lowest is None else round(lowest[0], 4),
-            "reasons": nvidia_smi.reason_names(mask), "samples": len(during)}
+            "reasons": nvidia_smi.reason_names(mask), "samples": len(readings)}
 
 
 def cool_down(gpu: GpuReader, job: Any, threshold: float | None, timeout_s: float, poll_s: float) -> dict[str, Any]:
@@ -184,9 +187,9 @@ def cool_down(gpu: GpuReader, job: Any, threshold: float | None, timeout_s: floa
 class ClockPoller:
     """Readings through one cell from one ``nvidia-smi --query-gpu=... -lms N`` process (the tool's own
     loop: no process started per reading) of the GPUs the cell uses: its first lines as the cell starts
-    (waited for), one per GPU every ``interval_s``, and one more read when the cell ends. Readings taken
-    between :meth:`bench_started` and the end of the ``with`` block are marked ``during``: the verdict is
-    theirs alone. Each reading goes to ``path`` as it comes, so a stopped run keeps what it saw."""
+    (waited for), one per GPU every ``interval_s``, and one more read when the cell ends. Readings from
+    :meth:`bench_started` on, that last one included, are marked ``during``: the verdict is theirs alone.
+    Each reading goes to ``path`` as it comes, so a stopped run keeps what it saw."""
 
     def __init__(self, gpu: GpuReader, path: Any, interval_s: float):
         self.gpu, self.path, self.interval_s = gpu, path, interval_s
@@ -235,8 +238,6 @@ class ClockPoller:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        with self._lock:
-            self._during = False
         if self._proc is not None:
             self._proc.terminate()
             try:

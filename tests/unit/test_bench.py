@@ -154,11 +154,13 @@ def test_throttle_verdict() -> None:
 
 
 def test_throttle_verdict_only_from_readings_while_llama_bench_runs() -> None:
-    # The reading taken as the cell starts (before the model loads) and the one after it ends are kept in
-    # the clocks file but say nothing of the cell: a power cap or a low clock there is no verdict.
-    before, after = _reading(300, reasons=0x4, during=False), _reading(200, reasons=0x20, during=False)
-    verdict = throttle_verdict([before, _reading(1900), _reading(1880), after], 0.8)
-    assert not verdict["throttled"] and verdict["samples"] == 2
+    # The reading taken as the cell starts, before llama-bench loads the model, is kept in the clocks file
+    # but says nothing of the cell: a reason or a low clock there is no verdict.
+    before = _reading(300, reasons=0x20, during=False)
+    verdict = throttle_verdict([before, _reading(1900), _reading(1880)], 0.8)
+    assert not verdict["throttled"] and verdict["samples"] == 3 and verdict["reasons"] == ["sw_thermal_slowdown"]
+    # The same reason while it runs is.
+    assert throttle_verdict([before, _reading(1900, reasons=0x20)], 0.8)["why"] == ["reason sw_thermal_slowdown"]
 
 
 def test_idle_reasons_are_not_throttling() -> None:

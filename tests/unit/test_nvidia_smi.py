@@ -147,3 +147,9 @@ def test_a_bench_uses_the_gpus_it_names_and_refuses_a_mig_gpu(rigs: Path) -> Non
     edit_yaml(rigs / "host_vars/laptop-1650ti.yml", lambda d: _mig_laptop(d, MIG_UUID))
     with pytest.raises(ConfigError, match="host laptop-1650ti: bench gpus: GPU 0 has MIG on"):
         bench_job_spec(Inventory.load(rigs).host("laptop-1650ti"), spec)
+
+
+def test_an_unreadable_gpu_listing_is_refused_naming_the_line() -> None:
+    smi = real("nvidia-smi-summary", "exporter__linux-x86_64__nvidia-geforce-rtx-2080-super__610.57.04__idle.txt")
+    with pytest.raises(ProbeError, match="gpus.mig: nvidia-smi -L line 1: 'GPU 0 is lost' is neither"):
+        parse_probe("r610", probe_output(RTX_2080_SUPER_R610, smi, "GPU 0 is lost"), TOKEN)
