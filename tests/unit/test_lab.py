@@ -19,7 +19,7 @@ from labrigs_support import LAB_SLOT, REPO, TEST_NETWORK, lab_skip_reason, make_
 from rigctl.errors import ConfigError, LabError
 from rigctl.inventory import Inventory
 from rigctl.lab.config import check_lab_paths, known_hosts_lines, render_etc_hosts
-from rigctl.lab.gpu import GpuState, capture_text, gpu_from_capture, gpu_seed
+from rigctl.lab.gpu import GpuState, capture_text, gpu_from_capture, gpu_seed, host_gpu_uuid
 from rigctl.lab.image import BASE_PACKAGES, IMAGE_RECIPE_REVISION, apt_mirror, image_file_name
 from rigctl.lab.network import check_lab_network, dead_end_gateway, find_host_conflicts, lab_mac, rig_tag, veth_name
 from rigctl.lab.rigs import Lab
@@ -508,7 +508,7 @@ def test_stand_in_persistence_mode_and_summary_table(gpu_state: Path) -> None:
 
 
 def captured(tmp_path: Path, capture: str, **readings: object) -> Path:
-    state = gpu_from_capture(capture, "GPU-duo")
+    state = gpu_from_capture(capture, host_gpu_uuid("duo"))
     path = tmp_path / "gpu.json"
     path.write_text(GpuState.from_mapping({**dataclasses.asdict(state), **readings}, "test").to_json())
     return path
@@ -524,7 +524,7 @@ def test_a_captured_card_prints_its_recorded_table_as_it_was(tmp_path: Path) -> 
 
 
 def test_a_captured_card_shows_the_tests_readings_in_its_own_columns(tmp_path: Path) -> None:
-    state = gpu_from_capture("r610-2x-rtx5090", "GPU-duo")
+    state = gpu_from_capture("r610-2x-rtx5090", host_gpu_uuid("duo"))
     second = {**state.additional_gpus[0], "temperature": 83, "memory_used_mib": 512, "utilization_gpu": 100}
     path = captured(tmp_path, "r610-2x-rtx5090", temperature=7, memory_used_mib=0, utilization_gpu=5,
                     additional_gpus=[second])
@@ -591,7 +591,7 @@ def test_a_mig_host_says_which_gpu_is_partitioned(tmp_path: Path) -> None:
 
 
 def test_a_captured_card_stays_that_card(tmp_path: Path) -> None:
-    state = dataclasses.asdict(gpu_from_capture("r610-2x-rtx5090", "GPU-duo"))
+    state = dataclasses.asdict(gpu_from_capture("r610-2x-rtx5090", host_gpu_uuid("duo")))
     for field, value in (("name", "NVIDIA GeForce RTX 4090"), ("memory_total_mib", 65536), ("cuda_version", "12.2"),
                          ("summary", "")):
         with pytest.raises(ConfigError, match=f"t: {field} must stay as capture r610-2x-rtx5090 has them"):
@@ -605,9 +605,9 @@ def test_a_captured_card_stays_that_card(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"additional_gpus\[0\]: memory_used_mib 40000 is outside"):
         GpuState.from_mapping({**state, "additional_gpus": [second]}, "t")
     with pytest.raises(ConfigError, match="capture nope: no such capture"):
-        gpu_from_capture("nope", "GPU-duo")
+        gpu_from_capture("nope", host_gpu_uuid("duo"))
     with pytest.raises(ConfigError, match="not a capture name"):
-        gpu_from_capture("../../etc/passwd", "GPU-duo")
+        gpu_from_capture("../../etc/passwd", host_gpu_uuid("duo"))
 
 
 def test_the_reference_pair_from_their_captures() -> None:
@@ -635,7 +635,8 @@ def test_the_reference_pair_from_their_captures() -> None:
     ("gtx1650ti", "560.35.03", "12.6", [("NVIDIA GeForce GTX 1650 Ti", 4096, "7.5")], "75"),
 ])
 def test_the_probe_reads_a_replayed_capture_as_the_card_it_was(
-        tmp_path: Path, capture: str, driver: str, cuda: str, cards: list, architectures: str) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], capture: str, driver: str, cuda: str, cards: list,
+        architectures: str) -> None:
     """rigctl's own probe command, run against the stand-in replaying each capture: the facts are the card's."""
     from rigctl.fleet.host_facts import parse_probe, probe_command
 
@@ -648,6 +649,13 @@ def test_the_probe_reads_a_replayed_capture_as_the_card_it_was(
     facts = parse_probe("h", out, "t0k")
     assert (facts.driver_version, facts.cuda_version, facts.cuda_architectures) == (driver, cuda, architectures)
     assert [(g.name, g.vram_mib, g.compute_capability) for g in facts.gpus] == cards
+    # What `hosts add` prints of them (a unified-memory GPU's VRAM once crashed it).
+    from rigctl.cli.hosts import _print_facts
+
+    _print_facts("h", facts)
+    shown = capsys.readouterr().out
+    assert all(name in shown for name, _, _ in cards)
+    assert ("unified" in shown) == any(vram is None for _, vram, _ in cards)
 
 
 def test_the_inventory_schema_takes_a_strangers_capture_or_gpus_not_both() -> None:
