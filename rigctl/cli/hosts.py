@@ -52,7 +52,9 @@ def _print_facts(name: str, facts: HostFacts) -> None:
     for column in ("GPU", "name", "VRAM", "CC", "arch", "uuid"):
         table.add_column(column)
     for gpu in facts.gpus:
-        table.add_row(str(gpu.index), outside_text(gpu.name), f"{gpu.vram_mib / 1024:g} GiB",
+        # A unified-memory GPU reports no memory of its own: it uses the host's (shown in the title).
+        vram = "unified" if gpu.vram_mib is None else f"{gpu.vram_mib / 1024:g} GiB"
+        table.add_row(str(gpu.index), outside_text(gpu.name), vram,
                       gpu.compute_capability, gpu.cuda_arch, outside_text(gpu.uuid))
     console.print(table)
     console.print(f"driver {facts.driver_version}, CUDA {facts.cuda_version}; "

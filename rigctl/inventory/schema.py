@@ -291,10 +291,19 @@ class InstanceSpec(_Strict):
 
 
 class UnenrolledRigSpec(_Strict):
-    """A lab rig that starts as a stranger: root with a password only, no fleet user, not in hosts.yml."""
+    """A lab rig that starts as a stranger: root with a password only, no fleet user, not in hosts.yml. Its
+    stand-in GPUs: made up (``gpus``) or a recorded real nvidia-smi the lab replays (``capture``: a name under
+    rigctl/lab/captures/nvidia-smi/)."""
 
     address: Annotated[str, Field(pattern=r"^\d+\.\d+\.\d+\.\d+$")]
-    gpus: list[GpuSpec] = Field(min_length=1)
+    gpus: list[GpuSpec] | None = Field(default=None, min_length=1)
+    capture: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]*$")] | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> UnenrolledRigSpec:
+        if (self.gpus is None) == (self.capture is None):
+            raise ValueError("give either gpus or capture")
+        return self
 
 
 class LabSpec(_Strict):

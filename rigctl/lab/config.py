@@ -12,7 +12,7 @@ from typing import Any
 
 from rigctl.errors import ConfigError, LabError
 from rigctl.inventory import Host
-from rigctl.lab.gpu import GpuState, gpu_seed
+from rigctl.lab.gpu import GpuState, gpu_from_capture, gpu_seed, host_gpu_uuid
 
 #: Marks the links the lab made (``ip link ... alias``), so it never touches a stranger's.
 LINK_MARKER_PREFIX = "rigctl-lab:"
@@ -164,7 +164,7 @@ def config_from_hosts(hosts: Sequence[Host]) -> LabConfig:
         raise ConfigError(f"{first.name}: rigctl_cache_dir is not set")
     strangers = settings.get("unenrolled") or {}
     if not isinstance(strangers, Mapping):
-        raise ConfigError(f"{first.name}: rigctl_lab.unenrolled must map rig names to {{address, gpus}}")
+        raise ConfigError(f"{first.name}: rigctl_lab.unenrolled must map rig names to {{address, gpus or capture}}")
     rigs = []
     for host in hosts:
         if host.name in strangers:
@@ -212,8 +212,16 @@ def _guest_ccache_dir(hosts: Sequence[Host]) -> PurePosixPath | None:
 def _stranger(name: str, spec: Any) -> RigSpec:
     """A rig of rigctl_lab.unenrolled: its address and GPUs (the first as the stand-in's main one)."""
     origin = f"rigctl_lab.unenrolled.{name}"
-    if not isinstance(spec, Mapping) or not spec.get("address") or not spec.get("gpus"):
-        raise ConfigError(f"{origin}: needs address and gpus (a list of name, vram_mib, compute_capability)")
+    if not isinstance(spec, Mapping) or not spec.get("address") or (
+            bool(spec.get("gpus")) == bool(spec.get("capture"))):
+        raise ConfigError(f"{origin}: needs address and either gpus (a list of name, vram_mib, compute_capability) "
+                          "or capture (one of the lab's recorded real nvidia-smi captures)")
+    if spec.get("capture"):
+        try:
+            state = gpu_from_capture(str(spec["capture"]), host_gpu_uuid(name))
+        except ConfigError as exc:
+            raise ConfigError(f"{origin}: {exc}") from None
+        return RigSpec(name, str(spec["address"]), 22, "root", state, stranger=True, enrolled=False)
     gpus = spec["gpus"]
     if not isinstance(gpus, Sequence) or not all(isinstance(g, Mapping) for g in gpus):
         raise ConfigError(f"{origin}.gpus: must be a list of GPUs (name, vram_mib, compute_capability)")

@@ -9,9 +9,11 @@ import dataclasses
 import fcntl
 import json
 import os
+import re
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +29,22 @@ IDLE_GPU_TEMPERATURE_C = 35
 DEFAULT_GPU_MAX_SM_MHZ = 1950
 DEFAULT_GPU_MEM_MHZ = 7000
 DEFAULT_GPU_POWER_W = 20.0
+DEFAULT_GPU_POWER_LIMIT_W = 250.0
 #: What one entry of ``clocks_sequence`` may set.
 GPU_CLOCK_KEYS = {"clocks_sm_mhz": int, "clocks_mem_mhz": int, "power_draw_w": (int, float),
                   "clocks_event_reasons": int}
 ADDITIONAL_GPU_FIELDS = frozenset({"name", "memory_total_mib", "compute_cap", "uuid", "pci_bus_id"})
+#: The readings a second, third... GPU may have of its own; what it does not set comes from the first GPU.
+ADDITIONAL_GPU_READINGS = {"temperature": int, "memory_used_mib": int, "utilization_gpu": int,
+                           "persistence_mode": bool, "power_draw_w": (int, float),
+                           "power_limit_w": (int, float, type(None)),
+                           "clocks_sm_mhz": int, "clocks_max_sm_mhz": int, "clocks_mem_mhz": int,
+                           "clocks_event_reasons": int}
+#: Besides, its MIG mode (as a capture has it).
+ADDITIONAL_GPU_OPTIONAL = {**ADDITIONAL_GPU_READINGS, "mig_mode": str}
+#: The fields a capture fixes: a test may move a captured card's readings, never make it another card.
+CAPTURED_FIELDS = ("name", "memory_total_mib", "compute_cap", "driver_version", "cuda_version", "pci_bus_id",
+                   "mig_mode", "additional_gpus", "summary")
 GPU_LOCK_TIMEOUT_S = 10
 
 
@@ -39,7 +53,8 @@ class GpuState:
     """What the stand-in nvidia-smi of one rig reports (its JSON state file)."""
 
     name: str
-    memory_total_mib: int
+    #: None: the card reports no memory of its own (a unified-memory GPU prints ``[N/A]``).
+    memory_total_mib: int | None
     compute_cap: str
     uuid: str
     driver_version: str = DEFAULT_GPU_DRIVER_VERSION
@@ -55,6 +70,8 @@ class GpuState:
     clocks_max_sm_mhz: int = DEFAULT_GPU_MAX_SM_MHZ
     clocks_mem_mhz: int = DEFAULT_GPU_MEM_MHZ
     power_draw_w: float = DEFAULT_GPU_POWER_W
+    #: None: the card reports no power limit (a GB10 prints N/A).
+    power_limit_w: float | None = DEFAULT_GPU_POWER_LIMIT_W
     #: NVML clock event reasons bitmask (0x40: HW thermal slowdown, 0x4: SW power cap, ...).
     clocks_event_reasons: int = 0
     #: Each nvidia-smi call that reports a clock, power or reasons field applies the next entry (a
@@ -63,6 +80,13 @@ class GpuState:
     #: A rig with several GPUs: the second, third... (each its own name, memory_total_mib,
     #: compute_cap, uuid and pci_bus_id); what it does not say comes from the first.
     additional_gpus: tuple[Mapping[str, Any], ...] = ()
+    #: The summary table's "MIG M." cell: N/A (no MIG), Disabled or Enabled.
+    mig_mode: str = "N/A"
+    #: The recorded real capture this card replays (rigctl/lab/captures/nvidia-smi/<capture>.txt); "" for
+    #: a card made up from ``gpu_host_gpu``.
+    capture: str = ""
+    #: That capture's summary table, which the stand-in prints with this state's readings in its cells.
+    summary: str = ""
 
     def to_json(self) -> str:
         data = dataclasses.asdict(self)
@@ -84,8 +108,9 @@ class GpuState:
             values["temperature_sequence"] = tuple(values["temperature_sequence"] or ())
         if "clocks_sequence" in values:
             values["clocks_sequence"] = tuple(values["clocks_sequence"] or ())
-        if isinstance(values.get("power_draw_w"), int) and not isinstance(values["power_draw_w"], bool):
-            values["power_draw_w"] = float(values["power_draw_w"])
+        for watts in ("power_draw_w", "power_limit_w"):
+            if isinstance(values.get(watts), int) and not isinstance(values[watts], bool):
+                values[watts] = float(values[watts])
         if "additional_gpus" in values:
             values["additional_gpus"] = tuple(values["additional_gpus"] or ())
         try:
@@ -110,16 +135,124 @@ class GpuState:
                     type(v) is bool or not isinstance(v, GPU_CLOCK_KEYS[k]) for k, v in entry.items()):
                 raise ConfigError(f"{origin}: clocks_sequence entries must map some of "
                                   f"{', '.join(sorted(GPU_CLOCK_KEYS))} to numbers, got {entry!r}")
-        if not 0 <= self.memory_used_mib <= self.memory_total_mib:
-            raise ConfigError(f"{origin}: memory_used_mib {self.memory_used_mib} is outside 0..{self.memory_total_mib}")
-        for number, extra in enumerate(self.additional_gpus, 1):
-            if not isinstance(extra, Mapping) or set(extra) != ADDITIONAL_GPU_FIELDS:
-                raise ConfigError(f"{origin}: additional_gpus[{number - 1}] must have exactly "
-                                  f"{', '.join(sorted(ADDITIONAL_GPU_FIELDS))}")
-            if type(extra["memory_total_mib"]) is not int or not all(
+        if self.power_limit_w is not None and type(self.power_limit_w) is not float:
+            raise ConfigError(f"{origin}: GPU field power_limit_w must be a number or null, "
+                              f"got {self.power_limit_w!r}")
+        if self.memory_total_mib is not None and type(self.memory_total_mib) is not int:
+            raise ConfigError(f"{origin}: GPU field memory_total_mib must be int or null, "
+                              f"got {self.memory_total_mib!r}")
+        _check_memory(origin, self.memory_used_mib, self.memory_total_mib)
+        for number, extra in enumerate(self.additional_gpus):
+            where = f"{origin}: additional_gpus[{number}]"
+            if not isinstance(extra, Mapping) or not ADDITIONAL_GPU_FIELDS <= set(extra) <= (
+                    ADDITIONAL_GPU_FIELDS | set(ADDITIONAL_GPU_OPTIONAL)):
+                raise ConfigError(f"{where} must have {', '.join(sorted(ADDITIONAL_GPU_FIELDS))} and may have "
+                                  f"{', '.join(sorted(ADDITIONAL_GPU_OPTIONAL))}")
+            if extra["memory_total_mib"] is not None and type(extra["memory_total_mib"]) is not int or not all(
                 type(extra[k]) is str for k in ADDITIONAL_GPU_FIELDS - {"memory_total_mib"}
-            ):
-                raise ConfigError(f"{origin}: additional_gpus[{number - 1}] has a value of the wrong type")
+            ) or any(type(v) is bool and ADDITIONAL_GPU_OPTIONAL[k] is not bool
+                     or not isinstance(v, ADDITIONAL_GPU_OPTIONAL[k]) for k, v in extra.items()
+                     if k in ADDITIONAL_GPU_OPTIONAL):
+                raise ConfigError(f"{where} has a value of the wrong type")
+            _check_memory(where, extra.get("memory_used_mib", self.memory_used_mib), extra["memory_total_mib"])
+        if self.capture:
+            captured = _captured_state(self.capture, self.uuid)
+            moved = [k for k in CAPTURED_FIELDS
+                     if _fixed(getattr(self, k)) != _fixed(getattr(captured, k))]
+            if moved:
+                raise ConfigError(f"{origin}: {', '.join(moved)} must stay as capture {self.capture} has them; "
+                                  "only readings (temperature, clocks, memory used, ...) may change")
+
+
+def _fixed(value: Any) -> Any:
+    """``value`` with what a reading may change left out (for comparing what a capture fixes)."""
+    if isinstance(value, tuple):
+        return [{k: v for k, v in g.items() if k not in ADDITIONAL_GPU_READINGS} for g in value]
+    return value
+
+
+def _check_memory(origin: str, used: int, total: int | None) -> None:
+    if total is not None and not 0 <= used <= total:
+        raise ConfigError(f"{origin}: memory_used_mib {used} is outside 0..{total}")
+
+
+#: What a summary table does not print: each captured model's compute capability (NVIDIA's CUDA GPU list).
+CAPTURED_COMPUTE_CAPABILITY = {"NVIDIA GeForce RTX 3050": "8.6", "NVIDIA GeForce GTX 1650 Ti": "7.5",
+                               "NVIDIA A100-PCIE-40GB": "8.0", "NVIDIA GeForce RTX 2060": "7.5",
+                               "NVIDIA GeForce RTX 3060": "8.6", "NVIDIA GeForce RTX 3060 Ti": "8.6",
+                               "NVIDIA GeForce RTX 3070": "8.6",
+                               "NVIDIA GeForce RTX 5090": "12.0", "NVIDIA GB10": "12.1"}
+_HEADER = re.compile(r"NVIDIA-SMI \S+\s+(?:Driver|KMD) Version: (\S+)\s+CUDA (?:UMD )?Version: (\S+)")
+_ROW_NAME = re.compile(r"^\|\s+(\d+)\s+(\S.*?)\s+(On|Off)\s+\|\s+([0-9A-Fa-f]{8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.\d)\s")
+_ROW_READINGS = re.compile(r"^\|\s*\S+\s+(\d+)C\s+P\d+\s+(\S+)\s*/\s*(\S+)\s*\|\s*"
+                           r"(?:(\d+)MiB\s*/\s*(\d+)MiB|Not Supported)\s*\|\s*(?:(\d+)%|N/A)")
+_ROW_MIG = re.compile(r"^\|\s+\|\s+\|\s+(\S+)\s+\|$")
+
+
+def capture_text(name: str) -> tuple[str, str]:
+    """The source line and the table of the lab's capture ``name``; ConfigError naming it when there is none."""
+    if not re.fullmatch(r"[a-z0-9][a-z0-9-]*", name):
+        raise ConfigError(f"capture {name!r}: not a capture name (lower-case letters, digits and -)")
+    path = resources.files("rigctl.lab") / "captures" / "nvidia-smi" / f"{name}.txt"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"capture {name}: no such capture in rigctl/lab/captures/nvidia-smi") from None
+    source, _, table = text.partition("\n")
+    if not source.startswith("# source: "):
+        raise ConfigError(f"capture {name}: its first line must name its source (# source: ...)")
+    return source, table
+
+
+def gpu_from_capture(name: str, first_uuid: str) -> GpuState:
+    """The card(s) capture ``name`` shows, as the stand-in's state: its driver and CUDA versions, each GPU's
+    model, bus id, memory, persistence and MIG mode, and its readings as recorded. The first GPU's UUID is
+    ``first_uuid``; the others' follow from it."""
+    state = _captured_state(name, first_uuid)
+    state.check(f"capture {name}")
+    return state
+
+
+def _captured_state(name: str, first_uuid: str) -> GpuState:
+    _, table = capture_text(name)
+    lines = table.splitlines()
+    header = next((m for m in map(_HEADER.search, lines) if m), None)
+    if header is None:
+        raise ConfigError(f"capture {name}: no driver/CUDA version header")
+    gpus: list[dict[str, Any]] = []
+    for number, line in enumerate(lines):
+        row = _ROW_NAME.match(line)
+        if row is None:
+            continue
+        readings = _ROW_READINGS.match(lines[number + 1]) if number + 1 < len(lines) else None
+        mig = _ROW_MIG.match(lines[number + 2]) if number + 2 < len(lines) else None
+        model = row.group(2)
+        if readings is None or mig is None or int(row.group(1)) != len(gpus):
+            raise ConfigError(f"capture {name}: GPU {row.group(1)}'s rows are not a summary table's")
+        if model not in CAPTURED_COMPUTE_CAPABILITY:
+            raise ConfigError(f"capture {name}: no compute capability known for {model!r} "
+                              "(a name the table cut short ends in ...)")
+        power, cap = (readings.group(n).removesuffix("W") for n in (2, 3))
+        gpus.append({
+            "name": model, "persistence_mode": row.group(3) == "On", "pci_bus_id": row.group(4),
+            "compute_cap": CAPTURED_COMPUTE_CAPABILITY[model], "temperature": int(readings.group(1)),
+            "power_draw_w": float(power) if power.replace(".", "", 1).isdigit() else DEFAULT_GPU_POWER_W,
+            "power_limit_w": float(cap) if cap.isdigit() else None,
+            "memory_used_mib": int(readings.group(4) or 0),
+            "memory_total_mib": int(readings.group(5)) if readings.group(5) else None,
+            "utilization_gpu": int(readings.group(6) or 0), "mig_mode": mig.group(1),
+            "uuid": first_uuid if not gpus else f"GPU-{uuid.uuid5(uuid.NAMESPACE_URL, f'{first_uuid}/{len(gpus)}')}",
+        })
+    if not gpus:
+        raise ConfigError(f"capture {name}: no GPU rows")
+    first, *others = gpus
+    return GpuState(**first, driver_version=header.group(1), cuda_version=header.group(2),
+                    additional_gpus=tuple(others), capture=name, summary=table)
+
+
+def host_gpu_uuid(host: str) -> str:
+    """The stand-in's UUID for ``host``'s first GPU: fixed by the rig's name, different for every rig."""
+    return f"GPU-{uuid.uuid5(uuid.NAMESPACE_URL, f'rigctl-lab:{host}')}"
 
 
 def gpu_seed(host: str, gpu: Mapping[str, Any]) -> GpuState:
@@ -131,7 +264,7 @@ def gpu_seed(host: str, gpu: Mapping[str, Any]) -> GpuState:
                 "name": str(gpu["name"]),
                 "memory_total_mib": int(gpu["vram_mib"]),
                 "compute_cap": str(gpu["compute_capability"]),
-                "uuid": f"GPU-{uuid.uuid5(uuid.NAMESPACE_URL, f'rigctl-lab:{host}')}",
+                "uuid": host_gpu_uuid(host),
                 **{k: str(gpu[k]) for k in ("driver_version", "cuda_version") if k in gpu},
             },
             origin,

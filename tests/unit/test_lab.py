@@ -20,7 +20,7 @@ from labrigs_support import LAB_SLOT, REPO, TEST_NETWORK, lab_skip_reason, make_
 from rigctl.errors import ConfigError, LabError
 from rigctl.inventory import Inventory
 from rigctl.lab.config import check_lab_paths, known_hosts_lines, render_etc_hosts
-from rigctl.lab.gpu import GpuState, gpu_seed
+from rigctl.lab.gpu import GpuState, capture_text, gpu_from_capture, gpu_seed, host_gpu_uuid
 from rigctl.lab.image import (
     BASE_PACKAGES,
     IMAGE_RECIPE_REVISION,
@@ -577,6 +577,176 @@ def test_stand_in_persistence_mode_and_summary_table(gpu_state: Path) -> None:
     assert all(len(line) == 89 for line in table[1:] if line.startswith(("|", "+")))
     assert any("Lab stand-in for RTX 3050" in line and " On " in line for line in table)
     assert any("41C" in line and "512MiB /  8192MiB" in line for line in table)
+
+
+# ----------------------------------------------------------------------------------------------- replayed captures
+
+
+def captured(tmp_path: Path, capture: str, **readings: object) -> Path:
+    state = gpu_from_capture(capture, host_gpu_uuid("duo"))
+    path = tmp_path / "gpu.json"
+    path.write_text(GpuState.from_mapping({**dataclasses.asdict(state), **readings}, "test").to_json())
+    return path
+
+
+def test_a_captured_card_prints_its_recorded_table_as_it_was(tmp_path: Path) -> None:
+    for capture in ("r610-2x-rtx5090", "gb10-unified-memory", "rtx3050-8gb", "gtx1650ti", "a100-mig",
+                    "mixed-5-gpu"):
+        source, table = capture_text(capture)
+        assert source.startswith("# source: https://github.com/")
+        shown = smi(captured(tmp_path, capture))
+        assert shown.returncode == 0 and shown.stdout == table, shown.stdout
+
+
+def test_a_captured_card_shows_the_tests_readings_in_its_own_columns(tmp_path: Path) -> None:
+    state = gpu_from_capture("r610-2x-rtx5090", host_gpu_uuid("duo"))
+    second = {**state.additional_gpus[0], "temperature": 83, "memory_used_mib": 512, "utilization_gpu": 100}
+    path = captured(tmp_path, "r610-2x-rtx5090", temperature=7, memory_used_mib=0, utilization_gpu=5,
+                    additional_gpus=[second])
+    _, table = capture_text("r610-2x-rtx5090")
+    shown = smi(path).stdout.splitlines()
+    recorded = table.splitlines()
+    assert [len(line) for line in shown] == [len(line) for line in recorded]
+    changed = {n: line for n, line in enumerate(shown) if line != recorded[n]}
+    assert changed == {
+        9: "|  0%    7C    P8             22W /  575W |       0MiB /  32607MiB |      5%      Default |",
+        13: "| 31%   83C    P8             12W /  600W |     512MiB /  32607MiB |    100%      Default |",
+    }
+    # The R610 header as the driver prints it: no "Driver Version", no "CUDA Version".
+    assert "KMD Version: 610.57.04     CUDA UMD Version: 13.3" in shown[2]
+    only = smi(path, "-i", "1").stdout.splitlines()
+    assert only[:8] == recorded[:8] and only[8:] == shown[12:]
+    query = "--query-gpu=index,name,memory.total,compute_cap,driver_version,uuid,pci.bus_id,temperature.gpu"
+    rows = smi(path, query, "--format=csv,noheader,nounits").stdout.splitlines()
+    assert [row.split(", ")[:5] + row.split(", ")[6:] for row in rows] == [
+        ["0", "NVIDIA GeForce RTX 5090", "32607", "12.0", "610.57.04", "00000000:01:00.0", "7"],
+        ["1", "NVIDIA GeForce RTX 5090", "32607", "12.0", "610.57.04", "00000000:02:00.0", "83"],
+    ]
+    assert smi(path, query, "--format=csv,noheader,nounits", "--id=1").stdout == rows[1] + "\n"
+    assert smi(path, query, "--format=csv,noheader,nounits", "-i", rows[1].split(", ")[5]).stdout == rows[1] + "\n"
+    assert smi(path, "--query-gpu=mig.mode.current", "--format=csv,noheader").stdout == "[N/A]\n[N/A]\n"
+    # Each card's own power cap, as its table row shows it (575 W and 600 W).
+    assert smi(path, "--query-gpu=power.limit", "--format=csv,noheader").stdout == "575.00 W\n600.00 W\n"
+    missing = smi(path, query, "--format=csv", "-i", "2")
+    assert (missing.returncode, missing.stdout) == (6, "No devices were found\n")
+
+
+def test_a_unified_memory_card_answers_as_the_real_ones_did(tmp_path: Path) -> None:
+    path = captured(tmp_path, "gb10-unified-memory", temperature=35, power_draw_w=11.17)
+    # https://github.com/marimo-team/marimo/pull/6822: a DGX Spark's answer to this very query.
+    assert smi(path, "--query-gpu=index,name,memory.total,memory.used,memory.free",
+               "--format=csv,noheader,nounits").stdout == "0, NVIDIA GB10, [N/A], [N/A], [N/A]\n"
+    # https://github.com/XuehaiPan/nvitop/pull/208: another's, with units (none after [N/A]).
+    assert smi(path, "--query-gpu=memory.total,memory.used,memory.free,utilization.gpu,power.draw,temperature.gpu",
+               "--format=csv").stdout.splitlines() == [
+        "memory.total [MiB], memory.used [MiB], memory.free [MiB], utilization.gpu [%], power.draw [W], "
+        "temperature.gpu",
+        "[N/A], [N/A], [N/A], 0 %, 11.17 W, 35",
+    ]
+    assert smi(path, "--query-gpu=power.limit", "--format=csv,noheader").stdout == "[N/A]\n"
+
+
+def test_a_mixed_host_lists_its_cards_in_bus_order(tmp_path: Path) -> None:
+    path = captured(tmp_path, "mixed-5-gpu")
+    assert smi(path, "--query-gpu=index,name,pci.bus_id,compute_cap,memory.total",
+               "--format=csv,noheader,nounits").stdout.splitlines() == [
+        "0, NVIDIA GeForce RTX 2060, 00000000:01:00.0, 7.5, 6144",
+        "1, NVIDIA GeForce RTX 3060, 00000000:02:00.0, 8.6, 12288",
+        "2, NVIDIA GeForce RTX 3060, 00000000:03:00.0, 8.6, 12288",
+        "3, NVIDIA GeForce RTX 3060 Ti, 00000000:06:00.0, 8.6, 8192",
+        "4, NVIDIA GeForce RTX 3070, 00000000:08:00.0, 8.6, 8192"]
+
+
+def test_a_mig_host_says_which_gpu_is_partitioned(tmp_path: Path) -> None:
+    """Two A100s, MIG on GPU 0 only: the partitioned card reports no utilisation of its own."""
+    path = captured(tmp_path, "a100-mig")
+    assert smi(path, "--query-gpu=index,name,mig.mode.current,utilization.gpu,memory.total",
+               "--format=csv,noheader,nounits").stdout.splitlines() == [
+        "0, NVIDIA A100-PCIE-40GB, Enabled, [N/A], 40960", "1, NVIDIA A100-PCIE-40GB, Disabled, 0, 40960"]
+
+
+def test_a_captured_card_stays_that_card(tmp_path: Path) -> None:
+    state = dataclasses.asdict(gpu_from_capture("r610-2x-rtx5090", host_gpu_uuid("duo")))
+    for field, value in (("name", "NVIDIA GeForce RTX 4090"), ("memory_total_mib", 65536), ("cuda_version", "12.2"),
+                         ("summary", "")):
+        with pytest.raises(ConfigError, match=f"t: {field} must stay as capture r610-2x-rtx5090 has them"):
+            GpuState.from_mapping({**state, field: value}, "t")
+    with pytest.raises(ConfigError, match="t: mig_mode, additional_gpus must stay as capture"):
+        GpuState.from_mapping({**state, "mig_mode": "Enabled", "additional_gpus": [
+            {**state["additional_gpus"][0], "mig_mode": "Enabled"}]}, "t")
+    with pytest.raises(ConfigError, match="memory_used_mib 40000 is outside 0..32607"):
+        GpuState.from_mapping({**state, "memory_used_mib": 40000}, "t")
+    second = {**state["additional_gpus"][0], "memory_used_mib": 40000}
+    with pytest.raises(ConfigError, match=r"additional_gpus\[0\]: memory_used_mib 40000 is outside"):
+        GpuState.from_mapping({**state, "additional_gpus": [second]}, "t")
+    with pytest.raises(ConfigError, match="capture nope: no such capture"):
+        gpu_from_capture("nope", host_gpu_uuid("duo"))
+    with pytest.raises(ConfigError, match="not a capture name"):
+        gpu_from_capture("../../etc/passwd", host_gpu_uuid("duo"))
+
+
+def test_the_reference_pair_from_their_captures() -> None:
+    """The reference rigs' cards (an RTX 3050 8 GB, sm_86; a GTX 1650 Ti 4 GB, sm_75) as real ones printed them."""
+    desktop = gpu_from_capture("rtx3050-8gb", "GPU-desktop")
+    laptop = gpu_from_capture("gtx1650ti", "GPU-laptop")
+    assert (desktop.name, desktop.memory_total_mib, desktop.compute_cap, desktop.driver_version,
+            desktop.cuda_version) == ("NVIDIA GeForce RTX 3050", 8192, "8.6", "550.163.01", "12.4")
+    assert (laptop.name, laptop.memory_total_mib, laptop.compute_cap, laptop.driver_version,
+            laptop.cuda_version) == ("NVIDIA GeForce GTX 1650 Ti", 4096, "7.5", "560.35.03", "12.6")
+    assert (desktop.memory_used_mib, desktop.temperature, laptop.memory_used_mib, laptop.temperature) == (
+        520, 44, 364, 37)
+
+
+@pytest.mark.parametrize(("capture", "driver", "cuda", "cards", "architectures"), [
+    ("r610-2x-rtx5090", "610.57.04", "13.3", [("NVIDIA GeForce RTX 5090", 32607, "12.0")] * 2, "120"),
+    ("gb10-unified-memory", "580.126.09", "13.0", [("NVIDIA GB10", None, "12.1")], "121"),
+    ("mixed-5-gpu", "560.35.03", "12.6", [("NVIDIA GeForce RTX 2060", 6144, "7.5"),
+                                          ("NVIDIA GeForce RTX 3060", 12288, "8.6"),
+                                          ("NVIDIA GeForce RTX 3060", 12288, "8.6"),
+                                          ("NVIDIA GeForce RTX 3060 Ti", 8192, "8.6"),
+                                          ("NVIDIA GeForce RTX 3070", 8192, "8.6")], "75;86"),
+    ("a100-mig", "535.129.03", "12.2", [("NVIDIA A100-PCIE-40GB", 40960, "8.0")] * 2, "80"),
+    ("rtx3050-8gb", "550.163.01", "12.4", [("NVIDIA GeForce RTX 3050", 8192, "8.6")], "86"),
+    ("gtx1650ti", "560.35.03", "12.6", [("NVIDIA GeForce GTX 1650 Ti", 4096, "7.5")], "75"),
+])
+def test_the_probe_reads_a_replayed_capture_as_the_card_it_was(
+        tmp_path: Path, capture: str, driver: str, cuda: str, cards: list, architectures: str) -> None:
+    """rigctl's own probe command, run against the stand-in replaying each capture: the facts are the card's."""
+    from rigctl.fleet.host_facts import parse_probe, probe_command
+
+    state = captured(tmp_path, capture)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvidia-smi").symlink_to(NVIDIA_SMI)
+    env = {**os.environ, "RIGCTL_LAB_GPU_STATE": str(state), "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
+    out = subprocess.run(["bash", "-c", probe_command("t0k")], capture_output=True, text=True, env=env,
+                         timeout=60).stdout
+    facts = parse_probe("h", out, "t0k")
+    assert (facts.driver_version, facts.cuda_version, facts.cuda_architectures) == (driver, cuda, architectures)
+    assert [(g.name, g.vram_mib, g.compute_capability) for g in facts.gpus] == cards
+
+
+def test_the_inventory_schema_takes_a_strangers_capture_or_gpus_not_both() -> None:
+    from pydantic import ValidationError
+
+    from rigctl.inventory.schema import UnenrolledRigSpec
+
+    assert UnenrolledRigSpec.model_validate({"address": "10.213.9.14", "capture": "mixed-5-gpu"}).capture
+    gpu = {"name": "g", "vram_mib": 4096, "compute_capability": "7.5"}
+    for wrong in ({"address": "10.213.9.14"}, {"address": "10.213.9.14", "capture": "a100-mig", "gpus": [gpu]},
+                  {"address": "10.213.9.14", "capture": "../x"}):
+        with pytest.raises(ValidationError):
+            UnenrolledRigSpec.model_validate(wrong)
+
+
+def test_a_stranger_rig_can_replay_a_capture() -> None:
+    from rigctl.lab.config import _stranger
+
+    rig = _stranger("duo", {"address": "10.213.9.14", "capture": "r610-2x-rtx5090"})
+    assert rig.stranger and rig.gpu.capture == "r610-2x-rtx5090" and len(rig.gpu.additional_gpus) == 1
+    with pytest.raises(ConfigError, match="rigctl_lab.unenrolled.duo: needs address and either gpus"):
+        _stranger("duo", {"address": "10.213.9.14", "capture": "gb10-unified-memory", "gpus": [{}]})
+    with pytest.raises(ConfigError, match="rigctl_lab.unenrolled.duo: capture nope: no such capture"):
+        _stranger("duo", {"address": "10.213.9.14", "capture": "nope"})
 
 
 def test_set_gpu_can_rename_the_stand_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
