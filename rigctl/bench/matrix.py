@@ -57,7 +57,7 @@ from rigctl.inputs import read_mapping, validated
 from rigctl.inventory import Host, Inventory
 from rigctl.inventory.gates import Cooldown, Matrix
 from rigctl.results.record import parse_json
-from rigctl.results.store import StoredRun, read_jsonl, run_file
+from rigctl.results.store import StoredRun, read_run_jsonl, run_file
 from rigctl.trust import inside
 
 if TYPE_CHECKING:  # rigctl.jobs brings paramiko; summaries (and rigctl.analysis.compare) do not need it
@@ -261,7 +261,7 @@ def load_run_samples(run: StoredRun) -> list[BenchSample]:
     cells_path = run_file(run, "bench", CELLS_FILE)
     recorded = run.record.llama_cpp.commit
     samples: list[BenchSample] = []
-    for number, cell in enumerate(read_jsonl(cells_path), 1):
+    for number, cell in enumerate(read_run_jsonl(run, CELLS_FILE), 1):
         if cell.get("rc") != 0 or cell.get("error"):  # a failed cell has no results to count
             continue
         where = f"{cells_path}: cell {number}"
