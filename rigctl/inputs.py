@@ -8,7 +8,7 @@ UnicodeDecodeError or a multi-line YAML complaint.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,19 +42,24 @@ def utf8_lines(path: Path, what: str = "", error: type[RigctlError] = ConfigErro
     only, as JSON Lines do: a U+2028 that a JSON string holds unescaped stays inside its line, where
     :meth:`str.splitlines` would cut it in two."""
     label = f"{what} {path}" if what else str(path)
-    offset = 0
     try:
         with path.open("rb") as handle:
-            for number, raw in enumerate(handle, 1):
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as exc:
-                    raise error(f"{label}:{number}: not UTF-8 text (byte {offset + exc.start}: "
-                                f"{raw[exc.start:exc.start + 1]!r})") from None
-                offset += len(raw)
-                yield line
+            yield from utf8_handle_lines(handle, label, error)
     except OSError as exc:
         raise error(f"{label}: cannot read: {exc.strerror or exc}") from None
+
+
+def utf8_handle_lines(handle: Iterable[bytes], label: str, error: type[RigctlError] = ConfigError) -> Iterator[str]:
+    """:func:`utf8_lines` of a file the caller opened (``label`` names it in errors)."""
+    offset = 0
+    for number, raw in enumerate(handle, 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise error(f"{label}:{number}: not UTF-8 text (byte {offset + exc.start}: "
+                        f"{raw[exc.start:exc.start + 1]!r})") from None
+        offset += len(raw)
+        yield line
 
 
 def yaml_problem(exc: yaml.YAMLError) -> str:

@@ -31,9 +31,9 @@ import numpy as np
 
 from rigctl.errors import ConfigError
 from rigctl.hostside.kld_task import RAW_DIR
-from rigctl.results.store import StoredRun, read_jsonl
+from rigctl.results.store import StoredRun, read_run_jsonl
 from rigctl.stats import DEFAULT_RESAMPLES, DEFAULT_SEED, Interval, bootstrap_clusters
-from rigctl.trust import inside
+from rigctl.trust import relative_path
 
 log = logging.getLogger(__name__)
 
@@ -79,11 +79,12 @@ def load_tokens(run: StoredRun, model: str) -> TokenValues:
     """``kld/<model>.tokens.jsonl`` of ``run`` as arrays; ConfigError naming the file when its chunks are not
     numbered 0, 1, ... or not all of the run's length."""
     # The model's name is the record's, which the host wrote: `../../<another run>` must not reach another
-    # run's (or host's) files.
-    path = inside(run.path / RAW_DIR, f"{model}.tokens.jsonl", f"{run.host}/{run.id}: KLD model {model!r}")
+    # run's (or host's) files, nor may a link in the run (the store reads from its own fds, link-free).
+    name = str(relative_path(f"{RAW_DIR}/{model}.tokens.jsonl", f"{run.host}/{run.id}: KLD model {model!r}"))
+    path = run.path / name
     extra = kld_extra(run)
     per_chunk = extra.get("scored_per_chunk")
-    rows = read_jsonl(path)
+    rows = read_run_jsonl(run, name)
     kld_rows, same_rows = [], []
     for number, row in enumerate(rows):
         kld, same = row.get("kld"), row.get("same_top")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from rigctl.errors import one_line
 from rigctl.fleet.state import WarnOnce
 from rigctl.results.record import ANSWERS_FILE
-from rigctl.results.store import ResultsStore, StoredRun, read_jsonl
+from rigctl.results.store import ResultsStore, StoredRun, read_run_jsonl, run_has
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +70,9 @@ def bench_results(run: StoredRun) -> list[BenchResult]:
 
 def eval_score(run: StoredRun) -> EvalScore | None:
     """Mean score over the questions of an eval run's answers file (None without one)."""
-    path = run.path / ANSWERS_FILE
-    if not path.is_file():
+    if not run_has(run, ANSWERS_FILE):
         return None
-    rows = read_jsonl(path)
+    rows = read_run_jsonl(run, ANSWERS_FILE)
     scores = [float(r["score"]) for r in rows if isinstance(r.get("score"), int | float)]
     if not scores:
         return None

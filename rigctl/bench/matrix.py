@@ -57,8 +57,8 @@ from rigctl.inputs import read_mapping, validated
 from rigctl.inventory import Host, Inventory
 from rigctl.inventory.gates import Cooldown, Matrix
 from rigctl.results.record import parse_json
-from rigctl.results.store import StoredRun, read_jsonl, run_file
-from rigctl.trust import inside
+from rigctl.results.store import StoredRun, open_run_file, read_run_jsonl, run_file
+from rigctl.trust import relative_path
 
 if TYPE_CHECKING:  # rigctl.jobs brings paramiko; summaries (and rigctl.analysis.compare) do not need it
     from rigctl import jobs
@@ -281,16 +281,17 @@ def load_run_samples(run: StoredRun) -> list[BenchSample]:
     cells_path = run_file(run, "bench", CELLS_FILE)
     recorded = run.record.llama_cpp.commit
     samples: list[BenchSample] = []
-    for number, cell in enumerate(read_jsonl(cells_path), 1):
+    for number, cell in enumerate(read_run_jsonl(run, CELLS_FILE), 1):
         if cell.get("rc") != 0 or cell.get("error"):  # a failed cell has no results to count
             continue
         where = f"{cells_path}: cell {number}"
         raw_name, artifact, index = cell.get("raw"), cell.get("artifact"), cell.get("index")
         if not isinstance(raw_name, str) or not raw_name or not isinstance(artifact, str) or type(index) is not int:
             raise ConfigError(f"{where}: needs raw and artifact (strings) and index (an integer)")
-        raw = inside(run.path, raw_name, f"{run.host}/{run.id}/{CELLS_FILE} cell {index} raw")
+        relative_path(raw_name, f"{run.host}/{run.id}/{CELLS_FILE} cell {index} raw")
         try:
-            text = raw.read_text(encoding="utf-8")
+            with open_run_file(run, raw_name) as handle:
+                text = handle.read().decode("utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"{where}: {raw_name}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
         entries = parse_llama_bench_json(text, f"{run.host}/{run.id}/{raw_name}")

@@ -24,7 +24,7 @@ from rigctl.evals.target import Target
 from rigctl.evals.tasks import LoadedTask
 from rigctl.results.record import ANSWERS_FILE
 from rigctl.results.stamp import inventory_server, inventory_stamp
-from rigctl.results.store import ResultsStore, StoredRun, iter_jsonl
+from rigctl.results.store import ResultsStore, StoredRun, iter_run_jsonl
 
 
 def job_spec(task: LoadedTask, target: Target, options: Options, questions_file: Path,
@@ -75,7 +75,7 @@ def run_remote(task: LoadedTask, target: Target, options: Options, store: Result
     if info.state != "done":
         raise EvalError(f"{host.name}: eval job {info.id} {info.state}: {info.error or info.message}")
     run = store.find(f"{host.name}/{info.id}")
-    answered = sum(1 for _ in iter_jsonl(run.path / ANSWERS_FILE))
+    answered = sum(1 for _ in iter_run_jsonl(run, ANSWERS_FILE))
     if answered != len(task.questions):
         raise EvalError(f"{host.name}/{info.id}: {answered} answers for {len(task.questions)} questions")
     return run

@@ -224,13 +224,20 @@ class RunRecord(runrecord.RunRecord):
     def load(cls, run_dir: Path) -> RunRecord:
         path = run_dir / RUN_FILE
         try:
-            data = parse_json(_read_record(path).decode("utf-8"), str(path))
+            raw = _read_record(path)
         except FileNotFoundError:
             raise ConfigError(f"{run_dir}: no {RUN_FILE} (not a run directory)") from None
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from None
         except OSError as exc:
             raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+        return cls.parse(raw, path)
+
+    @classmethod
+    def parse(cls, raw: bytes, path: Path) -> RunRecord:
+        """The record in ``raw``, the bytes of ``path`` (a ``run.json`` read by the caller)."""
+        try:
+            data = parse_json(raw.decode("utf-8"), str(path))
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from None
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{path}: not JSON ({exc.msg} at line {exc.lineno})") from None
         return cls.from_dict(data, str(path), bounded=True)

@@ -125,7 +125,7 @@ def bench_results(store: ResultsStore, refs: Sequence[str], a: Side, b: Side, ma
     kept beside it."""
     from rigctl.analysis.speed import compare_bench
     from rigctl.bench.matrix import CELLS_FILE, load_run_samples
-    from rigctl.results.store import read_jsonl
+    from rigctl.results.store import read_run_jsonl
 
     samples = []
     rounds: dict[tuple[str, int], int] = {}
@@ -134,7 +134,7 @@ def bench_results(store: ResultsStore, refs: Sequence[str], a: Side, b: Side, ma
     for ref in refs:
         run = store.find(ref)
         samples += load_run_samples(run)
-        for cell in read_jsonl(run.path / CELLS_FILE):
+        for cell in read_run_jsonl(run, CELLS_FILE):
             rounds[(run.id, int(cell.get("index", 0)))] = int(cell.get("round", 0))
             if (cell.get("rc") != 0 or cell.get("error")) and cell.get("build") in sides:
                 failed[sides[cell["build"]]] += 1

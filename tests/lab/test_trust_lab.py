@@ -9,6 +9,7 @@ import re
 import shlex
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -143,6 +144,29 @@ def _runs_on_the_rig() -> dict[str, dict]:
         OTHER_HOST: {"dir": OTHER_HOST, "host": "laptop", "kind": "eval", "files": {"answers.jsonl": ("{}\n", "644")}},
         NOT_AN_ID: {"dir": NOT_AN_ID, "id": NOT_AN_ID, "kind": "eval", "files": {"answers.jsonl": ("{}\n", "644")}},
     }
+
+
+def test_an_sftp_read_of_a_job_output_linked_to_a_device_stops_at_its_recorded_size(lab_up: Inventory,
+                                                                                    tmp_path: Path) -> None:
+    """A job's output the job left as a link to /dev/zero: the pull's SFTP read stops just past the size its
+    record names, with a TransferError naming the file, and leaves nothing behind (it streamed for ever)."""
+    from rigctl.errors import TransferError
+
+    host = lab_up.host("desktop")
+    run_dir = f"{RESULTS_DIR}/desktop/eval-20261207T120000Z-{os.getpid() % 10000:04d}"
+    recorded = 4096
+    target = tmp_path / "answers.jsonl"
+    with SshClient(SshTarget.from_host(host)) as ssh:
+        ssh.run(f"mkdir -p {run_dir} && ln -sfn /dev/zero {run_dir}/answers.jsonl", timeout=30)
+        try:
+            started = time.monotonic()
+            with pytest.raises(TransferError, match=f"answers.jsonl.*more than the {recorded} bytes"):
+                ssh.get(f"{run_dir}/answers.jsonl", target, timeout=60, max_bytes=recorded)
+            took = time.monotonic() - started
+        finally:
+            ssh.run(f"rm -rf {run_dir}", timeout=30)
+    assert took < 30, f"the read took {took:.1f} s"
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_pull_from_a_lying_rig_brings_home_only_the_honest_runs(lab_up: Inventory, tmp_path: Path) -> None:

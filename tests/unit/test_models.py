@@ -355,3 +355,29 @@ def test_the_models_units_have_the_server_units_hardening_and_no_sockets() -> No
     assert "SystemCallFilter=@system-service" in properties and len(families) == 1
     assert families[0].startswith("RestrictAddressFamilies=~")  # a deny list: no family below is reachable
     assert {"AF_UNIX", "AF_INET", "AF_INET6", "AF_NETLINK", "AF_PACKET"} <= set(families[0].split("~")[1].split())
+
+
+def test_the_conversion_requirements_pin_every_package_with_its_hashes():
+    """The conversion venv is installed with --require-hashes from the file the role ships: every requirement
+    is one exact version with at least one sha256, the platform wheels (x86_64 and aarch64) each hashed, and
+    torch is the CPU wheel of the version the project's tools pin."""
+    import re
+
+    from make_hf_checkout import TOOLS
+
+    text = (REPO / "roles" / "models" / "files" / "convert-requirements.txt").read_text()
+    logical = [line for line in text.replace("\\\n", " ").splitlines() if line.strip() and not line.startswith("#")]
+    pins = {}
+    for line in logical:
+        requirement, *options = line.split()
+        match = re.fullmatch(r"([a-z0-9-]+)==([0-9][0-9a-z.+]*)", requirement)
+        assert match, f"not one exact version: {line}"
+        hashes = [option for option in options if re.fullmatch(r"--hash=sha256:[0-9a-f]{64}", option)]
+        assert hashes and len(hashes) == len(options), f"an option that is not a sha256: {line}"
+        pins[match[1]] = (match[2], len(hashes))
+    assert len(pins) == len(logical) >= 40
+    assert pins["torch"][0] == next(t.split("==")[1] for t in TOOLS if t.startswith("torch==")) + "+cpu"
+    for compiled in ("numpy", "pyyaml", "regex", "safetensors", "tokenizers", "sentencepiece", "protobuf"):
+        assert pins[compiled][1] == 2, f"{compiled}: one wheel per platform (x86_64, aarch64)"
+    converter = (REPO / "roles" / "models" / "tasks" / "converter.yml").read_text()
+    assert converter.count("--require-hashes") == 2 and "requirements-convert_hf_to_gguf" not in converter

@@ -374,3 +374,75 @@ def test_the_store_lists_no_linked_directory_and_reads_no_linked_record(tmp_path
     os.mkfifo(fifo / "run.json")
     with pytest.raises(ConfigError, match="not a regular file"):
         RunRecord.load(fifo)
+
+
+def _stored_eval_run(store: ResultsStore, run_id: str, answers: bytes):
+    """An eval run in ``store`` whose record lists ``answers.jsonl`` with its sha256, as listed by the store."""
+    import hashlib
+
+    from rigctl.hostside.runrecord import RunRecord as HostRecord
+
+    run_dir = store.root / "desktop" / run_id
+    HostRecord(id=run_id, kind="eval", host="desktop", started="2026-12-03T10:00:00.0Z",
+               status="done").save(run_dir)
+    (run_dir / "answers.jsonl").write_bytes(answers)
+    data = json.loads((run_dir / RUN_FILE).read_text())
+    data["files"] = [{"path": "answers.jsonl", "sha256": hashlib.sha256(answers).hexdigest(), "bytes": len(answers)}]
+    (run_dir / RUN_FILE).write_text(json.dumps(data))
+    [run] = [r for r in store.runs() if r.id == run_id]
+    return run
+
+
+def test_a_run_directory_swapped_for_a_link_after_listing_is_not_read_through(tmp_path):
+    """The store reads raw files from its own directory fds: a run directory replaced by a link out of the
+    store after it was listed is refused, not followed (a path check, then a read, would read the other tree)."""
+    from rigctl.results.store import read_rows
+
+    store = ResultsStore(tmp_path / "results")
+    answers = b'{"id": "1", "set": "a", "score": 1}\n'
+    run = _stored_eval_run(store, "eval-20261203T100000Z-0001", answers)
+    assert store.verify(run) == []
+    elsewhere = tmp_path / "elsewhere"
+    run.path.rename(elsewhere)
+    run.path.symlink_to(elsewhere)
+    problems = store.verify(run)
+    assert len(problems) == 1 and "link" in problems[0], problems
+    with pytest.raises(ConfigError):
+        read_rows(run, "eval", "answers.jsonl", dict)
+
+
+def test_a_raw_file_replaced_by_a_link_is_refused(tmp_path):
+    """A raw file that became a link (to a file outside the store with the right hash, or to a device) is
+    not read: O_NOFOLLOW on the run directory's fd, a regular file checked on the open file."""
+    from rigctl.results.store import read_rows
+
+    store = ResultsStore(tmp_path / "results")
+    answers = b'{"id": "1", "set": "a", "score": 1}\n'
+    run = _stored_eval_run(store, "eval-20261203T100000Z-0001", answers)
+    outside = tmp_path / "outside.jsonl"
+    outside.write_bytes(answers)
+    (run.path / "answers.jsonl").unlink()
+    (run.path / "answers.jsonl").symlink_to(outside)
+    problems = store.verify(run)
+    assert len(problems) == 1 and "link" in problems[0], problems
+    with pytest.raises(ConfigError, match="no answers.jsonl"):
+        read_rows(run, "eval", "answers.jsonl", dict)
+    (run.path / "answers.jsonl").unlink()
+    (run.path / "answers.jsonl").symlink_to("/dev/zero")
+    assert "link" in store.verify(run)[0]
+
+
+def test_a_run_reached_through_a_linked_host_directory_after_listing_is_refused(tmp_path):
+    """The host directory, too, is opened O_DIRECTORY|O_NOFOLLOW from the store's fd when a raw file is read."""
+    from rigctl.evals.remote import ANSWERS_FILE
+    from rigctl.results.store import read_run_jsonl
+
+    store = ResultsStore(tmp_path / "results")
+    answers = b'{"id": "1", "set": "a", "score": 1}\n'
+    run = _stored_eval_run(store, "eval-20261203T100000Z-0001", answers)
+    assert read_run_jsonl(run, ANSWERS_FILE) == [{"id": "1", "set": "a", "score": 1}]
+    (store.root / "desktop").rename(tmp_path / "moved")
+    (store.root / "desktop").symlink_to(tmp_path / "moved")
+    with pytest.raises(ConfigError, match="link"):
+        read_run_jsonl(run, ANSWERS_FILE)
+    assert list(store.runs()) == []

@@ -14,7 +14,7 @@ from rigctl.analysis.report.markdown import Links, md_table, ms_text, pulled_ste
 from rigctl.analysis.speed import sample_file
 from rigctl.bench.matrix import counted, load_run_samples
 from rigctl.errors import ConfigError
-from rigctl.results.store import StoredRun, read_jsonl
+from rigctl.results.store import StoredRun, read_run_jsonl
 
 if TYPE_CHECKING:
     from rigctl.bench.drafting import RaceRequest
@@ -26,7 +26,7 @@ def race_requests(run: StoredRun) -> list[RaceRequest]:
 
     path = run.path / REQUESTS_FILE
     try:
-        return [RaceRequest(**row) for row in read_jsonl(path)]
+        return [RaceRequest(**row) for row in read_run_jsonl(run, REQUESTS_FILE)]
     except TypeError as exc:
         raise ConfigError(f"{path}: not a drafting race's requests: {exc}") from None
 
