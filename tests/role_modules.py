@@ -38,14 +38,16 @@ def load(path: Path, name: str) -> ModuleType:
     return module
 
 
-def run(library: Path, name: str, args: dict, workdir: Path, env: dict[str, str] | None = None) -> tuple[int, str]:
+def run(library: Path, name: str, args: dict, workdir: Path, env: dict[str, str] | None = None, *,
+        check: bool = False) -> tuple[int, str]:
     """Run the role module ``name`` of ``library`` as Ansible runs it on localhost (``ansible -m``, the
-    module_utils dir of ansible.cfg, Ansible's defaults otherwise); (exit status, its output)."""
+    module_utils dir of ansible.cfg, Ansible's defaults otherwise; in check mode with ``check``);
+    (exit status, its output)."""
     (workdir / "ansible.cfg").write_text(f"[defaults]\nmodule_utils = {_module_utils_dir()}\n")
     ansible = str(Path(sys.executable).parent / "ansible")
     done = subprocess.run(
         [ansible, "localhost", "-c", "local", "-M", str(library), "-m", name, "-a", json.dumps(args),
-         "-e", f"ansible_python_interpreter={sys.executable}"],
+         "-e", f"ansible_python_interpreter={sys.executable}", *(["--check"] if check else [])],
         capture_output=True, text=True, timeout=120, cwd=workdir, check=False,
         env={**os.environ, "ANSIBLE_CONFIG": str(workdir / "ansible.cfg"), "ANSIBLE_LOCALHOST_WARNING": "0",
              "ANSIBLE_NOCOLOR": "1", **(env or {})})
