@@ -656,6 +656,7 @@ def run_campaign(loaded: LoadedCampaign, inventory: Inventory, store: ResultsSto
     from rigctl import jobs
     from rigctl.connections import connections
 
+    check_upgrade_gates(loaded, inventory)
     with connections():
         for name in loaded.campaign.hosts:
             try:
@@ -678,6 +679,22 @@ def run_campaign(loaded: LoadedCampaign, inventory: Inventory, store: ResultsSto
                     else:
                         outcomes.append(StepOutcome(step.name, "failed", error=str(exc)))
         return outcomes
+
+
+def check_upgrade_gates(loaded: LoadedCampaign, inventory: Inventory) -> None:
+    """Every upgrade step's gates (the canary's, with the step's file over them) as `build upgrade` checks them,
+    before the campaign pulls, benches or builds anything: a bad gates file of a late step must not let the
+    earlier steps run first. ConfigError naming the campaign file, the step and the key."""
+    from rigctl.upgrade import gates as g
+
+    for step in loaded.campaign.upgrades:
+        canary = inventory.host(step.canary)
+        file = (loaded.path.parent / step.gates) if step.gates else None
+        try:
+            gates = g.load_gates(canary.vars.get(g.GATES_VAR), f"host {canary.name}", file)
+            g.check_gates(gates, canary, f"--gates {file}" if file else f"host {canary.name}: {g.GATES_VAR}")
+        except ConfigError as exc:
+            raise ConfigError(f"{loaded.path}: upgrades {step.name}: {exc}") from None
 
 
 def describe(outcomes: list[StepOutcome]) -> list[str]:

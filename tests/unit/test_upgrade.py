@@ -415,6 +415,24 @@ def test_an_upgrade_as_a_campaign_step_is_found_again_by_its_record_s_tag(tmp_pa
         load_campaign(path)
 
 
+def test_a_campaign_s_upgrade_gates_are_checked_before_it_pulls_or_runs_anything(lab_copy: Path, tmp_path: Path):
+    """A misspelt key in the gates file of the campaign's last step stops the run in one line naming the file,
+    the step and the key, before the first pull: no step, host or package index is reached."""
+    from rigctl.analysis.campaign import load_campaign, run_campaign
+    from rigctl.results.store import ResultsStore
+
+    (tmp_path / "gates.yml").write_text("speed_marign: 0.9\n")
+    path = tmp_path / "c.yml"
+    path.write_text("name: up\ntitle: t\nhosts: [desktop]\n"
+                    "upgrades: [{name: first, to: b11434, canary: desktop},\n"
+                    "           {name: late, to: b11434, canary: desktop, gates: gates.yml}]\n")
+    said: list[str] = []
+    with pytest.raises(ConfigError, match=r"c\.yml: upgrades late: .*gates\.yml.*speed_marign") as refused:
+        run_campaign(load_campaign(path), Inventory.load(lab_copy), ResultsStore(tmp_path / "results"),
+                     on_step=said.append)
+    assert "\n" not in str(refused.value) and said == [] and not (tmp_path / "results").exists()
+
+
 def test_a_resumed_bisect_seals_a_refusal_done_and_an_error_failed_and_both_go_on_to_the_caller(tmp_path: Path):
     """The upgrade and bisect records go through the one run lifecycle: a refusal is the run's verdict (sealed
     done, then raised), anything else seals it failed with the error, and a stopped run is reopened in place."""
