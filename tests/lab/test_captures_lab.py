@@ -198,3 +198,23 @@ def test_a_bench_cools_down_on_the_cards_its_cell_uses(mixed_serving: tuple[Path
     wait = every["cooldown"]
     assert wait["timed_out"] and wait["waited_s"] >= 3 and set(wait["readings"]) == {85}, wait
     assert {r["gpu"] for r in every["series"]} == {0, 1, 2, 3, 4}, every["series"]
+
+
+def test_a_fleet_user_without_passwordless_sudo_is_one_error(mixed_serving: tuple[Path, Lab]) -> None:
+    """The enrolled host's fleet user is not root: rigctl acts as root through `sudo -n`. With its sudo rule
+    gone, a command on the host is one error naming the host and what the user lacks; with it back, it works."""
+    inv, lab = mixed_serving
+    user = Inventory.load(inv).hosts[MIXED].user
+    assert user != "root"
+    rule = f"/etc/sudoers.d/rigctl-{user}"
+    lab.guest_run(MIXED, ["mv", rule, "/root/sudoers-rule-aside"])
+    try:
+        refused = rigctl(inv, "jobs", MIXED, timeout=120)
+    finally:
+        lab.guest_run(MIXED, ["mv", "/root/sudoers-rule-aside", rule])
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert (f"{MIXED}: {user} logs in but cannot act as root: the fleet user needs passwordless sudo"
+            in " ".join(refused.stderr.split())), refused.stderr
+    assert "Traceback" not in refused.stdout + refused.stderr
+    listed = rigctl(inv, "jobs", MIXED, timeout=120)
+    assert listed.returncode == 0, listed.stdout + listed.stderr
