@@ -10,13 +10,20 @@ second) to commands that never connect.
 from __future__ import annotations
 
 import contextvars
+import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
+from rigctl.errors import RigctlError, one_line
+
 if TYPE_CHECKING:
     from rigctl.inventory import Host
+
+
+log = logging.getLogger(__name__)
 
 
 class Closable(Protocol):
@@ -51,7 +58,7 @@ _current: contextvars.ContextVar[Connections | None] = contextvars.ContextVar("r
 
 
 def current() -> Connections | None:
-    """The scope open in this context (threads started by :func:`rigctl.ssh.on_each_host` share it), or None."""
+    """The scope open in this context (threads started by :func:`on_each_host` share it), or None."""
     return _current.get()
 
 
@@ -69,3 +76,33 @@ def connections() -> Iterator[Connections]:
     finally:
         _current.reset(token)
         pool.close()
+
+
+_T = TypeVar("_T")
+
+
+def on_each_host(hosts: Iterable[Host], work: Callable[[Host], _T], *, max_workers: int = 8,
+                 thread_name_prefix: str = "rigctl-hosts") -> dict[str, _T | RigctlError]:
+    """``work(host)`` on every host at once; per host name (in the order of ``hosts``) its result or the
+    RigctlError it raised, so one host failing never costs the others' results. Any other exception (what
+    a host's answer provokes) becomes that host's RigctlError, one line naming the host. The threads share
+    the caller's :func:`rigctl.connections.connections` scope."""
+    hosts = list(hosts)
+    if not hosts:
+        return {}
+
+    def one(host: Host) -> _T | RigctlError:
+        try:
+            return work(host)
+        except RigctlError as exc:
+            log.debug("%s", exc)
+            return exc
+        except Exception as exc:  # a host's answer can provoke anything: it stops only that host
+            log.debug("%s", host.name, exc_info=True)
+            return RigctlError(f"{host.name}: {one_line(exc)}")
+
+    with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(hosts))),
+                            thread_name_prefix=thread_name_prefix) as pool:
+        # A context per thread: the scope's Connections is shared, a context cannot be entered twice at once.
+        futures = [pool.submit(contextvars.copy_context().run, one, host) for host in hosts]
+        return {host.name: future.result() for host, future in zip(hosts, futures, strict=True)}

@@ -54,6 +54,18 @@ class HostKeyError(ConnectError):
         return self.args[0]
 
 
+class SudoRefusedError(ConnectError):
+    """``host``'s login user is not root and sudo will not run a command as root without a password."""
+
+    def __init__(self, host: str, user: str, reason: str):
+        super().__init__(host, reason)
+        self.args = (f"{host}: {user} logs in but cannot act as root: the fleet user needs passwordless sudo "
+                     f"(sudo -n said: {reason})",)
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
 #: The entry of a command :func:`rigctl.hostside.ship.python_command` made (the module names are shell-quoted).
 _SHIPPED_ENTRY = re.compile(r"sys\.modules\[\W*rigctl\.hostside\.(\w+)\W*\]\.main\(")
 _SHOWN_CHARS = 160

@@ -83,6 +83,7 @@ from types import MappingProxyType
 from typing import Any
 
 import rigctl
+from rigctl.connections import on_each_host
 from rigctl.errors import (
     ConfigError,
     ConnectError,
@@ -107,7 +108,7 @@ from rigctl.results.record import (
 )
 from rigctl.results.stamp import inventory_gpu
 from rigctl.results.store import ResultsStore, read_jsonl
-from rigctl.ssh import SshClient, on_each_host, session
+from rigctl.ssh import SshClient, session
 from rigctl.trust import inside, relative_path
 
 log = logging.getLogger(__name__)

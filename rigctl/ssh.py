@@ -4,7 +4,8 @@ Hosts come from the inventory (:class:`rigctl.inventory.Host`), so this layer co
 Ansible does: ``ansible_host``/``ansible_port``/``ansible_user``/``ansible_ssh_private_key_file``,
 checking host keys against the inventory's ``rigctl_known_hosts`` file. Checking is always strict: a
 host whose key is missing from that file or differs from it is refused, and the file is never
-written.
+written. A login that is not root (an enrolled host's fleet user) runs every command and SFTP session as root
+through ``sudo -n`` (:mod:`rigctl.become`), as Ansible's ``become`` does; a root login runs them as they are.
 
 Every wait is bounded: TCP connect, SSH banner, authentication, channel open, each command and each
 transfer. Only transient connect failures (refused, timed out, no route) are retried, with
@@ -13,7 +14,6 @@ exponential backoff and jitter; host key and authentication failures fail at onc
 
 from __future__ import annotations
 
-import contextvars
 import errno
 import hashlib
 import logging
@@ -29,17 +29,18 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from types import TracebackType
-from typing import Self, TypeVar
+from typing import Self
 
 import paramiko
 
+from rigctl.become import ROOT, SFTP_SERVER_COMMAND, SUDO_CHECK, as_root
 from rigctl.connections import current as current_connections
-from rigctl.errors import ConnectError, HostKeyError, RemoteCommandError, RigctlError, TransferError, one_line
+from rigctl.connections import on_each_host
+from rigctl.errors import ConnectError, HostKeyError, RemoteCommandError, RigctlError, SudoRefusedError, TransferError
 from rigctl.inventory import Host
 from rigctl.inventory.keys import SHA256
 
@@ -124,6 +125,11 @@ class SshTarget:
             known_hosts=host.known_hosts,
             connect_timeout=float(timeout) if timeout is not None else DEFAULT_CONNECT_TIMEOUT,
         )
+
+    @property
+    def sudo(self) -> bool:
+        """Whether commands and transfers go through ``sudo -n``: the login user is not root."""
+        return self.user != ROOT
 
     def known_hosts_names(self) -> list[str]:
         """known_hosts names for this target, the address first (what OpenSSH looks up), then the name."""
@@ -279,8 +285,10 @@ class SshClient:
         check: bool = True,
         input: bytes | str | None = None,
         env: Mapping[str, str] | None = None,
+        as_login: bool = False,
     ) -> CommandResult:
-        """Run ``cmd`` with the login shell of the host; stdin gets ``input`` then EOF.
+        """Run ``cmd`` with the login shell of the host, as root (see the module) unless ``as_login``; stdin gets
+        ``input`` then EOF.
 
         Past ``timeout`` seconds the channel is closed and RemoteCommandError (rc None) raised; the
         remote process is not signalled and may run on.
@@ -289,10 +297,12 @@ class SshClient:
         data = input.encode() if isinstance(input, str) else (input or b"")
         started = time.monotonic()
         deadline = started + timeout
+        sudo, sent = self.target.sudo and not as_login, _with_env(cmd, env or {})
+        sent = as_root(sent) if sudo else sent
         chan = self._open_session(transport)
         log.debug("%s: run %s", self.host, cmd)
         try:
-            if not self._request(chan, lambda: chan.exec_command(_with_env(cmd, env or {})), deadline):
+            if not self._request(chan, lambda: chan.exec_command(sent), deadline):
                 raise RemoteCommandError(self.host, cmd, None)
             out, err, finished = _collect(chan, deadline, data)
             rc = chan.exit_status
@@ -304,6 +314,8 @@ class SshClient:
             raise RemoteCommandError(self.host, cmd, None, _tail(stdout, stderr))
         if rc == -1 and not transport.is_active():
             raise ConnectError(self.host, f"connection lost while running `{cmd}`")
+        if rc != 0 and sudo and "sudo" in stderr:
+            self._require_sudo()
         result = CommandResult(self.host, cmd, rc, stdout, stderr, duration)
         log.debug("%s: `%s` exited %d in %.2fs", self.host, cmd, result.rc, duration)
         return result.check() if check else result
@@ -376,6 +388,13 @@ class SshClient:
                 raise
         log.debug("%s: put %s -> %s (%d bytes)", self.host, local_path, remote, size)
         return Transfer(self.host, remote, size, digest.hexdigest())
+
+    def _require_sudo(self) -> None:
+        """Nothing if sudo runs a command as root without a password, else SudoRefusedError."""
+        check = self.run(SUDO_CHECK, timeout=self.channel_timeout, check=False, as_login=True)
+        if not check.ok:
+            said = _tail(check.stdout, check.stderr).strip().splitlines()
+            raise SudoRefusedError(self.host, self.target.user, said[-1] if said else f"exit status {check.rc}")
 
     def _transport(self) -> paramiko.Transport:
         self.connect()
@@ -498,11 +517,21 @@ class SshClient:
     @contextmanager
     def _sftp(self) -> Iterator[paramiko.SFTPClient]:
         chan = self._open_session(self._transport())
-        if not self._request(chan, lambda: chan.invoke_subsystem("sftp"), time.monotonic() + self.channel_timeout):
+        what = "a root sftp-server" if self.target.sudo else "the SFTP subsystem request"
+        request = ((lambda: chan.exec_command(as_root(SFTP_SERVER_COMMAND))) if self.target.sudo
+                   else (lambda: chan.invoke_subsystem("sftp")))
+        if not self._request(chan, request, time.monotonic() + self.channel_timeout):
             chan.close()
-            raise ConnectError(self.host, "no reply to the SFTP subsystem request")
+            raise ConnectError(self.host, f"no reply to {what}")
         chan.settimeout(self.channel_timeout)  # for the version exchange; transfers re-arm it
-        sftp = paramiko.SFTPClient(chan)
+        try:
+            sftp = paramiko.SFTPClient(chan)
+        except (OSError, EOFError, paramiko.SSHException) as exc:
+            said = _decode(chan.recv_stderr(_TAIL_CHARS)).strip().splitlines() if chan.recv_stderr_ready() else []
+            chan.close()
+            if self.target.sudo:
+                self._require_sudo()
+            raise ConnectError(self.host, f"cannot start {what}: {said[-1] if said else _describe(exc)}") from None
         try:
             yield sftp
         finally:
@@ -537,36 +566,6 @@ def session(host: Host, client: SshClient | None = None) -> Iterator[SshClient]:
         return
     with SshClient.for_host(host) as ssh:
         yield ssh
-
-
-_T = TypeVar("_T")
-
-
-def on_each_host(hosts: Iterable[Host], work: Callable[[Host], _T], *, max_workers: int = 8,
-                 thread_name_prefix: str = "rigctl-hosts") -> dict[str, _T | RigctlError]:
-    """``work(host)`` on every host at once; per host name (in the order of ``hosts``) its result or the
-    RigctlError it raised, so one host failing never costs the others' results. Any other exception (what
-    a host's answer provokes) becomes that host's RigctlError, one line naming the host. The threads share
-    the caller's :func:`rigctl.connections.connections` scope."""
-    hosts = list(hosts)
-    if not hosts:
-        return {}
-
-    def one(host: Host) -> _T | RigctlError:
-        try:
-            return work(host)
-        except RigctlError as exc:
-            log.debug("%s", exc)
-            return exc
-        except Exception as exc:  # a host's answer can provoke anything: it stops only that host
-            log.debug("%s", host.name, exc_info=True)
-            return RigctlError(f"{host.name}: {one_line(exc)}")
-
-    with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(hosts))),
-                            thread_name_prefix=thread_name_prefix) as pool:
-        # A context per thread: the scope's Connections is shared, a context cannot be entered twice at once.
-        futures = [pool.submit(contextvars.copy_context().run, one, host) for host in hosts]
-        return {host.name: future.result() for host, future in zip(hosts, futures, strict=True)}
 
 
 def run_on_hosts(

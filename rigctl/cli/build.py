@@ -24,8 +24,8 @@ app = typer.Typer(no_args_is_help=True, help="llama.cpp builds on the hosts: sta
 def build_status(limit: LimitOption = None) -> None:
     """The llama.cpp build each host runs (current) and keeps for rollback (previous); a host that cannot be
     read gets a row saying why, and the command exits 1."""
+    from rigctl.connections import on_each_host
     from rigctl.fleet.build import read_builds
-    from rigctl.ssh import on_each_host
 
     found = on_each_host(load_inventory().select(limit), read_builds, thread_name_prefix="rigctl-builds")
     console.print(builds_table(found))

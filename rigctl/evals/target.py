@@ -98,7 +98,7 @@ def inventory_targets(servers: Sequence[tuple[Host, str]], *, url: str | None = 
     """:func:`inventory_target` for each (host, server) of a fan-out, in order; with ``facts`` their stamps read
     from every host at once (a host's own servers one after the other), so a fan-out over N hosts waits for
     one SSH round trip, not N in a row."""
-    from rigctl.ssh import on_each_host
+    from rigctl.connections import on_each_host
 
     targets = [inventory_target(host, server, url=url, api_key=api_key, facts=False) for host, server in servers]
     if facts:

@@ -266,7 +266,8 @@ def check_host_keys(hosts: Iterable[Host]) -> None:
 
     Other connect failures are left to the play, which reports each unreachable host on its own.
     """
-    from rigctl.ssh import SshClient, on_each_host
+    from rigctl.connections import on_each_host
+    from rigctl.ssh import SshClient
 
     def one(host: Host) -> None:
         with SshClient.for_host(host, retries=0):  # a fresh connection: the key check is the point

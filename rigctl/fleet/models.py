@@ -168,7 +168,7 @@ def inspect_host(host: Host, *, rehash: bool, timeout: float = SSH_TIMEOUT) -> l
 
 
 def _fleet(inventory: Inventory, limit: str | None, *, rehash: bool) -> dict[str, list[ArtifactStatus] | RigctlError]:
-    from rigctl.ssh import on_each_host
+    from rigctl.connections import on_each_host
 
     # Hosts hash their files at the same time: a fleet check takes as long as its slowest host; one host
     # unreachable, or answering what cannot be read, never hides the others.

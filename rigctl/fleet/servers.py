@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from rigctl.connections import on_each_host
 from rigctl.errors import ConfigError, RemoteCommandError, RigctlError, ServerError
 from rigctl.hostside import ship
 from rigctl.hostside import units as host_units
@@ -37,7 +38,7 @@ from rigctl.hostside.sandbox import run_options
 from rigctl.inventory import Host, Inventory, Server
 from rigctl.inventory.profiles import args_lines_to_argv, unit_name
 from rigctl.llama_http import NO_RETRY, Endpoint, Retry, ServerClient, Timeouts
-from rigctl.ssh import SshClient, on_each_host, session
+from rigctl.ssh import SshClient, session
 
 log = logging.getLogger(__name__)
 

@@ -1,11 +1,13 @@
 """Hosts whose stand-in GPU replays a recorded real nvidia-smi (rigctl/lab/captures/nvidia-smi/): a 2-GPU
 host on an R610 driver (whose header reads `KMD Version`/`CUDA UMD Version`), a server of five mixed GPUs and
 a unified-memory DGX Spark (memory `Not Supported`, `[N/A]` in queries) are enrolled with `hosts add` as a
-new user would; the mixed host then serves an instance pinned to GPU 1. Works on a copy of the lab inventory."""
+new user would; the mixed host then serves an instance pinned to GPU 1 and benches with a cool-down that
+watches every card the cell uses. Works on a copy of the lab inventory."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -161,3 +163,58 @@ def test_an_instance_pinned_to_gpu_1_runs_in_pci_bus_order(mixed_serving: tuple[
     pid = lab.guest_run(MIXED, ["systemctl", "show", "-p", "MainPID", "--value", "llama-server@smollm2"]).strip()
     environ = lab.guest_run(MIXED, ["cat", f"/proc/{pid}/environ"]).split("\0")
     assert "CUDA_VISIBLE_DEVICES=1" in environ and "CUDA_DEVICE_ORDER=PCI_BUS_ID" in environ, environ
+
+
+def bench_cell(inv: Path, results: Path, *spec_lines: str) -> dict:
+    """One llama-bench cell of SmolLM2 on the mixed host (cool-down at 40 °C, 3 s at most): its cells.jsonl
+    line, with the clock series it names read in as ``series``."""
+    results.mkdir(parents=True, exist_ok=True)
+    spec = results / "spec.yml"
+    spec.write_text("".join(f"{line}\n" for line in spec_lines))
+    done = rigctl(inv, "bench", "run", str(spec), "-H", MIXED, "-m", "smollm2-135m-q4_1", "-p", "16", "-n", "4",
+                  "-r", "1", "-t", "1", "--rounds", "1", "--cooldown", "40", "--cooldown-poll", "0.5",
+                  "--cooldown-timeout", "3", "--clock-sample", "600", "--wait", results=results, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr
+    [cells_file] = list(results.rglob("cells.jsonl"))
+    [cell] = [json.loads(line) for line in cells_file.read_text().splitlines()]
+    cell["series"] = [json.loads(line) for line in (cells_file.parent / cell["clocks"]).read_text().splitlines()]
+    return cell
+
+
+def test_a_bench_cools_down_on_the_cards_its_cell_uses(mixed_serving: tuple[Path, Lab], tmp_path: Path) -> None:
+    """GPU 0 (the RTX 2060) at 85 °C, the others cool. A cell pinned to GPU 1 (`gpus: [1]`) starts at once and
+    reads GPU 1 alone; a cell on every GPU (no `gpus`) waits on GPU 0 and reads each card."""
+    inv, lab = mixed_serving
+    state = lab.gpu_state(MIXED)
+    lab.set_gpu(MIXED, temperature=85, temperature_sequence=[],
+                additional_gpus=[{**g, "temperature": 35} for g in state.additional_gpus])
+    try:
+        pinned = bench_cell(inv, tmp_path / "pinned", "gpus: [1]")
+        every = bench_cell(inv, tmp_path / "every")
+    finally:
+        lab.set_gpu(MIXED, temperature=35)
+    assert pinned["cooldown"]["readings"] == [35] and not pinned["cooldown"]["timed_out"], pinned["cooldown"]
+    assert {r["gpu"] for r in pinned["series"]} == {1}, pinned["series"]
+    wait = every["cooldown"]
+    assert wait["timed_out"] and wait["waited_s"] >= 3 and set(wait["readings"]) == {85}, wait
+    assert {r["gpu"] for r in every["series"]} == {0, 1, 2, 3, 4}, every["series"]
+
+
+def test_a_fleet_user_without_passwordless_sudo_is_one_error(mixed_serving: tuple[Path, Lab]) -> None:
+    """The enrolled host's fleet user is not root: rigctl acts as root through `sudo -n`. With its sudo rule
+    gone, a command on the host is one error naming the host and what the user lacks; with it back, it works."""
+    inv, lab = mixed_serving
+    user = Inventory.load(inv).hosts[MIXED].user
+    assert user != "root"
+    rule = f"/etc/sudoers.d/rigctl-{user}"
+    lab.guest_run(MIXED, ["mv", rule, "/root/sudoers-rule-aside"])
+    try:
+        refused = rigctl(inv, "jobs", MIXED, timeout=120)
+    finally:
+        lab.guest_run(MIXED, ["mv", "/root/sudoers-rule-aside", rule])
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert (f"{MIXED}: {user} logs in but cannot act as root: the fleet user needs passwordless sudo"
+            in " ".join(refused.stderr.split())), refused.stderr
+    assert "Traceback" not in refused.stdout + refused.stderr
+    listed = rigctl(inv, "jobs", MIXED, timeout=120)
+    assert listed.returncode == 0, listed.stdout + listed.stderr

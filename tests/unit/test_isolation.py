@@ -28,6 +28,7 @@ from labrigs_support import LAB_INVENTORY, REPO
 from rigctl import jobs
 from rigctl.analysis.compare import compare_runs, load_answers
 from rigctl.analysis.latest import ResultsReader
+from rigctl.connections import on_each_host
 from rigctl.errors import ConfigError, RigctlError, one_line
 from rigctl.inventory import Host, Inventory
 from rigctl.results.record import (
@@ -47,7 +48,6 @@ from rigctl.results.record import (
 from rigctl.results.store import ResultsStore, read_jsonl
 from rigctl.services.exporter import Exporter
 from rigctl.services.mcp_server import FleetTools
-from rigctl.ssh import on_each_host
 
 RIGCTL = str(Path(sys.executable).parent / "rigctl")
 ROWS = [{"id": f"q{i}", "set": "s", "score": i % 2} for i in range(20)]

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import threading
 
-from rigctl.connections import connections
+from rigctl.connections import connections, on_each_host
 from rigctl.errors import ConnectError
 from rigctl.inventory import Inventory
-from rigctl.ssh import SshClient, on_each_host, session
+from rigctl.ssh import SshClient, session
 
 
 def test_a_scope_hands_out_one_client_per_host(lab_inventory: Inventory) -> None:
