@@ -682,11 +682,9 @@ def run_campaign(loaded: LoadedCampaign, inventory: Inventory, store: ResultsSto
 
 
 def check_upgrade_gates(loaded: LoadedCampaign, inventory: Inventory) -> None:
-    """Every upgrade step's gates (the canary's, with the step's file over them) as `build upgrade` checks them,
-    before the campaign pulls, benches or builds anything: a bad gates file of a late step must not let the
-    earlier steps run first. ConfigError naming the campaign file, the step and the key."""
+    """Every upgrade step's gates checked as `build upgrade` checks them, before anything is pulled or run: a bad
+    gates file of a late step must not let the earlier steps build first. ConfigError naming file, step, key."""
     from rigctl.upgrade import gates as g
-
     for step in loaded.campaign.upgrades:
         canary = inventory.host(step.canary)
         file = (loaded.path.parent / step.gates) if step.gates else None
