@@ -138,10 +138,14 @@ def broken_build(lab_served: Inventory) -> Iterator[tuple[Inventory, str]]:
     name = planned_build_name(inv, BROKEN_VARS)
     artifact = cache / f"{name}.tar.gz"
     artifact.write_bytes(broken_artifact(good, name, name.rsplit("-", 1)[1]))
+    # Pinned as the controller pins a pack it publishes (roles/llama_cpp export.yml): the role takes no unpinned pack.
+    pin = artifact.with_name(f"{artifact.name}.sha256")
+    pin.write_text(hashlib.sha256(artifact.read_bytes()).hexdigest() + "\n")
     try:
         yield inv, name
     finally:
         artifact.unlink(missing_ok=True)
+        pin.unlink(missing_ok=True)
         ssh(desktop, f"rm -f {SMOKE_LOGS}/{name}.log /var/cache/llama.cpp/artifacts/{name}.tar.gz")
 
 
