@@ -140,6 +140,14 @@ def project_root(inventory: Inventory | None = None) -> Path:
     raise ConfigError("cannot find the rigctl project (ansible.cfg + playbooks/); set RIGCTL_PROJECT")
 
 
+def roles_paths(inventory: Inventory) -> list[Path]:
+    """The project's roles, whose defaults ``inventory check`` knows as variables; none without a project."""
+    try:
+        return [project_root(inventory) / "roles"]
+    except ConfigError:
+        return []
+
+
 def mitogen_strategy_dir() -> str | None:
     """Where mitogen's strategy plugins are installed, whichever environment rigctl runs from."""
     try:

@@ -14,7 +14,7 @@ import pytest
 import role_modules
 import yaml
 
-from rigctl.fleet.models import parse_manifest, set_pins_text
+from rigctl.fleet.models import parse_manifest
 from rigctl.hostside.model_checkout import CheckoutError, confined_name, remote_code
 from rigctl.inventory import Inventory
 from rigctl.inventory.check import check
@@ -52,15 +52,6 @@ def test_gguf_summary_refuses_a_truncated_file(tmp_path):
     module = _artifact_module()
     with pytest.raises(module.GGUFError, match="truncated"):
         module.gguf_summary(str(cut))
-
-
-def test_set_pins_text_replaces_only_the_pins_block():
-    text = "# rig\ngpu_host_gpu:\n  name: x\nmodels_pins:\n  old: " + "0" * 64 + "\nother: 1\n"
-    out = set_pins_text(text, {"a": "1" * 64, "b": "2" * 64})
-    assert yaml.safe_load(out) == {"gpu_host_gpu": {"name": "x"}, "other": 1,
-                                   "models_pins": {"a": "1" * 64, "b": "2" * 64}}
-    assert out.startswith("# rig\n")
-    assert set_pins_text("a: 1", {"x": "3" * 64}) == "a: 1\nmodels_pins:\n  x: \"" + "3" * 64 + "\"\n"
 
 
 def test_parse_manifest_quant_mix():
