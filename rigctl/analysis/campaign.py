@@ -6,7 +6,7 @@ YAML file, the pulled runs that answer it, and running what is missing.
     hosts: [desktop]
     artifacts:                       # artifact name -> how tables call it
       smollm2-135m-q4_1: {label: SmolLM2 Q4_1}
-    benches:                         # rigctl.bench.BenchSpec fields, plus a name
+    benches:                         # rigctl.bench.matrix.BenchSpec fields, plus a name
       - {name: speed, hosts: [desktop], models: [smollm2-135m-q4_1, smollm2-135m-q4_0], matrix: {...}}
     evals:                           # a task (shipped name or file, relative to the campaign file) and
       - name: suite                  # the servers that answer it
@@ -54,7 +54,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from rigctl.bench.matrix import BenchSpec
 from rigctl.errors import ConfigError, EvalError, JobBusyError, RigctlError
 from rigctl.evals.kld import KldSpec, corpus_identity
-from rigctl.inputs import read_mapping, read_text
+from rigctl.inputs import error_line, read_mapping, read_text
 from rigctl.inventory import Host, Inventory
 from rigctl.results.store import ResultsStore, StoredRun
 
@@ -321,9 +321,7 @@ def load_campaign(path: Path) -> LoadedCampaign:
     try:
         return LoadedCampaign(Campaign.model_validate(data), path)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "campaign"
-        raise ConfigError(f"campaign {path}: {where}: {first['msg'].removeprefix('Value error, ')}") from None
+        raise ConfigError(error_line(exc, f"campaign {path}", whole="campaign")) from None
 
 
 # ----------------------------------------------------------------------------------------------- locate

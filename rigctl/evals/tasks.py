@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -42,7 +42,7 @@ from rigctl.evals import datasets
 from rigctl.evals.datasets import DatasetFile
 from rigctl.hostside.bfcl import BFCL_TEMPERATURE
 from rigctl.hostside.scorers import gsm8k_gold
-from rigctl.inputs import decode_utf8, parse_mapping
+from rigctl.inputs import decode_utf8, dotted, error_line, parse_mapping
 
 _Row = TypeVar("_Row")
 
@@ -238,9 +238,12 @@ def parse_task(text: str, where: str) -> Task:
     try:
         return TaskFile(task=data).task
     except ValidationError as exc:
-        error = exc.errors()[0]
-        location = ".".join(str(p) for p in error["loc"][1:] if not str(p).startswith(("gsm8k", "bfcl", "choice")))
-        raise EvalError(f"{where}: {location or 'task'}: {error['msg']}") from None
+        raise EvalError(error_line(exc, where, whole="task", path=_task_key)) from None
+
+
+def _task_key(loc: Sequence[Any]) -> str:
+    """A task file's key path: below the wrapper's ``task`` key, without the scorer union's tags."""
+    return dotted(p for p in loc[1:] if not str(p).startswith(("gsm8k", "bfcl", "choice")))
 
 
 def load_task(ref: str, *, limit: int | None = None, fetch: bool = True) -> LoadedTask:

@@ -406,7 +406,7 @@ def deployed_argv(ssh: SshClient, server: Server) -> list[str]:
     return args_lines_to_argv(text.splitlines())
 
 
-def probe_command(server: Server, unit: str, argv: Sequence[str], binary: str | None = None) -> list[str]:
+def probe_server_argv(server: Server, unit: str, argv: Sequence[str], binary: str | None = None) -> list[str]:
     """The ``systemd-run`` command line of a probe of ``server``: its llama-server (or ``binary``, another
     build's) with ``argv`` as the transient unit ``unit``, with the ``llama-server@`` unit's account, sandbox and
     GPU pin (the probe sees the card the instance sees), writable nothing but a private /tmp (the instance's
@@ -437,7 +437,7 @@ def probe_server(ssh: SshClient, server: Server, settings: Mapping[str, Any], po
     argv = server.argv_with(port=port, **settings)
     probe = probe_unit(server, purpose)
     endpoint = Endpoint(f"http://{server.address}:{port}", api_key=server.api_key, label=f"{server.host}/{probe}")
-    ssh.run(shlex.join(probe_command(server, probe, argv, binary)), timeout=SSH_TIMEOUT * 2, check=True)
+    ssh.run(shlex.join(probe_server_argv(server, probe, argv, binary)), timeout=SSH_TIMEOUT * 2, check=True)
     try:
         wait_ready(ssh, probe, endpoint, purpose=purpose)
         yield Probe(probe, endpoint, argv)

@@ -40,7 +40,7 @@ DEFAULT_HOST_TIMEOUT = 10.0
 #: turn, each bounded by the host timeout, instead of all sharing its CPU until every one of them runs past it.
 READINGS_PER_MACHINE = 4
 DEFAULT_HASH_TIMEOUT = 900.0  # sha256 of a few GB on a slow disk
-UNIT_PATTERN = "llama-server@*.service"
+UNIT_PATTERN = unit_name("*")
 NVIDIA_SMI_FIELDS = ("index", "uuid", "name", "temperature.gpu", "memory.used", "memory.total", "utilization.gpu")
 _MIB = 1024 * 1024
 

@@ -34,34 +34,15 @@ from collections.abc import Callable
 from typing import Any
 
 from rigctl.hostside import llama_cpp_fact, model_files, nvidia_smi
+from rigctl.hostside.masking import mask_argv
 from rigctl.hostside.runrecord import Artifact, Gpu, LlamaCppBuild, Provenance, Server, from_plain
 
 GPU_FIELDS = "name,driver_version,memory.total,compute_cap"
-MASK = "***"
-#: Option names whose value is a secret (the key itself; a key *file* path is not).
-SECRET_OPTIONS = ("--api-key", "--hf-token", "-hft")
 SERVER_UNIT = "llama-server@{}.service"
 SYSTEMCTL_TIMEOUT_S = 30
 
 #: How a job hashes a model file: ``(path) -> (sha256, where it came from)``.
 Hasher = Callable[[str], tuple[str, str]]
-
-
-def mask_secrets(argv: list[str]) -> list[str]:
-    """``argv`` with the value of every secret option masked: it never leaves the host."""
-    out: list[str] = []
-    masking = False
-    for arg in argv:
-        name, eq, _ = arg.partition("=")
-        if masking:
-            out.append(MASK)
-            masking = False
-        elif name in SECRET_OPTIONS and eq:
-            out.append(f"{name}={MASK}")
-        else:
-            out.append(arg)
-            masking = arg in SECRET_OPTIONS
-    return out
 
 
 def parse_cmdline(data: bytes) -> list[str]:
@@ -90,7 +71,7 @@ def deployed(unit: str) -> dict[str, Any]:
     except OSError as exc:
         entry["error"] = f"{path}: {exc.strerror or exc}"
         return entry
-    entry.update(pid=pid, argv=mask_secrets(argv), argv_from=path)
+    entry.update(pid=pid, argv=mask_argv(argv), argv_from=path)
     return entry
 
 

@@ -21,6 +21,7 @@ from pydantic import (
 )
 
 from rigctl.errors import ConfigError
+from rigctl.inputs import error_message
 from rigctl.inventory.gates import Gates
 from rigctl.inventory.keys import SHA256
 from rigctl.trust import MASK, is_secret_name, mask_secret_values
@@ -421,14 +422,9 @@ def pydantic_problems(where: str, key: str, exc: ValidationError) -> list[Proble
         # A dict key's own error ends in "[key]": the path already ends with that key.
         loc = [p for p in err["loc"] if p != "[key]"]
         path = ".".join([key, *_without_union_tags(tuple(loc))]).replace(".from_", ".from")
-        message = err["msg"]
-        if err["type"] == "extra_forbidden":
-            message = "unknown key"
-        elif err["type"] == "missing":
-            message = "required but not set"
-        elif err["type"] == "value_error":  # our own validators' messages name the value already
-            message = str(err["ctx"]["error"]) if "ctx" in err else message.removeprefix("Value error, ")
-        elif "input" in err and err["type"] not in {"union_tag_invalid"}:
+        message = error_message(err)
+        # Our own validators' messages name the value already.
+        if "input" in err and err["type"] not in {"extra_forbidden", "missing", "value_error", "union_tag_invalid"}:
             # A secret's value (llama_server_api_key, a source's token) is never echoed, nor is one inside the
             # value shown (a source that names no type, quoted whole).
             shown = (MASK if any(is_secret_name(part) for part in path.split("."))

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import rigctl
 from rigctl.errors import ConfigError, RigctlError
 from rigctl.hostside import ship
+from rigctl.inputs import error_line
 from rigctl.inventory import Host, profiles
 from rigctl.results.record import Artifact, Gpu, Provenance, Server, Task, parse_json
 from rigctl.trust import redact_argv
@@ -117,8 +118,7 @@ def _checked(data: dict[str, Any], origin: str) -> Provenance:
     try:
         return _PROVENANCE_ADAPTER.validate_python(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        raise ConfigError(f"{origin}: {'.'.join(str(p) for p in err['loc']) or '-'}: {err['msg']}") from None
+        raise ConfigError(error_line(exc, origin)) from None
 
 
 def with_props(server: Server, props: Any, endpoint: Any = None) -> Server:

@@ -5,7 +5,7 @@ installed builds on the host. Everything reuses the bench, server, eval and comp
 
 * **llama-bench**: one bench job (:func:`rigctl.bench.matrix.bench_job_spec` with both builds) whose cells
   alternate the builds' llama-bench on each model, clock-gated like every bench; the ratios are
-  :func:`rigctl.compare.compare_bench`'s. The job stops the host's servers for its run, as every bench does.
+  :func:`rigctl.analysis.speed.compare_bench`'s. The job stops the host's servers for its run, as every bench does.
 * **server**: each side's llama-server serving the instance's artifact with the instance's profile — the
   instance itself for the current build, a probe (:func:`rigctl.fleet.servers.probe_server`, the build's own
   llama-server, another port) otherwise — asked the same filler prompts back to back, alternating which
@@ -13,7 +13,7 @@ installed builds on the host. Everything reuses the bench, server, eval and comp
 * **identity**: greedy replies of both sides to the drafter race's prompts
   (:func:`rigctl.bench.drafting.load_prompts`), byte for byte.
 * **quality**: an eval slice on each side (:mod:`rigctl.evals.runner`), paired by
-  :func:`rigctl.compare.compare_pair` (McNemar, TOST at the gate's margin).
+  :func:`rigctl.analysis.compare.compare_pair` (McNemar, TOST at the gate's margin).
 
 A gate whose verdict is undecided at the measured n is measured again with more (bench rounds, server
 repeats, eval questions) until it decides or its budget is spent. Raw rows go to the caller's run directory

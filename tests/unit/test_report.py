@@ -158,7 +158,7 @@ def test_bench_runs_with_another_matrix_do_not_answer_the_campaign(tmp_path):
      "artifact 'mystery' is not listed under artifacts"),
     ({"benches": [{"name": "speed", "hosts": ["desktop"], "models": ["qwen-q4_0"], "matrix": {"r": 0}}]},
      "benches.0.matrix.r: Input should be greater than or equal to 1"),
-    ({"colour": "blue"}, "colour: Extra inputs are not permitted"),
+    ({"colour": "blue"}, "colour: unknown key"),
     ({"evals": [{"name": "suite", "task": "suite.yaml", "runs": [
         {"host": "desktop", "server": "qwen", "artifact": "qwen-q4_0"},
         {"host": "desktop", "server": "qwen", "artifact": "qwen-q4_0"}]}], "comparisons": []},
