@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import LAB_INVENTORY, REPO, wait_healthy
+from labrigs_support import LAB_INVENTORY, REPO, wait_healthy
 
 from rigctl.evals.target import inventory_target
 from rigctl.fleet.deploy import run_playbook

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import check_mode_play, wait_healthy
+from labrigs_support import check_mode_play, wait_healthy
 from process_support import descendants, still_running
 
 from rigctl.fleet.build import parse_fact, read_builds, rollback

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import wait_healthy
+from labrigs_support import wait_healthy
 
 from rigctl.errors import DeployError
 from rigctl.fleet.deploy import run_playbook

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import check_mode_play
+from labrigs_support import check_mode_play
 
 from rigctl.errors import DeployError
 from rigctl.fleet.deploy import run_playbook

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from inventory_support import edit_yaml
 
 from rigctl.errors import BuildError, ConfigError
 from rigctl.fleet.build import Build, Builds
@@ -17,9 +18,6 @@ from rigctl.inventory import Inventory, advisories
 from rigctl.inventory.advisories import Advisory, check_build, covering, parse_table
 from rigctl.inventory.check import check
 from rigctl.services.exporter import Snapshot, exposition, metric_families
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from inventory_support import edit_yaml  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -10,14 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from inventory_support import edit_yaml
 
 from rigctl.errors import ConfigError
 from rigctl.inventory import Inventory, flag_policy
 from rigctl.inventory.check import check
 from rigctl.inventory.profiles import ProfileError, server_flags
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from inventory_support import edit_yaml  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 

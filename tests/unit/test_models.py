@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 import role_modules
 import yaml
+from hf_server import HfRepo, HfServer
+from make_hf_checkout import gguf_file
+from models_support import gguf_reader_summary
 
 from rigctl.fleet.models import parse_manifest
 from rigctl.hostside.model_checkout import CheckoutError, confined_name, remote_code
@@ -20,10 +23,6 @@ from rigctl.inventory import Inventory
 from rigctl.inventory.check import check
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
-from hf_server import HfRepo, HfServer  # noqa: E402
-from make_hf_checkout import gguf_file  # noqa: E402
-from models_support import gguf_reader_summary  # noqa: E402
 
 LIBRARY = REPO / "roles" / "models" / "library"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

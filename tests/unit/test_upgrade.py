@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from package_index import PackageIndex, hostile_sdist
 
 from rigctl.errors import BuildError, ConfigError, ProblemsError
 from rigctl.fleet import candidate
@@ -27,9 +28,6 @@ from rigctl.upgrade.upgrade import PinFiles, scope, write_pin
 
 REPO = Path(__file__).resolve().parents[2]
 RIGCTL = [str(Path(sys.executable).parent / "rigctl")]
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO / "tests" / "fixtures"))
-from package_index import PackageIndex, hostile_sdist  # noqa: E402
 
 
 @pytest.fixture
