@@ -45,6 +45,14 @@ def rigs(tmp_path: Path) -> Path:
     return dest
 
 
+@pytest.fixture
+def lab_copy(tmp_path: Path) -> Path:
+    """A copy of the lab inventory (inventory/lab) to edit or break on purpose."""
+    dest = tmp_path / "lab"
+    shutil.copytree(LAB_INVENTORY, dest)
+    return dest
+
+
 @pytest.fixture(scope="session")
 def lab_inventory() -> Inventory:
     return Inventory.load(LAB_INVENTORY)

@@ -252,13 +252,6 @@ def test_fingerprint_option_is_checked() -> None:
 # --- the inventory files --------------------------------------------------------------------------
 
 
-@pytest.fixture
-def lab_copy(tmp_path: Path) -> Path:
-    dest = tmp_path / "lab"
-    shutil.copytree(REPO / "inventory" / "lab", dest)
-    return dest
-
-
 def test_host_joins_its_group_keeping_comments_and_order(lab_copy: Path) -> None:
     hosts = lab_copy / "hosts.yml"
     before = hosts.read_text()

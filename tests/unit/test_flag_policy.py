@@ -4,7 +4,6 @@ it by name with a reason; a line break in a profile value never becomes a flag o
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,10 +20,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def lab(tmp_path: Path) -> Path:
-    dest = tmp_path / "lab"
-    shutil.copytree(REPO / "inventory" / "lab", dest)
-    return dest
+def lab(lab_copy: Path) -> Path:
+    return lab_copy
 
 
 def servers_file(lab: Path) -> Path:

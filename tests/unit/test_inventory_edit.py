@@ -4,7 +4,6 @@ result would fail ``inventory check`` (or the caller's own check) is refused wit
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -17,13 +16,6 @@ from rigctl.inventory.edit import InventoryEdit, OutsideText
 REPO = Path(__file__).resolve().parents[2]
 ROLES = [REPO / "roles"]
 SHA = "ab" * 32
-
-
-@pytest.fixture
-def lab_copy(tmp_path: Path) -> Path:
-    dest = tmp_path / "lab"
-    shutil.copytree(REPO / "inventory" / "lab", dest)
-    return dest
 
 
 def files_of(root: Path) -> dict[Path, bytes]:

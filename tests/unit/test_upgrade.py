@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,13 +27,6 @@ from rigctl.upgrade.upgrade import PinFiles, scope, write_pin
 
 REPO = Path(__file__).resolve().parents[2]
 RIGCTL = [str(Path(sys.executable).parent / "rigctl")]
-
-
-@pytest.fixture
-def lab_copy(tmp_path: Path) -> Path:
-    dest = tmp_path / "lab"
-    shutil.copytree(REPO / "inventory" / "lab", dest)
-    return dest
 
 
 @pytest.fixture
