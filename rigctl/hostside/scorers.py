@@ -37,6 +37,8 @@ from rigctl.hostside.bfcl import Check, bfcl_tools, check_simple_call, looks_lik
 #: The scores a GSM8K answer row carries, by key, with the names every table prints.
 GSM8K_SCORES = {"score": "rigctl normalised", "lmeval_strict_match": "lm-eval strict-match",
                 "lmeval_flexible_extract": "lm-eval flexible-extract"}
+#: The lm-eval release whose scoring (here) and request (:mod:`rigctl.evals.lmeval`) rigctl reproduces.
+LMEVAL_VERSION = "0.4.13"
 LMEVAL_STOP = ("Question:", "</s>", "<|im_end|>")
 LMEVAL_STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")  # group_select 0: the first match
 LMEVAL_FLEXIBLE = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")  # group_select -1: the last match
@@ -194,11 +196,14 @@ def chat_request(scorer: str, data: Mapping[str, Any], request: Mapping[str, Any
     """The ``/v1/chat/completions`` body for a gsm8k or bfcl_simple question: seeded, thinking off unless asked
     (``chat_template_kwargs.enable_thinking``), with the task's ``request`` settings
     (:meth:`rigctl.evals.tasks.LoadedTask.request`): ``temperature``, ``max_tokens`` (None: no limit sent),
-    and for bfcl_simple ``bfcl_notes``."""
+    ``stop`` (sent when given), and for bfcl_simple ``bfcl_notes``. A gsm8k question's ``prompt`` is the user's
+    text, or the whole conversation (lm-eval's request: its examples as turns)."""
     body: dict[str, Any] = {"temperature": request["temperature"], "seed": seed,
                             "chat_template_kwargs": {"enable_thinking": thinking}}
     if request.get("max_tokens") is not None:
         body["max_tokens"] = request["max_tokens"]
+    if request.get("stop"):
+        body["stop"] = list(request["stop"])
     if scorer == "gsm8k":
         body["messages"] = messages(data["system"], data["prompt"])
     elif scorer == "bfcl_simple":

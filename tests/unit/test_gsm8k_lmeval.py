@@ -101,6 +101,7 @@ def _pins() -> dict[str, Any]:
 
 def test_the_table_is_large_and_pinned_row_for_row():
     pins, table = _pins(), variants()
+    assert pins["lm_eval"] == scorers.LMEVAL_VERSION  # the release the run records name
     assert len(table) >= 200
     assert [(row["reply"], row["answer"]) for row in pins["rows"]] == table
     # The table holds both verdicts, right and wrong, under each filter: it can tell a scorer apart.
