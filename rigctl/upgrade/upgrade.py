@@ -82,24 +82,6 @@ def scope(inventory: Inventory, canary: Host) -> list[Host]:
     return [canary, *others]
 
 
-def vars_file(inventory: Inventory, origin: str, key: str) -> Path:
-    """The group_vars/host_vars file that defines ``key`` for ``origin`` (``group all``, ``host desktop``)."""
-    from rigctl.fleet.enroll import round_trip_yaml
-
-    kind, _, name = origin.partition(" ")
-    root = Path(inventory.source)
-    folder = root / ("group_vars" if kind == "group" else "host_vars")
-    candidates = [folder / f"{name}.yml", folder / f"{name}.yaml",
-                  *sorted((folder / name).glob("*.yml")), *sorted((folder / name).glob("*.yaml"))]
-    for path in candidates:
-        if path.is_file():
-            data = round_trip_yaml().load(path.read_text())
-            if isinstance(data, dict) and key in data:
-                return path
-    raise ConfigError(f"{origin}: {key} is not defined in a file under {folder} that rigctl can edit "
-                      f"(an inventory file's inline variables are not)")
-
-
 class PinFiles:
     """The inventory files an upgrade edits, round trip, with what they held before (to put them back)."""
 
@@ -110,7 +92,7 @@ class PinFiles:
 
     def raw(self, key: str) -> Any:
         """``key`` as its file writes it (templates unrendered); None when no file of the origin defines it."""
-        from rigctl.fleet.enroll import round_trip_yaml
+        from rigctl.fleet.enroll import round_trip_yaml, vars_file
 
         try:
             path = vars_file(self.inventory, self.origin, key)
@@ -121,7 +103,7 @@ class PinFiles:
     def write(self, values: Mapping[str, Any]) -> list[Path]:
         """Set ``values`` (top-level keys; a mapping value is merged into the one there) each in the file that
         defines it (the pin's file for a new key); the files changed."""
-        from rigctl.fleet.enroll import round_trip_yaml
+        from rigctl.fleet.enroll import round_trip_yaml, vars_file
 
         pin_file = vars_file(self.inventory, self.origin, "llama_cpp_version")
         by_file: dict[Path, dict[str, Any]] = {}
