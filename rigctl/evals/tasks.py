@@ -91,10 +91,11 @@ class _TaskBase(_Strict):
 
 class Gsm8kTask(_TaskBase):
     """``request: rigctl`` (the default) asks ``prompt`` zero-shot with ``max_tokens`` and no stop sequences;
-    ``request: lm-eval`` sends lm-eval's own ``gsm8k`` request (:mod:`rigctl.evals.lmeval`): its prompt, five
-    examples from ``fewshot`` (the train split) as chat turns (or, with ``fewshot_as_multiturn: false``, as one
-    user turn), its stop sequences and its 256-token limit; prompt, system and max_tokens are then lm-eval's
-    and may not be set."""
+    ``request: lm-eval`` sends the request of lm-eval's task ``lmeval_task`` (:mod:`rigctl.evals.lmeval`):
+    ``gsm8k``, its prompt and five examples drawn from ``fewshot`` (the train split), or ``gsm8k_cot_llama``,
+    its prompt and its task file's eight examples; as chat turns (or, with ``fewshot_as_multiturn: false``, as
+    one user turn), with its stop sequences and its 256-token limit, and scored as that task scores. prompt,
+    system and max_tokens are then lm-eval's and may not be set."""
 
     scorer: Literal["gsm8k"]
     dataset: Source
@@ -105,6 +106,7 @@ class Gsm8kTask(_TaskBase):
     system: str | None = None
     max_tokens: int = Field(default=2048, ge=1)
     request: Literal["rigctl", "lm-eval"] = "rigctl"
+    lmeval_task: Literal["gsm8k", "gsm8k_cot_llama"] = "gsm8k"
     fewshot: Source | None = None
     fewshot_as_multiturn: bool = True
 
@@ -114,16 +116,20 @@ class Gsm8kTask(_TaskBase):
             own = sorted({"prompt", "system", "max_tokens", "question_field"} & self.model_fields_set)
             if own:
                 raise ValueError(f"request lm-eval sends lm-eval's own prompt and limits: remove {', '.join(own)}")
-            if self.fewshot is None:
+            fixed = bool(lmeval.LMEVAL_GSM8K[self.lmeval_task].examples)
+            if self.fewshot is None and not fixed:
                 raise ValueError("request lm-eval needs fewshot (the train split its examples are drawn from)")
-        elif {"fewshot", "fewshot_as_multiturn"} & self.model_fields_set:
-            raise ValueError("fewshot and fewshot_as_multiturn belong to request lm-eval")
+            if self.fewshot is not None and fixed:
+                raise ValueError(f"{self.lmeval_task} asks with its own examples: remove fewshot")
+        elif {"fewshot", "fewshot_as_multiturn", "lmeval_task"} & self.model_fields_set:
+            raise ValueError("fewshot, fewshot_as_multiturn and lmeval_task belong to request lm-eval")
         return self
 
     def request_stamp(self) -> dict[str, Any]:
         """Which request produced the task's numbers, as its run records say."""
         if self.request == "lm-eval":
-            return lmeval.GSM8K.stamp(fewshot_as_multiturn=self.fewshot_as_multiturn, seed=lmeval.LMEVAL_SEED)
+            return lmeval.LMEVAL_GSM8K[self.lmeval_task].stamp(fewshot_as_multiturn=self.fewshot_as_multiturn,
+                                                                seed=lmeval.LMEVAL_SEED)
         return {"name": "rigctl", "num_fewshot": 0, "max_tokens": self.max_tokens, "stop": []}
 
 
@@ -235,7 +241,8 @@ class LoadedTask:
         if isinstance(spec, BfclTask):
             return {"temperature": spec.temperature, "max_tokens": spec.max_tokens, "bfcl_notes": spec.bfcl_notes}
         if isinstance(spec, Gsm8kTask) and spec.request == "lm-eval":
-            return {"temperature": 0.0, "max_tokens": lmeval.LMEVAL_MAX_GEN_TOKS, "stop": lmeval.GSM8K.sent_stop}
+            asked = lmeval.LMEVAL_GSM8K[spec.lmeval_task]
+            return {"temperature": asked.temperature, "max_tokens": lmeval.LMEVAL_MAX_GEN_TOKS, "stop": asked.sent_stop}
         if isinstance(spec, Gsm8kTask):
             return {"temperature": 0.0, "max_tokens": spec.max_tokens}
         return {}
@@ -342,7 +349,7 @@ def _build(loaded: LoadedTask, limit: int | None) -> None:
                 raise EvalError(f"{where}: {exc}") from None
             prompt = prompts[index] if prompts else _format(spec.prompt, row, where)
             questions.append(Question(qid, spec.name, {"prompt": prompt, "system": spec.system, "gold": gold,
-                                                       "answer": answer}))
+                                                       "answer": answer, "lmeval_task": spec.lmeval_task}))
     elif isinstance(spec, BfclTask):
         file = spec.dataset.fetch(base)
         answers_file = spec.answers.fetch(base)
@@ -399,26 +406,30 @@ def _build(loaded: LoadedTask, limit: int | None) -> None:
 
 def _lmeval_prompts(spec: Gsm8kTask, loaded: LoadedTask,
                     rows: list[tuple[str, dict[str, Any]]]) -> list[list[dict[str, str]]]:
-    """lm-eval's conversation for each question, in order: its examples drawn from the ``fewshot`` split the
-    way its sampler draws them (:func:`rigctl.evals.lmeval.fewshot_draws`)."""
-    assert spec.fewshot is not None  # the task's validator requires it
-    file = spec.fewshot.fetch(loaded.path.parent)
-    loaded.files.append(file)
-    pool = list(datasets.iter_records(file.path))
-    for number, shot in enumerate(pool, 1):
-        for key in ("question", "answer"):
-            if not isinstance(shot.get(key), str):
-                raise EvalError(f"{file.path}:{number}: a few-shot example needs {key!r} (a string)")
+    """lm-eval's conversation for each question, in order: its task file's own examples, or examples drawn from
+    the ``fewshot`` split the way its sampler draws them (:func:`rigctl.evals.lmeval.fewshot_draws`)."""
+    asked = lmeval.LMEVAL_GSM8K[spec.lmeval_task]
     for where, row in rows:
         if not isinstance(row.get("question"), str):
             raise EvalError(f"{where}: lm-eval's request needs 'question' (a string)")
-    if len(pool) < lmeval.GSM8K.num_fewshot:
-        raise EvalError(f"{file.path}: {len(pool)} few-shot examples; lm-eval's gsm8k draws "
-                        f"{lmeval.GSM8K.num_fewshot} per question")
-    draws = lmeval.fewshot_draws(len(pool), len(rows), k=lmeval.GSM8K.num_fewshot)
-    return [lmeval.chat_messages(lmeval.GSM8K, row, [pool[i] for i in drawn],
-                                 fewshot_as_multiturn=spec.fewshot_as_multiturn)
-            for (_, row), drawn in zip(rows, draws, strict=True)]
+    if asked.examples:
+        shots = [list(asked.examples[:asked.num_fewshot])] * len(rows)
+    else:
+        assert spec.fewshot is not None  # the task's validator requires it
+        file = spec.fewshot.fetch(loaded.path.parent)
+        loaded.files.append(file)
+        pool = list(datasets.iter_records(file.path))
+        for number, shot in enumerate(pool, 1):
+            for key in ("question", "answer"):
+                if not isinstance(shot.get(key), str):
+                    raise EvalError(f"{file.path}:{number}: a few-shot example needs {key!r} (a string)")
+        if len(pool) < asked.num_fewshot:
+            raise EvalError(f"{file.path}: {len(pool)} few-shot examples; lm-eval's {asked.task} draws "
+                            f"{asked.num_fewshot} per question")
+        shots = [[pool[i] for i in drawn] for drawn in lmeval.fewshot_draws(len(pool), len(rows),
+                                                                            k=asked.num_fewshot)]
+    return [lmeval.chat_messages(asked, row, examples, fewshot_as_multiturn=spec.fewshot_as_multiturn)
+            for (_, row), examples in zip(rows, shots, strict=True)]
 
 
 def shipped_tasks() -> list[Path]:

@@ -1,10 +1,11 @@
-"""``request: lm-eval`` sends what lm-eval's own ``gsm8k`` task sends, byte for byte.
+"""``request: lm-eval`` sends what lm-eval's own ``gsm8k`` and ``gsm8k_cot_llama`` tasks send, byte for byte.
 
 ``data/gsm8k_lmeval_requests.json`` pins the chat bodies lm-eval 0.4.13 POSTs for the fixture task's ten
-questions (tests/fixtures/evals/tasks/fixture-gsm8k-lmeval.yaml: the ten fixture problems, its few-shot pool
-the first 22 rows of GSM8K's train split), with ``--apply_chat_template`` and ``fewshot_as_multiturn`` on (its
-default there) and off. They were captured from lm-eval's own code end to end: its ``ConfigurableTask`` built
-from its installed ``gsm8k.yaml`` (the fixture rows given as the task's dataset), seeded as its evaluator
+questions (tests/fixtures/evals/tasks/fixture-gsm8k-lmeval.yaml: the ten fixture problems, gsm8k's few-shot
+pool the first 22 rows of GSM8K's train split; gsm8k_cot_llama brings its own eight examples), with
+``--apply_chat_template`` and ``fewshot_as_multiturn`` on (its default there) and off. They were captured from
+lm-eval's own code end to end: its ``ConfigurableTask`` built from its installed task file (``gsm8k.yaml``,
+``gsm8k-cot-llama.yaml``; the fixture rows given as the task's dataset), seeded as its evaluator
 seeds it, its requests built with ``LocalChatCompletion.apply_chat_template`` and sent by
 ``LocalChatCompletion.generate_until`` to a loopback server that keeps each body. ``python
 tests/unit/test_gsm8k_lmeval_request.py`` captures them again. rigctl's bodies are checked against the pins
@@ -60,12 +61,20 @@ def hub(tmp_path, monkeypatch) -> Iterator[HfServer]:
         yield server
 
 
-def rigctl_bodies(multiturn: bool, tmp_path: Path) -> list[dict[str, Any]]:
-    task = TASK
-    if not multiturn:
-        task = tmp_path / "one-turn.yaml"
-        task.write_text(TASK.read_text(encoding="utf-8") + "fewshot_as_multiturn: false\n", encoding="utf-8")
-    loaded = load_task(str(task))
+TASK_FILES = {"gsm8k": "gsm8k.yaml", "gsm8k_cot_llama": "gsm8k-cot-llama.yaml"}
+
+
+def rigctl_task(lmeval_task: str, multiturn: bool, tmp_path: Path) -> Path:
+    text = TASK.read_text(encoding="utf-8")
+    if lmeval_task != "gsm8k":  # its own examples: no train split
+        text = text.split("fewshot:")[0] + f"lmeval_task: {lmeval_task}\n"
+    task = tmp_path / f"{lmeval_task}-{multiturn}.yaml"
+    task.write_text(text + ("" if multiturn else "fewshot_as_multiturn: false\n"), encoding="utf-8")
+    return task
+
+
+def rigctl_bodies(lmeval_task: str, multiturn: bool, tmp_path: Path) -> list[dict[str, Any]]:
+    loaded = load_task(str(rigctl_task(lmeval_task, multiturn, tmp_path)))
     return [scorers.chat_request(loaded.scorer, q.data, loaded.request) for q in loaded.questions]
 
 
@@ -79,9 +88,9 @@ def _same(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
 @pytest.mark.parametrize("multiturn", [True, False], ids=["multiturn", "one-turn"])
 def test_rigctl_sends_lmevals_pinned_bodies(hub, tmp_path, multiturn):
     pins = json.loads(PINS.read_text(encoding="utf-8"))
-    assert pins["lm_eval"] == scorers.LMEVAL_VERSION and pins["task"] == lmeval.GSM8K.task
-    expected = pins["multiturn" if multiturn else "one_turn"]
-    ours = rigctl_bodies(multiturn, tmp_path)
+    assert pins["lm_eval"] == scorers.LMEVAL_VERSION
+    expected = pins["tasks"]["gsm8k"]["multiturn" if multiturn else "one_turn"]
+    ours = rigctl_bodies("gsm8k", multiturn, tmp_path)
     assert len(ours) == len(expected) == 10
     for mine, theirs in zip(ours, expected, strict=True):
         _same(mine, theirs)
@@ -95,6 +104,18 @@ def test_rigctl_sends_lmevals_pinned_bodies(hub, tmp_path, multiturn):
         assert len(turns) == 1 and turns[0]["content"].count("Question: ") == 6
         assert "\n\nQuestion: Tom has 3 boxes" in turns[0]["content"]
     assert ours[0]["stop"] == ["Question:", "</s>", "<|im_end|>"] and ours[0]["max_tokens"] == 256
+
+
+@pytest.mark.parametrize("multiturn", [True, False], ids=["multiturn", "one-turn"])
+def test_rigctl_sends_gsm8k_cot_llamas_pinned_bodies(hub, tmp_path, multiturn):
+    expected = json.loads(PINS.read_text(encoding="utf-8"))["tasks"]["gsm8k_cot_llama"]
+    ours = rigctl_bodies("gsm8k_cot_llama", multiturn, tmp_path)
+    for mine, theirs in zip(ours, expected["multiturn" if multiturn else "one_turn"], strict=True):
+        _same(mine, theirs)
+    turns = ours[0]["messages"]
+    assert len(turns) == (17 if multiturn else 1) and turns[-1]["content"].endswith("to the problem.\n")
+    # The first four of its five stop sequences, as lm-eval sends them.
+    assert ours[0]["stop"] == ["<|eot_id|>", "<|start_header_id|>user<|end_header_id|>", "Q:", "</s>"]
 
 
 def test_each_question_draws_its_own_examples(hub):
@@ -123,6 +144,9 @@ def test_the_record_names_the_request_and_the_instruments(hub):
     ("request: lm-eval\nfewshot: {path: t.jsonl}\nmax_tokens: 512\n", "remove max_tokens"),
     ("request: lm-eval\n", "request lm-eval needs fewshot"),
     ("fewshot: {path: t.jsonl}\n", "belong to request lm-eval"),
+    ("lmeval_task: gsm8k_cot_llama\n", "belong to request lm-eval"),
+    ("request: lm-eval\nlmeval_task: gsm8k_cot_llama\nfewshot: {path: t.jsonl}\n", "its own examples: remove fewshot"),
+    ("request: lm-eval\nlmeval_task: gsm8k_cot\n", "lmeval_task"),
     ("request: lm-eval-ish\nfewshot: {path: t.jsonl}\n", "request"),
 ])
 def test_a_request_that_is_not_lmevals_is_refused(extra, message):
@@ -152,8 +176,8 @@ def test_draws_are_the_samplers():
 # ----------------------------------------------------------------------------------------------- lm-eval's own
 
 
-def lmeval_bodies(multiturn: bool) -> list[dict[str, Any]]:
-    """The bodies lm-eval 0.4.13 POSTs for its gsm8k task on the fixture rows (see the module docstring)."""
+def lmeval_bodies(lmeval_task: str, multiturn: bool) -> list[dict[str, Any]]:
+    """The bodies lm-eval 0.4.13 POSTs for ``lmeval_task`` on the fixture rows (see the module docstring)."""
     import datasets
     import lm_eval
     import pyarrow
@@ -169,7 +193,7 @@ def lmeval_bodies(multiturn: bool) -> list[dict[str, Any]]:
         return datasets.DatasetDict({split: datasets.Dataset(pyarrow.Table.from_pylist(rows(path)), fingerprint=split)
                                      for split, path in (("train", TRAIN), ("test", TEST))})
 
-    yaml_path = Path(lm_eval.__file__).parent / "tasks" / "gsm8k" / "gsm8k.yaml"
+    yaml_path = Path(lm_eval.__file__).parent / "tasks" / "gsm8k" / TASK_FILES[lmeval_task]
     config = yaml.safe_load(yaml_path.read_text(encoding="utf-8"))
     task = ConfigurableTask(config={**config, "custom_dataset": dataset})
     task.set_fewshot_seed(seed=lmeval.LMEVAL_SEED)  # the evaluator's fewshot_random_seed default
@@ -194,9 +218,10 @@ def lmeval_bodies(multiturn: bool) -> list[dict[str, Any]]:
         task.build_all_requests(apply_chat_template=True, fewshot_as_multiturn=multiturn,
                                 chat_template=model.apply_chat_template)
         model.generate_until(copy.deepcopy(task.instances), disable_tqdm=True)
-    # generate_until sends the longest first: put the bodies back in question order, by the question each ends on.
-    by_question = {body["messages"][-1]["content"].rsplit("Question: ", 1)[-1]: body for body in bodies}
-    return [by_question[f"{row['question']}\nAnswer:"] for row in rows(TEST)]
+    # generate_until sends the longest first: put the bodies back in question order (each fixture question is
+    # in one body's last message, and in no example).
+    return [next(body for body in bodies if row["question"] in body["messages"][-1]["content"])
+            for row in rows(TEST)]
 
 
 def _lmeval_importable() -> bool:
@@ -210,25 +235,27 @@ def _lmeval_importable() -> bool:
 
 
 @pytest.mark.skipif(not _lmeval_importable(), reason="lm-eval (with datasets) is not importable")
+@pytest.mark.parametrize("lmeval_task", list(TASK_FILES))
 @pytest.mark.parametrize("multiturn", [True, False], ids=["multiturn", "one-turn"])
-def test_rigctl_sends_what_lmeval_sends(hub, tmp_path, multiturn):
+def test_rigctl_sends_what_lmeval_sends(hub, tmp_path, lmeval_task, multiturn):
     import importlib.metadata
 
     assert importlib.metadata.version("lm_eval") == scorers.LMEVAL_VERSION
-    theirs = lmeval_bodies(multiturn)
+    theirs = lmeval_bodies(lmeval_task, multiturn)
     pins = json.loads(PINS.read_text(encoding="utf-8"))
-    assert theirs == pins["multiturn" if multiturn else "one_turn"]
-    for mine, body in zip(rigctl_bodies(multiturn, tmp_path), theirs, strict=True):
+    assert theirs == pins["tasks"][lmeval_task]["multiturn" if multiturn else "one_turn"]
+    for mine, body in zip(rigctl_bodies(lmeval_task, multiturn, tmp_path), theirs, strict=True):
         _same(mine, body)
 
 
 def _pin() -> None:
     import importlib.metadata
 
-    out = {"lm_eval": importlib.metadata.version("lm_eval"), "task": "gsm8k",
-           "multiturn": lmeval_bodies(True), "one_turn": lmeval_bodies(False)}
+    out = {"lm_eval": importlib.metadata.version("lm_eval"),
+           "tasks": {task: {"multiturn": lmeval_bodies(task, True), "one_turn": lmeval_bodies(task, False)}
+                     for task in TASK_FILES}}
     PINS.write_text(json.dumps(out, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
-    print(f"{PINS}: {len(out['multiturn'])} + {len(out['one_turn'])} bodies", file=sys.stderr)
+    print(f"{PINS}: {', '.join(out['tasks'])}", file=sys.stderr)
 
 
 if __name__ == "__main__":
