@@ -195,7 +195,8 @@ def _props(endpoint: Endpoint, retry: Retry | None = None) -> Props:
 
 def task_stamp(task: LoadedTask) -> Task:
     return Task(name=task.name, scorer=task.scorer, file=str(task.path.resolve()), file_sha256=task.file_sha256,
-                dataset_sha256=dict(task.dataset_sha256), questions=len(task.questions))
+                dataset_sha256=dict(task.dataset_sha256), questions=len(task.questions),
+                request=task.request_stamp, instruments=task.instruments)
 
 
 def target_stamp(targets: Sequence[Target]) -> Provenance:

@@ -164,6 +164,8 @@ class Task:
     file_sha256: str | None = None
     dataset_sha256: dict[str, str] = field(default_factory=dict)
     questions: int | None = None
+    request: dict[str, Any] | None = None  # which request produced the numbers (gsm8k: rigctl's or lm-eval's)
+    instruments: dict[str, str] = field(default_factory=dict)  # releases whose scoring they reproduce
 
 
 @dataclass

@@ -51,6 +51,22 @@ def round_trip_yaml() -> YAML:
     return yaml
 
 
+def vars_file(inventory: Inventory, origin: str, key: str) -> Path:
+    """The group_vars/host_vars file that defines ``key`` for ``origin`` (``group all``, ``host desktop``)."""
+    kind, _, name = origin.partition(" ")
+    root = Path(inventory.source)
+    folder = root / ("group_vars" if kind == "group" else "host_vars")
+    candidates = [folder / f"{name}.yml", folder / f"{name}.yaml",
+                  *sorted((folder / name).glob("*.yml")), *sorted((folder / name).glob("*.yaml"))]
+    for path in candidates:
+        if path.is_file():
+            data = round_trip_yaml().load(path.read_text())
+            if isinstance(data, dict) and key in data:
+                return path
+    raise ConfigError(f"{origin}: {key} is not defined in a file under {folder} that rigctl can edit "
+                      f"(an inventory file's inline variables are not)")
+
+
 def yaml_value(value: Any) -> Any:
     """``value`` as the file keeps it: each :class:`OutsideText` an ``!unsafe`` scalar (quoted for the reader;
     Ansible resolves it as if unquoted, which free text survives as a string)."""

@@ -36,7 +36,7 @@ from rigctl.fleet.candidate import CandidateBuild, CandidatePin
 from rigctl.fleet.deploy import roles_paths
 from rigctl.fleet.servers import host_status, unit_states
 from rigctl.inventory import Host, Inventory, Server, advisories
-from rigctl.inventory.edit import InventoryEdit, OutsideText, round_trip_yaml
+from rigctl.inventory.edit import InventoryEdit, OutsideText, round_trip_yaml, vars_file
 from rigctl.inventory.gates import GATES_VAR, Gates
 from rigctl.results.record import Provenance, RunKind
 from rigctl.results.run import Run
@@ -80,22 +80,6 @@ def scope(inventory: Inventory, canary: Host) -> list[Host]:
     others = [h for h in inventory.hosts.values() if h.name != canary.name and "llama_cpp_source" in h.vars
               and pin_origin(inventory, h) == origin]
     return [canary, *others]
-
-
-def vars_file(inventory: Inventory, origin: str, key: str) -> Path:
-    """The group_vars/host_vars file that defines ``key`` for ``origin`` (``group all``, ``host desktop``)."""
-    kind, _, name = origin.partition(" ")
-    root = Path(inventory.source)
-    folder = root / ("group_vars" if kind == "group" else "host_vars")
-    candidates = [folder / f"{name}.yml", folder / f"{name}.yaml",
-                  *sorted((folder / name).glob("*.yml")), *sorted((folder / name).glob("*.yaml"))]
-    for path in candidates:
-        if path.is_file():
-            data = round_trip_yaml().load(path.read_text())
-            if isinstance(data, dict) and key in data:
-                return path
-    raise ConfigError(f"{origin}: {key} is not defined in a file under {folder} that rigctl can edit "
-                      f"(an inventory file's inline variables are not)")
 
 
 class PinFiles:

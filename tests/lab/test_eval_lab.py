@@ -132,6 +132,26 @@ def test_scores_follow_from_the_raw_replies(lab, env, name, n):
     assert overall["cutoffs"] == sum(r["cutoff"] for r in rows)
 
 
+def test_lmevals_own_request_is_served_and_scored_as_lmeval(lab, env):
+    """``request: lm-eval``: five examples as chat turns, lm-eval's stop sequences and 256 tokens reach the real
+    llama-server, whose replies stop where lm-eval's would; the record names the request and the release."""
+    task = TASKS / "fixture-gsm8k-lmeval.yaml"
+    before = set((env[0] / HOST).glob("eval-*"))
+    done = rigctl(env, "eval", "run", "--host", HOST, "--server", SERVER, "--task", str(task), "--limit", "3")
+    assert done.returncode == 0, done.stderr
+    path = run_dir(env, before)
+    record = check_record(path, task, lab)
+    assert record.task.request["reproduces"] == "lm-eval 0.4.13 gsm8k" and record.task.request["num_fewshot"] == 5
+    assert record.task.instruments == {"lm-eval": "0.4.13"} and len(record.task.dataset_sha256) == 2
+    rows = read_jsonl(path / "answers.jsonl")
+    assert len(rows) == 3
+    for row in rows:
+        assert row["finish_reason"] in ("stop", "length") and (row["tokens"] or 0) <= 256, row
+        # The server stopped at lm-eval's stop sequences: none is left in a reply.
+        assert not any(stop in row["reply"] for stop in ("Question:", "</s>", "<|im_end|>")), row["reply"]
+        assert row["lmeval_strict_match"] in (0, 1) and row["lmeval_flexible_extract"] in (0, 1), row
+
+
 def test_bfcl_on_a_template_without_tools_is_refused_in_one_line(lab, env, tmp_path):
     """SmolLM2's template renders no tools: its /props says so, and a BFCL task that does not allow that is
     refused before a run begins, in one line naming how the server told."""
