@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from rigctl.forward import server_endpoint
 from rigctl.hostside import bfcl
 from rigctl.results.record import RunRecord
 from rigctl.results.store import ResultsStore, read_jsonl
@@ -73,7 +74,7 @@ def base_url(lab) -> str:
 
 def auth(lab) -> dict[str, str]:
     """The lab servers' bearer header (the lab inventory carries a key)."""
-    return lab.host(HOST).server(SERVER).endpoint.headers()
+    return server_endpoint(lab.host(HOST), lab.host(HOST).server(SERVER)).headers()
 
 
 def check_record(path: Path, task_file: Path, lab) -> RunRecord:
