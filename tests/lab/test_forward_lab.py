@@ -116,7 +116,7 @@ def test_servers_and_the_mcp_health_probe_through_the_forward(lab: Inventory, lo
     assert row.state == "active" and row.healthy and row.health == "ok" and row.model, row
     health = _tool(FleetTools(lab).server_health)(HOST, SERVER)  # a tool call opens its own scope
     assert health["healthy"] and health["endpoint"] == f"http://127.0.0.1:{loopback.server(SERVER).port}"
-    assert health["props"]["model_path"].endswith(".gguf")
+    assert health["props"]["n_ctx"] > 0 and health["props"]["total_slots"] == 1
 
 
 @pytest.mark.hf_checkout
