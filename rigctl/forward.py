@@ -84,7 +84,8 @@ class Forward:
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self._open: set[tuple[socket.socket, paramiko.Channel]] = set()
-        self._threads: list[threading.Thread] = []
+        self._acceptor: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []  # one per forwarded connection
 
     @property
     def target(self) -> str:
@@ -115,9 +116,10 @@ class Forward:
         checked = self._channel((LOCAL_ADDRESS, 0))
         if checked is not None:
             checked.close()
-        listener = socket.create_server((LOCAL_ADDRESS, 0), backlog=64)
-        self._listener = listener
-        self._start(self._accept, f"rigctl-forward-{self.ssh.host}-{self.port}")
+        self._listener = socket.create_server((LOCAL_ADDRESS, 0), backlog=64)
+        self._acceptor = threading.Thread(target=self._accept, args=(self._listener,), daemon=True,
+                                          name=f"rigctl-forward-{self.ssh.host}-{self.port}")
+        self._acceptor.start()
         log.debug("%s: forwarding %s to %s", self.ssh.host, self.url, self.target)
         return self
 
@@ -128,22 +130,16 @@ class Forward:
         if listener is not None:
             _shut(listener)  # wakes the accept loop, which close() alone does not
             listener.close()
+        if self._acceptor is not None:
+            self._acceptor.join(self.timeout)  # no connection is taken from now on
         with self._lock:
             pairs, self._open = list(self._open), set()
+            threads = list(self._threads)
         for conn, chan in pairs:
             _shut(conn)
             chan.close()
-        with self._lock:
-            threads = list(self._threads)
         for thread in threads:
-            if thread is not threading.current_thread():
-                thread.join(self.timeout)
-
-    def _start(self, target: object, name: str, *args: object) -> None:
-        thread = threading.Thread(target=target, args=args, name=name, daemon=True)  # type: ignore[arg-type]
-        with self._lock:
-            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
-        thread.start()
+            thread.join(self.timeout)
 
     def _channel(self, origin: tuple[str, int]) -> paramiko.Channel | None:
         """A ``direct-tcpip`` channel to the target; None when nothing listens there. ForwardError when the host
@@ -163,17 +159,23 @@ class Forward:
         except (OSError, EOFError, paramiko.SSHException) as exc:
             raise ForwardError(self.ssh.host, self.target, str(exc) or type(exc).__name__) from None
 
-    def _accept(self) -> None:
-        listener = self._listener
-        while listener is not None and not self._closed.is_set():
+    def _accept(self, listener: socket.socket) -> None:
+        while not self._closed.is_set():
             try:
                 conn, origin = listener.accept()
             except OSError:
                 return  # closed
-            self._start(self._serve, f"rigctl-forward-{self.ssh.host}-{self.port}-{origin[1]}", conn, origin)
+            thread = threading.Thread(target=self._serve, args=(conn, origin), daemon=True,
+                                      name=f"rigctl-forward-{self.ssh.host}-{self.port}-{origin[1]}")
+            with self._lock:
+                self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+            thread.start()
 
     def _serve(self, conn: socket.socket, origin: tuple[str, int]) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # requests and replies are small packets
+        if self._closed.is_set():  # taken as the forward closed: no channel (nor a new connection) for it
+            conn.close()
+            return
         try:
             chan = self._channel(origin)
         except RigctlError as exc:  # the connection dropped, or the host stopped forwarding: this request fails
