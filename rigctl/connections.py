@@ -39,7 +39,7 @@ class Connections:
 
     def __init__(self) -> None:
         self._kept: dict[Hashable, Closable] = {}
-        self._lock = threading.RLock()  # the threads of one command (one per host) share the scope
+        self._lock = threading.Lock()  # the threads of one command (one per host) share the scope
 
     def client(self, host: Host, make: Callable[[Host], _C]) -> _C:
         return self.keep(("connection", host.name), lambda: make(host))

@@ -4,7 +4,8 @@ lifecycle around a run.
 Each instance is the systemd unit ``llama-server@<name>.service`` that roles/llama_server installs from
 the inventory's ``llama_server_instances``. This module asks systemd over SSH (``systemctl show``,
 ``journalctl``) and the server itself over HTTP (``/health``, ``/props``, through
-:mod:`rigctl.llama_http`); the parsers of what systemd prints are pure functions.
+:mod:`rigctl.llama_http`, at :func:`rigctl.forward.server_endpoint`: an SSH forward for an instance that listens
+on loopback); the parsers of what systemd prints are pure functions.
 
 Fleet calls return one record per instance and keep going when a host cannot be reached: that host's
 instances come back with ``state="unreachable"`` and the reason in ``error``.
