@@ -34,9 +34,8 @@ YAML file, the pulled runs that answer it, and running what is missing.
          text: corpus/wiki.test.raw, ctx: 512, chunks: 100}                       # the campaign file
     not_measured: [thinking on, ...] # for the report's scope line
 
-:func:`locate` finds, for every bench (per host) and every eval target, the newest pulled run that
-answers it; :func:`run_campaign` runs only what is still missing (and resumes stopped eval runs),
-so it can be interrupted and started again.
+:func:`locate` finds, for every bench (per host) and every eval target, the newest pulled run that answers it;
+:func:`run_campaign` runs only what is missing (and resumes stopped eval runs): it can be stopped and started again.
 """
 
 from __future__ import annotations
@@ -628,7 +627,8 @@ def _run_eval(ctx: _Context, evaluation: CampaignEval, target: EvalTarget, unfin
         for host_name in target.hosts:
             names = [m.server for m in members if m.host == host_name]
             up.enter_context(servers.running(ctx.inventory.host(host_name), names, on_step=ctx.on_step))
-        endpoints = [ctx.inventory.host(m.host).server(m.server).endpoint for m in members]
+        endpoints = [t.endpoint for t in inventory_targets([(ctx.inventory.host(m.host), m.server) for m in members],
+                                                           facts=False)]
         if unfinished is not None:
             run, task, options = runner.resume_run(ctx.store, f"{unfinished.host}/{unfinished.id}", endpoints)
         else:

@@ -316,7 +316,9 @@ def resume_run(store: ResultsStore, ref: str, endpoint: Endpoints) -> tuple[Run,
         raise EvalError(f"run {run.id}: the task's datasets differ from the ones the run started with")
     started_with = record.servers or [Server()]
     for current in endpoint_list(endpoint):
-        before = next((s for s in started_with if s.endpoint == current.url), None)
+        # By URL and label: two hosts' loopback servers share a URL (http://127.0.0.1:8080), never a label.
+        before = next((s for s in started_with if s.endpoint == current.url and s.label in (None, current.label)),
+                      None)
         if before is None:
             if len(started_with) > 1:
                 known = ", ".join(str(s.endpoint) for s in started_with)

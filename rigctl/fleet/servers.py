@@ -4,7 +4,8 @@ lifecycle around a run.
 Each instance is the systemd unit ``llama-server@<name>.service`` that roles/llama_server installs from
 the inventory's ``llama_server_instances``. This module asks systemd over SSH (``systemctl show``,
 ``journalctl``) and the server itself over HTTP (``/health``, ``/props``, through
-:mod:`rigctl.llama_http`); the parsers of what systemd prints are pure functions.
+:mod:`rigctl.llama_http`, at :func:`rigctl.forward.server_endpoint`: an SSH forward for an instance that listens
+on loopback); the parsers of what systemd prints are pure functions.
 
 Fleet calls return one record per instance and keep going when a host cannot be reached: that host's
 instances come back with ``state="unreachable"`` and the reason in ``error``.
@@ -32,6 +33,7 @@ from typing import Any
 
 from rigctl.connections import on_each_host
 from rigctl.errors import ConfigError, RemoteCommandError, RigctlError, ServerError
+from rigctl.forward import server_endpoint
 from rigctl.hostside import ship
 from rigctl.hostside import units as host_units
 from rigctl.hostside.sandbox import run_options
@@ -160,10 +162,10 @@ def unit_states(host: Host, servers: Iterable[str]) -> dict[str, UnitState]:
     return {name: by_unit[unit_name(name)] for name in names if unit_name(name) in by_unit}
 
 
-def probe(server: Server, timeout: float = HTTP_TIMEOUT) -> tuple[bool, str, str | None, str | None]:
+def probe(host: Host, server: Server, timeout: float = HTTP_TIMEOUT) -> tuple[bool, str, str | None, str | None]:
     """(healthy, health text, model_path, build_info) from the instance's /health and /props."""
     timeouts = Timeouts(connect=timeout, read=timeout, write=timeout, pool=timeout)
-    with ServerClient(server.endpoint, timeouts=timeouts, retry=NO_RETRY) as client:
+    with ServerClient(server_endpoint(host, server), timeouts=timeouts, retry=NO_RETRY) as client:
         health = client.health()
         if not health.ok:
             return False, health.status, None, None
@@ -195,7 +197,7 @@ def host_status(host: Host) -> list[ServerStatus]:
             rows.append(ServerStatus(host.name, inst.name, inst.port, inst.artifact, inst.profile.name, inst.enabled,
                                      state, 0, False, "disabled"))
             continue
-        healthy, health, model, build = probe(inst)
+        healthy, health, model, build = probe(host, inst)
         rows.append(ServerStatus(host.name, inst.name, inst.port, inst.artifact, inst.profile.name, inst.enabled,
                                  state, unit.main_pid if unit else 0,
                                  healthy, health, model, build, pending_restart=pending.get(inst.name, ())))
@@ -229,7 +231,7 @@ def restart(inventory: Inventory, host_name: str, server: str, timeout: float = 
     instance = host.server(server)
     with session(host) as ssh:
         restart_instance(ssh, instance, timeout=timeout)
-    healthy, health, model, build = probe(instance)
+    healthy, health, model, build = probe(host, instance)
     state = unit_states(host, [server])[server]
     return ServerStatus(host.name, server, instance.port, instance.artifact, instance.profile.name, instance.enabled,
                         state.active_state, state.main_pid, healthy, health, model, build)
@@ -350,7 +352,7 @@ def restart_instance(ssh: SshClient, server: Server, *, timeout: float = HEALTH_
     """Restart ``server``'s unit and wait until it is ready; the seconds that took."""
     began = time.monotonic()
     systemctl(ssh, "restart", [server.unit])
-    wait_ready(ssh, server.unit, server.endpoint, purpose="restart", timeout=timeout)
+    wait_ready(ssh, server.unit, server_endpoint(ssh, server), purpose="restart", timeout=timeout)
     return time.monotonic() - began
 
 
@@ -369,7 +371,7 @@ def running(host: Host, names: Sequence[str], *, start: bool = True,
                 say(f"{host.name}: starting {', '.join(s.name for s in started)}")
                 systemctl(ssh, "start", [s.unit for s in started])
             for server in servers:
-                wait_ready(ssh, server.unit, server.endpoint)
+                wait_ready(ssh, server.unit, server_endpoint(ssh, server))
             yield [s.name for s in started]
         finally:
             if started:
@@ -387,7 +389,7 @@ def stopped(ssh: SshClient, server: Server) -> Iterator[None]:
     finally:
         if was_running:
             systemctl(ssh, "start", [server.unit])
-            wait_ready(ssh, server.unit, server.endpoint)
+            wait_ready(ssh, server.unit, server_endpoint(ssh, server))
 
 
 @dataclass(frozen=True)
@@ -436,7 +438,7 @@ def probe_server(ssh: SshClient, server: Server, settings: Mapping[str, Any], po
                           f"({' '.join(extra[:4]) or 'order'}); deploy before probing it")
     argv = server.argv_with(port=port, **settings)
     probe = probe_unit(server, purpose)
-    endpoint = Endpoint(f"http://{server.address}:{port}", api_key=server.api_key, label=f"{server.host}/{probe}")
+    endpoint = server_endpoint(ssh, server, port=port, label=f"{server.host}/{probe}")
     ssh.run(shlex.join(probe_server_argv(server, probe, argv, binary)), timeout=SSH_TIMEOUT * 2, check=True)
     try:
         wait_ready(ssh, probe, endpoint, purpose=purpose)

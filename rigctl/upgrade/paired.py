@@ -35,6 +35,7 @@ from typing import Any
 from rigctl.errors import RigctlError, ServerError
 from rigctl.fleet.build import Build
 from rigctl.fleet.servers import probe_server, probe_unit, wait_ready
+from rigctl.forward import server_endpoint
 from rigctl.inventory import Host, Server
 from rigctl.inventory.gates import BenchGate, Gates, IdentityGate, QualityGate, ServerGate
 from rigctl.llama_http import Endpoint, ServerClient, Timeouts
@@ -170,8 +171,9 @@ def serving(host: Host, server: Server, side: Side, *, port: int, purpose: str,
     instance with the side's llama-server on ``port``, stopped on exit."""
     with session(host) as ssh:
         if is_instance:
-            wait_ready(ssh, server.unit, server.endpoint, purpose=purpose)
-            yield server.endpoint
+            endpoint = server_endpoint(ssh, server)
+            wait_ready(ssh, server.unit, endpoint, purpose=purpose)
+            yield endpoint
             return
         with probe_server(ssh, server, {}, port, purpose, binary=side.llama_server) as probe:
             yield probe.endpoint

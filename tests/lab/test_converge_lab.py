@@ -20,6 +20,7 @@ from process_support import descendants, still_running
 
 from rigctl.fleet.deploy import run_playbook
 from rigctl.fleet.servers import list_servers
+from rigctl.forward import server_endpoint
 from rigctl.inventory import Inventory
 from rigctl.ssh import SshClient, SshTarget
 
@@ -44,7 +45,7 @@ def _remote(inventory: Inventory, host: str, cmd: str) -> str:
 def _n_ctx(inventory: Inventory) -> int:
     server = inventory.host("desktop").server("smollm2")
     props = httpx.get(f"http://{inventory.host('desktop').address}:{server.port}/props", timeout=30,
-                      headers=server.endpoint.headers()).json()
+                      headers=server_endpoint(inventory.host("desktop"), server).headers()).json()
     return int(props["default_generation_settings"]["n_ctx"])
 
 

@@ -19,6 +19,7 @@ import pytest
 from benchlab import REPO, RIGCTL, assert_deployed, cli_env, served_inventory
 from hf_server import eval_fixtures_hub
 
+from rigctl.forward import server_endpoint
 from rigctl.hostside import bfcl
 from rigctl.results.record import RunRecord
 from rigctl.results.store import ResultsStore, read_jsonl
@@ -69,7 +70,7 @@ def base_url(lab) -> str:
 
 def auth(lab) -> dict[str, str]:
     """The lab servers' bearer header (the lab inventory carries a key)."""
-    return lab.host(HOST).server(SERVER).endpoint.headers()
+    return server_endpoint(lab.host(HOST), lab.host(HOST).server(SERVER)).headers()
 
 
 def check_record(path: Path, task_file: Path, lab) -> RunRecord:

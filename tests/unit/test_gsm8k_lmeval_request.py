@@ -29,16 +29,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hf_server import HfRepo, HfServer
+from local_http import Handler, LocalServer
 
 from rigctl.errors import EvalError
 from rigctl.evals import lmeval
 from rigctl.evals.runner import task_stamp
 from rigctl.evals.tasks import load_task, parse_task
 from rigctl.hostside import scorers
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
-from hf_server import HfRepo, HfServer  # noqa: E402
-from local_http import Handler, LocalServer  # noqa: E402
 
 PINS = Path(__file__).parent / "data" / "gsm8k_lmeval_requests.json"
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "evals"

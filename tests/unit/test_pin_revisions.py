@@ -15,13 +15,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hf_server import HfRepo, HfServer
+from local_http import Handler, LocalServer
 
 from rigctl.inventory import Inventory
 from rigctl.inventory.check import check
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
-from hf_server import HfRepo, HfServer  # noqa: E402
-from local_http import Handler, LocalServer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 RIGCTL = str(Path(sys.executable).parent / "rigctl")
