@@ -26,7 +26,7 @@ import re
 import socket
 import subprocess
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -375,6 +375,16 @@ class InventoryFiles:
         for key, value in values.items():
             if _comparable(data.get(key)) != _comparable(value):
                 data[key] = _yaml_value(value)
+        return self._write(path, data)
+
+    def remove_host_vars_keys(self, name: str, keys: Sequence[str]) -> bool:
+        """Remove ``keys`` from host_vars/NAME.yml, keeping the rest and its comments; True if written."""
+        path = self.host_vars_file(name)
+        data = self._load(path)
+        if not isinstance(data, dict) or not any(key in data for key in keys):
+            return False
+        for key in keys:
+            data.pop(key, None)
         return self._write(path, data)
 
     def remove_host_vars(self, name: str) -> bool:

@@ -290,11 +290,12 @@ _Q_VALUES = {"retired_pages.single_bit_ecc.count": "Retired Pages/Single Bit ECC
 
 
 def query_health_cells(text: str) -> list[dict[str, str]]:
-    """``nvidia-smi -q`` (whole or the sections kept): per GPU (``GPU 00000000:10:1C.0`` blocks) the cells
-    :data:`HEALTH_FIELDS` would print for the ECC, retired-page, remapped-row and recovery sections it holds,
-    as the query's own cells (a section it lacks is left out; a record without its ``GPU`` line is one GPU's). What the lab's stand-in replays from a
-    recorded ``-q``; the ECC totals are the sums of a section's ``...Correctable``/``...Uncorrectable`` counters
-    (SRAM and DRAM, or device memory, register file, caches) where it prints no ``Total``."""
+    """``nvidia-smi -q`` (whole or the sections kept): per GPU (``GPU 00000000:10:1C.0`` blocks; a record
+    without its ``GPU`` line is one GPU's) the cells :data:`HEALTH_FIELDS` would print for the ECC,
+    retired-page, remapped-row and recovery sections it holds (a section it lacks is left out): what the
+    lab's stand-in replays from a recorded ``-q``. An ECC total is the sum of a section's
+    ``...Correctable``/``...Uncorrectable`` counters (SRAM and DRAM, or device memory, register file, caches)
+    where it prints no ``Total``."""
     gpus: list[dict[str, str]] = []
     values: dict[str, str] = {}
     path: list[tuple[int, str]] = []
