@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from rigctl.fleet.drain import Drain
-from rigctl.fleet.health import verdicts
+from rigctl.fleet.health import APPLICATION_XIDS, verdicts
 from rigctl.fleet.state import HostState
 from rigctl.hostside import nvidia_smi
 
@@ -39,7 +39,8 @@ FAMILIES: dict[str, tuple[str, str, list[str]]] = {
     "pcie_width": ("rigctl_gpu_pcie_link_width", "PCIe link width in lanes: link current or max",
                    [*GPU_LABELS, "link"]),
     "xid": ("rigctl_gpu_xid_errors", "Xid reports in the kernel log since boot, by code (gpu empty: a bus no GPU "
-            "of the host answers for)", [*GPU_LABELS, "xid"]),
+            "of the host answers for; blame: gpu, or application for the codes NVIDIA puts on it)",
+            [*GPU_LABELS, "xid", "blame"]),
     "unhealthy": ("rigctl_gpu_unhealthy", "1 if the GPU is unhealthy by rigctl's verdict (what drains by policy)",
                   GPU_LABELS),
     "health_ok": ("rigctl_gpu_health_readable", "1 if the driver answered the health query", ["host"]),
@@ -65,7 +66,8 @@ def health_families(hosts: Mapping[str, HostState], drains: Mapping[str, Drain |
             labels = [host, "" if verdict.index is None else str(verdict.index), sample.name if sample else "",
                       sample.uuid if sample else ""]
             for code, count in verdict.xids.items():
-                f["xid"].add_metric([*labels, str(code)], float(count))
+                blame = "application" if code in APPLICATION_XIDS else "gpu"
+                f["xid"].add_metric([*labels, str(code), blame], float(count))
             if verdict.index is None:
                 continue
             f["unhealthy"].add_metric(labels, 1.0 if verdict.problems else 0.0)
