@@ -166,3 +166,51 @@ def test_the_policy_drains_an_unhealthy_host_once_and_ignore_leaves_it(inventory
     assert list(done) == ["desktop"] and done["desktop"].by == "policy"
     assert done["desktop"].reason == "unhealthy GPU: GPU 0: remapped rows pending a reset"
     assert drain.apply_policy(Inventory.load(inventory.source), problems) == {}  # drained already
+
+
+# ----------------------------------------------------------------------------------------------- the lab's stand-in
+
+
+def test_the_stand_in_plays_a_recorded_condition_through_the_host_side_reading(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch):
+    """The lab's RTX 3050 given a recorded -q's ECC errors and a recorded dmesg's Xids: the host side's own
+    commands (nvidia-smi's health query with its fallback, dmesg) read them back, and the verdict says so."""
+    import dataclasses
+
+    from rigctl.fleet.state import read_health
+    from rigctl.hostside import fleet_state
+    from rigctl.lab.gpu import gpu_from_capture, health_from_capture, host_gpu_uuid, kernel_log_from_capture
+
+    card = gpu_from_capture("rtx3050-8gb", host_gpu_uuid("desktop"))
+    state = tmp_path / "gpu.json"
+    state.write_text(card.to_json())
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("nvidia-smi", "dmesg"):
+        (bin_dir / tool).symlink_to(REPO / "rigctl" / "lab" / "assets" / tool)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{Path(__import__('sys').executable).parent}:/usr/bin:/bin")
+    monkeypatch.setenv("RIGCTL_LAB_GPU_STATE", str(state))
+
+    def reading() -> HostState:
+        raw = {"health": None, "kernel_xids": fleet_state.kernel_xids(30)}
+        for fields in (nvidia_smi.HEALTH_FIELDS, nvidia_smi.LEGACY_HEALTH_FIELDS):
+            raw["health"] = {**fleet_state.run(["nvidia-smi", "--query-gpu=" + ",".join(fields),
+                                                "--format=csv,noheader,nounits"], 30), "fields": list(fields)}
+            if raw["health"]["rc"] == 0:
+                break
+        facts = HostState("desktop", up=True)
+        read_health(facts, raw)
+        return facts
+
+    healthy = reading()
+    assert healthy.health_error is None and healthy.xids == []
+    assert healthy.health[0].ecc_uncorrected_volatile is None and healthy.health[0].bus_id == "00000000:01:00.0"
+    assert verdicts(healthy.health, healthy.xids)[0].problems == ()
+
+    state.write_text(dataclasses.replace(card, health=health_from_capture("sram-uncorrectable"),
+                                         kernel_log=kernel_log_from_capture("xid-32-31-bus-01")).to_json())
+    sick = reading()
+    (gpu,) = verdicts(sick.health, sick.xids)
+    assert sick.health[0].ecc_uncorrected_volatile == 1 and sick.health[0].ecc_uncorrected_aggregate == 5
+    assert gpu.xids == {31: 1, 32: 2}  # the recorded bus 0000:01:00 is the captured RTX 3050's
+    assert gpu.problems == ("1 uncorrected ECC errors since the driver loaded", "Xid 32 (2x since boot)")
