@@ -214,3 +214,17 @@ def test_the_stand_in_plays_a_recorded_condition_through_the_host_side_reading(t
     assert sick.health[0].ecc_uncorrected_volatile == 1 and sick.health[0].ecc_uncorrected_aggregate == 5
     assert gpu.xids == {31: 1, 32: 2}  # the recorded bus 0000:01:00 is the captured RTX 3050's
     assert gpu.problems == ("1 uncorrected ECC errors since the driver loaded", "Xid 32 (2x since boot)")
+
+
+def test_the_cli_refuses_a_reason_with_markup_in_one_line_and_writes_nothing(inventory: Inventory):
+    import subprocess
+    import sys
+
+    path = inventory.source / "host_vars" / "desktop.yml"
+    before = path.read_text()
+    done = subprocess.run([str(Path(sys.executable).parent / "rigctl"), "-i", str(inventory.source), "hosts", "drain",
+                           "desktop", "--reason", "GPU [red]gone[/red]"], capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines() == ["error: --reason: plain text without markup, got '[' in it"]
+    assert path.read_text() == before
