@@ -95,6 +95,7 @@ def test_an_unhealthy_gpu_alerts_drains_and_undrain_brings_it_back(request, tmp_
     server, _ = exporter.serve(f"127.0.0.1:{port}")
     exporter.start()
     config = tmp_path / "prometheus"
+    (tmp_path / "units").mkdir()
     run_playbook(inventory, "monitoring.yml", extravars={
         "monitoring_install": False, "monitoring_manage_service": False, "monitoring_config_dir": str(config),
         "monitoring_scrape_interval": "1s", "monitoring_scrape_timeout": "1s", "monitoring_evaluation_interval": "1s",
