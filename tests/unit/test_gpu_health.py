@@ -228,3 +228,17 @@ def test_the_cli_refuses_a_reason_with_markup_in_one_line_and_writes_nothing(inv
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.splitlines() == ["error: --reason: plain text without markup, got '[' in it"]
     assert path.read_text() == before
+
+
+def test_a_bench_and_a_canary_on_a_drained_host_say_why_before_anything_connects(inventory: Inventory):
+    from rigctl.bench.matrix import parse_spec, start_bench
+    from rigctl.upgrade.upgrade import upgrade
+
+    drain.drain(inventory, "desktop", "fans replaced, burn-in first")
+    drained = Inventory.load(inventory.source)
+    started = start_bench(drained, parse_spec({"hosts": ["desktop"], "models": ["smollm2-135m-q4_1"]}, "test"))
+    assert list(started) == ["desktop"] and isinstance(started["desktop"], DrainedError)
+    assert "host desktop is drained (drained since " in str(started["desktop"])
+    with pytest.raises(DrainedError, match=r"host desktop is drained .*fans replaced, burn-in first.*"
+                                           r"`rigctl hosts undrain desktop`"):
+        upgrade(drained, "b9999", canary="desktop", store=None)
