@@ -124,6 +124,10 @@ class DeployError(RigctlError):
     """An Ansible run failed: a host was unreachable or a task failed."""
 
 
+class DrainedError(RigctlError):
+    """A drained host asked to run a campaign step, an eval, a bench or a canary: the host and why."""
+
+
 class BuildError(RigctlError):
     """A host has no llama.cpp build, or its build cannot be changed as asked."""
 

@@ -35,7 +35,7 @@ YAML file, the pulled runs that answer it, and running what is missing.
     not_measured: [thinking on, ...] # for the report's scope line
 
 :func:`locate` finds, for every bench (per host) and every eval target, the newest pulled run that answers it;
-:func:`run_campaign` runs only what is missing (and resumes stopped eval runs): it can be stopped and started again.
+:func:`run_campaign` runs only what is missing (resuming stopped eval runs), skipping a drained host's steps.
 """
 
 from __future__ import annotations
@@ -46,13 +46,14 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rigctl.bench.matrix import BenchSpec
-from rigctl.errors import ConfigError, EvalError, JobBusyError, RigctlError
+from rigctl.errors import ConfigError, DrainedError, EvalError, JobBusyError, RigctlError
 from rigctl.evals.kld import KldSpec, corpus_identity
+from rigctl.fleet.drain import InService
 from rigctl.inputs import error_line, read_mapping, read_text
 from rigctl.inventory import Host, Inventory
 from rigctl.results.store import ResultsStore, StoredRun
@@ -471,7 +472,7 @@ def locate(loaded: LoadedCampaign, store: ResultsStore) -> Located:
 @dataclass(frozen=True)
 class StepOutcome:
     step: str  # "bench speed on desktop", "eval suite smollm2-135m-q4_1@desktop"
-    status: Literal["pulled", "ran", "resumed", "failed", "refused"]
+    status: Literal["pulled", "ran", "resumed", "failed", "refused", "skipped"]  # skipped: its host is drained
     run: str | None = None  # host/run id
     error: str | None = None
 
@@ -496,8 +497,7 @@ class _Step:
     found: StoredRun | None
     run: Callable[[], str]
     resumes: bool = False  # running it continues a stopped run
-    #: The error by which running it declines (outcome "refused", its record kept in the error's ``run``)
-    #: rather than fails.
+    #: The error by which running it declines rather than fails (outcome "refused", the record in its ``run``).
     refusal: type[RigctlError] | None = None
 
 
@@ -647,10 +647,8 @@ def _run_eval(ctx: _Context, evaluation: CampaignEval, target: EvalTarget, unfin
 def run_campaign(loaded: LoadedCampaign, inventory: Inventory, store: ResultsStore, *,
                  on_step: OnStep = lambda _: None) -> list[StepOutcome]:
     """Pull every host, then run each bench, load, eval, upgrade, race and KLD it lacks: per step, the outcome.
-
-    A failed step is reported and the others go on (their results are kept); running again picks up
-    only what is still missing, and resumes eval runs that stopped part-way. Each host is talked to over
-    one SSH connection for the whole run."""
+    A failed step is reported and the others go on (their results are kept); running again picks up only what
+    is missing, and resumes eval runs that stopped part-way. One SSH connection per host for the whole run."""
     from rigctl import jobs
     from rigctl.connections import connections
 
@@ -662,7 +660,8 @@ def run_campaign(loaded: LoadedCampaign, inventory: Inventory, store: ResultsSto
                     on_step(line)
             except RigctlError as exc:
                 on_step(f"{name}: pull failed: {exc}")
-        ctx = _Context(loaded, inventory, store, locate(loaded, store), on_step)
+        serving = cast(Inventory, InService(inventory, "a campaign"))
+        ctx = _Context(loaded, serving, store, locate(loaded, store), on_step)
         outcomes: list[StepOutcome] = []
         for steps in STEP_KINDS.values():
             for step in steps(ctx):
@@ -671,6 +670,8 @@ def run_campaign(loaded: LoadedCampaign, inventory: Inventory, store: ResultsSto
                     continue
                 try:
                     outcomes.append(StepOutcome(step.name, "resumed" if step.resumes else "ran", step.run()))
+                except DrainedError as exc:
+                    outcomes.append(StepOutcome(step.name, "skipped", error=str(exc)))
                 except RigctlError as exc:
                     if step.refusal is not None and isinstance(exc, step.refusal):
                         outcomes.append(StepOutcome(step.name, "refused", getattr(exc, "run", None), error=str(exc)))

@@ -236,6 +236,9 @@ def _message(res: Mapping[str, Any]) -> str:
     for item in res.get("results") or ():
         if isinstance(item, Mapping) and item.get("failed"):
             return _message(item)
+    if res.get("msg") == "failed to validate":  # the validator (promtool, visudo...) says why
+        said = [ln.strip() for ln in f"{res.get('stdout') or ''}\n{res.get('stderr') or ''}".splitlines() if ln.strip()]
+        return f"failed to validate: {said[-1]}" if said else "failed to validate"
     for key in ("msg", "stderr", "reason", "module_stderr"):
         value = res.get(key)
         if value:

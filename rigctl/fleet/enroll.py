@@ -351,6 +351,16 @@ class InventoryFiles:
         tagged alike, is left as it is."""
         return self.edit.update(self.host_vars_file(name), values, header=HOST_VARS_HEADER)
 
+    def remove_host_vars_keys(self, name: str, keys: Sequence[str]) -> bool:
+        """Remove ``keys`` from host_vars/NAME.yml, keeping the rest and its comments; True if written."""
+        path = self.host_vars_file(name)
+        data = self.edit.read(path)
+        if not isinstance(data, dict) or not any(key in data for key in keys):
+            return False
+        for key in keys:
+            data.pop(key, None)
+        return self.edit.write(path, data)
+
     def remove_host_vars(self, name: str) -> bool:
         return self.edit.delete(self.host_vars_file(name))
 

@@ -237,6 +237,13 @@ def restart(inventory: Inventory, host_name: str, server: str, timeout: float = 
                         state.active_state, state.main_pid, healthy, health, model, build)
 
 
+def stop_servers(host: Host) -> None:
+    """Stop every llama-server instance of ``host`` (a drain whose policy says stop; RemoteCommandError)."""
+    if host.servers:
+        with session(host) as ssh:
+            systemctl(ssh, "stop", [unit_name(s.name) for s in host.servers])
+
+
 def logs(inventory: Inventory, host_name: str, server: str, lines: int = 50) -> str:
     """The last ``lines`` journal lines of instance ``server`` on ``host_name``."""
     if lines < 1:

@@ -338,6 +338,38 @@ def parse_serial(value: Any) -> list[int | str]:
 SerialSpec = Annotated[Any, AfterValidator(parse_serial)]
 
 
+#: The most a drain reason may say: one line of a table, an alert's label, a skip's reason.
+MAX_DRAIN_REASON = 200
+_MARKUP = re.compile(r"[\[\]<>{}`]")
+
+
+def drain_reason(value: str) -> str:
+    """A drain's reason: printable plain text of 1..MAX_DRAIN_REASON characters, with nothing a terminal, a page
+    or a template reads as markup (no ``[ ] < > { }`` or backquotes), since every report and alert shows it."""
+    if not value.strip() or len(value) > MAX_DRAIN_REASON:
+        raise ValueError(f"a reason of 1-{MAX_DRAIN_REASON} characters, got {len(value.strip())}")
+    odd = next((ch for ch in value if not ch.isprintable()), None) or next(iter(_MARKUP.findall(value)), None)
+    if odd is not None:
+        raise ValueError(f"plain text without markup, got {odd!r} in it")
+    return value
+
+
+class DrainSpec(_Strict):
+    """``rigctl_drain``: the host is out of campaigns, fan-out evals, benches and canaries (``rigctl hosts
+    drain``; or the health policy's own drain)."""
+
+    reason: Annotated[str, AfterValidator(drain_reason)]
+    since: Annotated[str, Field(pattern=r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z$")]
+    by: Literal["operator", "policy"]
+
+
+class DrainPolicySpec(_Strict):
+    """``rigctl_drain_policy``: what an unhealthy GPU (:mod:`rigctl.fleet.health`) does to its host. ``ignore``:
+    alerts only; ``drain``: drained, its servers keep serving; ``stop``: drained and its servers stopped."""
+
+    unhealthy_gpu: Literal["ignore", "drain", "stop"] = "ignore"
+
+
 #: Every variable rigctl itself reads, with its schema.
 SCHEMA: dict[str, Any] = {
     "gpu_host_gpu": GpuSpec,
@@ -374,6 +406,8 @@ SCHEMA: dict[str, Any] = {
     # too is checked by rigctl/upgrade/gates.py's check_gates.
     "rigctl_upgrade_gates": Gates | None,
     "ansible_port": Annotated[int, Field(ge=1, le=65535)],
+    "rigctl_drain": DrainSpec | None,
+    "rigctl_drain_policy": DrainPolicySpec,
 }
 
 

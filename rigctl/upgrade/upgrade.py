@@ -34,6 +34,7 @@ from rigctl.fleet import candidate
 from rigctl.fleet.build import Build, read_builds
 from rigctl.fleet.candidate import CandidateBuild, CandidatePin
 from rigctl.fleet.deploy import roles_paths
+from rigctl.fleet.drain import refuse_drained
 from rigctl.fleet.servers import host_status, unit_states
 from rigctl.inventory import Host, Inventory, Server, advisories
 from rigctl.inventory.edit import InventoryEdit, OutsideText, round_trip_yaml, vars_file
@@ -311,6 +312,7 @@ def upgrade(inventory: Inventory, version: str, *, canary: str | None = None, ga
         (h for h in inventory.hosts.values() if "llama_cpp_source" in h.vars), None)
     if canary_host is None:
         raise ConfigError("no host of the inventory pins llama.cpp")
+    refuse_drained([canary_host], "a canary")
     hosts = scope(inventory, canary_host)
     gates = g.load_gates(canary_host.vars.get(GATES_VAR), f"host {canary_host.name}", gates_file)
     g.check_gates(gates, canary_host, f"--gates {gates_file}" if gates_file else
