@@ -18,6 +18,10 @@ from rigctl.inventory import Inventory
 REPO = Path(__file__).resolve().parent.parent
 LAB_INVENTORY = REPO / "inventory" / "lab"
 LAB_TESTS = REPO / "tests" / "lab"
+#: The lab's second build: the pinned source with another stamp, so another build key. Every lab test that needs a
+#: build beside the current one takes this one: compiled once, ccache-warm (only what the stamp touches is
+#: compiled again), and copied from the controller's cache by every later provision that asks for it.
+SECOND_BUILD_VARS = {"llama_cpp_build_commit": "rollbacktest"}
 
 
 def lab_unavailable_reason() -> str | None:

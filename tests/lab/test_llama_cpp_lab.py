@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import check_mode_play, wait_healthy
+from conftest import SECOND_BUILD_VARS, check_mode_play, wait_healthy
 from process_support import descendants, still_running
 
 from rigctl.fleet.build import parse_fact, read_builds, rollback
@@ -261,12 +261,13 @@ def _build_the_stamped_pin(inv: Inventory, desktop: Host, original: str) -> str:
     # Warm only where this rig compiled the current build; one copied from the controller's cache (a
     # machine that built it before) leaves the rig's ccache empty, and this rebuild then starts cold.
     compiled_here = misses_before > 0
-    result = provision(inv, limit="desktop", extravars={"llama_cpp_build_commit": "rollbacktest"})
+    result = provision(inv, limit="desktop", extravars=SECOND_BUILD_VARS)
     assert result.succeeded, result.failures()
     assert result.hosts["desktop"].changed > 0
     new = current_target(desktop)
     assert new != original
-    assert "commit rollbacktest)" in ssh(desktop, f"{INSTALL_ROOT}/current/bin/llama-server --version 2>&1")
+    version = ssh(desktop, f"{INSTALL_ROOT}/current/bin/llama-server --version 2>&1")
+    assert f"commit {SECOND_BUILD_VARS['llama_cpp_build_commit']})" in version, version
     assert ssh(desktop, f"readlink {INSTALL_ROOT}/previous").strip() == original
     assert ssh(desktop, f"test -x {INSTALL_ROOT}/{original}/bin/llama-server && echo kept").strip() == "kept"
     misses = ccache_counters(desktop).get("cache_miss", 0) - misses_before
