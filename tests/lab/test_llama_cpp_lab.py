@@ -293,13 +293,15 @@ def _compiling(host: Host) -> int:
 
 
 def test_a_provision_killed_during_the_compile_leaves_nothing_the_next_run_keeps(
-        built: tuple[Inventory, DeployResult], tmp_path: Path) -> None:
+        built: tuple[Inventory, DeployResult], lab_served: Inventory, tmp_path: Path) -> None:
     """rigctl alone is SIGKILLed mid-compile (not its process group: an OOM kill, a closed lid): within seconds no
     process of its play runs on this machine, and no compile of it on the rig (the compile ends with the
     controller's connection). The next provision removes the half-built tree and says so, runs one compile in
-    the tree, and the rig's server still answers; build status never shows the half build."""
+    the tree, and the rig's server still answers; build status never shows the half build. The servers are the
+    session's served lab's (this module's own provisions stop at the build, which makes no server)."""
     inv, _ = built
     desktop = inv.host("desktop")
+    wait_healthy(lab_served, timeout=60)  # answering before the kill, so that answering after it means something
     original = current_target(desktop)
     # A stamp no cache holds (a new build key): this provision must compile.
     stamp = f"interrupted{os.getpid()}"
