@@ -14,8 +14,6 @@ from labrigs_support import LAB_INVENTORY, REPO, lab_unavailable_reason, wait_he
 from rigctl.inventory import Inventory
 
 LAB_TESTS = REPO / "tests" / "lab"
-
-
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Before the first test, the slow one-time work outside every test's time limit: the lab's (`rigctl lab
     prepare`: base image, the lab's llama.cpp build) when lab tests are selected, and SmolLM2's HF checkout

@@ -182,3 +182,9 @@ def check_mode_play(inventory: Inventory, extravars: dict, tags: str = "llama_cp
         cwd=REPO, env={**os.environ, **ansible_env(REPO)}, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:]
     return proc.stdout
+
+
+#: The lab's second build: the pinned source with another stamp, so another build key. Every lab test that needs a
+#: build beside the current one takes this one: compiled once, ccache-warm (only what the stamp touches is
+#: compiled again), and copied from the controller's cache by every later provision that asks for it.
+SECOND_BUILD_VARS = {"llama_cpp_build_commit": "rollbacktest"}
