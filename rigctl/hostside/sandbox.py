@@ -48,9 +48,10 @@ CONFIG_HOME = "/usr/local/share/rigctl/empty-config-home"
 FOREIGN_NAMES = ("HF_TOKEN", "MTMD_BACKEND_DEVICE")
 FOREIGN_PREFIX = "LLAMA_"
 #: POSIX sh that unsets every variable :func:`foreign_variable` names (``env`` lists them; names are letters,
-#: digits and ``_`` only, so a value can add nothing but a harmless ``unset`` of an absent name).
-CLEAN_ENV_SH = (f"for name in $(env | grep -o '^{FOREIGN_PREFIX}[A-Za-z0-9_]*='); do unset \"${{name%=}}\"; done; "
-                f"unset {' '.join(FOREIGN_NAMES)}")
+#: digits and ``_`` only, so a value can add nothing but a harmless ``unset`` of an absent name). Its loop
+#: variable is its own: the server's launcher keeps the instance's name in ``name``.
+CLEAN_ENV_SH = (f"for _rigctl_var in $(env | grep -o '^{FOREIGN_PREFIX}[A-Za-z0-9_]*='); do "
+                f"unset \"${{_rigctl_var%=}}\"; done; unset _rigctl_var {' '.join(FOREIGN_NAMES)}")
 
 #: The hardening before ``ReadWritePaths=`` and after it, in the unit's order.
 _BEFORE_PATHS = ("NoNewPrivileges=yes", "ProtectSystem=strict")
