@@ -25,7 +25,7 @@ SYSTEM_CONFIG = "/etc/llama.cpp/config.ini"
 USER_CONFIG = "/var/lib/llama-server/.config/llama.cpp/config.ini"  # the unit's HOME before the fix
 DROP_IN = "/etc/systemd/system/llama-server@smollm2.service.d/zz-effective-config-test.conf"
 HAND_PORT = 18097
-HAND_PID = "/tmp/effective-config-hand-server.pid"
+HAND_UNIT = "rigctl-test-hand-server"
 PROMPT = "List the numbers from one to forty, separated by commas:"
 
 
@@ -34,11 +34,28 @@ def rigctl(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]
                           env={**os.environ, "COLUMNS": "250"})
 
 
+#: Enough tokens to tell a reply cut at 5 (or 7) from one that goes on: reading stops there.
+ENOUGH = 12
+
+
 def predicted(url: str, headers: dict[str, str]) -> int:
-    """Tokens the server generated for PROMPT with its own default length (no n_predict in the request)."""
-    answer = httpx.post(f"{url}/completion", json={"prompt": PROMPT, "temperature": 0, "seed": 1},
-                        headers=headers, timeout=300).json()
-    return int(answer["timings"]["predicted_n"])
+    """Tokens the server generates for PROMPT at its own default length (no n_predict in the request: the
+    server's -n, or a config file's n-predict, decides), up to :data:`ENOUGH` (then the stream is closed)."""
+    import json
+
+    body = {"prompt": PROMPT, "temperature": 0, "seed": 1, "stream": True}
+    streamed = 0
+    with httpx.stream("POST", f"{url}/completion", json=body, headers=headers, timeout=120) as answer:
+        for line in answer.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            if chunk.get("stop"):
+                return int(chunk["timings"]["predicted_n"])
+            streamed += 1
+            if streamed >= ENOUGH:
+                return streamed
+    return streamed
 
 
 @pytest.fixture
@@ -56,7 +73,7 @@ def planted(lab_served: Inventory):
         yield lab_served, host, ssh
     finally:
         ssh.run(f"rm -rf /etc/llama.cpp {os.path.dirname(USER_CONFIG)} {os.path.dirname(DROP_IN)}; "
-                f"kill $(cat {HAND_PID}) 2>/dev/null; rm -f {HAND_PID}; systemctl daemon-reload; "
+                f"systemctl stop {HAND_UNIT} 2>/dev/null; systemctl daemon-reload; "
                 "systemctl restart llama-server@smollm2.service", timeout=120, check=False)
         ssh.close()
 
@@ -73,12 +90,13 @@ def test_a_planted_config_file_and_variables_change_nothing_rigctl_starts(plante
     restarted = rigctl("servers", "restart", "desktop", "smollm2")
     assert restarted.returncode == 0, restarted.stdout + restarted.stderr
 
-    # Without the fix: the same binary and flags started by hand (root's HOME, the drop-in's variables
-    # exported) read the config file and stop every reply at 5 tokens.
+    # Without the fix: the same binary and flags started by hand, as root with root's HOME, no sandbox and
+    # the drop-in's variable (a transient unit only so that it outlives this SSH command) read the config
+    # file and stop every reply at 5 tokens.
     argv = [a if a != str(server.port) else str(HAND_PORT) for a in deployed_argv(ssh, server)]
-    hand = (f"cd / && LLAMA_ARG_CTX_SIZE=64 nohup {shlex.quote(server.binary)} {shlex.join(argv)}"
-            f" < /dev/null > /tmp/hand-server.log 2>&1 & echo $! > {HAND_PID}")
-    ssh.run(hand, timeout=30, check=True)
+    hand = shlex.join(["systemd-run", "--unit", HAND_UNIT, "--collect", "--quiet", "-p", "Environment=HOME=/root",
+                       "-p", "Environment=LLAMA_ARG_CTX_SIZE=64", server.binary, *argv])
+    ssh.run(hand, timeout=60, check=True)
     hand_url = f"http://{host.address}:{HAND_PORT}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -89,16 +107,18 @@ def test_a_planted_config_file_and_variables_change_nothing_rigctl_starts(plante
             pass
         time.sleep(1)
     assert predicted(hand_url, headers) == 5
-    assert f"using config file: {SYSTEM_CONFIG}" in ssh.run("cat /tmp/hand-server.log", timeout=30).stdout
+    hand_log = ssh.run(f"journalctl -o cat --no-pager -u {HAND_UNIT} | head -n 200", timeout=30).stdout
+    assert f"using config file: {SYSTEM_CONFIG}" in hand_log
+    ssh.run(f"systemctl stop {HAND_UNIT}", timeout=60, check=True)
 
     # With it: the unit's server replies at its own length, and its record says nothing else configured it.
-    assert predicted(server.endpoint.url, headers) > 7
+    assert predicted(server.endpoint.url, headers) == ENOUGH
     stamp = collect_stamp(host, ssh, [inventory_server(host, "smollm2")])
     (stamped,) = stamp.servers
     assert stamped.argv and stamped.config_files == [] and stamped.environment == []
-    # What the stamp read is the server's own journal: its start is there, and no config file in it.
-    head = ssh.run(f"journalctl -o cat --no-pager _PID={stamped.pid} | head -n 200", timeout=30).stdout
-    assert "build:" in head and "using config file" not in head
+    # What the stamp read is the server's own journal: from its start to the request above, no config file.
+    head = ssh.run(f"journalctl -o cat --no-pager _PID={stamped.pid} | head -n 400", timeout=30).stdout
+    assert "processing task" in head and "using config file" not in head
 
     # Drift, said: provision refuses the host in one line naming it and the file; servers and the exporter show it.
     refused = rigctl("provision", "--limit", "desktop", "--tags", "llama_cpp_build")
@@ -107,7 +127,11 @@ def test_a_planted_config_file_and_variables_change_nothing_rigctl_starts(plante
              if f"desktop: {SYSTEM_CONFIG}: a llama.cpp config file" in line]
     assert lines, refused.stdout[-3000:] + refused.stderr[-2000:]
     listing = rigctl("servers", "--limit", "desktop")
-    assert f"config file on host: {SYSTEM_CONFIG}" in listing.stdout, listing.stdout
+    assert "config file on" in listing.stdout and SYSTEM_CONFIG in listing.stdout, listing.stdout  # cells wrap
+    from rigctl.fleet.servers import list_servers
+
+    marked = {row.name: row.config_files for row in list_servers(inventory, "desktop") if row.state == "active"}
+    assert marked == {"smollm2": (SYSTEM_CONFIG,)}
     state = FleetState(inventory, limit="desktop")
     try:
         hosts = state.read()
