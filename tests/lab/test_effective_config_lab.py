@@ -1,9 +1,9 @@
 """The effective configuration is rigctl's (issue #36), on a real lab rig: a /etc/llama.cpp/config.ini and a
 user-level one in the service's old home (``n-predict = 5``), and LLAMA_ARG_* variables from a systemd
 drop-in, change nothing the rigctl-started server does, while the same binary started by hand stops every
-reply at 5 tokens; provision refuses the file in one line; the exporter's metric and `rigctl servers` show it;
-the stamp says no config file and no llama.cpp variable reached the server. Everything planted is removed
-and the server restarted as it was (other lab tests share the rigs)."""
+reply at 5 tokens; provision refuses the file in one line; `hosts probe`, the exporter's metric and `rigctl
+servers` show it; the stamp says no config file and no llama.cpp variable reached the server. Everything
+planted is removed and the server restarted as it was (other lab tests share the rigs)."""
 
 from __future__ import annotations
 
@@ -73,6 +73,7 @@ def planted(lab_served: Inventory):
         yield lab_served, host, ssh
     finally:
         ssh.run(f"rm -rf /etc/llama.cpp {os.path.dirname(USER_CONFIG)} {os.path.dirname(DROP_IN)}; "
+                f"rmdir {os.path.dirname(os.path.dirname(USER_CONFIG))}; "
                 f"systemctl stop {HAND_UNIT} 2>/dev/null; systemctl daemon-reload; "
                 "systemctl restart llama-server@smollm2.service", timeout=120, check=False)
         ssh.close()
@@ -120,12 +121,15 @@ def test_a_planted_config_file_and_variables_change_nothing_rigctl_starts(plante
     head = ssh.run(f"journalctl -o cat --no-pager _PID={stamped.pid} | head -n 400", timeout=30).stdout
     assert "processing task" in head and "using config file" not in head
 
-    # Drift, said: provision refuses the host in one line naming it and the file; servers and the exporter show it.
+    # Drift, said: provision refuses the host in one line naming it and the file; hosts probe, servers and the
+    # exporter show it.
     refused = rigctl("provision", "--limit", "desktop", "--tags", "llama_cpp_build")
     assert refused.returncode != 0
     lines = [line for line in (refused.stdout + refused.stderr).splitlines()
              if f"desktop: {SYSTEM_CONFIG}: a llama.cpp config file" in line]
     assert lines, refused.stdout[-3000:] + refused.stderr[-2000:]
+    probed = rigctl("hosts", "probe", "desktop")
+    assert probed.returncode == 1 and f"llama.cpp config file {SYSTEM_CONFIG}" in probed.stdout, probed.stdout
     listing = rigctl("servers", "--limit", "desktop")
     assert "config file on" in listing.stdout and SYSTEM_CONFIG in listing.stdout, listing.stdout  # cells wrap
     from rigctl.fleet.servers import list_servers
