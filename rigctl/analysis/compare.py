@@ -87,6 +87,10 @@ class RunRef:
                    task=record.task.name if record.task else None, build=build, started=record.started,
                    effective=tuple(effective_flags(run)))
 
+    @property
+    def name(self) -> str:
+        return f"{self.host}/{self.id}"
+
 
 def effective_flags(run: StoredRun) -> list[str]:
     """What the run's servers ran that their profiles (argv as deployed) do not say, one line per server and
@@ -94,10 +98,6 @@ def effective_flags(run: StoredRun) -> list[str]:
     llama.cpp variable in the environment, ``/props`` context or slots the flags cannot give."""
     return [f"{server.host or run.host}/{server.name or server.label or server.endpoint or '?'}: {difference}"
             for server in run.record.servers for difference in server.effective_differences()]
-
-    @property
-    def name(self) -> str:
-        return f"{self.host}/{self.id}"
 
 
 def _dataset_hashes(value: Any) -> tuple[str, ...]:
