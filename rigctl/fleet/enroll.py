@@ -23,6 +23,7 @@ import io
 import logging
 import os
 import re
+import shlex
 import socket
 import subprocess
 import tempfile
@@ -46,6 +47,7 @@ from rigctl.fleet.host_facts import (
     parse_probe,
     probe_command,
 )
+from rigctl.hostside import sandbox
 from rigctl.inventory import Host, Inventory
 from rigctl.inventory.edit import InventoryEdit, round_trip_yaml
 from rigctl.ssh import DEFAULT_CONNECT_TIMEOUT, SshClient, SshTarget, known_hosts_name
@@ -277,12 +279,23 @@ def probe(target: SshTarget) -> HostFacts:
     return parse_probe(target.name, result.stdout, token)
 
 
+def config_files(target: SshTarget) -> list[str]:
+    """The llama.cpp config files on the host (:func:`rigctl.hostside.sandbox.config_files_command`): drift
+    unless the inventory adopts them, since any llama.cpp started there by hand reads them."""
+    with SshClient(target) as client:
+        listing = client.run(shlex.join(sandbox.config_files_command()), timeout=PROBE_TIMEOUT_S, check=False)
+    return sandbox.parse_config_files(listing.stdout)
+
+
 def probe_host(inventory: Inventory, name: str, *, write: bool = False) -> ProbeResult:
     """Read ``name``'s facts again; the drift against its host_vars; with ``write``, host_vars updated."""
     host = inventory.host(name)
     facts = probe(SshTarget.from_host(host))
     observed = inventory_vars(facts)
     found = drift(host.vars, observed)
+    adopted = set(host.vars.get("llama_cpp_allow_config_files") or ())
+    found += [(f"llama.cpp config file {path}", None, "present, not adopted (llama_cpp_allow_config_files)")
+              for path in config_files(SshTarget.from_host(host)) if path not in adopted]
     written = False
     if write:
         files = InventoryFiles(inventory.source, roles_paths(inventory), what=f"{name}'s facts")

@@ -36,7 +36,7 @@ from rigctl.errors import ConfigError, RemoteCommandError, RigctlError, ServerEr
 from rigctl.forward import server_endpoint
 from rigctl.hostside import ship
 from rigctl.hostside import units as host_units
-from rigctl.hostside.sandbox import run_options
+from rigctl.hostside.sandbox import clean_exec, config_files_command, parse_config_files, run_options
 from rigctl.inventory import Host, Inventory, Server
 from rigctl.inventory.profiles import args_lines_to_argv, unit_name
 from rigctl.llama_http import NO_RETRY, Endpoint, Retry, ServerClient, Timeouts
@@ -92,6 +92,9 @@ class ServerStatus:
     #: What of the running process differs from the instance's files now (arguments, binary, environment):
     #: files written by a play that did not get to restart it. Empty when it runs its files or does not run.
     pending_restart: tuple[str, ...] = ()
+    #: The llama.cpp config files on the instance's host (rigctl/hostside/sandbox.py's fact): hidden from it by its
+    #: sandbox, read by any llama.cpp started there by hand; drift unless the inventory adopts them.
+    config_files: tuple[str, ...] = ()
 
 
 def parse_unit_show(text: str) -> dict[str, UnitState]:
@@ -162,6 +165,13 @@ def unit_states(host: Host, servers: Iterable[str]) -> dict[str, UnitState]:
     return {name: by_unit[unit_name(name)] for name in names if unit_name(name) in by_unit}
 
 
+def config_files(host: Host) -> tuple[str, ...]:
+    """The llama.cpp config files on ``host`` (:func:`rigctl.hostside.sandbox.config_files_command`)."""
+    with session(host) as ssh:
+        out = ssh.run(shlex.join(config_files_command()), timeout=SSH_TIMEOUT, check=False).stdout
+    return tuple(parse_config_files(out))
+
+
 def probe(host: Host, server: Server, timeout: float = HTTP_TIMEOUT) -> tuple[bool, str, str | None, str | None]:
     """(healthy, health text, model_path, build_info) from the instance's /health and /props."""
     timeouts = Timeouts(connect=timeout, read=timeout, write=timeout, pool=timeout)
@@ -182,9 +192,10 @@ def host_status(host: Host) -> list[ServerStatus]:
     try:
         states = unit_states(host, (s.name for s in instances))
         pending = pending_restarts(host, instances)
+        found = config_files(host)
         error = None
     except RigctlError as exc:
-        states, pending, error = {}, {}, str(exc)
+        states, pending, found, error = {}, {}, (), str(exc)
     rows = []
     for inst in instances:
         unit = states.get(inst.name)
@@ -200,7 +211,8 @@ def host_status(host: Host) -> list[ServerStatus]:
         healthy, health, model, build = probe(host, inst)
         rows.append(ServerStatus(host.name, inst.name, inst.port, inst.artifact, inst.profile.name, inst.enabled,
                                  state, unit.main_pid if unit else 0,
-                                 healthy, health, model, build, pending_restart=pending.get(inst.name, ())))
+                                 healthy, health, model, build, pending_restart=pending.get(inst.name, ()),
+                                 config_files=found))
     return rows
 
 
@@ -419,10 +431,11 @@ def probe_server_argv(server: Server, unit: str, argv: Sequence[str], binary: st
     """The ``systemd-run`` command line of a probe of ``server``: its llama-server (or ``binary``, another
     build's) with ``argv`` as the transient unit ``unit``, with the ``llama-server@`` unit's account, sandbox and
     GPU pin (the probe sees the card the instance sees), writable nothing but a private /tmp (the instance's
-    state directory is its own)."""
+    state directory is its own); no llama.cpp variable from outside reaches it (the shell execs the server: its
+    pid is the unit's main process)."""
     properties = [*server.account.unit_properties(), f"EnvironmentFile={server.env_file}", "UMask=0077"]
     return ["systemd-run", "--unit", unit, "--collect", "--quiet", *run_options(properties),
-            binary or server.binary, *argv]
+            *clean_exec([binary or server.binary, *argv])]
 
 
 def probe_unit(server: Server, purpose: str) -> str:

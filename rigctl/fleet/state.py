@@ -26,7 +26,7 @@ from rigctl.errors import ConfigError, RigctlError, one_line
 from rigctl.fleet.build import Builds, parse_fact
 from rigctl.fleet.models import expected_sha256, parse_manifest
 from rigctl.fleet.servers import UNIT_PROPERTIES, UnitState, parse_pending_restarts, parse_unit_show
-from rigctl.hostside import nvidia_smi, ship
+from rigctl.hostside import nvidia_smi, sandbox, ship
 from rigctl.hostside.llama_cpp_fact import FACT_PATH
 from rigctl.inventory import Host, Inventory
 from rigctl.inventory.advisories import FloorCheck, build_number, check_build, host_allowed
@@ -102,6 +102,8 @@ class HostState:
     #: Running instances whose process differs from their files (files a play wrote and did not apply),
     #: with what differs: :mod:`rigctl.hostside.server_drift`.
     pending_restarts: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    #: The llama.cpp config files on the host (rigctl/hostside/sandbox.py's fact): drift, unless adopted.
+    config_files: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -367,6 +369,7 @@ class FleetState:
             facts.pending_restarts = parse_pending_restarts(raw.get("pending_restarts") or {}, host.name)
         except RigctlError as exc:
             self._warn(str(exc))
+        facts.config_files = tuple(sandbox.parse_config_files((raw.get("config_files") or {}).get("out") or ""))
         pins = host.pins
         to_hash: dict[str, list[int]] = {}
         for name, entry in sorted((raw.get("models") or {}).items()):

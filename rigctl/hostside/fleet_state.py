@@ -9,7 +9,8 @@ the first a driver answers is kept), ``unit_pattern``, ``unit_properties`` and `
 (its text or null), ``nvidia_smi``, ``health`` (with ``fields``: those it answered), ``kernel_xids`` (the kernel
 log's ``NVRM: Xid`` lines since boot) and ``units`` ({rc, out, err} of those commands), ``models`` (artifact ->
 path, :func:`model_files.identity` or null, manifest text or null) and ``pending_restarts`` (the running
-instances whose process differs from their files: :func:`server_drift.pending_restarts`).
+instances whose process differs from their files: :func:`server_drift.pending_restarts`) and ``config_files``
+(the {rc, out, err} of :func:`sandbox.config_files_command`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import subprocess
 import sys
 from typing import Any
 
-from rigctl.hostside import model_files, server_drift
+from rigctl.hostside import model_files, sandbox, server_drift
 
 
 def run(argv: list[str], timeout: float) -> dict[str, Any]:
@@ -88,6 +89,7 @@ def read_state(args: dict[str, Any]) -> dict[str, Any]:
     units = listed_units(listed["out"], list(args["units"]))
     out["units"] = run(["systemctl", "show", "--no-pager", "--property=" + args["unit_properties"], "--", *units],
                        timeout) if units else {"rc": 0, "out": "", "err": ""}
+    out["config_files"] = run(sandbox.config_files_command(), timeout)
     models = out["models"] = {}
     for name, path in args["models"].items():
         try:

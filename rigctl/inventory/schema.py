@@ -21,6 +21,7 @@ from pydantic import (
 )
 
 from rigctl.errors import ConfigError
+from rigctl.hostside import sandbox
 from rigctl.inputs import error_message
 from rigctl.inventory.gates import Gates
 from rigctl.inventory.keys import SHA256
@@ -383,6 +384,8 @@ SCHEMA: dict[str, Any] = {
     "llama_cpp_cuda": bool,
     "llama_cpp_cuda_architectures": Annotated[str, AfterValidator(_cuda_archs)],
     "llama_cpp_cuda_fleet_build": bool,
+    # The llama.cpp config files a host may keep (rigctl's processes never read them; any other is refused).
+    "llama_cpp_allow_config_files": list[Literal[sandbox.SYSTEM_CONFIG_FILE]],  # type: ignore[valid-type]
     "gpu_host_cuda_source": Literal["apt", "wheels"],
     "gpu_host_cuda_wheels": list[CudaWheelSpec],
     "models_catalog": dict[Name, ModelSpec],

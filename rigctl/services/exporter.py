@@ -117,6 +117,10 @@ def metric_families(snapshot: Snapshot | None, plans: Mapping[str, HostPlan]) ->
     server_pending = g("rigctl_server_pending_restart",
                        "1 if the instance runs other arguments, binary or environment than its files say (a play "
                        "wrote them and did not restart it; the next provision does)", labels=["host", "server"])
+    config_file = g("rigctl_llama_cpp_config_file",
+                    "1 for each llama.cpp config file on the host (read by every llama.cpp program started there by "
+                    "hand; rigctl's sandbox hides it from its own): drift unless llama_cpp_allow_config_files "
+                    "adopts it", labels=["host", "path"])
     server_restarts = CounterMetricFamily("rigctl_server_restarts", "Automatic restarts of the unit by systemd",
                                           labels=["host", "server"])
     gpu_labels = ["host", "gpu", "name", "uuid"]
@@ -180,6 +184,8 @@ def metric_families(snapshot: Snapshot | None, plans: Mapping[str, HostPlan]) ->
                 server_restarts.add_metric([name, instance], float(unit.n_restarts))
             for server in sorted(plan.servers):
                 server_pending.add_metric([name, server], 1.0 if server in facts.pending_restarts else 0.0)
+            for path in facts.config_files:
+                config_file.add_metric([name, path], 1.0)
             for gpu in facts.gpus:
                 labels = [name, gpu.index, gpu.name, gpu.uuid]
                 for family, value in ((temperature, gpu.temperature_celsius), (mem_used, gpu.memory_used_bytes),
@@ -199,8 +205,8 @@ def metric_families(snapshot: Snapshot | None, plans: Mapping[str, HostPlan]) ->
             eval_n.add_metric(labels, float(score.questions))
     health = health_families(snapshot.hosts if snapshot else {}, snapshot.drains if snapshot else {})
     return [up, probe, completed, duration, results_ok, build_info, build_drift, vulnerable, model_info, model_drift,
-            model_bytes, server_info, server_state, server_pid, server_pending, server_restarts, temperature, mem_used,
-            mem_total, utilization, *health, bench, bench_time, eval_gauge, eval_n]
+            model_bytes, server_info, server_state, server_pid, server_pending, config_file, server_restarts,
+            temperature, mem_used, mem_total, utilization, *health, bench, bench_time, eval_gauge, eval_n]
 
 
 def _floor_sample(family: GaugeMetricFamily, host: str, which: str, version: str, check: FloorCheck) -> None:

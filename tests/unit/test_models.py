@@ -205,8 +205,13 @@ def test_the_command_runs_as_a_sandboxed_transient_unit() -> None:
             "NoNewPrivileges=yes", "CapabilityBoundingSet=", "StateDirectory=rigctl-models-m-bf16-0123abcd",
             "RuntimeMaxSec=60"} <= properties
     assert not any(p.startswith(("ReadWritePaths", "User=")) for p in properties)  # its state directory only
-    assert argv[argv.index("--") + 1:] == ["/venv/bin/python", "convert.py", "--outfile",
-                                           "/var/lib/rigctl-models-m-bf16-0123abcd/m.gguf"]
+    # Through the shell that drops the variables llama.cpp reads, then execs the command itself.
+    command = argv[argv.index("--") + 1:]
+    assert command[:2] == ["/bin/sh", "-c"] and command[4:] == [
+        "/venv/bin/python", "convert.py", "--outfile", "/var/lib/rigctl-models-m-bf16-0123abcd/m.gguf"]
+    from rigctl.hostside.sandbox import CONFIG_HOME
+
+    assert {"InaccessiblePaths=-/etc/llama.cpp", f"Environment=XDG_CONFIG_HOME={CONFIG_HOME}"} <= properties
     assert "--setenv=X=1" in argv
 
 
