@@ -164,8 +164,8 @@ def test_a_failed_play_releases_its_lock_saying_so_and_only_a_dead_holder_is_tak
 def test_the_site_playbook_frees_a_host_it_failed_on_saying_so(tmp_path: Path) -> None:
     """The real playbooks/site.yml on this machine as its one host (only the tasks every run has: the lock,
     the facts, the roles' argument checks): a run that fails inside the roles' block (the models role's
-    arguments, with rigctl_cache_dir unset) still releases the lock, outcome failed; the next run names
-    that failure instead of taking anything over, and ends with outcome ok."""
+    arguments: a models_fetch_timeout that is no number) still releases the lock, outcome failed; the next run
+    names that failure instead of taking anything over, and ends with outcome ok."""
     import sys
 
     import yaml
@@ -182,13 +182,13 @@ def test_the_site_playbook_frees_a_host_it_failed_on_saying_so(tmp_path: Path) -
                               cwd=repo, env={**os.environ, "ANSIBLE_NOCOLOR": "1"}, capture_output=True, text=True,
                               timeout=300, check=False)
 
-    failed = play({})
-    assert failed.returncode != 0 and "'rigctl_cache_dir' is undefined" in failed.stdout, failed.stdout[-3000:]
+    failed = play({"models_fetch_timeout": "soon"})
+    assert failed.returncode != 0 and "models_fetch_timeout" in failed.stdout, failed.stdout[-3000:]
     assert sorted(p.name for p in lock_dir.iterdir()) == [play_lock.LAST_FILE, play_lock.LOCK_FILE]
     assert json.loads((lock_dir / play_lock.LAST_FILE).read_text())["outcome"] == "failed"
     assert lock_dir.stat().st_mode & 0o777 == 0o700
 
-    done = play({"rigctl_cache_dir": str(tmp_path / "cache")})
+    done = play({"models_fetch_timeout": "60"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "took over" not in done.stdout
     assert "play lock taken; the last play, pid ? on ? (`ansible-playbook`, since ?), ended by failure here" \
