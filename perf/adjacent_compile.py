@@ -8,9 +8,9 @@ takes every file the new version did not change from the objects the old one mad
 On the lab's desktop rig (a copy of the lab inventory, provisioned with `rigctl provision`): first ``--old`` pinned
 (a cold compile when the lab slot's ccache has never seen that version), then ``--new`` pinned, with its build
 number stated in ``llama_cpp_build_number`` (the stamp it would have anyway): a build key of its own, so it is
-compiled on the rig, not copied from a pack the controller's cache may hold. The figures are the compile unit's
-own (llama-cpp-build.service in the rig's journal: wall time and the CPU time systemd accounts to it) and
-ccache's hit counts; CPU time is the figure that holds on a machine shared with other work.
+compiled on the rig, not copied from a pack the controller's cache may hold. The figures are the compile's own
+(`cmake --build`, followed on the rig by perf/compile_cpu.py: wall time, and the CPU time of its process tree)
+and ccache's hit counts; CPU time is the figure that holds on a machine shared with other work.
 
     RIGCTL_LAB_SLOT=N .venv/bin/python perf/adjacent_compile.py [--old b11401] [--new b11434]
 
@@ -20,8 +20,9 @@ Needs the lab up (`rigctl lab up`); leaves the rigs on ``--new`` with that build
 from __future__ import annotations
 
 import argparse
+import base64
+import json
 import os
-import re
 import shlex
 import shutil
 import subprocess
@@ -37,7 +38,7 @@ from rigctl.upgrade.upgrade import PinFiles, write_pin
 
 REPO = Path(__file__).resolve().parent.parent
 RIGCTL = str(Path(sys.executable).parent / "rigctl")
-UNIT = "llama-cpp-build.service"
+POLLER = Path(__file__).resolve().parent / "compile_cpu.py"
 CCACHE_DIR = "/var/cache/llama.cpp/ccache"
 
 
@@ -49,12 +50,6 @@ class Compile:
     ccache: str
 
 
-def cpu_seconds(text: str) -> float:
-    """systemd's `Consumed 12min 3.456s CPU time` (also `1h 2min`, `850ms`) in seconds."""
-    units = {"h": 3600.0, "min": 60.0, "s": 1.0, "ms": 0.001}
-    return sum(float(n) * units[u] for n, u in re.findall(r"([0-9.]+)(h|min|ms|s)\b", text))
-
-
 def rig(*command: str) -> str:
     # `lab ssh` hands its command to the rig's shell as one line.
     done = subprocess.run([RIGCTL, "lab", "ssh", "desktop", "--", shlex.join(command)], capture_output=True, text=True,
@@ -62,14 +57,12 @@ def rig(*command: str) -> str:
     return done.stdout
 
 
-def last_compile(since: str) -> tuple[float, float]:
-    """Wall and CPU seconds of the compile unit's run after ``since`` (``@`` and the rig's epoch seconds)."""
-    lines = rig("journalctl", "-u", UNIT, "--since", since, "--no-pager", "-o", "short-unix").splitlines()
-    started = [float(line.split()[0]) for line in lines if "Started llama-cpp-build" in line]
-    consumed = [line for line in lines if "Consumed" in line and "CPU time" in line]
-    if not started or not consumed:
-        sys.exit(f"error: no compile of {UNIT} in desktop's journal since {since}:\n" + "\n".join(lines[-10:]))
-    return float(consumed[-1].split()[0]) - started[-1], cpu_seconds(consumed[-1].split("Consumed", 1)[1])
+def follow_compile() -> subprocess.Popen[str]:
+    """perf/compile_cpu.py on the rig, waiting for the compile (the rig's journal has no CPU accounting)."""
+    script = base64.b64encode(POLLER.read_bytes()).decode()
+    return subprocess.Popen([RIGCTL, "lab", "ssh", "desktop", "--",
+                             f"echo {script} | base64 -d > /tmp/compile_cpu.py && python3 /tmp/compile_cpu.py 7200"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def provision(copy: Path, version: str, extra: str, env: dict[str, str]) -> Compile:
@@ -82,12 +75,17 @@ def provision(copy: Path, version: str, extra: str, env: dict[str, str]) -> Comp
         out.write(extra)
     # Counts of this compile alone (a fresh rig has no ccache yet: nothing to zero).
     rig("sh", "-c", f"! command -v ccache >/dev/null || CCACHE_DIR={CCACHE_DIR} ccache --zero-stats")
-    since = "@" + rig("date", "+%s").strip()
+    follower = follow_compile()
     started = time.monotonic()
     done = subprocess.run([RIGCTL, "provision"], capture_output=True, text=True, env=env, timeout=7200, check=False)
     if done.returncode != 0:
+        follower.kill()
         sys.exit(f"error: provision at {version} failed: {done.stderr.strip()[-2000:]}")
-    wall, cpu = last_compile(since)
+    out, err = follower.communicate(timeout=60)
+    if follower.returncode != 0:
+        sys.exit(f"error: no compile of {version} seen on desktop: {out.strip()} {err.strip()}")
+    figures = json.loads(out)
+    wall, cpu = float(figures["wall_s"]), float(figures["cpu_s"])
     stats = rig("env", f"CCACHE_DIR={CCACHE_DIR}", "ccache", "--print-stats")
     counts = dict(line.split("\t", 1) for line in stats.splitlines() if "\t" in line)
     hits = int(counts.get("direct_cache_hit", 0)) + int(counts.get("preprocessed_cache_hit", 0))
@@ -101,15 +99,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--old", default="b11401")
     parser.add_argument("--new", default="b11434")
+    parser.add_argument("--adjacent-only", action="store_true",
+                        help="the rigs are on --old already (its compile measured before): compile --new only")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         copy = Path(scratch) / "lab"
         shutil.copytree(REPO / "inventory" / "lab", copy)
         env = {**os.environ, "RIGCTL_INVENTORY": str(copy), "RIGCTL_RESULTS": str(Path(scratch) / "results")}
-        cold = provision(copy, args.old, "", env)
+        cold = None if args.adjacent_only else provision(copy, args.old, "", env)
         number = args.new.removeprefix("b")
         adjacent = provision(copy, args.new, f"# A build key of its own (the stamp it has anyway).\n"
                                              f"llama_cpp_build_number: \"{number}\"\n", env)
+    if cold is None:
+        return
     print(f"\n| | {cold.version} (cold) | {adjacent.version} after {cold.version} | ratio |\n|---|---|---|---|\n"
           f"| compile, wall | {cold.wall_s:.0f} s | {adjacent.wall_s:.0f} s | {adjacent.wall_s / cold.wall_s:.2f}x |\n"
           f"| compile, CPU | {cold.cpu_s:.0f} s | {adjacent.cpu_s:.0f} s | {adjacent.cpu_s / cold.cpu_s:.2f}x |\n"
