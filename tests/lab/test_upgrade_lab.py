@@ -222,6 +222,8 @@ def test_a_slower_candidate_is_refused_by_the_speed_gate_and_nothing_moves(older
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, lines
     assert lines[0].startswith(f"error: upgrade to {NEWER} {DEBUG} refused by gate bench ")
+    # The deployed instance's own point comes first, and the refusal names it and its profile.
+    assert " on instance smollm2 (profile lab) (failed)" in lines[0], lines[0]
     assert "(failed): candidate/current 0." in lines[0] and "margin 0.9x" in lines[0]
     assert f"desktop serves {serving.name}, the inventory is unchanged" in lines[0]
     assert tree_digest(older["dir"]) == digest
