@@ -65,7 +65,7 @@ from rigctl.hostside import gguf, nvidia_smi
 
 #: Matrix keys in llama-bench's flag order; list values become comma lists.
 MATRIX_FLAGS = (("p", "-p"), ("n", "-n"), ("r", "-r"), ("fa", "-fa"), ("ngl", "-ngl"), ("t", "-t"),
-                ("ctk", "-ctk"), ("ctv", "-ctv"), ("d", "-d"))
+                ("ctk", "-ctk"), ("ctv", "-ctv"), ("d", "-d"), ("b", "-b"), ("ub", "-ub"))
 
 
 def llama_bench_argv(binary: str, model_path: str, matrix: dict[str, Any]) -> list[str]:

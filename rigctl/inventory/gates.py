@@ -50,6 +50,8 @@ class Matrix(_Strict):
     ctk: list[Literal[CACHE_TYPES]] = []  # type: ignore[valid-type]
     ctv: list[Literal[CACHE_TYPES]] = []  # type: ignore[valid-type]
     d: list[Tokens] = Field(default=[], max_length=64)
+    b: list[Annotated[int, Field(ge=1, le=MAX_TOKENS)]] = Field(default=[], max_length=64)  # llama-bench -b
+    ub: list[Annotated[int, Field(ge=1, le=MAX_TOKENS)]] = Field(default=[], max_length=64)  # llama-bench -ub
 
     def flags(self) -> dict[str, Any]:
         return self.model_dump()
@@ -78,10 +80,12 @@ class _Budgeted(_Strict):
 class BenchGate(_Budgeted):
     BUDGET = ("rounds", "max_rounds")  # (start, most)
 
+    # Test sizes and repetitions of every point; each deployed instance's point takes its profile's threads,
+    # batch, ubatch, KV types, flash attention and ngl over them. Its other keys are an extra point.
     matrix: Matrix = Matrix(p=[512], n=[128], r=3)
     rounds: int = Field(default=2, ge=1, le=MAX_REPEATS)
     max_rounds: int = Field(default=6, ge=1, le=MAX_REPEATS)
-    models: list[str] = Field(default=[], max_length=64)  # default: the server instance's artifact
+    models: list[str] = Field(default=[], max_length=64)  # the extra point's; default: the first instance's artifact
     cooldown: Cooldown = Cooldown()  # each cell starts on a cool card, as every bench's
     stop_servers: bool = True  # the host's servers give the card up for the cells
 
@@ -89,7 +93,18 @@ class BenchGate(_Budgeted):
 class ServerGate(_Budgeted):
     BUDGET = ("repeats", "max_repeats")  # (start, most)
 
-    instance: str | None = None  # default: the canary's first enabled instance
+    @model_validator(mode="before")
+    @classmethod
+    def _no_stand_in(cls, data: Any) -> Any:
+        # The old key measured one instance instead of the deployed ones: a regression tied to a setting the
+        # named instance does not use passed every gate.
+        if isinstance(data, dict) and "instance" in data:
+            raise ValueError("instance: the gates measure every enabled instance at its own profile; one cannot "
+                             "stand in for them (name instances to measure besides them in server.instances)")
+        return data
+
+    # Every enabled instance of the canary is measured at its own profile; these are measured besides them.
+    instances: list[str] = Field(default=[], max_length=64)
     prompt_lengths: list[PromptLength] = Field(default=[128, 512], min_length=1, max_length=64)
     max_tokens: int = Field(default=64, ge=1, le=MAX_TOKENS)
     repeats: int = Field(default=3, ge=1, le=MAX_REPEATS)

@@ -29,7 +29,7 @@ from rigctl.results.store import ResultsStore, StoredRun
 from rigctl.upgrade import gates as g
 from rigctl.upgrade import paired
 from rigctl.upgrade.record import checked_steps
-from rigctl.upgrade.upgrade import UpgradeRefused, _build_dict, _installed, instance_of, upgrade_run
+from rigctl.upgrade.upgrade import UpgradeRefused, _build_dict, _installed, _instances, upgrade_run
 
 Say = Callable[[str], None]
 STEPS_FILE = "steps.jsonl"
@@ -198,23 +198,24 @@ def bisect(inventory: Inventory, host_name: str, good: str, bad: str, *, metric:
             check = advisories.check_build(number, allowed)
             if check.vulnerable:
                 raise UpgradeRefused([check.refusal(f"bisect candidate {item.version}")])
-    server = instance_of(host, gates if gates.server else Gates())
+    servers = g.served(host, gates)
     identity = _identity(host.name, metric, [c.label for c in order], gates)
     previous = _unfinished(store, host.name, identity)
     extra = {"identity": identity, "metric": metric, "gate": gate_name, "good": order[0].label,
-             "bad": order[-1].label, "builds": [c.label for c in order], "gates": gates.model_dump()}
-    with upgrade_run("bisect", host, server, store, extra, previous) as run:
+             "bad": order[-1].label, "builds": [c.label for c in order], "gates": gates.model_dump(),
+             "instances": _instances(servers)}
+    with upgrade_run("bisect", host, servers[0], store, extra, previous) as run:
         if previous is not None:
             say(f"resuming bisect {run.ref}")
         steps = {row["label"]: Step(**{k: row[k] for k in Step.__dataclass_fields__ if k in row})
                  for row in checked_steps(run.path / STEPS_FILE)}
         try:
-            return _bisect(inventory, host, server, order, pins, gates, gate_name, run, steps, store, say, on_event)
+            return _bisect(inventory, host, servers, order, pins, gates, gate_name, run, steps, store, say, on_event)
         finally:
             run.record.extra["steps"] = len(steps)
 
 
-def _bisect(inventory: Inventory, host: Host, server: Server, order: Sequence[BisectCandidate],
+def _bisect(inventory: Inventory, host: Host, servers: Sequence[Server], order: Sequence[BisectCandidate],
             pins: Mapping[str, candidate.CandidatePin], gates: Gates, gate_name: str, run: Run,
             steps: dict[str, Step], store: ResultsStore, say: Say,
             on_event: Callable[[Any], None] | None) -> BisectResult:
@@ -243,17 +244,19 @@ def _bisect(inventory: Inventory, host: Host, server: Server, order: Sequence[Bi
         made = build(item)
         if not _installed(host, good_build.build):  # a provision in between pruned it
             good_build = build(order[0])
-        measured = paired.measure(host, server, paired.Side("good", good_build.build),
+        measured = paired.measure(host, servers, paired.Side("good", good_build.build),
                                   paired.Side(item.version, made.build), gates, store, run.path,
-                                  a_is_instance=False, say=say, record_extra={"bisect": ref})
-        result = next(r for r in measured.results if r.gate == gate_name)
+                                  say=say, record_extra={"bisect": ref})
+        # The metric on every instance measured: the build is bad where any instance is.
+        result = g.worst([r for r in measured.results if r.gate == gate_name])
+        assert result is not None, gate_name
         verdict = {"pass": "good", "fail": "bad"}.get(result.verdict, "undecided")
         found = Step(item.version, item.label, made.build.name, made.plan, round(made.seconds, 1), verdict,
                      result.to_dict(), measured.bench_runs + list(measured.eval_runs.values()))
         steps[item.label] = found
         with (run.path / STEPS_FILE).open("a") as out:
             out.write(json.dumps(asdict(found), sort_keys=True, default=str) + "\n")
-        say(f"{item.label}: {verdict}: {result.figures}")
+        say(f"{item.label}: {verdict}: {result.title}: {result.figures}")
         return found
 
     first_bad = last_good = None

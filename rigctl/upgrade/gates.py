@@ -9,11 +9,14 @@ The gates come from the inventory (``rigctl_upgrade_gates``, one mapping per fle
     5 % slower, shown at the interval's level). A ratio whose whole interval lies below the margin fails;
     one whose interval straddles it is *undecided*, and is measured more, up to the section's budget.
 ``bench``
-    llama-bench cells alternating the two builds on the canary (``matrix``: llama-bench's; ``rounds``
+    llama-bench cells alternating the two builds on the canary: each deployed instance's artifact at its
+    profile's own threads, batch, ubatch, KV types, flash attention and ngl (:func:`deployed_point`), and
+    ``matrix`` as an extra point, never instead (``matrix``: llama-bench's; ``rounds``
     cells per build to start with, up to ``max_rounds``). Ratio intervals as ``rigctl compare`` gives
     them for bench runs: every repetition's tokens/s of each side, each side resampled on its own.
 ``server``
-    The instance and its candidate probe (same artifact and profile, another port), asked the same
+    Every enabled instance of the canary (and the gate's ``instances`` besides them), each with its candidate
+    probe (same artifact and profile, another port), asked the same
     filler prompts one after the other, alternating which goes first (``repeats`` per prompt length, up to
     ``max_repeats``): decode tokens/s and time to first token. Each pair's log ratio is paired, so load
     shared by both sides cancels; the interval is the paired bootstrap's, exponentiated (a geometric mean).
@@ -32,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -40,12 +43,16 @@ from pydantic import ValidationError
 
 from rigctl.errors import ConfigError, ProblemsError
 from rigctl.inputs import error_lines
-from rigctl.inventory import Host
-from rigctl.inventory.gates import GATES_VAR, Gates
+from rigctl.inventory import Host, Server
+from rigctl.inventory.gates import GATES_VAR, Gates, Matrix
 from rigctl.inventory.profiles import merge
 from rigctl.stats import DEFAULT_LEVEL, DEFAULT_RESAMPLES, DEFAULT_SEED, Interval, bootstrap_mean, paired_bootstrap
 
 Verdict = Literal["pass", "fail", "undecided"]
+
+
+#: The sections that measure each deployed instance: a ``--gates`` file cannot turn them off.
+DEPLOYED_SECTIONS = ("bench", "server")
 
 
 def parse_gates(data: Any, origin: str) -> Gates:
@@ -74,6 +81,10 @@ def load_gates(inventory_value: Any, where: str, file: Any = None) -> Gates:
     path = Path(file)
     over = read_mapping(path, "--gates", expected="expected a mapping of gates", empty=True)
     parse_gates(over, f"--gates {path}")  # its own keys, named against the file
+    for section in DEPLOYED_SECTIONS:
+        if section in over and over[section] is None and base.get(section, {}) is not None:
+            raise ConfigError(f"--gates {path}: {section}: null would drop the deployed instances' {section} gates; "
+                              "a gates file may add instances or points, never drop the deployed ones")
     return parse_gates(merge(base, over), f"--gates {path}")
 
 
@@ -93,11 +104,12 @@ def check_gates(gates: Gates, host: Host, origin: str) -> None:
             if model not in available:
                 raise ConfigError(f"{origin}: bench.models.{index}: {model!r} is not an artifact of host {host.name} "
                                   f"(it has: {', '.join(available) or 'none'})")
-    if gates.server is not None and gates.server.instance:
-        try:
-            host.server(gates.server.instance)
-        except ConfigError as exc:
-            raise ConfigError(f"{origin}: server.instance: {exc}") from None
+    if gates.server is not None:
+        for index, name in enumerate(gates.server.instances):
+            try:
+                host.server(name)
+            except ConfigError as exc:
+                raise ConfigError(f"{origin}: server.instances.{index}: {exc}") from None
     if gates.identity is not None and gates.identity.kinds:
         shipped = list(load_prompts())
         for index, kind in enumerate(gates.identity.kinds):
@@ -110,6 +122,52 @@ def check_gates(gates: Gates, host: Host, origin: str) -> None:
             parse_task(read_text(path, "task", EvalError), str(path))
         except EvalError as exc:
             raise ConfigError(f"{origin}: quality.task: {exc}") from None
+
+
+def served(host: Host, gates: Gates) -> list[Server]:
+    """What the gates measure on ``host``: every enabled instance, then the server gate's ``instances`` besides
+    them (in the order named). ConfigError when there is nothing to measure the candidate with."""
+    chosen = [s for s in host.servers if s.enabled]
+    for name in gates.server.instances if gates.server else []:
+        if all(s.name != name for s in chosen):
+            chosen.append(host.server(name))
+    if not chosen:
+        raise ConfigError(f"host {host.name}: no enabled llama_server instance to measure the candidate with")
+    return chosen
+
+
+def _extra_arg(server: Server, *flags: str) -> int | None:
+    """The integer an instance's ``extra_args`` give one of ``flags`` (``-b 512``, ``--batch-size=512``)."""
+    words = [w for arg in server.profile.settings.get("extra_args") or [] for w in str(arg).replace("=", " ").split()]
+    for index, word in enumerate(words[:-1]):
+        if word in flags and words[index + 1].isdigit():
+            return int(words[index + 1])
+    return None
+
+
+def deployed_point(server: Server, matrix: Matrix) -> Matrix:
+    """llama-bench's matrix as ``server`` runs: the test sizes and repetitions of ``matrix``, and the profile's own
+    threads, batch, ubatch, KV cache types, flash attention and GPU layers. A setting the profile leaves to
+    llama.cpp is left to llama-bench too (threads, batch, KV types: the same defaults), except flash attention
+    and GPU layers (``auto`` in llama-server): the matrix's."""
+    settings = server.profile.settings
+    point: dict[str, Any] = {"p": matrix.p, "n": matrix.n, "r": matrix.r, "d": matrix.d, "fa": matrix.fa,
+                             "ngl": matrix.ngl}
+    if settings.get("threads") is not None:
+        point["t"] = [int(settings["threads"])]
+    if settings.get("n_gpu_layers") is not None:
+        point["ngl"] = [int(settings["n_gpu_layers"])]
+    flash = str(settings.get("flash_attn") or "auto")
+    if flash in ("on", "1", "off", "0"):
+        point["fa"] = [1 if flash in ("on", "1") else 0]
+    for key, setting in (("ctk", "cache_type_k"), ("ctv", "cache_type_v")):
+        if settings.get(setting):
+            point[key] = [settings[setting]]
+    for key, flags in (("b", ("-b", "--batch-size")), ("ub", ("-ub", "--ubatch-size"))):
+        value = _extra_arg(server, *flags)
+        if value is not None:
+            point[key] = [value]
+    return Matrix.model_validate(point)
 
 
 # ----------------------------------------------------------------------------------------------- verdicts
@@ -128,9 +186,20 @@ class GateResult:
     high: float | None = None
     threshold: float | None = None
     detail: dict[str, Any] = field(default_factory=dict)
+    instance: str | None = None  # the deployed instance measured (None: the matrix's extra point, quality)
+    profile: str | None = None  # that instance's profile
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def title(self) -> str:
+        """The gate and what it measured, as a refusal names it."""
+        return self.gate + (f" on instance {self.instance} (profile {self.profile})" if self.instance else "")
+
+    def of(self, server: Server) -> GateResult:
+        """This result as measured on ``server``."""
+        return replace(self, instance=server.name, profile=server.profile.name)
 
 
 def ratio_text(interval: Interval) -> str:
@@ -233,6 +302,13 @@ def overall(results: Sequence[GateResult]) -> Verdict:
     if any(r.verdict == "fail" for r in results):
         return "fail"
     return "pass" if results and all(r.verdict == "pass" for r in results) else "undecided"
+
+
+def worst(results: Sequence[GateResult]) -> GateResult | None:
+    """Of one gate measured on several instances, the one that decides: the first failure, else the first
+    undecided, else the lowest estimate."""
+    return first_failure(results) or min(results, key=lambda r: r.estimate if r.estimate is not None
+                                         else math.inf, default=None)
 
 
 def first_failure(results: Sequence[GateResult]) -> GateResult | None:

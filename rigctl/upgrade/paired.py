@@ -3,10 +3,14 @@
 Side A (the current build, or a bisect's good end) and side B (the candidate, or a bisect's midpoint) are
 installed builds on the host. Everything reuses the bench, server, eval and compare machinery:
 
-* **llama-bench**: one bench job (:func:`rigctl.bench.matrix.bench_job_spec` with both builds) whose cells
-  alternate the builds' llama-bench on each model, clock-gated like every bench; the ratios are
-  :func:`rigctl.analysis.speed.compare_bench`'s. The job stops the host's servers for its run, as every bench does.
-* **server**: each side's llama-server serving the instance's artifact with the instance's profile — the
+What is measured is what the host serves: every instance passed (each enabled one, and any the gates add), at
+its own profile and artifact; each result names its instance and profile (:meth:`GateResult.of`).
+
+* **llama-bench**: bench jobs (:func:`rigctl.bench.matrix.bench_job_spec` with both builds) whose cells
+  alternate the builds' llama-bench, one series per deployed artifact at its profile's point
+  (:func:`rigctl.upgrade.gates.deployed_point`) and one for the gates' matrix, an extra point; clock-gated like
+  every bench; the ratios are :func:`rigctl.analysis.speed.compare_bench`'s.
+* **server**: per instance, each side's llama-server serving the instance's artifact with its profile — the
   instance itself for the current build, a probe (:func:`rigctl.fleet.servers.probe_server`, the build's own
   llama-server, another port) otherwise — asked the same filler prompts back to back, alternating which
   side goes first (:func:`rigctl.bench.server.measure_prompt`).
@@ -26,7 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,7 +41,7 @@ from rigctl.fleet.build import Build
 from rigctl.fleet.servers import probe_server, probe_unit, wait_ready
 from rigctl.forward import server_endpoint
 from rigctl.inventory import Host, Server
-from rigctl.inventory.gates import BenchGate, Gates, IdentityGate, QualityGate, ServerGate
+from rigctl.inventory.gates import BenchGate, Gates, IdentityGate, Matrix, QualityGate, ServerGate
 from rigctl.llama_http import Endpoint, ServerClient, Timeouts
 from rigctl.results.store import ResultsStore
 from rigctl.ssh import session
@@ -97,18 +101,44 @@ def _append(path: Path, rows: Sequence[dict[str, Any]]) -> None:
 # ----------------------------------------------------------------------------------------------- bench
 
 
-def _bench(host: Host, server: Server, a: Side, b: Side, gate: BenchGate, rounds: int, store: ResultsStore,
+@dataclass(frozen=True)
+class BenchPoint:
+    """What one series of bench jobs measures: ``models`` at ``matrix``; ``server``: the deployed instance whose
+    artifact and profile they are (None: the gates' matrix, an extra point)."""
+
+    models: tuple[str, ...]
+    matrix: Matrix
+    server: Server | None = None
+
+
+def bench_points(servers: Sequence[Server], gate: BenchGate) -> list[BenchPoint]:
+    """Each deployed instance's artifact at its profile's point (one series per distinct artifact and point),
+    then the gates' matrix on its models (default: the first instance's artifact) unless a deployed point is
+    the same."""
+    points: list[BenchPoint] = []
+    for server in servers:
+        point = BenchPoint((server.artifact,), g.deployed_point(server, gate.matrix), server)
+        if all((p.models, p.matrix) != (point.models, point.matrix) for p in points):
+            points.append(point)
+    extra = BenchPoint(tuple(gate.models or [servers[0].artifact]), gate.matrix)
+    if all((p.models, p.matrix) != (extra.models, extra.matrix) for p in points):
+        points.append(extra)
+    return points
+
+
+def _bench(host: Host, point: BenchPoint, a: Side, b: Side, gate: BenchGate, rounds: int, store: ResultsStore,
            say: Say) -> str:
     """One bench job of ``rounds`` cells per build and model, alternating the builds; its host/run id."""
     from rigctl import jobs
     from rigctl.bench.matrix import BenchSpec, bench_job_spec
 
-    spec = BenchSpec(hosts=[host.name], models=gate.models or [server.artifact], matrix=gate.matrix, rounds=rounds,
+    spec = BenchSpec(hosts=[host.name], models=list(point.models), matrix=point.matrix, rounds=rounds,
                      cooldown=gate.cooldown, stop_servers=gate.stop_servers)
     info = jobs.start(host, bench_job_spec(host, spec, builds=[(a.build.name, a.build.dir),
                                                                (b.build.name, b.build.dir)]))
+    what = f"instance {point.server.name} (profile {point.server.profile.name})" if point.server else "extra point"
     say(f"bench job {info.id}: {rounds} round(s) of llama-bench cells alternating {a.build.name} and "
-        f"{b.build.name}")
+        f"{b.build.name}, {what}")
     final = jobs.wait(host, info.id, on_progress=lambda i: say(i.describe()))
     jobs.pull(host, store, runs=[info.id])
     if final.state != "done":
@@ -209,7 +239,8 @@ def server_results(rows: Sequence[dict[str, Any]], a: Side, b: Side, margin: flo
              and p[a.label]["decode_per_s"] > 0 and p[b.label]["decode_per_s"] > 0
              and p[a.label]["ttft_s"] > 0 and p[b.label]["ttft_s"] > 0]
     out = []
-    for metric, key, higher, unit in (("decode", "decode_per_s", True, "t/s"), ("ttft", "ttft_s", False, "s")):
+    for metric, key, higher, unit in (("decode", "decode_per_s", True, "t/s"), ("ttft", "ttft_s", False, "s"),
+                                      ("prompt", "prompt_per_s", True, "t/s")):
         current = [p[a.label][key] for p in pairs]
         candidate = [p[b.label][key] for p in pairs]
         interval = g.paired_log_ratio(current, candidate, higher_is_better=higher, level=level)
@@ -311,93 +342,132 @@ def quality_result(store: ResultsStore, ref_a: str, ref_b: str, gate: QualityGat
 # ----------------------------------------------------------------------------------------------- all of it
 
 
-def measure(host: Host, server: Server, a: Side, b: Side, gates: Gates, store: ResultsStore, run_dir: Path, *,
-            a_is_instance: bool, say: Say = lambda _: None, record_extra: dict[str, Any] | None = None,
-            seed: int = 1234) -> PairedResult:
-    """Every gate of ``gates`` on ``a`` against ``b`` (B / A), measuring more while a gate is undecided and its
-    budget allows; raw rows appended to ``run_dir``."""
+def _measure_bench(host: Host, point: BenchPoint, a: Side, b: Side, gate: BenchGate, margin: float, level: float,
+                   store: ResultsStore, say: Say, runs: list[str]) -> tuple[list[g.GateResult], dict[str, int]]:
+    """One bench point's gates, measuring more rounds while one is undecided and the budget allows."""
+    rounds = gate.rounds
+    refs = [_bench(host, point, a, b, gate, rounds, store, say)]
+    while True:
+        bench, failed = bench_results(store, refs, a, b, margin, level)
+        more = min(gate.rounds, gate.max_rounds - rounds)
+        if not any(r.verdict == "undecided" for r in bench) or more <= 0:
+            break
+        undecided = ", ".join(r.title for r in bench if r.verdict == "undecided")
+        say(f"{undecided}: cannot decide at {rounds} round(s); {more} more (budget {gate.max_rounds})")
+        rounds += more
+        refs.append(_bench(host, point, a, b, gate, more, store, say))
+    runs += refs
+    return ([r.of(point.server) for r in bench] if point.server else bench), failed
+
+
+def _measure_server(clients: dict[str, ServerClient], server: Server, a: Side, b: Side, gate: ServerGate,
+                    margin: float, level: float, run_dir: Path, say: Say) -> tuple[list[g.GateResult], list[dict]]:
+    """The server gates of one instance, measuring more repeats while one is undecided and the budget allows."""
+    from rigctl.bench.server import filler_prompt
+
+    order = (a.label, b.label)
+    tokenizer = clients[a.label]
+    prompts = [filler_prompt(n, lambda text: len(tokenizer.tokenize(text))) for n in gate.prompt_lengths]
+    warm = _server_rows(clients, prompts[:1], gate, range(0, 1), order)
+    _append(run_dir / SERVER_FILE, [{**row, "warmup": True, "instance": server.name} for row in warm])
+    rows = _server_rows(clients, prompts, gate, range(1, gate.repeats + 1), order)
+    repeats = gate.repeats
+    while True:
+        results = [r.of(server) for r in server_results(rows, a, b, margin, level)]
+        more = min(gate.repeats, gate.max_repeats - repeats)
+        if not any(r.verdict == "undecided" for r in results) or more <= 0:
+            break
+        say(f"{', '.join(r.title for r in results if r.verdict == 'undecided')}: cannot decide at "
+            f"{repeats} repeat(s); {more} more (budget {gate.max_repeats})")
+        rows += _server_rows(clients, prompts, gate, range(repeats + 1, repeats + more + 1), order)
+        repeats += more
+    rows = [{**row, "instance": server.name} for row in rows]
+    _append(run_dir / SERVER_FILE, rows)
+    say("; ".join(f"{r.title}: {r.figures}" for r in results))
+    return results, rows
+
+
+def measure(host: Host, servers: Sequence[Server], a: Side, b: Side, gates: Gates, store: ResultsStore,
+            run_dir: Path, *, a_running: Collection[str] = (), say: Say = lambda _: None,
+            record_extra: dict[str, Any] | None = None, seed: int = 1234) -> PairedResult:
+    """Every gate of ``gates`` on ``a`` against ``b`` (B / A) for each instance of ``servers`` at its own profile
+    and artifact (llama-bench at the profile's point, the server gates through each side's server of the
+    instance, identity), the bench matrix as an extra point, and quality on the first instance; measuring more
+    while a gate is undecided and its budget allows; raw rows appended to ``run_dir``. ``a_running``: the
+    instances whose unit serves ``a`` now (they answer for it themselves; every other side is a probe)."""
     result = PairedResult(a, b)
-    errors = {a.label: 0, b.label: 0}
+    errors: dict[str | None, dict[str, int]] = {}
+
+    def count(instance: str | None, label: str, n: int) -> None:
+        errors.setdefault(instance, {a.label: 0, b.label: 0})[label] += n
+
     margin, level = gates.speed_margin, gates.level
     if gates.bench is not None:
-        rounds = gates.bench.rounds
-        result.bench_runs.append(_bench(host, server, a, b, gates.bench, rounds, store, say))
-        while True:
-            bench, failed = bench_results(store, result.bench_runs, a, b, margin, level)
-            more = min(gates.bench.rounds, gates.bench.max_rounds - rounds)
-            if not any(r.verdict == "undecided" for r in bench) or more <= 0:
-                break
-            undecided = ", ".join(r.gate for r in bench if r.verdict == "undecided")
-            say(f"{undecided}: cannot decide at {rounds} round(s); {more} more (budget {gates.bench.max_rounds})")
-            rounds += more
-            result.bench_runs.append(_bench(host, server, a, b, gates.bench, more, store, say))
-        result.results += bench
-        for label, count in failed.items():
-            errors[label] += count
-    if gates.server is None and gates.identity is None and gates.quality is None:
-        result.errors = errors
-        result.results.append(g.errors_gate(errors[a.label], errors[b.label], gates.new_errors))
-        return result
+        for point in bench_points(servers, gates.bench):
+            bench, failed = _measure_bench(host, point, a, b, gates.bench, margin, level, store, say,
+                                           result.bench_runs)
+            result.results += bench
+            for label, n in failed.items():
+                count(point.server.name if point.server else None, label, n)
     offset = gates.server.port_offset if gates.server else ServerGate().port_offset
-    with ExitStack() as stack:
-        endpoints = {a.label: stack.enter_context(serving(host, server, a, port=server.port + offset + 1,
-                                                          purpose=f"{a.label} build", is_instance=a_is_instance)),
-                     b.label: stack.enter_context(serving(host, server, b, port=server.port + offset,
-                                                          purpose=f"{b.label} build", is_instance=False))}
-        clients = {label: stack.enter_context(ServerClient(e, timeouts=REQUEST_TIMEOUTS))
-                   for label, e in endpoints.items()}
-        order = (a.label, b.label)
-        if gates.server is not None:
-            from rigctl.bench.server import filler_prompt
-
-            tokenizer = clients[a.label]
-            prompts = [filler_prompt(n, lambda text: len(tokenizer.tokenize(text)))
-                       for n in gates.server.prompt_lengths]
-            warm = _server_rows(clients, prompts[:1], gates.server, range(0, 1), order)
-            _append(run_dir / SERVER_FILE, [{**row, "warmup": True} for row in warm])
-            rows = _server_rows(clients, prompts, gates.server, range(1, gates.server.repeats + 1), order)
-            repeats = gates.server.repeats
-            while True:
-                server_gates = server_results(rows, a, b, margin, level)
-                more = min(gates.server.repeats, gates.server.max_repeats - repeats)
-                if not any(r.verdict == "undecided" for r in server_gates) or more <= 0:
-                    break
-                say(f"{', '.join(r.gate for r in server_gates if r.verdict == 'undecided')}: cannot decide at "
-                    f"{repeats} repeat(s); {more} more (budget {gates.server.max_repeats})")
-                rows += _server_rows(clients, prompts, gates.server, range(repeats + 1, repeats + more + 1), order)
-                repeats += more
-            _append(run_dir / SERVER_FILE, rows)
-            result.results += server_gates
-            for row in rows:
-                errors[row["side"]] += 1 if "error" in row else 0
-            say("; ".join(f"{r.gate}: {r.figures}" for r in server_gates))
-        if gates.identity is not None:
-            rows = _identity_rows(clients, gates.identity, order, seed)
-            _append(run_dir / IDENTITY_FILE, rows)
-            result.results.append(identity_result(rows, a, b, gates.identity, level))
-            for row in rows:
-                errors[row["side"]] += 1 if "error" in row else 0
-            say(f"identity: {result.results[-1].figures}")
-        if gates.quality is not None:
-            limit = gates.quality.limit
-            refs: dict[str, str | None] = {a.label: None, b.label: None}
-            while True:
-                for side, port in ((a, server.port + offset + 1), (b, server.port + offset)):
-                    instance = side is a and a_is_instance
-                    unit = None if instance else probe_unit(server, f"{side.label} build")
-                    refs[side.label] = _eval_side(host, server, side, endpoints[side.label], gates.quality, limit,
-                                                  store, refs[side.label], unit, server.port if instance else port,
-                                                  {**(record_extra or {}), "side": side.label})
-                quality = quality_result(store, str(refs[a.label]), str(refs[b.label]), gates.quality)
-                bigger = min(limit * 2, gates.quality.max_limit)
-                if quality.verdict != "undecided" or bigger <= limit:
-                    break
-                say(f"quality: {quality.figures}: cannot decide at {limit} questions; {bigger} (budget "
-                    f"{gates.quality.max_limit})")
-                limit = bigger
-            result.results.append(quality)
-            result.eval_runs = {label: str(ref) for label, ref in refs.items()}
-            say(f"quality: {quality.figures}")
-    result.errors = errors
-    result.results.append(g.errors_gate(errors[a.label], errors[b.label], gates.new_errors))
+    for index, server in enumerate(servers):
+        quality = gates.quality if index == 0 else None
+        if gates.server is None and gates.identity is None and quality is None:
+            break
+        with ExitStack() as stack:
+            endpoints = {a.label: stack.enter_context(serving(host, server, a, port=server.port + offset + 1,
+                                                              purpose=f"{a.label} build",
+                                                              is_instance=server.name in a_running)),
+                         b.label: stack.enter_context(serving(host, server, b, port=server.port + offset,
+                                                              purpose=f"{b.label} build", is_instance=False))}
+            clients = {label: stack.enter_context(ServerClient(e, timeouts=REQUEST_TIMEOUTS))
+                       for label, e in endpoints.items()}
+            count(server.name, a.label, 0)
+            if gates.server is not None:
+                server_gates, rows = _measure_server(clients, server, a, b, gates.server, margin, level, run_dir,
+                                                     say)
+                result.results += server_gates
+                for row in rows:
+                    count(server.name, row["side"], 1 if "error" in row else 0)
+            if gates.identity is not None:
+                rows = [{**row, "instance": server.name}
+                        for row in _identity_rows(clients, gates.identity, (a.label, b.label), seed)]
+                _append(run_dir / IDENTITY_FILE, rows)
+                result.results.append(identity_result(rows, a, b, gates.identity, level).of(server))
+                for row in rows:
+                    count(server.name, row["side"], 1 if "error" in row else 0)
+                say(f"{result.results[-1].title}: {result.results[-1].figures}")
+            if quality is not None:
+                result.results.append(_measure_quality(host, server, a, b, quality, endpoints, offset, store,
+                                                       server.name in a_running, record_extra, result, say))
+    result.errors = {a.label: sum(e[a.label] for e in errors.values()),
+                     b.label: sum(e[b.label] for e in errors.values())}
+    by_name = {s.name: s for s in servers}
+    for instance, counts in errors.items() or {None: {a.label: 0, b.label: 0}}.items():
+        gate = g.errors_gate(counts[a.label], counts[b.label], gates.new_errors)
+        result.results.append(gate.of(by_name[instance]) if instance else gate)
     return result
+
+
+def _measure_quality(host: Host, server: Server, a: Side, b: Side, gate: QualityGate, endpoints: dict[str, Endpoint],
+                     offset: int, store: ResultsStore, a_is_instance: bool, record_extra: dict[str, Any] | None,
+                     result: PairedResult, say: Say) -> g.GateResult:
+    """The quality gate on ``server``'s two sides, with more questions while undecided and the budget allows."""
+    limit = gate.limit
+    refs: dict[str, str | None] = {a.label: None, b.label: None}
+    while True:
+        for side, port in ((a, server.port + offset + 1), (b, server.port + offset)):
+            instance = side is a and a_is_instance
+            unit = None if instance else probe_unit(server, f"{side.label} build")
+            refs[side.label] = _eval_side(host, server, side, endpoints[side.label], gate, limit, store,
+                                          refs[side.label], unit, server.port if instance else port,
+                                          {**(record_extra or {}), "side": side.label})
+        quality = quality_result(store, str(refs[a.label]), str(refs[b.label]), gate)
+        bigger = min(limit * 2, gate.max_limit)
+        if quality.verdict != "undecided" or bigger <= limit:
+            break
+        say(f"quality: {quality.figures}: cannot decide at {limit} questions; {bigger} (budget {gate.max_limit})")
+        limit = bigger
+    result.eval_runs = {label: str(ref) for label, ref in refs.items()}
+    say(f"quality: {quality.figures}")
+    return quality

@@ -35,6 +35,8 @@ class GateRow(_Open):
     high: Number = None
     threshold: Number = None
     detail: dict[str, Any] = {}
+    instance: str | None = None
+    profile: str | None = None
 
 
 class Measurement(_Open):

@@ -197,17 +197,6 @@ def _save_help(run_dir: Path, name: str, text: str) -> None:
 # ----------------------------------------------------------------------------------------------- shared steps
 
 
-def instance_of(host: Host, gates: Gates) -> Server:
-    """The instance the gates measure on ``host``: the server gate's, else the first enabled one."""
-    name = gates.server.instance if gates.server and gates.server.instance else None
-    if name:
-        return host.server(name)
-    enabled = [s for s in host.servers if s.enabled]
-    if not enabled:
-        raise ConfigError(f"host {host.name}: no enabled llama_server instance to measure the candidate with")
-    return enabled[0]
-
-
 def floor_check(pin: CandidatePin, build_number: int | None, allowed: Mapping[str, str]) -> None:
     if build_number is None:
         return
@@ -226,7 +215,8 @@ def check_flags(hosts: Sequence[Host], host: Host, build: Build, gates: Gates, r
         if bench_help is not None:
             _save_help(run_dir, "llama-bench.txt", bench_help)
     servers = [s for h in hosts for s in h.servers]
-    bench = candidate.bench_flags(gates.bench.matrix.flags()) if gates.bench else []
+    points = paired.bench_points(g.served(host, gates), gates.bench) if gates.bench else []
+    bench = sorted({flag for point in points for flag in candidate.bench_flags(point.matrix.flags())})
     return candidate.unknown_flags(servers, candidate.parse_help_flags(server_help), bench,
                                    candidate.parse_help_flags(bench_help) if bench_help else None, build=build.name)
 
@@ -329,22 +319,27 @@ def upgrade(inventory: Inventory, version: str, *, canary: str | None = None, ga
     if pin.version == current_pin.version and not pin.cmake_options:
         raise ConfigError(f"--to {version}: {canary_host.name} pins {version} already")
     floor_check(pin, pin.build_number, allowed)  # before anything is fetched or built
-    server = instance_of(canary_host, gates)
+    servers = g.served(canary_host, gates)
     pin = candidate.fetch_archive(pin)
     say(f"{pin.label}: archive {pin.archive_path} sha256 {pin.sha256}" if pin.source == "archive" else pin.label)
     before = read_builds(canary_host)
     if before.current is None:
         raise BuildError(f"{canary_host.name}: no current llama.cpp build to upgrade from; provision it first")
     extra = {"to": pin.version, "label": pin.label, "from": current_pin.version, "canary": canary_host.name,
-             "scope": [h.name for h in hosts], "instance": server.name, "gates": gates.model_dump(),
+             "scope": [h.name for h in hosts], "instances": _instances(servers), "gates": gates.model_dump(),
              "pin": pin_values(pin, allowed), "current": _build_dict(before.current),
              "accepted_advisories": dict(allowed), **({"campaign": tag} if tag else {})}
-    with upgrade_run("upgrade", canary_host, server, store, extra) as run:
-        return _canary_and_rollout(inventory, run, canary_host, hosts, server, pin, before.current, gates, allowed,
+    with upgrade_run("upgrade", canary_host, servers[0], store, extra) as run:
+        return _canary_and_rollout(inventory, run, canary_host, hosts, servers, pin, before.current, gates, allowed,
                                    store, say, on_event)
 
 
-def _canary_and_rollout(inventory: Inventory, run: Run, canary: Host, hosts: Sequence[Host], server: Server,
+def _instances(servers: Sequence[Server]) -> list[dict[str, str]]:
+    """What a record says the gates measured: each instance, its profile and its artifact."""
+    return [{"instance": s.name, "profile": s.profile.name, "artifact": s.artifact} for s in servers]
+
+
+def _canary_and_rollout(inventory: Inventory, run: Run, canary: Host, hosts: Sequence[Host], servers: Sequence[Server],
                         pin: CandidatePin, current: Build, gates: Gates, allowed: Mapping[str, str],
                         store: ResultsStore, say: Say, on_event: Callable[[Any], None] | None) -> UpgradeResult:
     """The candidate built, checked and measured on the canary; the pin written and rolled out, or the candidate
@@ -363,16 +358,17 @@ def _canary_and_rollout(inventory: Inventory, run: Run, canary: Host, hosts: Seq
         candidate.drop_candidate(inventory, canary.name, on_event=on_event)
         raise UpgradeRefused(refusal, ref)
     # The current build answers as the instance itself when it runs, else as a probe like the candidate.
-    measured = paired.measure(canary, server, paired.Side("current", current),
+    measured = paired.measure(canary, servers, paired.Side("current", current),
                               paired.Side("candidate", built.build), gates, store, run.path,
-                              a_is_instance=_active(canary, server), say=say, record_extra={"upgrade": ref})
+                              a_running=[s.name for s in servers if _active(canary, s)], say=say,
+                              record_extra={"upgrade": ref})
     record.extra.update(measurement=measured.to_dict())
     run.write_json(GATES_FILE, measured.to_dict())
     if measured.verdict != "pass":
         failed = g.first_failure(measured.results)
         assert failed is not None
         state = "failed" if failed.verdict == "fail" else "could not decide within its budget"
-        line = (f"upgrade to {pin.label} refused by gate {failed.gate} ({state}): {failed.figures}; "
+        line = (f"upgrade to {pin.label} refused by gate {failed.title} ({state}): {failed.figures}; "
                 f"{canary.name} serves {current.name}, the inventory is unchanged (record {ref})")
         candidate.drop_candidate(inventory, canary.name, on_event=on_event)
         record.extra.update(verdict="refused", refused_by=failed.gate, problems=[line],

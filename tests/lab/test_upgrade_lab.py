@@ -5,9 +5,12 @@ file with RIGCTL_UPGRADE_CHECK=1).
 The lab starts on an older build than the lab inventory's b11434 (a copy of the inventory pinning b11401,
 provisioned: compiled once on desktop, copied to laptop), then:
 
-* ``upgrade --to b11434 --canary desktop``: the candidate is built beside the current build, every gate is
-  measured and passes, the pin is written round trip (comments kept), laptop is upgraded after desktop, the
-  servers answer on the new build, and the record renders as a report;
+* ``upgrade --to b11434 --canary desktop`` with the one-thread instance ``smollm2-q4_0`` (profile ``lab-spec``)
+  made the deployed one in the inventory copy (the gates measure every enabled instance at its own profile; two
+  spinning threads per server on the machine's two shared cores swing single pairs 0.4x to 5x, which no budget
+  decides): the candidate is built beside the current build, every gate is measured on that instance and
+  passes, the pin is written round trip (comments kept), laptop is upgraded after desktop, the servers answer
+  on the new build, and the record renders as a report;
 * the same version built with ``CMAKE_BUILD_TYPE=Debug`` (a real slowdown, another build key) is refused by
   the speed gate in one line with its figures; desktop serves the old build; the inventory is byte-identical;
 * a profile flag the candidate's own ``llama-server --help`` does not list is refused, naming the profile and
@@ -141,15 +144,38 @@ def latest(results: Path, kind: str) -> RunRecord:
     return runs[-1].record
 
 
-def test_an_upgrade_that_passes_its_gates_writes_the_pin_and_rolls_out(older: dict, files: Path):
+def _serve_the_old_gates_configuration(inventory_dir: Path) -> str:
+    """The instances file with the one-thread instance the old gates measured as the one deployed (the 2-thread
+    one disabled); the file as it was, to put back."""
+    servers = inventory_dir / "group_vars" / "all" / "servers.yml"
+    text = servers.read_text()
+    deployed = "    profile: lab\n    port: 8080\n"
+    swapped = text.replace(deployed, deployed + "    enabled: false\n", 1)
+    swapped = swapped.replace("    profile: lab-spec\n    port: 8090\n    enabled: false\n",
+                              "    profile: lab-spec\n    port: 8090\n", 1)
+    assert swapped.count("enabled: false") == text.count("enabled: false"), "the lab's instances changed shape"
+    servers.write_text(swapped)
+    return text
+
+
+def test_the_configuration_the_old_gates_measured_passes_and_the_upgrade_rolls_out(older: dict, files: Path):
     pins = older["dir"] / "group_vars" / "all" / "llama_cpp.yml"
     before = pins.read_text()
-    done = rigctl(older["env"], "build", "upgrade", "--to", NEWER, "--canary", "desktop", "--gates",
-                  str(files / "gates.yml"))
+    servers = older["dir"] / "group_vars" / "all" / "servers.yml"
+    text = _serve_the_old_gates_configuration(older["dir"])
+    try:
+        done = rigctl(older["env"], "build", "upgrade", "--to", NEWER, "--canary", "desktop", "--gates",
+                      str(files / "gates.yml"))
+    finally:
+        servers.write_text(text)
+        # The lab's own instances back on the rigs, on whichever build is current now.
+        restored = rigctl(older["env"], "provision", "--tags", "llama_server")
+        assert restored.returncode == 0, restored.stderr
     assert done.returncode == 0, done.stderr
     record = latest(older["results"], "upgrade")
     extra = record.extra
     assert record.status == "done" and extra["verdict"] == "pass" and extra["from"] == OLDER
+    assert [i["instance"] for i in extra["instances"]] == ["smollm2-q4_0"]
     results = extra["measurement"]["results"]
     gates = {r["gate"]: r for r in results}
     assert {"bench pp64", "bench tg16", "server decode", "server ttft", "identity", "quality", "errors"} <= set(gates)
@@ -172,7 +198,7 @@ def test_an_upgrade_that_passes_its_gates_writes_the_pin_and_rolls_out(older: di
     for name in ("desktop", "laptop"):
         assert read_builds(inventory.host(name)).current.version == NEWER
         assert read_builds(inventory.host(name)).candidate is None
-        statuses = [s for s in host_status(inventory.host(name)) if s.enabled]
+        statuses = [s for s in host_status(inventory.host(name)) if s.enabled]  # the lab's own, restored
         assert statuses and all(s.healthy and "11434" in (s.build or "") for s in statuses), statuses
     out = older["dir"].parent / "report"
     report = rigctl(older["env"], "report", f"desktop/{record.id}", "--out", str(out))
@@ -193,6 +219,8 @@ def test_a_slower_candidate_is_refused_by_the_speed_gate_and_nothing_moves(older
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, lines
     assert lines[0].startswith(f"error: upgrade to {NEWER} {DEBUG} refused by gate bench ")
+    # The deployed instance's own point comes first, and the refusal names it and its profile.
+    assert " on instance smollm2 (profile lab) (failed)" in lines[0], lines[0]
     assert "(failed): candidate/current 0." in lines[0] and "margin 0.9x" in lines[0]
     assert f"desktop serves {serving.name}, the inventory is unchanged" in lines[0]
     assert tree_digest(older["dir"]) == digest

@@ -22,7 +22,7 @@ from rigctl.inventory.gates import Gates, IdentityGate, QualityGate
 from rigctl.stats import Interval
 from rigctl.upgrade import gates as g
 from rigctl.upgrade.bisect import metric_gates, offered_versions, parse_candidates
-from rigctl.upgrade.paired import Side, identity_result, server_results
+from rigctl.upgrade.paired import Side, bench_points, identity_result, server_results
 from rigctl.upgrade.upgrade import PinFiles, scope, write_pin
 
 REPO = Path(__file__).resolve().parents[2]
@@ -147,13 +147,67 @@ def test_server_rows_pair_by_repeat_and_prompt_and_skip_failures_and_warmups():
             for s in ("current", "candidate")]
     for repeat in (1, 2, 3):
         for prompt in (0, 1):
-            rows.append({"repeat": repeat, "prompt": prompt, "side": "current", "ttft_s": 0.2, "decode_per_s": 40.0})
+            rows.append({"repeat": repeat, "prompt": prompt, "side": "current", "ttft_s": 0.2, "decode_per_s": 40.0,
+                         "prompt_per_s": 500.0})
             rows.append({"repeat": repeat, "prompt": prompt, "side": "candidate", "ttft_s": 0.2,
-                         "decode_per_s": 40.0 * (1.02 if repeat % 2 else 0.99)})
+                         "decode_per_s": 40.0 * (1.02 if repeat % 2 else 0.99), "prompt_per_s": 250.0})
     rows.append({"repeat": 3, "prompt": 1, "side": "candidate", "error": "timed out"})
-    decode, ttft = server_results(rows, a, b, 0.95, 0.95)
+    decode, ttft, prompt_speed = server_results(rows, a, b, 0.95, 0.95)
     assert decode.gate == "server decode" and decode.verdict == "pass" and decode.n == 6
     assert ttft.estimate == pytest.approx(1.0)
+    assert prompt_speed.gate == "server prompt" and prompt_speed.verdict == "fail"
+    assert prompt_speed.estimate == pytest.approx(0.5)
+
+
+# ------------------------------------------------------------------------------- what is served is measured
+
+
+def test_the_gates_measure_every_enabled_instance_at_its_own_profile_and_the_matrix_besides(lab_copy: Path):
+    """The lab's gates name a one-thread matrix; the deployed instance (smollm2, profile lab) runs 2 threads:
+    its own point is benched at 2 threads, the matrix's one-thread point only besides it."""
+    inventory = Inventory.load(lab_copy)
+    desktop = inventory.host("desktop")
+    gates = g.load_gates(desktop.vars.get(g.GATES_VAR), "host desktop")
+    served = g.served(desktop, gates)
+    assert [(s.name, s.profile.name) for s in served] == [("smollm2", "lab")]
+    points = bench_points(served, gates.bench)
+    assert [(p.server.name if p.server else None, p.models, p.matrix.t) for p in points] == [
+        ("smollm2", ("smollm2-135m-q4_1",), [2]), (None, ("smollm2-135m-q4_1",), [1])]
+    assert points[0].matrix.p == [64] and points[0].matrix.n == [16] and points[0].matrix.ngl == [0]
+    # A gates file adds an instance (a disabled one, at its own profile); it cannot replace the deployed one.
+    added = Gates.model_validate({**gates.model_dump(), "server": {"instances": ["smollm2-q4_0"]}})
+    assert [(s.name, s.profile.name) for s in g.served(desktop, added)] == [("smollm2", "lab"),
+                                                                           ("smollm2-q4_0", "lab-spec")]
+    with pytest.raises(ProblemsError, match="one cannot stand in for them"):
+        g.parse_gates({"server": {"instance": "smollm2-q4_0"}}, "--gates f")
+
+
+def test_a_profile_s_kv_types_flash_attention_batch_and_ubatch_reach_llama_bench(lab_copy: Path):
+    servers = lab_copy / "group_vars" / "all" / "servers.yml"
+    servers.write_text(servers.read_text().replace(
+        "    metrics: true\n", "    metrics: true\n    cache_type_k: q8_0\n    cache_type_v: q8_0\n"
+        "    flash_attn: \"on\"\n    extra_args: [\"-b 256\", \"--ubatch-size=64\"]\n", 1))
+    server = Inventory.load(lab_copy).host("desktop").server("smollm2")
+    point = g.deployed_point(server, Gates().bench.matrix)
+    assert (point.t, point.ctk, point.ctv, point.fa, point.b, point.ub, point.ngl) == (
+        [2], ["q8_0"], ["q8_0"], [1], [256], [64], [0])
+    from rigctl.hostside.bench_task import llama_bench_argv
+
+    argv = llama_bench_argv("llama-bench", "m.gguf", point.flags())
+    assert argv[argv.index("-t") + 1] == "2" and argv[argv.index("-b") + 1] == "256" and "-ub" in argv
+
+
+def test_a_refusal_names_the_instance_its_profile_and_the_figures():
+    interval = Interval(0.5, 0.48, 0.52, 18, 1000, 0.95, "counts")
+    result = g.speed_gate("server decode", interval, 0.9, n_a=18, n_b=18, mean_a=60.0, mean_b=30.0, unit="t/s",
+                          paired="requests")
+    server = type("S", (), {"name": "smollm2", "profile": type("P", (), {"name": "lab"})()})()
+    named = result.of(server)  # type: ignore[arg-type]
+    assert named.title == "server decode on instance smollm2 (profile lab)" and named.verdict == "fail"
+    assert "0.500x [0.480, 0.520]" in named.figures and "30.00 vs 60.00 t/s" in named.figures
+    good = g.speed_gate("server decode", Interval(1.0, 0.97, 1.03, 18, 1000, 0.95, "counts"), 0.9,
+                        n_a=18, n_b=18, mean_a=60.0, mean_b=60.0, unit="t/s", paired="requests")
+    assert g.worst([good, named]) is named and g.worst([good]) is good
 
 
 def test_identity_counts_byte_identical_greedy_replies():

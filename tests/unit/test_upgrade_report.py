@@ -81,7 +81,10 @@ def refused_upgrade(store: ResultsStore, label: str = "b11434 CMAKE_BUILD_TYPE=D
     identity = g.identity_gate([True] * 6, 0.8, detail={"differing": [], "file": IDENTITY_FILE})
     server = g.speed_gate("server decode", g.paired_log_ratio([40.0, 41.0, 39.0], [8.0, 8.3, 7.9]), 0.9, n_a=3,
                           n_b=3, mean_a=40.0, mean_b=8.1, unit="t/s", detail={"file": SERVER_FILE})
-    results = [*bench, server, identity, g.errors_gate(0, 0, 0)]
+    # One deployed instance: its server, identity and errors gates name it and its profile (the bench cells here
+    # are the matrix's extra point).
+    smollm2 = type("S", (), {"name": "smollm2", "profile": type("P", (), {"name": "lab"})()})()
+    results = [*bench, server.of(smollm2), identity.of(smollm2), g.errors_gate(0, 0, 0).of(smollm2)]
     run_dir = store.root / "desktop" / "upgrade-20261203T091000Z-bbbb"
     (run_dir / "help").mkdir(parents=True)
     (run_dir / "help" / "llama-server.txt").write_text("-h, --help\n")
@@ -90,7 +93,8 @@ def refused_upgrade(store: ResultsStore, label: str = "b11434 CMAKE_BUILD_TYPE=D
     line = f"upgrade to {label} refused by gate bench pp64 (failed): " + bench[0].figures
     record = RunRecord(id=run_dir.name, kind="upgrade", host="desktop", started="2026-12-03T09:10:00.0Z",
                        extra={"from": "b11434", "to": "b11434", "label": label,
-                              "canary": "desktop", "scope": ["desktop", "laptop"], "instance": "smollm2",
+                              "canary": "desktop", "scope": ["desktop", "laptop"],
+                              "instances": [{"instance": "smollm2", "profile": "lab", "artifact": "smol"}],
                               "gates": {"speed_margin": 0.9}, "current": {"name": CURRENT.name, "key": CURRENT.key},
                               "candidate": {"name": CANDIDATE.name, "key": CANDIDATE.key, "plan": "build",
                                             "seconds": 412.0, "cmake_flags": ["-DCMAKE_BUILD_TYPE=Debug"]},
@@ -109,7 +113,9 @@ def test_a_refused_upgrade_renders_with_every_figure_linked_to_its_raw_file(stor
     text = report.path.read_text()
     assert text.startswith("# Upgrade b11434 -> b11434 CMAKE_BUILD_TYPE=Debug on desktop: refused")
     assert f"**Refused:** {line}" in text
-    assert "| bench tg16 | fail | [0.200x" in text and "| identity | pass | [100%" in text
+    assert "| extra point | bench tg16 | fail | [0.200x" in text and "| smollm2 (lab) | identity | pass | [100%" in text
+    assert "| smollm2 (lab) | server decode | undecided |" in text
+    assert "Canary desktop (instances smollm2 (lab))" in text
     assert "| candidate | b11434-9c0d1e2f3a4b |" in text and "build 412 s" in text
     assert report.charts == [out / f"upgrade-{run_dir.name}.png"] and report.charts[0].is_file()
     links = links_of(text, out)

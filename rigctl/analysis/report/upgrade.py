@@ -47,6 +47,15 @@ def _gate_files(run: StoredRun, result: Mapping[str, Any], links: Links, store: 
     return []
 
 
+def _measured(extra: Mapping[str, Any]) -> str:
+    """The instances the gates measured, with their profiles (a record from before: its one instance)."""
+    rows = extra.get("instances")
+    if isinstance(rows, list) and rows:
+        return "instances " + ", ".join(f"{r.get('instance')} ({r.get('profile')})" for r in rows
+                                        if isinstance(r, Mapping))
+    return f"instance {extra.get('instance')}"
+
+
 def _interval(result: Mapping[str, Any]) -> str:
     if result.get("estimate") is None:
         return "-"
@@ -78,9 +87,12 @@ def _gatesmd_table(run: StoredRun, results: Sequence[Mapping[str, Any]], links: 
     rows = []
     for result in results:
         files = _gate_files(run, result, links, store)
-        rows.append([result["gate"], result["verdict"], links.number(_interval(result), files), str(result.get("n")),
-                     _threshold(result), result["figures"]])
-    return md_table(["gate", "verdict", "ratio or share [interval]", "n", "threshold", "figures"], rows, "llrrll")
+        where = f"{result['instance']} ({result.get('profile')})" if result.get("instance") else "extra point"
+        rows.append([where, result["gate"], result["verdict"], links.number(_interval(result), files),
+                     str(result.get("n")), _threshold(result), result["figures"]])
+    # One row per instance and gate: what each deployed instance, at its own profile, measured.
+    return md_table(["instance (profile)", "gate", "verdict", "ratio or share [interval]", "n", "threshold",
+                     "figures"], rows, "lllrrll")
 
 
 def _ratio_chart(path: Path, rows: Sequence[tuple[str, Mapping[str, Any]]], threshold: float, threshold_label: str,
@@ -122,7 +134,7 @@ def upgrade_section(run: StoredRun, links: Links, store: ResultsStore, out_dir: 
     results = measurement.get("results") or []
     record_link = links.number(f"{run.host}/{run.id}", [run.path / "run.json"])
     lines = [title, "",
-             f"Canary {extra.get('canary')} (instance {extra.get('instance')}), scope "
+             f"Canary {extra.get('canary')} ({_measured(extra)}), scope "
              f"{', '.join(extra.get('scope') or [])}; {record.started} to {record.ended or '-'}; record {record_link}.",
              ""]
     for problem in extra.get("problems") or []:
@@ -144,7 +156,8 @@ def upgrade_section(run: StoredRun, links: Links, store: ResultsStore, out_dir: 
     if results:
         gates = extra.get("gates") or {}
         chart = out_dir / f"upgrade-{run.id}.png"
-        speed = [(r["gate"], r) for r in results if r["gate"].startswith(("bench ", "server "))]
+        speed = [(f"{r['gate']} {r.get('instance') or ''}".strip(), r) for r in results
+                 if r["gate"].startswith(("bench ", "server "))]
         margin = float(gates.get("speed_margin") or 0.95)
         if _ratio_chart(chart, speed, margin, f"margin {margin:g}x", f"{run.host}/{run.id}",
                         "candidate / current (speed; 95% interval)"):
