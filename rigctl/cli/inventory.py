@@ -1,6 +1,10 @@
-"""``rigctl inventory check``."""
+"""``rigctl inventory check``; ``rigctl init``: a starter inventory."""
 
 from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -18,7 +22,7 @@ def inventory_check() -> None:
 
     inv = load_inventory()
     try:
-        roles = [project_root(inv) / "roles"]
+        roles = [project_root() / "roles"]
     except RigctlError:
         roles = []
     problems = check(inv, roles)
@@ -32,3 +36,21 @@ def inventory_check() -> None:
         err_console.print(summary, markup=False, highlight=False)
         raise typer.Exit(2)
     console.print(summary, markup=False, highlight=False)
+
+
+def init(directory: Annotated[Path, typer.Argument(help="The new inventory's directory (new, or empty).")]) -> None:
+    """Write a starter inventory to DIRECTORY (commented: the fleet's group, connection, llama.cpp pin, model
+    catalog and server profile) that passes `inventory check`; then add the first host to it."""
+    from rigctl.inventory import Inventory
+    from rigctl.inventory.check import check
+    from rigctl.inventory.starter import write_starter
+
+    written = write_starter(directory)
+    for path in written:
+        console.print(f"wrote {directory / path}", markup=False, highlight=False)
+    problems = [p for p in check(Inventory.load(directory)) if p.severity == "error"]
+    if problems:  # the shipped starter is checked in the tests; this names a broken install
+        raise RigctlError(f"{directory}: the starter inventory fails its check: {problems[0]}")
+    target = shlex.quote(str(directory))
+    console.print(f"next: rigctl -i {target} hosts add gpu1 ADDRESS --key ~/.ssh/id_ed25519", markup=False,
+                  highlight=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 from rich.table import Table
 
-from rigctl.cli.common import LimitOption, console, err_console, load_inventory
+from rigctl.cli.common import LimitOption, console, err_console, load_inventory, load_inventory_to_write
 from rigctl.cli.render import outside_text
 from rigctl.errors import RigctlError
 
@@ -54,5 +54,5 @@ def models_pin(limit: LimitOption = None) -> None:
     """Write the hashes observed on each host into its host_vars (models_pins), for review with git diff."""
     from rigctl.fleet.models import pin
 
-    for host, pins in pin(load_inventory(), limit).items():
+    for host, pins in pin(load_inventory_to_write("models pin"), limit).items():
         console.print(f"{host}: pinned {len(pins)} artifacts", highlight=False)

@@ -535,7 +535,7 @@ def add_host(
     if existing is not None and options.group not in existing.groups:
         raise EnrollError(f"{name}: already in the inventory in groups {', '.join(existing.groups)}, "
                           f"not {options.group}")
-    root = project_root(inventory)
+    root = project_root()
     # The variables the host gets from its group: known_hosts, the fleet's key and user.
     prospective = existing or Inventory.load(inventory.source, add_hosts={name: options.group}).hosts[name]
     known_hosts = prospective.known_hosts

@@ -177,7 +177,7 @@ def write_pin(inventory: Inventory, canary: Host, pin: CandidatePin, allowed: Ma
     from rigctl.inventory.check import check
 
     try:
-        roles = [project_root(inventory) / "roles"]
+        roles = [project_root() / "roles"]
     except ConfigError:
         roles = []
     files = PinFiles(inventory, pin_origin(inventory, canary))
