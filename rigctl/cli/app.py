@@ -15,6 +15,7 @@ from rigctl.cli import (
     build,
     campaign,
     check,
+    collection,
     compare,
     eval,
     exporter,
@@ -59,6 +60,7 @@ app.add_typer(bench.app, name="bench")
 app.add_typer(eval.app, name="eval")
 app.add_typer(check.app, name="check")
 app.add_typer(campaign.app, name="campaign")
+app.add_typer(collection.app, name="collection")
 app.command("init")(inventory.init)
 app.command("provision")(provision.provision)
 app.command("jobs")(jobs.jobs_list)

@@ -268,6 +268,19 @@ def ansible_env(root: Path) -> dict[str, str]:
     return env
 
 
+def ansible_tool(name: str, env: Mapping[str, str]) -> str:
+    """Where Ansible's command ``name`` (ansible-playbook, ansible-galaxy) is on ``env``'s PATH (:func:`ansible_env`'s:
+    beside rigctl's Python first); ConfigError naming it, before anything is written or started, when it is not."""
+    import shutil
+
+    found = shutil.which(name, path=env.get("PATH"))
+    if found is None:
+        raise ConfigError(f"{name} is not installed beside rigctl's Python ({Path(sys.executable).parent}) nor on "
+                          f"PATH: install rigctl with its dependencies (pipx install rigctl, or pip in a venv), "
+                          f"which bring ansible-core's commands")
+    return found
+
+
 def check_host_keys(hosts: Iterable[Host]) -> None:
     """Connect to every SSH host once, at the same time, with rigctl's strict host-key checking; a refused
     key raises HostKeyError naming the host and its known_hosts file (several: one DeployError line
@@ -350,6 +363,7 @@ def run_playbook(
     playbook_path = root / "playbooks" / playbook
     if not playbook_path.is_file():
         raise ConfigError(f"playbook {playbook_path}: no such file")
+    ansible_tool("ansible-playbook", ansible_env(root))
     # ansible-runner keeps its artifacts in the private data dir; rigctl reports from the events.
     with hosts_lock(selected) as lock_fds, contextlib.ExitStack() as stack:
         if preflight:
