@@ -52,4 +52,5 @@ class BuildWithProject(build_py):
         (target / CONFIG).write_text(installed_config((ROOT / CONFIG).read_text()))
 
 
-setup(cmdclass={"build_py": BuildWithProject})
+if __name__ == "__main__":  # setuptools runs it so; tests import installed_config
+    setup(cmdclass={"build_py": BuildWithProject})
