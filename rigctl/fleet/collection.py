@@ -120,10 +120,14 @@ def _qualify_filters(roles: Path, filters: Path) -> None:
                 path.write_text(qualified)
 
 
+def _galaxy_env() -> dict[str, str]:
+    return {**os.environ, **ansible_env(project_root())}
+
+
 def _galaxy(args: list[str], what: str) -> None:
-    env = {**os.environ, **ansible_env(project_root())}
-    tool = ansible_tool("ansible-galaxy", env)
-    done = subprocess.run([tool, *args], capture_output=True, text=True, timeout=GALAXY_TIMEOUT, env=env, check=False)
+    env = _galaxy_env()
+    done = subprocess.run([ansible_tool("ansible-galaxy", env), *args], capture_output=True, text=True,
+                          timeout=GALAXY_TIMEOUT, env=env, check=False)
     if done.returncode != 0:
         lines = [ln.strip() for ln in (done.stderr + done.stdout).splitlines() if ln.strip()]
         reason = next((ln for ln in lines if ln.startswith(("ERROR", "[ERROR]"))), lines[-1] if lines else "no output")
@@ -133,6 +137,7 @@ def _galaxy(args: list[str], what: str) -> None:
 def build(out_dir: Path) -> Path:
     """``rigctl.fleet``'s archive (``rigctl-fleet-VERSION.tar.gz``) in ``out_dir``, made by ansible-galaxy."""
     _writable(out_dir, "--out")
+    ansible_tool("ansible-galaxy", _galaxy_env())
     archive = out_dir / f"{NAMESPACE}-{NAME}-{collection_version()}.tar.gz"
     with tempfile.TemporaryDirectory(prefix="rigctl-collection-") as tmp:
         staging = Path(tmp) / "collection"
@@ -152,6 +157,7 @@ def install(path: Path) -> Path:
     finds it when ``path`` is on ``collections_path`` (ANSIBLE_COLLECTIONS_PATH). A path that cannot be
     written is refused before anything is built or written. The collection's directory there."""
     _writable(path, "--path")
+    ansible_tool("ansible-galaxy", _galaxy_env())
     with tempfile.TemporaryDirectory(prefix="rigctl-collection-") as tmp:
         archive = build(Path(tmp))
         _galaxy(["collection", "install", str(archive), "--force", "-p", str(path)], "collection install")
