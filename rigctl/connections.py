@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Protocol, TypeVar
@@ -34,24 +34,30 @@ _C = TypeVar("_C", bound=Closable)
 
 
 class Connections:
-    """One connection per host name, made by the caller's factory on first use, closed together by :meth:`close`."""
+    """One connection per host name, made by the caller's factory on first use, and what the command keeps
+    open over them (:mod:`rigctl.forward`'s forwards, one per server); closed together by :meth:`close`."""
 
     def __init__(self) -> None:
-        self._clients: dict[str, Closable] = {}
+        self._kept: dict[Hashable, Closable] = {}
         self._lock = threading.Lock()  # the threads of one command (one per host) share the scope
 
     def client(self, host: Host, make: Callable[[Host], _C]) -> _C:
+        return self.keep(("connection", host.name), lambda: make(host))
+
+    def keep(self, key: Hashable, make: Callable[[], _C]) -> _C:
+        """What the scope holds under ``key``, made by ``make`` on first use and closed with the scope."""
         with self._lock:
-            client = self._clients.get(host.name)
-            if client is None:
-                client = self._clients[host.name] = make(host)
-            return client  # type: ignore[return-value]
+            kept = self._kept.get(key)
+            if kept is None:
+                kept = self._kept[key] = make()
+            return kept  # type: ignore[return-value]
 
     def close(self) -> None:
+        """Close what the scope holds, newest first: a forward before the connection it runs over."""
         with self._lock:
-            clients, self._clients = list(self._clients.values()), {}
-        for client in clients:
-            client.close()
+            kept, self._kept = list(self._kept.values()), {}
+        for closable in reversed(kept):
+            closable.close()
 
 
 _current: contextvars.ContextVar[Connections | None] = contextvars.ContextVar("rigctl_connections", default=None)

@@ -54,6 +54,19 @@ class HostKeyError(ConnectError):
         return self.args[0]
 
 
+class ForwardError(ConnectError):
+    """``host``'s SSH connection will not forward to ``target`` (``address:port`` as the host sees it), where a
+    server listens on the host's loopback only: its sshd refuses forwarding (``AllowTcpForwarding no``)."""
+
+    def __init__(self, host: str, target: str, reason: str):
+        super().__init__(host, reason)
+        self.target = target
+        self.args = (f"{host}: cannot forward to {target} over SSH: {reason}",)
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
 class SudoRefusedError(ConnectError):
     """``host``'s login user is not root and sudo will not run a command as root without a password."""
 
@@ -109,6 +122,10 @@ class TransferError(RigctlError):
 
 class DeployError(RigctlError):
     """An Ansible run failed: a host was unreachable or a task failed."""
+
+
+class DrainedError(RigctlError):
+    """A drained host asked to run a campaign step, an eval, a bench or a canary: the host and why."""
 
 
 class BuildError(RigctlError):

@@ -28,11 +28,12 @@ def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or "~/.cache/rigctl").expanduser()
 
 
-def write_atomically(path: Path, text: str, mode: int = 0o644) -> None:
-    """Write ``text`` to a temp file beside ``path`` with ``mode``, then rename it over ``path``."""
+def write_atomically(path: Path, text: str | bytes, mode: int = 0o644) -> None:
+    """Write ``text`` (or bytes, written as they are) to a temp file beside ``path`` with ``mode``, then
+    rename it over ``path``."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
             f.write(text)
         os.chmod(tmp, mode)
         os.replace(tmp, path)

@@ -1,5 +1,6 @@
 """Reading input files at the boundary: text that must be UTF-8, and user files that must be a YAML (or JSON,
-which YAML reads too) mapping, whose errors name file, line and column.
+which YAML reads too) mapping, whose errors name file, line and column; and the one-line wording of what
+pydantic found wrong in one (:func:`error_line`).
 
 Each helper returns or raises with a message that names the file (and line), so every loader (task files,
 campaigns, bench specs, prompt sets) reports a bad file the same way: one line, never a bare
@@ -8,13 +9,16 @@ UnicodeDecodeError or a multi-line YAML complaint.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from rigctl.errors import ConfigError, RigctlError
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
 
 
 def decode_utf8(raw: bytes, origin: str | Path, error: type[RigctlError] = ConfigError) -> str:
@@ -106,6 +110,39 @@ def read_mapping(path: Path, what: str, *, expected: str = "expected a mapping a
     return parse_mapping(read_text(path, what, error), f"{what} {path}", expected=expected, empty=empty, error=error)
 
 
+def error_message(err: Mapping[str, Any]) -> str:
+    """One pydantic error's message as rigctl words it: ``unknown key`` for a key the schema lacks, ``required
+    but not set`` for one it needs, a validator's own text without pydantic's ``Value error,`` prefix."""
+    if err["type"] == "extra_forbidden":
+        return "unknown key"
+    if err["type"] == "missing":
+        return "required but not set"
+    return str(err["msg"]).removeprefix("Value error, ")
+
+
+def dotted(loc: Iterable[Any]) -> str:
+    """A pydantic error's location as a key path: ``matrix.p.0``."""
+    return ".".join(str(part) for part in loc)
+
+
+def error_lines(exc: ValidationError, origin: str | Path, *, whole: str | None = "-",
+                path: Callable[[Sequence[Any]], str] = dotted) -> list[str]:
+    """Each error of ``exc`` as one line ``origin: key.path: message`` (:func:`error_message`); ``path`` makes
+    the key path of a location, ``whole`` names an error of the whole value (a model's own check, of several
+    keys), None leaves it out."""
+    lines = []
+    for err in exc.errors():
+        where = path(err["loc"]) or whole
+        lines.append(f"{origin}: {where + ': ' if where else ''}{error_message(err)}")
+    return lines
+
+
+def error_line(exc: ValidationError, origin: str | Path, *, whole: str | None = "-",
+               path: Callable[[Sequence[Any]], str] = dotted) -> str:
+    """The first of :func:`error_lines`: what a one-line error says."""
+    return error_lines(exc, origin, whole=whole, path=path)[0]
+
+
 def validated(model: Any, data: Any, origin: str | Path, error: type[RigctlError] = ConfigError) -> Any:
     """``data`` as the pydantic ``model`` (a class) validates it; ``error`` naming ``origin`` and the first bad
     key (``origin: matrix.p.0: Input should be a valid integer``) when it does not."""
@@ -114,6 +151,4 @@ def validated(model: Any, data: Any, origin: str | Path, error: type[RigctlError
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"])  # none: the model's own check, of several keys
-        raise error(f"{origin}: {where + ': ' if where else ''}{first['msg'].removeprefix('Value error, ')}") from None
+        raise error(error_line(exc, origin, whole=None)) from None

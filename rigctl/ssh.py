@@ -293,7 +293,7 @@ class SshClient:
         Past ``timeout`` seconds the channel is closed and RemoteCommandError (rc None) raised; the
         remote process is not signalled and may run on.
         """
-        transport = self._transport()
+        transport = self.transport()
         data = input.encode() if isinstance(input, str) else (input or b"")
         started = time.monotonic()
         deadline = started + timeout
@@ -396,7 +396,8 @@ class SshClient:
             said = _tail(check.stdout, check.stderr).strip().splitlines()
             raise SudoRefusedError(self.host, self.target.user, said[-1] if said else f"exit status {check.rc}")
 
-    def _transport(self) -> paramiko.Transport:
+    def transport(self) -> paramiko.Transport:
+        """The connected transport (connecting first), where this connection's channels open."""
         self.connect()
         assert self._client is not None
         transport = self._client.get_transport()
@@ -516,7 +517,7 @@ class SshClient:
 
     @contextmanager
     def _sftp(self) -> Iterator[paramiko.SFTPClient]:
-        chan = self._open_session(self._transport())
+        chan = self._open_session(self.transport())
         what = "a root sftp-server" if self.target.sudo else "the SFTP subsystem request"
         request = ((lambda: chan.exec_command(as_root(SFTP_SERVER_COMMAND))) if self.target.sudo
                    else (lambda: chan.invoke_subsystem("sftp")))

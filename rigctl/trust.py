@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path, PurePosixPath
@@ -25,13 +24,13 @@ from typing import Any
 
 from rigctl.errors import TrustError
 
-# The token's origin rule has one home, shared with the models role: it is part of this boundary.
+# Which names hold a secret, and a command line masked, have one home shared with the host (its stamp masks a
+# server's argv before it leaves the host); the token's origin rule one shared with the models role.
+from rigctl.hostside.masking import MASK as MASK
+from rigctl.hostside.masking import is_secret_name as is_secret_name
+from rigctl.hostside.masking import mask_argv
 from rigctl.hostside.token_origin import same_origin as same_origin
 
-MASK = "***"
-# Names of settings and options that hold secrets (llama_server_api_key, models_hf_token, --api-key, ...).
-_SECRET_NAME = re.compile(r"(?:^|[_-])(?:api[_-]?key|token|secret|passw(?:or)?d|credentials?)"
-                          r"(?=$|[_-](?!file|path|dir))", re.IGNORECASE)
 #: What opens a Jinja expression, statement or comment: text carrying one runs as code wherever Ansible
 #: templates it (every inventory string not tagged !unsafe).
 TEMPLATE_MARKERS = ("{{", "{%", "{#")
@@ -87,11 +86,6 @@ def printable(text: str, *, lines: bool = False) -> str:
                    for ch in text)
 
 
-def is_secret_name(name: str) -> bool:
-    """Whether a setting or option named ``name`` holds a secret (its value is never shown)."""
-    return bool(_SECRET_NAME.search(name))
-
-
 def secret_forms(secret: str) -> set[str]:
     """Every way ``secret`` may appear in a message: as it is, without the whitespace around it, and
     escaped as Python's repr of it as text or as bytes (an HTTP library's header error) or JSON writes it."""
@@ -118,25 +112,10 @@ def redact(text: str, secrets: Iterable[str | None]) -> str:
 
 
 def redact_argv(argv: Sequence[str]) -> list[str]:
-    """A command line as a record keeps it: the value of every secret-named option (``--api-key K``,
-    ``--hf-token=K``) replaced by ``***``, and any registered secret masked wherever it appears."""
-    out: list[str] = []
-    masking = False
-    for arg in argv:
-        if masking:
-            out.append(MASK)
-            masking = False
-            continue
-        name, eq, _value = arg.partition("=")
-        if name.startswith("-") and is_secret_name(name):
-            if eq:
-                out.append(f"{name}={MASK}")
-            else:
-                out.append(arg)
-                masking = True
-            continue
-        out.append(redact(arg, _registered()))
-    return out
+    """A command line as a record keeps it: the value of every secret option (``--api-key K``,
+    ``--hf-token=K``, ``-hft K``: the host's rule, :func:`rigctl.hostside.masking.mask_argv`) replaced by
+    ``***``, and any registered secret masked wherever it appears."""
+    return mask_argv(argv, lambda arg: redact(arg, _registered()))
 
 
 _lock = threading.Lock()

@@ -1,34 +1,19 @@
 """Shared fixtures: the real lab rigs (systemd-nspawn containers over real SSH), brought up once
-per test session and torn down at its end."""
+per test session and torn down at its end. Helpers a test imports live in importable modules
+(labrigs_support and the other *_support.py), never here: conftest is pytest's to load."""
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from labrigs_support import LAB_INVENTORY, REPO, lab_unavailable_reason, wait_healthy
 
 from rigctl.inventory import Inventory
 
-REPO = Path(__file__).resolve().parent.parent
-LAB_INVENTORY = REPO / "inventory" / "lab"
 LAB_TESTS = REPO / "tests" / "lab"
-
-
-def lab_unavailable_reason() -> str | None:
-    if os.geteuid() != 0:
-        return "the lab rigs need root"
-    for tool in ("systemd-nspawn", "debootstrap", "ip"):
-        if shutil.which(tool) is None:
-            return f"the lab rigs need {tool}"
-    return None
-
-
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Before the first test, the slow one-time work outside every test's time limit: the lab's (`rigctl lab
     prepare`: base image, the lab's llama.cpp build) when lab tests are selected, and SmolLM2's HF checkout
@@ -45,7 +30,6 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         except RigctlError as exc:
             pytest.exit(f"lab prepare failed: {exc}", returncode=1)
     if any(item.get_closest_marker("hf_checkout") for item in session.items):
-        sys.path.insert(0, str(REPO / "tests" / "fixtures"))
         from make_hf_checkout import make_checkout
 
         make_checkout()
@@ -56,6 +40,14 @@ def rigs(tmp_path: Path) -> Path:
     """A copy of the reference rigs' inventory (inventory/rigs) to break on purpose."""
     dest = tmp_path / "rigs"
     shutil.copytree(REPO / "inventory" / "rigs", dest)
+    return dest
+
+
+@pytest.fixture
+def lab_copy(tmp_path: Path) -> Path:
+    """A copy of the lab inventory (inventory/lab) to edit or break on purpose."""
+    dest = tmp_path / "lab"
+    shutil.copytree(LAB_INVENTORY, dest)
     return dest
 
 
@@ -77,27 +69,6 @@ def lab_up(lab_inventory: Inventory) -> Iterator[Inventory]:
         yield lab_inventory
 
 
-def wait_healthy(inventory: Inventory, timeout: float = 180.0) -> None:
-    """Wait until every enabled llama-server instance of ``inventory`` answers /health 200."""
-    import time
-
-    import httpx
-
-    pending = {(h.address, s.port) for h in inventory.hosts.values() for s in h.servers if s.enabled}
-    deadline = time.monotonic() + timeout
-    while pending and time.monotonic() < deadline:
-        for address, port in sorted(pending):
-            try:
-                if httpx.get(f"http://{address}:{port}/health", timeout=5).status_code == 200:
-                    pending.discard((address, port))
-            except httpx.HTTPError:
-                pass
-        if pending:
-            time.sleep(1)
-    if pending:
-        raise TimeoutError(f"llama-server not healthy after {timeout:.0f} s: {sorted(pending)}")
-
-
 @pytest.fixture(scope="session")
 def lab_served(lab_up: Inventory) -> Iterator[Inventory]:
     """The lab rigs provisioned once per session with playbooks/site.yml (toolchain, llama.cpp,
@@ -109,17 +80,3 @@ def lab_served(lab_up: Inventory) -> Iterator[Inventory]:
     run_playbook(lab_up, "site.yml").raise_for_failures()
     wait_healthy(lab_up)
     yield lab_up
-
-
-def check_mode_play(inventory: Inventory, extravars: dict, tags: str = "llama_cpp", limit: str = "desktop") -> str:
-    """What ``playbooks/site.yml --check`` prints for ``limit`` with these tags and variables (the roles'
-    plan lines); it must succeed. Nothing on the host changes."""
-    from rigctl.fleet.deploy import ansible_env
-
-    repo = Path(__file__).resolve().parents[1]
-    proc = subprocess.run(
-        [str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(inventory.source), "playbooks/site.yml",
-         "--check", "--tags", tags, "--limit", limit, "-e", json.dumps(extravars)],
-        cwd=repo, env={**os.environ, **ansible_env(repo)}, capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:]
-    return proc.stdout

@@ -1,11 +1,15 @@
-"""Helpers the lab module's unit and lab tests share: a test inventory of their own slot, its rigs."""
+"""Helpers the lab module's unit and lab tests share: a test inventory of their own slot, its rigs; whether
+the lab can run here, a served lab's health, and a check-mode play's plan lines."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -132,3 +136,55 @@ def own_lab_up(base: Path, rigs: int = 2) -> Iterator[LabRun]:
         yield LabRun(inventory, lab, lab.up())
     finally:
         lab.down()
+
+
+# ------------------------------------------------------------------ what the lab tests share
+
+
+def lab_unavailable_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "the lab rigs need root"
+    for tool in ("systemd-nspawn", "debootstrap", "ip"):
+        if shutil.which(tool) is None:
+            return f"the lab rigs need {tool}"
+    return None
+
+
+def wait_healthy(inventory: Inventory, timeout: float = 180.0) -> None:
+    """Wait until every enabled llama-server instance of ``inventory`` answers /health 200."""
+    import time
+
+    import httpx
+
+    pending = {(h.address, s.port) for h in inventory.hosts.values() for s in h.servers if s.enabled}
+    deadline = time.monotonic() + timeout
+    while pending and time.monotonic() < deadline:
+        for address, port in sorted(pending):
+            try:
+                if httpx.get(f"http://{address}:{port}/health", timeout=5).status_code == 200:
+                    pending.discard((address, port))
+            except httpx.HTTPError:
+                pass
+        if pending:
+            time.sleep(1)
+    if pending:
+        raise TimeoutError(f"llama-server not healthy after {timeout:.0f} s: {sorted(pending)}")
+
+
+def check_mode_play(inventory: Inventory, extravars: dict, tags: str = "llama_cpp", limit: str = "desktop") -> str:
+    """What ``playbooks/site.yml --check`` prints for ``limit`` with these tags and variables (the roles'
+    plan lines); it must succeed. Nothing on the host changes."""
+    from rigctl.fleet.deploy import ansible_env
+
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(inventory.source), "playbooks/site.yml",
+         "--check", "--tags", tags, "--limit", limit, "-e", json.dumps(extravars)],
+        cwd=REPO, env={**os.environ, **ansible_env(REPO)}, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    return proc.stdout
+
+
+#: The lab's second build: the pinned source with another stamp, so another build key. Every lab test that needs a
+#: build beside the current one takes this one: compiled once, ccache-warm (only what the stamp touches is
+#: compiled again), and copied from the controller's cache by every later provision that asks for it.
+SECOND_BUILD_VARS = {"llama_cpp_build_commit": "rollbacktest"}

@@ -6,7 +6,7 @@ YAML file, the pulled runs that answer it, and running what is missing.
     hosts: [desktop]
     artifacts:                       # artifact name -> how tables call it
       smollm2-135m-q4_1: {label: SmolLM2 Q4_1}
-    benches:                         # rigctl.bench.BenchSpec fields, plus a name
+    benches:                         # rigctl.bench.matrix.BenchSpec fields, plus a name
       - {name: speed, hosts: [desktop], models: [smollm2-135m-q4_1, smollm2-135m-q4_0], matrix: {...}}
     evals:                           # a task (shipped name or file, relative to the campaign file) and
       - name: suite                  # the servers that answer it
@@ -34,9 +34,8 @@ YAML file, the pulled runs that answer it, and running what is missing.
          text: corpus/wiki.test.raw, ctx: 512, chunks: 100}                       # the campaign file
     not_measured: [thinking on, ...] # for the report's scope line
 
-:func:`locate` finds, for every bench (per host) and every eval target, the newest pulled run that
-answers it; :func:`run_campaign` runs only what is still missing (and resumes stopped eval runs),
-so it can be interrupted and started again.
+:func:`locate` finds, for every bench (per host) and every eval target, the newest pulled run that answers it;
+:func:`run_campaign` runs only what is missing (resuming stopped eval runs), skipping a drained host's steps.
 """
 
 from __future__ import annotations
@@ -47,14 +46,15 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rigctl.bench.matrix import BenchSpec
-from rigctl.errors import ConfigError, EvalError, JobBusyError, RigctlError
+from rigctl.errors import ConfigError, DrainedError, EvalError, JobBusyError, RigctlError
 from rigctl.evals.kld import KldSpec, corpus_identity
-from rigctl.inputs import read_mapping, read_text
+from rigctl.fleet.drain import InService
+from rigctl.inputs import error_line, read_mapping, read_text
 from rigctl.inventory import Host, Inventory
 from rigctl.results.store import ResultsStore, StoredRun
 
@@ -321,9 +321,7 @@ def load_campaign(path: Path) -> LoadedCampaign:
     try:
         return LoadedCampaign(Campaign.model_validate(data), path)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "campaign"
-        raise ConfigError(f"campaign {path}: {where}: {first['msg'].removeprefix('Value error, ')}") from None
+        raise ConfigError(error_line(exc, f"campaign {path}", whole="campaign")) from None
 
 
 # ----------------------------------------------------------------------------------------------- locate
@@ -474,7 +472,7 @@ def locate(loaded: LoadedCampaign, store: ResultsStore) -> Located:
 @dataclass(frozen=True)
 class StepOutcome:
     step: str  # "bench speed on desktop", "eval suite smollm2-135m-q4_1@desktop"
-    status: Literal["pulled", "ran", "resumed", "failed", "refused"]
+    status: Literal["pulled", "ran", "resumed", "failed", "refused", "skipped"]  # skipped: its host is drained
     run: str | None = None  # host/run id
     error: str | None = None
 
@@ -499,8 +497,7 @@ class _Step:
     found: StoredRun | None
     run: Callable[[], str]
     resumes: bool = False  # running it continues a stopped run
-    #: The error by which running it declines (outcome "refused", its record kept in the error's ``run``)
-    #: rather than fails.
+    #: The error by which running it declines rather than fails (outcome "refused", the record in its ``run``).
     refusal: type[RigctlError] | None = None
 
 
@@ -630,7 +627,8 @@ def _run_eval(ctx: _Context, evaluation: CampaignEval, target: EvalTarget, unfin
         for host_name in target.hosts:
             names = [m.server for m in members if m.host == host_name]
             up.enter_context(servers.running(ctx.inventory.host(host_name), names, on_step=ctx.on_step))
-        endpoints = [ctx.inventory.host(m.host).server(m.server).endpoint for m in members]
+        endpoints = [t.endpoint for t in inventory_targets([(ctx.inventory.host(m.host), m.server) for m in members],
+                                                           facts=False)]
         if unfinished is not None:
             run, task, options = runner.resume_run(ctx.store, f"{unfinished.host}/{unfinished.id}", endpoints)
         else:
@@ -649,10 +647,8 @@ def _run_eval(ctx: _Context, evaluation: CampaignEval, target: EvalTarget, unfin
 def run_campaign(loaded: LoadedCampaign, inventory: Inventory, store: ResultsStore, *,
                  on_step: OnStep = lambda _: None) -> list[StepOutcome]:
     """Pull every host, then run each bench, load, eval, upgrade, race and KLD it lacks: per step, the outcome.
-
-    A failed step is reported and the others go on (their results are kept); running again picks up
-    only what is still missing, and resumes eval runs that stopped part-way. Each host is talked to over
-    one SSH connection for the whole run."""
+    A failed step is reported and the others go on (their results are kept); running again picks up only what
+    is missing, and resumes eval runs that stopped part-way. One SSH connection per host for the whole run."""
     from rigctl import jobs
     from rigctl.connections import connections
 
@@ -664,7 +660,8 @@ def run_campaign(loaded: LoadedCampaign, inventory: Inventory, store: ResultsSto
                     on_step(line)
             except RigctlError as exc:
                 on_step(f"{name}: pull failed: {exc}")
-        ctx = _Context(loaded, inventory, store, locate(loaded, store), on_step)
+        serving = cast(Inventory, InService(inventory, "a campaign"))
+        ctx = _Context(loaded, serving, store, locate(loaded, store), on_step)
         outcomes: list[StepOutcome] = []
         for steps in STEP_KINDS.values():
             for step in steps(ctx):
@@ -673,6 +670,8 @@ def run_campaign(loaded: LoadedCampaign, inventory: Inventory, store: ResultsSto
                     continue
                 try:
                     outcomes.append(StepOutcome(step.name, "resumed" if step.resumes else "ran", step.run()))
+                except DrainedError as exc:
+                    outcomes.append(StepOutcome(step.name, "skipped", error=str(exc)))
                 except RigctlError as exc:
                     if step.refusal is not None and isinstance(exc, step.refusal):
                         outcomes.append(StepOutcome(step.name, "refused", getattr(exc, "run", None), error=str(exc)))

@@ -74,6 +74,8 @@ class RunRef:
     task: str | None
     build: str | None
     started: str
+    #: How what its servers ran differs from their profiles (:func:`effective_flags`); empty when it does not.
+    effective: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, run: StoredRun) -> RunRef:
@@ -82,11 +84,20 @@ class RunRef:
             str(record.server.name if record.server and record.server.name else "?")
         build = record.llama_cpp.label or None
         return cls(host=run.host, id=run.id, path=run.path, kind=record.kind, label=f"{run.host}:{artifacts}",
-                   task=record.task.name if record.task else None, build=build, started=record.started)
+                   task=record.task.name if record.task else None, build=build, started=record.started,
+                   effective=tuple(effective_flags(run)))
 
     @property
     def name(self) -> str:
         return f"{self.host}/{self.id}"
+
+
+def effective_flags(run: StoredRun) -> list[str]:
+    """What the run's servers ran that their profiles (argv as deployed) do not say, one line per server and
+    difference (:meth:`rigctl.results.record.Server.effective_differences`): a config file applied, a
+    llama.cpp variable in the environment, ``/props`` context or slots the flags cannot give."""
+    return [f"{server.host or run.host}/{server.name or server.label or server.endpoint or '?'}: {difference}"
+            for server in run.record.servers for difference in server.effective_differences()]
 
 
 def _dataset_hashes(value: Any) -> tuple[str, ...]:

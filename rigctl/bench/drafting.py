@@ -35,6 +35,7 @@ import numpy as np
 
 from rigctl.errors import ConfigError
 from rigctl.fleet.servers import running
+from rigctl.forward import server_endpoint
 from rigctl.inputs import parse_mapping, read_text
 from rigctl.inventory import Host, Server
 from rigctl.llama_http import ServerClient, Timeouts
@@ -279,6 +280,8 @@ def run_race(
     field_ = contenders(host, baseline, drafters)
     prompts = load_prompts(prompts_file, kinds)
     names = [c.name for c in field_]
+    # Before the run starts: a forward the host refuses is an error of its own, with nothing started.
+    endpoints = {name: server_endpoint(host, host.server(name)) for name in names}
     result = RaceResult(host=host.name, baseline=baseline, contenders=field_, requests=[])
     stamp = inventory_stamp(host, [inventory_server(host, name) for name in names], artifacts=[field_[0].artifact],
                             seed=seed, concurrency=1)
@@ -288,8 +291,8 @@ def run_race(
         result.run_dir = run.path
         with running(host, names, start=start) as started, ExitStack() as clients_open:
             run.record.extra["started_instances"] = started
-            clients = {c.name: clients_open.enter_context(ServerClient(host.server(c.name).endpoint, timeouts=timeouts))
-                       for c in field_}
+            clients = {name: clients_open.enter_context(ServerClient(endpoint, timeouts=timeouts))
+                       for name, endpoint in endpoints.items()}
             with session(host) as ssh:  # while every contender runs: their argv as deployed
                 run.complete_stamp(ssh)
             for server, c in zip(run.record.servers, field_, strict=True):

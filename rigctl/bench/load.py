@@ -377,6 +377,7 @@ def run_load(
     (default four times that, within 1000) until both intervals are within ``precision``; ``warmup``
     requests per client before each level, in no figure."""
     from rigctl.fleet.servers import probe_server, probe_unit, stopped
+    from rigctl.forward import server_endpoint
     from rigctl.llama_http import ServerClient
     from rigctl.results.stamp import inventory_server, inventory_stamp, with_props
     from rigctl.ssh import session
@@ -403,6 +404,7 @@ def run_load(
     prompts = shipped_prompts()
     result = LoadResult(host=host.name, instance=instance)
     port = probe_port or served.port + 200
+    server_endpoint(host, served, port=port)  # a forward the host refuses fails here, before the instance stops
     settings = {"parallel": slots, "ctx_size": slots * slot_ctx}
     # The probe serves the requests: its argv as it runs is the record's, not the instance's file.
     stamp = inventory_stamp(host, [inventory_server(host, instance, unit=probe_unit(served, PROBE_PURPOSE),

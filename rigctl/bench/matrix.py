@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from rigctl.charts import new_figure, save_png
-from rigctl.errors import ConfigError, RigctlError
+from rigctl.errors import ConfigError, DrainedError, RigctlError
 from rigctl.hostside.bench_cells import CELLS_FILE
 from rigctl.hostside.bench_task import plan_cells
 from rigctl.inputs import read_mapping, validated
@@ -173,12 +173,16 @@ def _check_gpus(host: Host, gpus: list[int] | None) -> None:
 
 
 def start_bench(inventory: Inventory, spec: BenchSpec) -> dict[str, jobs.JobInfo | RigctlError]:
-    """One bench job per host of the spec; per host its job or the error (a busy lock, a bad artifact).
-    Inside a :func:`rigctl.connections.connections` scope, following and pulling reuse the connection."""
+    """One bench job per host of the spec; per host its job or the error (a busy lock, a bad artifact, a drained
+    host). Inside a :func:`rigctl.connections.connections` scope, following and pulling reuse the connection."""
     from rigctl import jobs
+    from rigctl.fleet.drain import admitted
 
     hosts = inventory.select(spec.hosts, where="the bench's hosts (-H, or hosts: in its spec)")
-    return jobs.start_each(hosts, lambda host: bench_job_spec(host, spec))
+    kept, skipped = admitted(hosts, lambda host: host, "a bench")
+    drained: dict[str, jobs.JobInfo | RigctlError] = {
+        name: DrainedError(f"host {name} is drained ({why}); not benched") for name, why in skipped.items()}
+    return {**jobs.start_each(kept, lambda host: bench_job_spec(host, spec)), **drained}
 
 
 # ----------------------------------------------------------------------------------------------- parsers

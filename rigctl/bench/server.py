@@ -27,6 +27,7 @@ import numpy as np
 
 from rigctl.errors import ServerError
 from rigctl.fleet.servers import probe_server, restart_instance, stopped, wait_ready
+from rigctl.forward import server_endpoint
 from rigctl.hostside import nvidia_smi
 from rigctl.inventory import Host, Server
 from rigctl.llama_http import ServerClient, Timeouts
@@ -135,7 +136,7 @@ def run_server_bench(
     step fails)."""
     served = host.server(instance)
     say = on_step or (lambda message: None)
-    endpoint = served.endpoint
+    endpoint = server_endpoint(host, served)  # a forward the host refuses fails here, before the run starts
     result = ServerBenchResult(host=host.name, instance=instance)
     stamp = inventory_stamp(host, [inventory_server(host, instance)], artifacts=[served.artifact], concurrency=1)
     extra = {"prompt_lengths": list(prompt_lengths), "max_tokens": max_tokens, "ctx_sizes": list(ctx_sizes),

@@ -33,8 +33,10 @@ def _endpoints(host: str | None, servers: list[str] | None, urls: list[str] | No
         return [Endpoint(u) for u in urls]
     if not host or not servers:
         raise ConfigError("name the server: --host HOST --server NAME (repeatable), or --url URL")
+    from rigctl.forward import server_endpoint
+
     inv_host = load_inventory().host(host)
-    return [inv_host.server(name).endpoint for name in servers]
+    return [server_endpoint(inv_host, inv_host.server(name)) for name in servers]
 
 
 def _prompts(path: Path | None):

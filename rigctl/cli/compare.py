@@ -219,7 +219,7 @@ def compare(
     two runs), McNemar's exact test (right/wrong) or a sign-flip test (graded) with the discordant counts,
     how the gap moves under each sensitivity switch, and answer habits; for bench runs, t/s ratios per
     test with intervals from the per-repetition samples."""
-    from rigctl.analysis.compare import compare_runs
+    from rigctl.analysis.compare import compare_runs, effective_flags
     from rigctl.analysis.format import ratio_text
     from rigctl.analysis.habits import answer_habits
     from rigctl.analysis.speed import compare_bench_runs
@@ -227,6 +227,9 @@ def compare(
     bootstrap = {k: v for k, v in {"seed": seed, "resamples": resamples}.items() if v is not None}
     store = results_store(results)
     stored = [store.find(ref) for ref in runs]
+    for run in stored:  # whatever the kind: a figure measured under other settings than the profile's
+        for flag in effective_flags(run):
+            console.print(outside_text(f"effective configuration of {run.host}/{run.id}: {flag}"), style="yellow")
     if all(run.record.kind == "load" for run in stored):
         print_load_comparison(stored, **bootstrap)
         return

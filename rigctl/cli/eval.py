@@ -12,7 +12,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from rigctl.cli.common import ResultsOption, console, finite, load_inventory, results_store
+from rigctl.cli.common import ResultsOption, console, err_console, finite, load_inventory, results_store
 from rigctl.errors import ConfigError
 from rigctl.hostside.scorers import GSM8K_SCORES
 
@@ -125,9 +125,16 @@ def eval_run(
     if len(hosts) > 1 and (url or remote):
         raise ConfigError(f"a fan-out over {len(hosts)} servers takes neither --url nor --remote")
     if hosts:
+        from rigctl.fleet.drain import admitted, refuse_drained
+
         inventory = load_inventory()
-        targets = inventory_targets([(inventory.host(h), s) for h, s in zip(hosts, servers, strict=True)], url=url,
-                                    api_key=api_key, facts=not resume)
+        pairs = [(inventory.host(h), s) for h, s in zip(hosts, servers, strict=True)]
+        kept, skipped = admitted(pairs, lambda pair: pair[0], "the eval")
+        if not kept:
+            refuse_drained([pair[0] for pair in pairs], "the eval")
+        for name, why in skipped.items():
+            err_console.print(f"skipped {name}: {why}", markup=False, highlight=False)
+        targets = inventory_targets(kept, url=url, api_key=api_key, facts=not resume)
     elif url:
         targets = [url_target(url, api_key=api_key)]
     elif resume:

@@ -27,6 +27,9 @@ def exporter(
         "--ssh-key", help="SSH private key for every host, over the inventory's (a service's credential).")] = None,
     known_hosts: Annotated[Path | None, typer.Option(
         "--known-hosts", help="known_hosts for every host, over the inventory's rigctl_known_hosts.")] = None,
+    apply_drain_policy: Annotated[bool, typer.Option(
+        "--apply-drain-policy", help="Drain a host whose GPU turns unhealthy where its rigctl_drain_policy says so "
+        "(writes its host_vars).")] = False,
 ) -> None:
     """Serve the fleet's state as Prometheus metrics: reachability, builds and model pins against the
     inventory, llama-server units, GPUs, and the latest pulled bench and eval results."""
@@ -40,7 +43,7 @@ def exporter(
         inventory = dataclasses.replace(inventory, hosts={
             name: dataclasses.replace(host, vars={**host.vars, **overrides}) for name, host in inventory.hosts.items()})
     exp = Exporter(inventory, limit=limit, results=results_store(results), interval=interval,
-                   host_timeout=host_timeout)
+                   host_timeout=host_timeout, apply_drain_policy=apply_drain_policy)
     server, _thread = exp.serve(listen)
     exp.start()
     err_console.print(f"rigctl exporter: {len(exp.hosts)} hosts, /metrics on {listen}, every {interval:g}s",

@@ -166,3 +166,70 @@ def hosts_probe(
         console.print(f"{name}: host_vars " + ("updated" if result.written else "unchanged"), highlight=False)
     elif result.drift:
         raise typer.Exit(1)
+
+
+@app.command("drain")
+def hosts_drain(
+    name: Annotated[str, typer.Argument(help="Host in the inventory.")],
+    reason: Annotated[str, typer.Option("--reason", help="Why, in plain words (shown wherever the host is skipped).")],
+) -> None:
+    """Take NAME out of campaigns, fan-out evals, benches and canaries (rigctl_drain in its host_vars); its
+    servers keep serving."""
+    from rigctl.fleet.drain import check_reason, drain
+
+    found = drain(load_inventory_to_write("hosts drain"), name, check_reason(reason))
+    console.print(f"{name}: drained since {found.since}: {found.reason}", markup=False, highlight=False)
+
+
+@app.command("undrain")
+def hosts_undrain(name: Annotated[str, typer.Argument(help="Host in the inventory.")]) -> None:
+    """Put NAME back in service."""
+    from rigctl.fleet.drain import undrain
+
+    before = undrain(load_inventory_to_write("hosts undrain"), name)
+    console.print(f"{name}: " + (f"back in service (drained since {before.since} by {before.by}: {before.reason})"
+                                 if before else "was not drained; nothing changed"), markup=False, highlight=False)
+
+
+@app.command("health")
+def hosts_health(
+    limit: Annotated[str | None, typer.Option("--limit", help="Hosts or groups (Ansible's pattern).")] = None,
+    apply: Annotated[bool, typer.Option("--apply", help="Drain the unhealthy hosts whose rigctl_drain_policy "
+                                                      "says so (stop: their servers too).")] = False,
+) -> None:
+    """Each GPU's health now (driver and kernel log) and each host's drain. Exits 1 when a GPU is unhealthy."""
+    from rigctl.fleet.drain import apply_policy, host_drain
+    from rigctl.fleet.health import host_problems, verdicts
+    from rigctl.fleet.state import FleetState
+
+    inv = load_inventory()
+    fleet = FleetState(inv, limit=limit)
+    try:
+        hosts = fleet.read()
+    finally:
+        fleet.close()
+    table = Table(title="GPU health")
+    for column in ("host", "GPU", "Xids since boot", "problems", "drained"):
+        table.add_column(column)
+    problems: dict[str, list[str]] = {}
+    for name, facts in sorted(hosts.items()):
+        drained = host_drain(inv.hosts[name])
+        shown = f"{drained.by}: {drained.reason}" if drained else "-"
+        if not facts.up:
+            table.add_row(name, "-", "-", outside_text(f"down: {facts.error}"), outside_text(shown))
+            continue
+        found = verdicts(facts.health, facts.xids)
+        problems[name] = host_problems(found)
+        for verdict in found or []:
+            xids = ", ".join(f"{code}: {n}" for code, n in verdict.xids.items()) or (
+                "-" if facts.xids is not None else f"unread ({facts.xid_error})")
+            table.add_row(name, "?" if verdict.index is None else str(verdict.index), outside_text(xids),
+                          outside_text("; ".join(verdict.problems) or "healthy"), outside_text(shown))
+        if not found:
+            table.add_row(name, "-", "-", outside_text(facts.health_error or "no GPU answered"), outside_text(shown))
+    console.print(table)
+    if apply:
+        for name, done in apply_policy(inv, problems).items():
+            console.print(f"{name}: drained by policy: {done.reason}", markup=False, highlight=False)
+    if any(problems.values()):
+        raise typer.Exit(1)

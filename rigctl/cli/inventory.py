@@ -17,15 +17,11 @@ app = typer.Typer(no_args_is_help=True, help="The inventory: validate it.")
 @app.command("check")
 def inventory_check() -> None:
     """Validate the inventory: types, required keys, unique ports, models and profiles defined, pins."""
-    from rigctl.fleet.deploy import project_root
+    from rigctl.fleet.deploy import roles_paths
     from rigctl.inventory.check import check
 
     inv = load_inventory()
-    try:
-        roles = [project_root() / "roles"]
-    except RigctlError:
-        roles = []
-    problems = check(inv, roles)
+    problems = check(inv, roles_paths())
     for problem in problems:
         (console if problem.severity == "warning" else err_console).print(str(problem), markup=False,
                                                                             highlight=False, soft_wrap=True)

@@ -1,6 +1,8 @@
-"""``rigctl models list|verify|pin``: model artifacts on the hosts."""
+"""``rigctl models list|verify|pin|pin-revisions``: model artifacts on the hosts, model sources in the catalog."""
 
 from __future__ import annotations
+
+from typing import Annotated
 
 import typer
 from rich.table import Table
@@ -56,3 +58,20 @@ def models_pin(limit: LimitOption = None) -> None:
 
     for host, pins in pin(load_inventory_to_write("models pin"), limit).items():
         console.print(f"{host}: pinned {len(pins)} artifacts", highlight=False)
+
+
+@app.command("pin-revisions")
+def models_pin_revisions(
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for each answer of the endpoint.",
+                                           min=0.1)] = 30.0,
+) -> None:
+    """Pin each Hugging Face source whose revision is a branch or tag (``main``) to the commit it names now,
+    asked of HF_ENDPOINT's API; written round trip into the catalog's file, the branch kept as a comment."""
+    from rigctl.fleet.revisions import pin_revisions
+
+    pinned = pin_revisions(load_inventory_to_write("models pin-revisions"), timeout=timeout)
+    for item in pinned:
+        console.print(f"{item.model}: {item.repo}@{item.revision} -> {item.commit} ({item.file})", markup=False,
+                      highlight=False)
+    console.print(f"pinned {len(pinned)} sources" if pinned else "every hf source is pinned to a commit already",
+                  highlight=False)

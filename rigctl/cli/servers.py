@@ -49,6 +49,10 @@ def servers_table(rows: list[ServerStatus]) -> Table:
             pending = outside_text(f" pending restart ({', '.join(row.pending_restart)})")
             pending.stylize("yellow")
             state.append(pending)
+        if row.config_files:  # drift on the host: its sandbox hides them, a llama.cpp started by hand reads them
+            found = outside_text(f" config file on host: {', '.join(row.config_files)}")
+            found.stylize("yellow")
+            state.append(found)
         if row.healthy and row.health == "ok":
             health = Text("ok", style="green")
         elif row.health == "disabled":

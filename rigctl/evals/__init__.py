@@ -17,7 +17,9 @@ server that answered (a fan-out's several, each with its ``gpu``): {endpoint, la
 model_path, total_slots, n_ctx (from ``/props``), and for inventory servers name, host, unit, profile,
 port, artifact and the argv as deployed (read from the host)}; ``artifacts`` = [{name, path, sha256,
 manifest}] from the host's model manifest; ``task`` = {name, scorer, file, file_sha256, dataset_sha256:
-{source key: sha256}, questions}; ``seed``; ``concurrency``; ``extra`` = {thinking, limit, timeout_s,
+{source key: sha256}, questions, request (gsm8k: which request produced the numbers, rigctl's or lm-eval's,
+:meth:`rigctl.evals.tasks.Gsm8kTask.request_stamp`), instruments ({package: release} whose scoring the
+numbers reproduce: lm-eval, bfcl-eval)}; ``seed``; ``concurrency``; ``extra`` = {thinking, limit, timeout_s,
 summary, label_tokens (choice), resumed: [times], error (a failed or stopped run's reason), and for
 bfcl_simple template_carries_tools ([bool] per server) and deviations ({from, settings, reason}, only when
 the task departs from BFCL's own request)}. ``summary`` is

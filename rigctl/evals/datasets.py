@@ -30,14 +30,13 @@ from typing import Any
 
 from rigctl.errors import EvalError
 from rigctl.files import HashLock, cache_dir
-from rigctl.hostside.token_origin import bearer_header
+from rigctl.hostside.token_origin import bearer_header, hf_endpoint
 from rigctl.inputs import read_text, utf8_lines
 from rigctl.results.record import file_sha256, iter_json_objects
 from rigctl.trust import register_secret
 
 log = logging.getLogger(__name__)
 
-DEFAULT_HF_ENDPOINT = "https://huggingface.co"
 _MAX_REDIRECTS = 10
 _CHUNK = 1 << 20
 
@@ -53,10 +52,6 @@ def lock_path() -> Path:
 
 def offline() -> bool:
     return any(os.environ.get(v, "").lower() in {"1", "true", "yes"} for v in ("RIGCTL_OFFLINE", "HF_HUB_OFFLINE"))
-
-
-def hf_endpoint() -> str:
-    return (os.environ.get("HF_ENDPOINT") or DEFAULT_HF_ENDPOINT).rstrip("/")
 
 
 @dataclass(frozen=True)

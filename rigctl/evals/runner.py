@@ -195,7 +195,8 @@ def _props(endpoint: Endpoint, retry: Retry | None = None) -> Props:
 
 def task_stamp(task: LoadedTask) -> Task:
     return Task(name=task.name, scorer=task.scorer, file=str(task.path.resolve()), file_sha256=task.file_sha256,
-                dataset_sha256=dict(task.dataset_sha256), questions=len(task.questions))
+                dataset_sha256=dict(task.dataset_sha256), questions=len(task.questions),
+                request=task.request_stamp, instruments=task.instruments)
 
 
 def target_stamp(targets: Sequence[Target]) -> Provenance:
@@ -316,7 +317,9 @@ def resume_run(store: ResultsStore, ref: str, endpoint: Endpoints) -> tuple[Run,
         raise EvalError(f"run {run.id}: the task's datasets differ from the ones the run started with")
     started_with = record.servers or [Server()]
     for current in endpoint_list(endpoint):
-        before = next((s for s in started_with if s.endpoint == current.url), None)
+        # By URL and label: two hosts' loopback servers share a URL (http://127.0.0.1:8080), never a label.
+        before = next((s for s in started_with if s.endpoint == current.url and s.label in (None, current.label)),
+                      None)
         if before is None:
             if len(started_with) > 1:
                 known = ", ".join(str(s.endpoint) for s in started_with)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import urllib.parse
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rigctl.errors import RigctlError
@@ -82,10 +82,12 @@ def inventory_target(host: Host, server: str, *, url: str | None = None, api_key
                      facts: bool = True) -> Target:
     """An inventory server: endpoint and key from the inventory (``url``/``api_key`` override them), and with
     ``facts`` its stamp read from the host now (:func:`read_stamp`; else when the run needs it)."""
+    from rigctl.forward import server_endpoint
+
     served = host.server(server)
-    endpoint = served.endpoint
-    if url or api_key:
-        endpoint = Endpoint(url or endpoint.url, api_key or endpoint.api_key, f"{host.name}/{server}")
+    endpoint = Endpoint(url, served.api_key, f"{host.name}/{server}") if url else server_endpoint(host, served)
+    if api_key:
+        endpoint = replace(endpoint, api_key=api_key)
     target = Target(host=host.name, endpoint=endpoint, name=server, artifact=served.artifact, inventory_host=host,
                     inventory_server=served)
     if facts:

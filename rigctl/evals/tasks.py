@@ -11,6 +11,7 @@ A task names its scorer and its data; everything else has defaults::
       sha256: null                # unknown: the first download records it in the lock file
     prompt: "{question}"          # str.format over the record's fields
     max_tokens: 2048
+    request: rigctl               # or lm-eval: lm-eval's own gsm8k request (then fewshot: the train split's source)
 
     name: suite
     scorer: choice
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -38,11 +39,11 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rigctl.errors import EvalError
-from rigctl.evals import datasets
+from rigctl.evals import datasets, lmeval
 from rigctl.evals.datasets import DatasetFile
-from rigctl.hostside.bfcl import BFCL_TEMPERATURE
-from rigctl.hostside.scorers import gsm8k_gold
-from rigctl.inputs import decode_utf8, parse_mapping
+from rigctl.hostside.bfcl import BFCL_EVAL_VERSION, BFCL_TEMPERATURE
+from rigctl.hostside.scorers import LMEVAL_VERSION, gsm8k_gold
+from rigctl.inputs import decode_utf8, dotted, error_line, parse_mapping
 
 _Row = TypeVar("_Row")
 
@@ -89,6 +90,13 @@ class _TaskBase(_Strict):
 
 
 class Gsm8kTask(_TaskBase):
+    """``request: rigctl`` (the default) asks ``prompt`` zero-shot with ``max_tokens`` and no stop sequences;
+    ``request: lm-eval`` sends the request of lm-eval's task ``lmeval_task`` (:mod:`rigctl.evals.lmeval`):
+    ``gsm8k``, its prompt and five examples drawn from ``fewshot`` (the train split), or ``gsm8k_cot_llama``,
+    its prompt and its task file's eight examples; as chat turns (or, with ``fewshot_as_multiturn: false``, as
+    one user turn), with its stop sequences and its 256-token limit, and scored as that task scores. prompt,
+    system and max_tokens are then lm-eval's and may not be set."""
+
     scorer: Literal["gsm8k"]
     dataset: Source
     id_field: str | None = None  # none: "<name>-<line number>"
@@ -97,6 +105,32 @@ class Gsm8kTask(_TaskBase):
     prompt: str = "{question}"
     system: str | None = None
     max_tokens: int = Field(default=2048, ge=1)
+    request: Literal["rigctl", "lm-eval"] = "rigctl"
+    lmeval_task: Literal["gsm8k", "gsm8k_cot_llama"] = "gsm8k"
+    fewshot: Source | None = None
+    fewshot_as_multiturn: bool = True
+
+    @model_validator(mode="after")
+    def _request_settings(self) -> Gsm8kTask:
+        if self.request == "lm-eval":
+            own = sorted({"prompt", "system", "max_tokens", "question_field"} & self.model_fields_set)
+            if own:
+                raise ValueError(f"request lm-eval sends lm-eval's own prompt and limits: remove {', '.join(own)}")
+            fixed = bool(lmeval.LMEVAL_GSM8K[self.lmeval_task].examples)
+            if self.fewshot is None and not fixed:
+                raise ValueError("request lm-eval needs fewshot (the train split its examples are drawn from)")
+            if self.fewshot is not None and fixed:
+                raise ValueError(f"{self.lmeval_task} asks with its own examples: remove fewshot")
+        elif {"fewshot", "fewshot_as_multiturn", "lmeval_task"} & self.model_fields_set:
+            raise ValueError("fewshot, fewshot_as_multiturn and lmeval_task belong to request lm-eval")
+        return self
+
+    def request_stamp(self) -> dict[str, Any]:
+        """Which request produced the task's numbers, as its run records say."""
+        if self.request == "lm-eval":
+            return lmeval.LMEVAL_GSM8K[self.lmeval_task].stamp(fewshot_as_multiturn=self.fewshot_as_multiturn,
+                                                                seed=lmeval.LMEVAL_SEED)
+        return {"name": "rigctl", "num_fewshot": 0, "max_tokens": self.max_tokens, "stop": []}
 
 
 class BfclTask(_TaskBase):
@@ -206,8 +240,26 @@ class LoadedTask:
         spec = self.spec
         if isinstance(spec, BfclTask):
             return {"temperature": spec.temperature, "max_tokens": spec.max_tokens, "bfcl_notes": spec.bfcl_notes}
+        if isinstance(spec, Gsm8kTask) and spec.request == "lm-eval":
+            asked = lmeval.LMEVAL_GSM8K[spec.lmeval_task]
+            return {"temperature": asked.temperature, "max_tokens": lmeval.LMEVAL_MAX_GEN_TOKS, "stop": asked.sent_stop}
         if isinstance(spec, Gsm8kTask):
             return {"temperature": 0.0, "max_tokens": spec.max_tokens}
+        return {}
+
+    @property
+    def request_stamp(self) -> dict[str, Any] | None:
+        """Which request produced the numbers (gsm8k: rigctl's or lm-eval's); None for the other scorers, whose
+        request is their instrument's (a BFCL task's departures are its ``deviations``)."""
+        return self.spec.request_stamp() if isinstance(self.spec, Gsm8kTask) else None
+
+    @property
+    def instruments(self) -> dict[str, str]:
+        """The instrument releases whose scoring the numbers reproduce, by package name."""
+        if isinstance(self.spec, Gsm8kTask):
+            return {"lm-eval": LMEVAL_VERSION}
+        if isinstance(self.spec, BfclTask):
+            return {"bfcl-eval": BFCL_EVAL_VERSION}
         return {}
 
     @property
@@ -238,9 +290,12 @@ def parse_task(text: str, where: str) -> Task:
     try:
         return TaskFile(task=data).task
     except ValidationError as exc:
-        error = exc.errors()[0]
-        location = ".".join(str(p) for p in error["loc"][1:] if not str(p).startswith(("gsm8k", "bfcl", "choice")))
-        raise EvalError(f"{where}: {location or 'task'}: {error['msg']}") from None
+        raise EvalError(error_line(exc, where, whole="task", path=_task_key)) from None
+
+
+def _task_key(loc: Sequence[Any]) -> str:
+    """A task file's key path: below the wrapper's ``task`` key, without the scorer union's tags."""
+    return dotted(p for p in loc[1:] if not str(p).startswith(("gsm8k", "bfcl", "choice")))
 
 
 def load_task(ref: str, *, limit: int | None = None, fetch: bool = True) -> LoadedTask:
@@ -284,7 +339,10 @@ def _build(loaded: LoadedTask, limit: int | None) -> None:
     if isinstance(spec, Gsm8kTask):
         file = spec.dataset.fetch(base)
         loaded.files.append(file)
-        for number, row in _cap(enumerate(datasets.iter_records(file.path), 1), spec.limit, limit):
+        rows = list(_cap(enumerate(datasets.iter_records(file.path), 1), spec.limit, limit))
+        prompts = _lmeval_prompts(spec, loaded, [(f"{file.path}:{n}", row) for n, row in rows]) \
+            if spec.request == "lm-eval" else None
+        for index, (number, row) in enumerate(rows):
             where = f"{file.path}:{number}"
             qid = str(_field(row, spec.id_field, where)) if spec.id_field else f"{spec.name}-{number}"
             answer = str(_field(row, spec.answer_field, where))
@@ -292,8 +350,9 @@ def _build(loaded: LoadedTask, limit: int | None) -> None:
                 gold = gsm8k_gold(answer)
             except ValueError as exc:
                 raise EvalError(f"{where}: {exc}") from None
-            questions.append(Question(qid, spec.name, {"prompt": _format(spec.prompt, row, where),
-                                                       "system": spec.system, "gold": gold, "answer": answer}))
+            prompt = prompts[index] if prompts else _format(spec.prompt, row, where)
+            questions.append(Question(qid, spec.name, {"prompt": prompt, "system": spec.system, "gold": gold,
+                                                       "answer": answer, "lmeval_task": spec.lmeval_task}))
     elif isinstance(spec, BfclTask):
         file = spec.dataset.fetch(base)
         answers_file = spec.answers.fetch(base)
@@ -346,6 +405,34 @@ def _build(loaded: LoadedTask, limit: int | None) -> None:
             raise EvalError(f"{loaded.path}: question id {question.id!r} occurs twice in set {question.set!r}")
         seen.add((question.set, question.id))
     loaded.questions = questions
+
+
+def _lmeval_prompts(spec: Gsm8kTask, loaded: LoadedTask,
+                    rows: list[tuple[str, dict[str, Any]]]) -> list[list[dict[str, str]]]:
+    """lm-eval's conversation for each question, in order: its task file's own examples, or examples drawn from
+    the ``fewshot`` split the way its sampler draws them (:func:`rigctl.evals.lmeval.fewshot_draws`)."""
+    asked = lmeval.LMEVAL_GSM8K[spec.lmeval_task]
+    for where, row in rows:
+        if not isinstance(row.get("question"), str):
+            raise EvalError(f"{where}: lm-eval's request needs 'question' (a string)")
+    if asked.examples:
+        shots = [list(asked.examples[:asked.num_fewshot])] * len(rows)
+    else:
+        assert spec.fewshot is not None  # the task's validator requires it
+        file = spec.fewshot.fetch(loaded.path.parent)
+        loaded.files.append(file)
+        pool = list(datasets.iter_records(file.path))
+        for number, shot in enumerate(pool, 1):
+            for key in ("question", "answer"):
+                if not isinstance(shot.get(key), str):
+                    raise EvalError(f"{file.path}:{number}: a few-shot example needs {key!r} (a string)")
+        if len(pool) < asked.num_fewshot:
+            raise EvalError(f"{file.path}: {len(pool)} few-shot examples; lm-eval's {asked.task} draws "
+                            f"{asked.num_fewshot} per question")
+        shots = [[pool[i] for i in drawn] for drawn in lmeval.fewshot_draws(len(pool), len(rows),
+                                                                            k=asked.num_fewshot)]
+    return [lmeval.chat_messages(asked, row, examples, fewshot_as_multiturn=spec.fewshot_as_multiturn)
+            for (_, row), examples in zip(rows, shots, strict=True)]
 
 
 def shipped_tasks() -> list[Path]:

@@ -149,6 +149,14 @@ def project_root() -> Path:
                       "ansible.cfg and playbooks/): reinstall rigctl, or set RIGCTL_PROJECT to a checkout")
 
 
+def roles_paths() -> list[Path]:
+    """The project's roles, whose defaults ``inventory check`` knows as variables; none without a project."""
+    try:
+        return [project_root() / "roles"]
+    except ConfigError:
+        return []
+
+
 def mitogen_strategy_dir() -> str | None:
     """Where mitogen's strategy plugins are installed, whichever environment rigctl runs from."""
     try:
@@ -237,6 +245,9 @@ def _message(res: Mapping[str, Any]) -> str:
     for item in res.get("results") or ():
         if isinstance(item, Mapping) and item.get("failed"):
             return _message(item)
+    if res.get("msg") == "failed to validate":  # the validator (promtool, visudo...) says why
+        said = [ln.strip() for ln in f"{res.get('stdout') or ''}\n{res.get('stderr') or ''}".splitlines() if ln.strip()]
+        return f"failed to validate: {said[-1]}" if said else "failed to validate"
     for key in ("msg", "stderr", "reason", "module_stderr"):
         value = res.get(key)
         if value:

@@ -23,32 +23,33 @@ import io
 import logging
 import os
 import re
+import shlex
 import socket
 import subprocess
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import paramiko
-from ruamel.yaml import YAML
-from ruamel.yaml.comments import CommentedMap, TaggedScalar
+from ruamel.yaml.comments import CommentedMap
 
 from rigctl.errors import ConfigError, EnrollError, HostKeyError
 from rigctl.files import write_atomically
-from rigctl.fleet.deploy import DeployResult, TaskEvent, project_root, run_playbook
+from rigctl.fleet.deploy import DeployResult, TaskEvent, project_root, roles_paths, run_playbook
 from rigctl.fleet.host_facts import (
     PROBE_TIMEOUT_S,
     HostFacts,
-    HostText,
     drift,
     inventory_vars,
     new_token,
     parse_probe,
     probe_command,
 )
+from rigctl.hostside import sandbox
 from rigctl.inventory import Host, Inventory
+from rigctl.inventory.edit import InventoryEdit, round_trip_yaml
 from rigctl.ssh import DEFAULT_CONNECT_TIMEOUT, SshClient, SshTarget, known_hosts_name
 
 log = logging.getLogger(__name__)
@@ -63,8 +64,6 @@ _FINGERPRINT = re.compile(r"^SHA256:[A-Za-z0-9+/]{43}$")
 #: ansible-playbook's prompts for --ask-pass and --ask-become-pass.
 SSH_PASSWORD_PROMPT = r"SSH password:\s*?$"
 BECOME_PASSWORD_PROMPT = r"BECOME password.*:\s*?$"
-#: Ansible's tag for a string it must never template.
-UNSAFE_TAG = "!unsafe"
 HOST_VARS_HEADER = ("Written by `rigctl hosts add` from what the host reported; `rigctl hosts probe NAME` "
                     "shows drift.\nEdit freely: values rigctl does not probe are kept.")
 
@@ -280,35 +279,39 @@ def probe(target: SshTarget) -> HostFacts:
     return parse_probe(target.name, result.stdout, token)
 
 
+def config_files(target: SshTarget) -> list[str]:
+    """The llama.cpp config files on the host (:func:`rigctl.hostside.sandbox.config_files_command`): drift
+    unless the inventory adopts them, since any llama.cpp started there by hand reads them."""
+    with SshClient(target) as client:
+        listing = client.run(shlex.join(sandbox.config_files_command()), timeout=PROBE_TIMEOUT_S, check=False)
+    return sandbox.parse_config_files(listing.stdout)
+
+
 def probe_host(inventory: Inventory, name: str, *, write: bool = False) -> ProbeResult:
     """Read ``name``'s facts again; the drift against its host_vars; with ``write``, host_vars updated."""
     host = inventory.host(name)
     facts = probe(SshTarget.from_host(host))
     observed = inventory_vars(facts)
     found = drift(host.vars, observed)
+    adopted = set(host.vars.get("llama_cpp_allow_config_files") or ())
+    found += [(f"llama.cpp config file {path}", None, "present, not adopted (llama_cpp_allow_config_files)")
+              for path in config_files(SshTarget.from_host(host)) if path not in adopted]
     written = False
     if write:
-        files = InventoryFiles(inventory.source)
-        written = files.update_host_vars(name, observed)
+        files = InventoryFiles(inventory.source, roles_paths(), what=f"{name}'s facts")
+        written = files.update_host_vars(name, observed) and bool(files.commit())
     return ProbeResult(name, facts, found, written)
 
 
 # ----------------------------------------------------------------------------------------------- inventory files
 
 
-def round_trip_yaml() -> YAML:
-    yaml = YAML()  # round trip: comments, order and quoting stay as they were
-    yaml.indent(mapping=2, sequence=4, offset=2)
-    yaml.width = 120
-    yaml.preserve_quotes = True
-    return yaml
-
-
 class InventoryFiles:
-    """``hosts.yml`` and ``host_vars/`` of one inventory, edited round trip; every write is atomic and
-    remembered, so :meth:`restore` can put the files back as they were."""
+    """``hosts.yml`` and ``host_vars/`` of one inventory, edited round trip through one
+    :class:`~rigctl.inventory.edit.InventoryEdit`: nothing lands until :meth:`commit`, which refuses an
+    inventory that fails ``inventory check`` and leaves the files as they were."""
 
-    def __init__(self, source: Path):
+    def __init__(self, source: Path, roles_paths: Sequence[Path], *, what: str = "the host's entry"):
         if source.is_dir():
             candidates = [source / "hosts.yml", source / "hosts.yaml"]
             found = [c for c in candidates if c.is_file()]
@@ -319,22 +322,16 @@ class InventoryFiles:
         else:
             self.hosts_file = source
             self.host_vars_dir = source.parent / "host_vars"
-        self._saved: dict[Path, str | None] = {}
+        self.edit = InventoryEdit(source, roles_paths, what=what)
 
     def host_vars_file(self, name: str) -> Path:
         return self.host_vars_dir / f"{name}.yml"
 
     # ---------------------------------------------------------------- hosts.yml
 
-    def _load(self, path: Path) -> Any:
-        try:
-            return round_trip_yaml().load(path.read_text()) if path.is_file() else None
-        except Exception as exc:  # ruamel's errors have no common base worth naming
-            raise ConfigError(f"{path}: not YAML rigctl can edit: {str(exc).splitlines()[0]}") from None
-
     def add_to_group(self, name: str, group: str, host_entry: Mapping[str, Any]) -> bool:
-        """``name`` under ``group`` (made under ``all.children`` when missing) in hosts.yml; True if written."""
-        data = self._load(self.hosts_file)
+        """``name`` under ``group`` (made under ``all.children`` when missing) in hosts.yml; True if it changes."""
+        data = self.edit.read(self.hosts_file)
         if not isinstance(data, dict) or not isinstance(data.get("all"), dict):
             raise ConfigError(f"{self.hosts_file}: expected a top-level 'all' group")
         where = _find_host(data["all"], "all", name)
@@ -350,14 +347,14 @@ class InventoryFiles:
         if node.get("hosts") is None:
             node["hosts"] = CommentedMap()
         node["hosts"][name] = CommentedMap(host_entry)
-        return self._write(self.hosts_file, data)
+        return self.edit.write(self.hosts_file, data)
 
     def remove_from_groups(self, name: str) -> bool:
-        data = self._load(self.hosts_file)
+        data = self.edit.read(self.hosts_file)
         if not isinstance(data, dict) or not isinstance(data.get("all"), dict):
             return False
         removed = _remove_host(data["all"], name)
-        return self._write(self.hosts_file, data) if removed else False
+        return self.edit.write(self.hosts_file, data) if removed else False
 
     # ---------------------------------------------------------------- host_vars
 
@@ -365,82 +362,30 @@ class InventoryFiles:
         """Set ``values`` in host_vars/NAME.yml (made when missing), keeping its other keys and comments;
         :class:`~rigctl.fleet.host_facts.HostText` in them is written ``!unsafe``. A value the file holds already,
         tagged alike, is left as it is."""
+        return self.edit.update(self.host_vars_file(name), values, header=HOST_VARS_HEADER)
+
+    def remove_host_vars_keys(self, name: str, keys: Sequence[str]) -> bool:
+        """Remove ``keys`` from host_vars/NAME.yml, keeping the rest and its comments; True if written."""
         path = self.host_vars_file(name)
-        data = self._load(path)
-        if data is None:
-            data = CommentedMap()
-            data.yaml_set_start_comment(HOST_VARS_HEADER)
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: expected a mapping of variables")
-        for key, value in values.items():
-            if _comparable(data.get(key)) != _comparable(value):
-                data[key] = _yaml_value(value)
-        return self._write(path, data)
+        data = self.edit.read(path)
+        if not isinstance(data, dict) or not any(key in data for key in keys):
+            return False
+        for key in keys:
+            data.pop(key, None)
+        return self.edit.write(path, data)
 
     def remove_host_vars(self, name: str) -> bool:
-        path = self.host_vars_file(name)
-        if not path.is_file():
-            return False
-        self._remember(path)
-        path.unlink()
-        return True
+        return self.edit.delete(self.host_vars_file(name))
 
     # ---------------------------------------------------------------- writes
 
-    def _remember(self, path: Path) -> None:
-        if path not in self._saved:
-            self._saved[path] = path.read_text() if path.is_file() else None
-
-    def _write(self, path: Path, data: Any) -> bool:
-        buffer = io.StringIO()
-        round_trip_yaml().dump(data, buffer)
-        text = buffer.getvalue()
-        if path.is_file() and path.read_text() == text:
-            return False
-        self._remember(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(path, text, 0o644)
-        return True
+    def commit(self) -> list[Path]:
+        """Land what is staged, once the inventory it makes passes ``inventory check``; the files changed."""
+        return self.edit.commit()
 
     @property
     def changed(self) -> list[Path]:
-        return list(self._saved)
-
-    def restore(self) -> None:
-        for path, text in self._saved.items():
-            if text is None:
-                path.unlink(missing_ok=True)
-            else:
-                write_atomically(path, text, 0o644)
-        self._saved.clear()
-
-
-def _yaml_value(value: Any) -> Any:
-    """``value`` as the file keeps it: each :class:`~rigctl.fleet.host_facts.HostText` an ``!unsafe`` scalar (quoted for
-    the reader; Ansible resolves it as if unquoted, which a host's free text survives as a string)."""
-    if isinstance(value, HostText):
-        return TaggedScalar(str(value), style="'", tag=UNSAFE_TAG)
-    if isinstance(value, Mapping):
-        return {k: _yaml_value(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_yaml_value(v) for v in value]
-    return value
-
-
-def _comparable(value: Any) -> Any:
-    """A value of the file or of a probe as plain Python, a string with its ``!unsafe`` tag kept: a fact the
-    file holds without the tag (written before facts were tagged) differs, so it is rewritten tagged."""
-    if isinstance(value, TaggedScalar):
-        return (str(value.tag), str(value.value))
-    if isinstance(value, HostText):
-        return (UNSAFE_TAG, str(value))
-    if isinstance(value, Mapping):
-        return {str(k): _comparable(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_comparable(v) for v in value]
-    if isinstance(value, str):
-        return str(value)
-    return value
+        return self.edit.changed
 
 
 def _groups(node: Any) -> Iterator[tuple[str, Any]]:
@@ -519,8 +464,6 @@ def add_host(
     """First contact, bootstrap and facts for a new host; the inventory files changed only when every
     step, and ``inventory check``, passed. ``confirm(key_type, fingerprint)`` vouches for an unknown host
     key; ``ask_password()`` is called only after that, for ``ask_pass``."""
-    from rigctl.inventory.check import check
-
     name = check_host_name(options.name)
     if options.ask_pass == (options.login_key is not None):
         raise ConfigError("give exactly one of --ask-pass or --key FILE")
@@ -546,7 +489,7 @@ def add_host(
 
     contact = first_contact(name, options.address, options.port, known_hosts,
                             fingerprint=options.fingerprint, confirm=confirm)
-    files = InventoryFiles(inventory.source)
+    files = InventoryFiles(inventory.source, [root / "roles"], what=f"{name}'s entry")
     try:
         password = ask_password() if options.ask_pass and ask_password is not None else None
         public_key = ensure_key_pair(fleet_key)
@@ -566,12 +509,8 @@ def add_host(
         if prospective.key_file is None:
             host_vars["ansible_ssh_private_key_file"] = str(fleet_key)
         files.update_host_vars(name, host_vars)
-        reloaded = Inventory.load(inventory.source)
-        problems = [p for p in check(reloaded, [root / "roles"]) if p.severity == "error"]
-        if problems:
-            raise EnrollError(f"{name}: the inventory would not pass `inventory check`: {problems[0]}")
+        files.commit()
     except BaseException:
-        files.restore()
         if contact.written:
             with contextlib.suppress(OSError):
                 remove_known_host(known_hosts, set(known_hosts_names(name, options.address, options.port)))
@@ -594,13 +533,14 @@ def remove_host(inventory: Inventory, name: str) -> RemoveResult:
     names = {known_hosts_name(name, host.port)}
     if host.address not in others:
         names.add(known_hosts_name(host.address, host.port))
-    files = InventoryFiles(inventory.source)
+    files = InventoryFiles(inventory.source, roles_paths(), what=f"{name}'s removal")
+    in_hosts = files.remove_from_groups(name)
+    in_vars = files.remove_host_vars(name)
+    files.commit()
     try:
-        in_hosts = files.remove_from_groups(name)
-        in_vars = files.remove_host_vars(name)
         in_known = remove_known_host(host.known_hosts, names)
     except BaseException:
-        files.restore()
+        files.edit.undo()
         raise
     return RemoveResult(name, in_hosts, in_vars, in_known)
 

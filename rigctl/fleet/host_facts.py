@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from rigctl.errors import ProbeError
 from rigctl.hostside import cpuinfo, nvidia_smi
+from rigctl.inventory.edit import OutsideText
 from rigctl.inventory.keys import HOST_TEXT_MAX
 from rigctl.trust import data_text_problem
 
@@ -34,11 +35,9 @@ _COMPUTE_CAP = re.compile(r"^[0-9]{1,2}\.[0-9]$")
 _VERSION = re.compile(r"^[0-9]+(\.[0-9]+){0,3}$")
 
 
-class HostText(str):
+class HostText(OutsideText):
     """Text the host chose (a GPU's name, its CPU model, its OS), checked by :func:`host_text`: data, which
-    the inventory files keep as ``!unsafe``. Values a pattern already confines (versions, compute
-    capabilities) stay plain ``str``: Ansible reads an ``!unsafe`` scalar as YAML would read it unquoted, so
-    ``!unsafe '8.6'`` would load as a float."""
+    the inventory files keep as ``!unsafe`` (:class:`~rigctl.inventory.edit.OutsideText`)."""
 
 
 def host_text(host: str, field: str, text: str) -> HostText:

@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from rigctl.errors import ConfigError, PinError, RigctlError
 from rigctl.hostside import hash_cache, ship
 from rigctl.inventory import Host, Inventory
+from rigctl.inventory.edit import InventoryEdit
 from rigctl.inventory.keys import SHA256
 from rigctl.results.record import parse_json
 
@@ -197,19 +195,6 @@ def problems(results: Mapping[str, list[ArtifactStatus] | RigctlError]) -> list[
     return lines
 
 
-_PINS_BLOCK = re.compile(r"^models_pins:.*\n(?:(?:[ \t]+.*|[ \t]*)\n)*", re.MULTILINE)
-
-
-def set_pins_text(text: str, pins: Mapping[str, str]) -> str:
-    """host_vars YAML ``text`` with its ``models_pins`` block replaced (or appended); the rest untouched."""
-    block = "models_pins:\n" + "".join(f"  {name}: \"{sha}\"\n" for name, sha in sorted(pins.items()))
-    if _PINS_BLOCK.search(text):
-        return _PINS_BLOCK.sub(lambda _m: block, text, count=1)
-    if text and not text.endswith("\n"):
-        text += "\n"
-    return text + block
-
-
 def pin(inventory: Inventory, limit: str | None = None) -> dict[str, dict[str, str]]:
     """`rigctl models pin`: write each host's observed sha256s into ``<inventory>/host_vars/<host>.yml``.
 
@@ -220,22 +205,30 @@ def pin(inventory: Inventory, limit: str | None = None) -> dict[str, dict[str, s
     bad = [line for line in problems(results) if "pinned sha256" not in line]
     if bad:
         raise PinError("; ".join(bad))
-    host_vars = Path(inventory.source) / "host_vars"
-    if not host_vars.is_dir():
-        raise ConfigError(f"inventory {inventory.source}: no host_vars directory to write pins into")
-    written: dict[str, dict[str, str]] = {}
+    observed: dict[str, dict[str, str]] = {}
     for host, statuses in results.items():
         if isinstance(statuses, RigctlError):  # problems() above already refused these
             raise statuses
-        pins = {s.artifact: s.sha256 for s in statuses if s.sha256 and SHA256.match(s.sha256)}
-        path = host_vars / f"{host}.yml"
-        new_text = set_pins_text(path.read_text() if path.exists() else "", pins)
-        # A pins block that is not valid YAML would break every later run: check before writing.
-        yaml.safe_load(new_text)
-        path.write_text(new_text)
-        written[host] = pins
-        log.info("%s: pinned %d artifacts in %s", host, len(pins), path)
-    return written
+        observed[host] = {s.artifact: s.sha256 for s in statuses if s.sha256 and SHA256.match(s.sha256)}
+    write_pins(inventory, observed)
+    return observed
+
+
+def write_pins(inventory: Inventory, pins: Mapping[str, Mapping[str, str]]) -> None:
+    """``{host: {artifact: sha256}}`` as each host's ``models_pins`` in its host_vars file, in one edit
+    (:mod:`rigctl.inventory.edit`: round trip, and refused with no file written when the result would fail
+    ``inventory check``)."""
+    from rigctl.fleet.deploy import roles_paths
+
+    host_vars = Path(inventory.source) / "host_vars"
+    if not host_vars.is_dir():
+        raise ConfigError(f"inventory {inventory.source}: no host_vars directory to write pins into")
+    edit = InventoryEdit(inventory.source, roles_paths(), what="models pin")
+    for host, host_pins in pins.items():
+        edit.update(host_vars / f"{host}.yml", {"models_pins": dict(sorted(host_pins.items()))})
+    edit.commit()
+    for host, host_pins in pins.items():
+        log.info("%s: pinned %d artifacts in %s", host, len(host_pins), host_vars / f"{host}.yml")
 
 
 def rows(results: Mapping[str, list[ArtifactStatus] | RigctlError]) -> Iterable[tuple[str, ...]]:

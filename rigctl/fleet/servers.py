@@ -4,7 +4,8 @@ lifecycle around a run.
 Each instance is the systemd unit ``llama-server@<name>.service`` that roles/llama_server installs from
 the inventory's ``llama_server_instances``. This module asks systemd over SSH (``systemctl show``,
 ``journalctl``) and the server itself over HTTP (``/health``, ``/props``, through
-:mod:`rigctl.llama_http`); the parsers of what systemd prints are pure functions.
+:mod:`rigctl.llama_http`, at :func:`rigctl.forward.server_endpoint`: an SSH forward for an instance that listens
+on loopback); the parsers of what systemd prints are pure functions.
 
 Fleet calls return one record per instance and keep going when a host cannot be reached: that host's
 instances come back with ``state="unreachable"`` and the reason in ``error``.
@@ -32,9 +33,10 @@ from typing import Any
 
 from rigctl.connections import on_each_host
 from rigctl.errors import ConfigError, RemoteCommandError, RigctlError, ServerError
+from rigctl.forward import server_endpoint
 from rigctl.hostside import ship
 from rigctl.hostside import units as host_units
-from rigctl.hostside.sandbox import run_options
+from rigctl.hostside.sandbox import clean_exec, config_files_command, parse_config_files, run_options
 from rigctl.inventory import Host, Inventory, Server
 from rigctl.inventory.profiles import args_lines_to_argv, unit_name
 from rigctl.llama_http import NO_RETRY, Endpoint, Retry, ServerClient, Timeouts
@@ -90,6 +92,9 @@ class ServerStatus:
     #: What of the running process differs from the instance's files now (arguments, binary, environment):
     #: files written by a play that did not get to restart it. Empty when it runs its files or does not run.
     pending_restart: tuple[str, ...] = ()
+    #: The llama.cpp config files on the instance's host (rigctl/hostside/sandbox.py's fact): hidden from it by its
+    #: sandbox, read by any llama.cpp started there by hand; drift unless the inventory adopts them.
+    config_files: tuple[str, ...] = ()
 
 
 def parse_unit_show(text: str) -> dict[str, UnitState]:
@@ -160,10 +165,17 @@ def unit_states(host: Host, servers: Iterable[str]) -> dict[str, UnitState]:
     return {name: by_unit[unit_name(name)] for name in names if unit_name(name) in by_unit}
 
 
-def probe(server: Server, timeout: float = HTTP_TIMEOUT) -> tuple[bool, str, str | None, str | None]:
+def config_files(host: Host) -> tuple[str, ...]:
+    """The llama.cpp config files on ``host`` (:func:`rigctl.hostside.sandbox.config_files_command`)."""
+    with session(host) as ssh:
+        out = ssh.run(shlex.join(config_files_command()), timeout=SSH_TIMEOUT, check=False).stdout
+    return tuple(parse_config_files(out))
+
+
+def probe(host: Host, server: Server, timeout: float = HTTP_TIMEOUT) -> tuple[bool, str, str | None, str | None]:
     """(healthy, health text, model_path, build_info) from the instance's /health and /props."""
     timeouts = Timeouts(connect=timeout, read=timeout, write=timeout, pool=timeout)
-    with ServerClient(server.endpoint, timeouts=timeouts, retry=NO_RETRY) as client:
+    with ServerClient(server_endpoint(host, server), timeouts=timeouts, retry=NO_RETRY) as client:
         health = client.health()
         if not health.ok:
             return False, health.status, None, None
@@ -180,9 +192,10 @@ def host_status(host: Host) -> list[ServerStatus]:
     try:
         states = unit_states(host, (s.name for s in instances))
         pending = pending_restarts(host, instances)
+        found = config_files(host)
         error = None
     except RigctlError as exc:
-        states, pending, error = {}, {}, str(exc)
+        states, pending, found, error = {}, {}, (), str(exc)
     rows = []
     for inst in instances:
         unit = states.get(inst.name)
@@ -195,10 +208,11 @@ def host_status(host: Host) -> list[ServerStatus]:
             rows.append(ServerStatus(host.name, inst.name, inst.port, inst.artifact, inst.profile.name, inst.enabled,
                                      state, 0, False, "disabled"))
             continue
-        healthy, health, model, build = probe(inst)
+        healthy, health, model, build = probe(host, inst)
         rows.append(ServerStatus(host.name, inst.name, inst.port, inst.artifact, inst.profile.name, inst.enabled,
                                  state, unit.main_pid if unit else 0,
-                                 healthy, health, model, build, pending_restart=pending.get(inst.name, ())))
+                                 healthy, health, model, build, pending_restart=pending.get(inst.name, ()),
+                                 config_files=found))
     return rows
 
 
@@ -229,10 +243,17 @@ def restart(inventory: Inventory, host_name: str, server: str, timeout: float = 
     instance = host.server(server)
     with session(host) as ssh:
         restart_instance(ssh, instance, timeout=timeout)
-    healthy, health, model, build = probe(instance)
+    healthy, health, model, build = probe(host, instance)
     state = unit_states(host, [server])[server]
     return ServerStatus(host.name, server, instance.port, instance.artifact, instance.profile.name, instance.enabled,
                         state.active_state, state.main_pid, healthy, health, model, build)
+
+
+def stop_servers(host: Host) -> None:
+    """Stop every llama-server instance of ``host`` (a drain whose policy says stop; RemoteCommandError)."""
+    if host.servers:
+        with session(host) as ssh:
+            systemctl(ssh, "stop", [unit_name(s.name) for s in host.servers])
 
 
 def logs(inventory: Inventory, host_name: str, server: str, lines: int = 50) -> str:
@@ -350,7 +371,7 @@ def restart_instance(ssh: SshClient, server: Server, *, timeout: float = HEALTH_
     """Restart ``server``'s unit and wait until it is ready; the seconds that took."""
     began = time.monotonic()
     systemctl(ssh, "restart", [server.unit])
-    wait_ready(ssh, server.unit, server.endpoint, purpose="restart", timeout=timeout)
+    wait_ready(ssh, server.unit, server_endpoint(ssh, server), purpose="restart", timeout=timeout)
     return time.monotonic() - began
 
 
@@ -369,7 +390,7 @@ def running(host: Host, names: Sequence[str], *, start: bool = True,
                 say(f"{host.name}: starting {', '.join(s.name for s in started)}")
                 systemctl(ssh, "start", [s.unit for s in started])
             for server in servers:
-                wait_ready(ssh, server.unit, server.endpoint)
+                wait_ready(ssh, server.unit, server_endpoint(ssh, server))
             yield [s.name for s in started]
         finally:
             if started:
@@ -387,7 +408,7 @@ def stopped(ssh: SshClient, server: Server) -> Iterator[None]:
     finally:
         if was_running:
             systemctl(ssh, "start", [server.unit])
-            wait_ready(ssh, server.unit, server.endpoint)
+            wait_ready(ssh, server.unit, server_endpoint(ssh, server))
 
 
 @dataclass(frozen=True)
@@ -406,14 +427,15 @@ def deployed_argv(ssh: SshClient, server: Server) -> list[str]:
     return args_lines_to_argv(text.splitlines())
 
 
-def probe_command(server: Server, unit: str, argv: Sequence[str], binary: str | None = None) -> list[str]:
+def probe_server_argv(server: Server, unit: str, argv: Sequence[str], binary: str | None = None) -> list[str]:
     """The ``systemd-run`` command line of a probe of ``server``: its llama-server (or ``binary``, another
     build's) with ``argv`` as the transient unit ``unit``, with the ``llama-server@`` unit's account, sandbox and
     GPU pin (the probe sees the card the instance sees), writable nothing but a private /tmp (the instance's
-    state directory is its own)."""
+    state directory is its own); no llama.cpp variable from outside reaches it (the shell execs the server: its
+    pid is the unit's main process)."""
     properties = [*server.account.unit_properties(), f"EnvironmentFile={server.env_file}", "UMask=0077"]
     return ["systemd-run", "--unit", unit, "--collect", "--quiet", *run_options(properties),
-            binary or server.binary, *argv]
+            *clean_exec([binary or server.binary, *argv])]
 
 
 def probe_unit(server: Server, purpose: str) -> str:
@@ -436,8 +458,8 @@ def probe_server(ssh: SshClient, server: Server, settings: Mapping[str, Any], po
                           f"({' '.join(extra[:4]) or 'order'}); deploy before probing it")
     argv = server.argv_with(port=port, **settings)
     probe = probe_unit(server, purpose)
-    endpoint = Endpoint(f"http://{server.address}:{port}", api_key=server.api_key, label=f"{server.host}/{probe}")
-    ssh.run(shlex.join(probe_command(server, probe, argv, binary)), timeout=SSH_TIMEOUT * 2, check=True)
+    endpoint = server_endpoint(ssh, server, port=port, label=f"{server.host}/{probe}")
+    ssh.run(shlex.join(probe_server_argv(server, probe, argv, binary)), timeout=SSH_TIMEOUT * 2, check=True)
     try:
         wait_ready(ssh, probe, endpoint, purpose=purpose)
         yield Probe(probe, endpoint, argv)

@@ -26,7 +26,7 @@ from rigctl.errors import ConfigError, RigctlError, one_line
 from rigctl.fleet.build import Builds, parse_fact
 from rigctl.fleet.models import expected_sha256, parse_manifest
 from rigctl.fleet.servers import UNIT_PROPERTIES, UnitState, parse_pending_restarts, parse_unit_show
-from rigctl.hostside import nvidia_smi, ship
+from rigctl.hostside import nvidia_smi, sandbox, ship
 from rigctl.hostside.llama_cpp_fact import FACT_PATH
 from rigctl.inventory import Host, Inventory
 from rigctl.inventory.advisories import FloorCheck, build_number, check_build, host_allowed
@@ -40,7 +40,7 @@ DEFAULT_HOST_TIMEOUT = 10.0
 #: turn, each bounded by the host timeout, instead of all sharing its CPU until every one of them runs past it.
 READINGS_PER_MACHINE = 4
 DEFAULT_HASH_TIMEOUT = 900.0  # sha256 of a few GB on a slow disk
-UNIT_PATTERN = "llama-server@*.service"
+UNIT_PATTERN = unit_name("*")
 NVIDIA_SMI_FIELDS = ("index", "uuid", "name", "temperature.gpu", "memory.used", "memory.total", "utilization.gpu")
 _MIB = 1024 * 1024
 
@@ -91,11 +91,19 @@ class HostState:
     builds: Builds | None = None
     gpus: list[GpuSample] = field(default_factory=list)
     gpu_error: str | None = None
+    #: Each GPU's health (:func:`rigctl.hostside.nvidia_smi.parse_health`); health_error: why there is none.
+    health: list[nvidia_smi.GpuHealth] = field(default_factory=list)
+    health_error: str | None = None
+    #: The kernel log's Xid reports since boot; None: the log could not be read (xid_error says why).
+    xids: list[nvidia_smi.XidEvent] | None = None
+    xid_error: str | None = None
     units: list[UnitState] = field(default_factory=list)
     models: list[ModelFact] = field(default_factory=list)
     #: Running instances whose process differs from their files (files a play wrote and did not apply),
     #: with what differs: :mod:`rigctl.hostside.server_drift`.
     pending_restarts: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    #: The llama.cpp config files on the host (rigctl/hostside/sandbox.py's fact): drift, unless adopted.
+    config_files: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -157,6 +165,29 @@ def parse_nvidia_smi(text: str) -> list[GpuSample]:
             utilization_ratio=utilization / 100.0 if utilization is not None else None,
         ))
     return samples
+
+
+def read_health(facts: HostState, raw: Mapping[str, Any]) -> None:
+    """The GPU health query's and the kernel log's answers of one reading into ``facts``; a driver or kernel
+    log that answers nothing costs those metrics (with the reason logged), never the host's other ones."""
+    health = raw.get("health") or {}
+    fields = health.get("fields")
+    if health.get("rc") == 0 and isinstance(fields, list) and fields in (
+            list(nvidia_smi.HEALTH_FIELDS), list(nvidia_smi.LEGACY_HEALTH_FIELDS)):
+        try:
+            facts.health = nvidia_smi.parse_health(str(health.get("out", "")), fields)
+        except ValueError as exc:
+            facts.health_error = str(exc)
+    elif health:
+        facts.health_error = (str(health.get("err") or "")).strip()[:300] or f"nvidia-smi exited {health.get('rc')}"
+    kernel = raw.get("kernel_xids") or {}
+    if kernel.get("rc") == 0:
+        facts.xids = nvidia_smi.parse_xids(str(kernel.get("out", "")))
+    elif kernel:
+        facts.xid_error = (str(kernel.get("err") or "")).strip()[:300] or f"exited {kernel.get('rc')}"
+    for what, error in (("GPU health", facts.health_error), ("kernel log", facts.xid_error)):
+        if error:
+            log.info("%s: no %s: %s", facts.host, what, error)
 
 
 def unit_instance(unit: str) -> str:
@@ -291,6 +322,7 @@ class FleetState:
         args = {
             "fact": FACT_PATH,
             "gpu_fields": ",".join(NVIDIA_SMI_FIELDS),
+            "health_fields": [list(nvidia_smi.HEALTH_FIELDS), list(nvidia_smi.LEGACY_HEALTH_FIELDS)],
             "unit_pattern": UNIT_PATTERN,
             "unit_properties": ",".join(UNIT_PROPERTIES),
             "units": [unit_name(name) for name in plan.servers],
@@ -331,11 +363,13 @@ class FleetState:
             facts.gpu_error = (smi.get("err") or "").strip() or f"nvidia-smi exited {smi.get('rc')}"
         if facts.gpu_error:
             log.info("%s: no GPU sample: %s", host.name, facts.gpu_error)
+        read_health(facts, raw)
         facts.units = list(parse_unit_show((raw.get("units") or {}).get("out", "")).values())
         try:
             facts.pending_restarts = parse_pending_restarts(raw.get("pending_restarts") or {}, host.name)
         except RigctlError as exc:
             self._warn(str(exc))
+        facts.config_files = tuple(sandbox.parse_config_files((raw.get("config_files") or {}).get("out") or ""))
         pins = host.pins
         to_hash: dict[str, list[int]] = {}
         for name, entry in sorted((raw.get("models") or {}).items()):

@@ -9,7 +9,7 @@ ansible-playbook, its workers, mitogen's multiplexer and each ``ssh``), and a sm
 (``python -m rigctl.fleet.tether``, in a session of its own) holds the read end of a pipe whose write end only
 rigctl holds. When rigctl is gone, for whatever reason, the pipe reads end-of-file and the watchdog stops
 every process that carries the mark: SIGTERM, then SIGKILL after :data:`GRACE_S`. Their SSH connections
-close with them, and on the hosts what hangs on a connection stops (:mod:`rigctl.hostside.tether`).
+close with them, and on the hosts what hangs on a connection stops (:mod:`rigctl.hostside.play_lock`).
 
 The watchdog also inherits the descriptors it is given (the controller's lock files,
 :mod:`rigctl.fleet.deploy_lock`): they stay locked until the last process of the play is gone, so a second run

@@ -37,7 +37,7 @@ Raw files in the run directory (what summaries and reports read):
                                                 {throttled, why, min_sm_fraction, reasons, samples},
                                                 rc, raw, log
 
-Params (from :func:`rigctl.bench.bench_job_spec`): ``llama_bench`` (binary), ``models`` [{name,
+Params (from :func:`rigctl.bench.matrix.bench_job_spec`): ``llama_bench`` (binary), ``models`` [{name,
 path}, with ``llama_bench`` and ``build`` where the cells alternate builds rather than models: that
 entry's binary and the build's name, which its cells.jsonl lines carry], ``matrix`` {p, n, r, fa, ngl,
 t, ctk, ctv, d}, ``rounds``, ``order``, ``cooldown`` {threshold_c (null: no gating), timeout_s,

@@ -35,6 +35,8 @@ _STRIP = re.compile(r"[ ,./\-_*^]")
 # (``func_doc_language_specific_pre_processing``), its types are cast by ``_cast_to_openai_type`` with
 # ``GORILLA_TO_OPENAPI`` (model_handler/utils.py, constants/type_mappings.py), and the query sends
 # ``temperature`` (the CLI's default, 0.001) and no token limit (``OpenAICompletionsHandler._query_FC``).
+#: The bfcl-eval release whose request and checker rigctl reproduces (tests/unit/data/bfcl_tools.json is its output).
+BFCL_EVAL_VERSION = "2026.3.23"
 BFCL_PYTHON_NOTE = " Note that the provided function is in Python 3 syntax."
 BFCL_FLOAT_NOTE = " This is a float type value."
 BFCL_TEMPERATURE = 0.001

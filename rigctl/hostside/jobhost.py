@@ -92,7 +92,7 @@ def write_job_dir(job_dir: str, files: dict[str, str]) -> None:
 def unit_argv(spec: dict[str, Any]) -> list[str]:
     """The ``systemd-run`` command line of a job's unit: ``jobrun.py`` as the service account with the
     ``llama-server@`` unit's sandbox, writable only its run directory (``spec["unit_properties"]``, from the
-    controller's :meth:`rigctl.inventory.ServiceAccount.unit_properties`). What needs root around it runs as
+    controller's :meth:`rigctl.inventory.model.ServiceAccount.unit_properties`). What needs root around it runs as
     root from the root-owned job directory, on no word of the job: ``--prepare`` before it (hash the model
     files into the host's cache, stop the servers the spec names) and ``--finish`` after it, whatever ended
     it (start those servers again, free the lock). ``--no-block``: hashing and stopping take their time."""

@@ -57,7 +57,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from rigctl.hostside import jobfiles, stamp, units
+from rigctl.hostside import jobfiles, sandbox, stamp, units
 from rigctl.hostside.hash_cache import HASH_CACHE_FILE, cached_sha256
 from rigctl.hostside.runrecord import RUN_FILE, Artifact, RunRecord, RunStatus, utc_now, write_json_atomically
 
@@ -347,6 +347,10 @@ def load_task(job_dir: Path, name: str) -> Any:
 
 
 def main(job_dir: Path) -> int:
+    # Whatever the job's unit was given from outside (the manager's environment, a drop-in), no variable that
+    # llama.cpp reads as an option reaches what the task runs: the task's argv is the whole configuration.
+    for name in [name for name in os.environ if sandbox.foreign_variable(name)]:
+        del os.environ[name]
     job = Job(job_dir)
     signal.signal(signal.SIGTERM, job.on_sigterm)
     status, error = "failed", None

@@ -183,3 +183,185 @@ def held_reasons(reading: dict[str, object]) -> int:
             and power < IDLE_POWER_SHARE * limit:
         held &= ~SW_POWER_CAP
     return held
+
+
+# ------------------------------------------------------------------------------------------ GPU health
+
+#: One GPU's health, in this order (``--help-query-gpu``'s names): ECC error totals since the driver
+#: loaded (volatile) and over the card's life (aggregate), retired pages (before Ampere) and remapped rows
+#: (from Ampere), the action the driver asks for (R550 on), the clock event reasons, power and the PCIe link.
+HEALTH_FIELDS = ("index", "pci.bus_id",
+                 "ecc.errors.corrected.volatile.total", "ecc.errors.uncorrected.volatile.total",
+                 "ecc.errors.corrected.aggregate.total", "ecc.errors.uncorrected.aggregate.total",
+                 "retired_pages.single_bit_ecc.count", "retired_pages.double_bit.count", "retired_pages.pending",
+                 "remapped_rows.correctable", "remapped_rows.uncorrectable", "remapped_rows.pending",
+                 "remapped_rows.failure", "gpu_recovery_action", "clocks_event_reasons.active",
+                 "power.draw", "power.limit", "pcie.link.gen.current", "pcie.link.gen.max",
+                 "pcie.link.width.current", "pcie.link.width.max")
+#: What a driver before R550 answers (it refuses the whole query over one field it does not know): no
+#: recovery action, no remapped rows, and the reasons under their pre-R535 name.
+LEGACY_HEALTH_FIELDS = tuple("clocks_throttle_reasons.active" if f == "clocks_event_reasons.active" else f
+                             for f in HEALTH_FIELDS
+                             if f != "gpu_recovery_action" and not f.startswith("remapped_rows."))
+#: The recovery action that means none is needed (NVML's NVML_GPU_RECOVERY_ACTION_NONE as nvidia-smi prints it).
+NO_RECOVERY_ACTION = "None"
+
+
+def flag(text: str) -> bool | None:
+    """A Yes/No cell; None where the driver reports none."""
+    value = cell(text)
+    return {"yes": True, "no": False}.get(value.lower()) if value is not None else None
+
+
+@dataclass(frozen=True)
+class GpuHealth:
+    """What the driver says of one GPU's health; None: not reported (a consumer card has no ECC, a
+    pre-Ampere card no row remapper, an older driver no recovery action)."""
+
+    index: int | None
+    bus_id: str | None
+    ecc_corrected_volatile: int | None
+    ecc_uncorrected_volatile: int | None
+    ecc_corrected_aggregate: int | None
+    ecc_uncorrected_aggregate: int | None
+    retired_pages_single_bit: int | None
+    retired_pages_double_bit: int | None
+    retired_pages_pending: bool | None
+    remapped_rows_correctable: int | None
+    remapped_rows_uncorrectable: int | None
+    remapped_rows_pending: bool | None
+    remapped_rows_failure: bool | None
+    #: What the driver asks for to recover the GPU (``None`` printed: nothing; None here: not reported).
+    recovery_action: str | None
+    reasons: int | None
+    power_w: float | None
+    power_limit_w: float | None
+    pcie_gen: int | None
+    pcie_gen_max: int | None
+    pcie_width: int | None
+    pcie_width_max: int | None
+
+
+def parse_health(text: str, fields: Sequence[str] = HEALTH_FIELDS) -> list[GpuHealth]:
+    """``--query-gpu=<fields> --format=csv,noheader,nounits`` (:data:`HEALTH_FIELDS` or
+    :data:`LEGACY_HEALTH_FIELDS`) as one :class:`GpuHealth` per GPU. ValueError naming a line whose cells do
+    not match the fields."""
+    out = []
+    for row in query_rows(text, fields):
+        get = row.get
+        reasons_cell = get("clocks_event_reasons.active", get("clocks_throttle_reasons.active", ""))
+        out.append(GpuHealth(
+            index=whole(get("index", "")), bus_id=cell(get("pci.bus_id", "")),
+            ecc_corrected_volatile=whole(get("ecc.errors.corrected.volatile.total", "")),
+            ecc_uncorrected_volatile=whole(get("ecc.errors.uncorrected.volatile.total", "")),
+            ecc_corrected_aggregate=whole(get("ecc.errors.corrected.aggregate.total", "")),
+            ecc_uncorrected_aggregate=whole(get("ecc.errors.uncorrected.aggregate.total", "")),
+            retired_pages_single_bit=whole(get("retired_pages.single_bit_ecc.count", "")),
+            retired_pages_double_bit=whole(get("retired_pages.double_bit.count", "")),
+            retired_pages_pending=flag(get("retired_pages.pending", "")),
+            remapped_rows_correctable=whole(get("remapped_rows.correctable", "")),
+            remapped_rows_uncorrectable=whole(get("remapped_rows.uncorrectable", "")),
+            remapped_rows_pending=flag(get("remapped_rows.pending", "")),
+            remapped_rows_failure=flag(get("remapped_rows.failure", "")),
+            recovery_action=cell(get("gpu_recovery_action", "")),
+            reasons=reasons(reasons_cell), power_w=number(get("power.draw", "")),
+            power_limit_w=number(get("power.limit", "")),
+            pcie_gen=whole(get("pcie.link.gen.current", "")), pcie_gen_max=whole(get("pcie.link.gen.max", "")),
+            pcie_width=whole(get("pcie.link.width.current", "")),
+            pcie_width_max=whole(get("pcie.link.width.max", "")),
+        ))
+    return out
+
+
+#: ``nvidia-smi -q``'s sections whose counters :func:`query_health_cells` reads, by the query field each
+#: feeds: (section path, the keys summed; a ``Total`` key, where printed, is taken instead).
+_Q_ECC = {"ecc.errors.corrected.volatile.total": ("ECC Errors/Volatile", "Correctable"),
+          "ecc.errors.uncorrected.volatile.total": ("ECC Errors/Volatile", "Uncorrectable"),
+          "ecc.errors.corrected.aggregate.total": ("ECC Errors/Aggregate", "Correctable"),
+          "ecc.errors.uncorrected.aggregate.total": ("ECC Errors/Aggregate", "Uncorrectable")}
+_Q_VALUES = {"retired_pages.single_bit_ecc.count": "Retired Pages/Single Bit ECC",
+             "retired_pages.double_bit.count": "Retired Pages/Double Bit ECC",
+             "retired_pages.pending": "Retired Pages/Pending Page Blacklist",
+             "remapped_rows.correctable": "Remapped Rows/Correctable Error",
+             "remapped_rows.uncorrectable": "Remapped Rows/Uncorrectable Error",
+             "remapped_rows.pending": "Remapped Rows/Pending",
+             "remapped_rows.failure": "Remapped Rows/Remapping Failure Occurred",
+             "gpu_recovery_action": "GPU Recovery Action"}
+
+
+def query_health_cells(text: str) -> list[dict[str, str]]:
+    """``nvidia-smi -q`` (whole or the sections kept): per GPU (``GPU 00000000:10:1C.0`` blocks; a record
+    without its ``GPU`` line is one GPU's) the cells :data:`HEALTH_FIELDS` would print for the ECC,
+    retired-page, remapped-row and recovery sections it holds (a section it lacks is left out): what the
+    lab's stand-in replays from a recorded ``-q``. An ECC total is the sum of a section's
+    ``...Correctable``/``...Uncorrectable`` counters (SRAM and DRAM, or device memory, register file, caches)
+    where it prints no ``Total``."""
+    gpus: list[dict[str, str]] = []
+    values: dict[str, str] = {}
+    path: list[tuple[int, str]] = []
+
+    def finish() -> None:
+        if not gpus:
+            return
+        cells = gpus[-1]
+        for field, key in _Q_VALUES.items():
+            if key in values:
+                cells[field] = values[key]
+        for field, (section, kind) in _Q_ECC.items():
+            total = values.get(f"{section}/Total")
+            counters = [v for k, v in values.items() if k.startswith(section + "/")
+                        and k.rsplit("/", 1)[1].split()[-1] == kind]
+            if total is not None:
+                cells[field] = total
+            elif counters:
+                numbers = [whole(v) for v in counters]
+                cells[field] = str(sum(n for n in numbers if n is not None)) if any(
+                    n is not None for n in numbers) else "[N/A]"
+
+    for line in text.splitlines():
+        gpu = re.match(r"^GPU ([0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.\d)\s*$", line)
+        if gpu is not None:
+            finish()
+            gpus.append({"pci.bus_id": gpu.group(1)})
+            values, path = {}, []
+            continue
+        item = re.match(r"^( +)([^:\[]+?)\s*(?::\s*(.*))?$", line)
+        if item is None:
+            continue
+        if not gpus:  # one GPU's record, shown without its GPU line
+            gpus.append({})
+        depth, key, value = len(item.group(1)), item.group(2).strip(), item.group(3)
+        while path and path[-1][0] >= depth:
+            path.pop()
+        name = "/".join([p for _, p in path] + [key])
+        if not value:
+            path.append((depth, key))
+        else:
+            values[name] = value.strip()
+    finish()
+    return gpus
+
+
+# ------------------------------------------------------------------------------------------ Xid errors
+
+#: The driver's Xid report in the kernel log, as dmesg, journalctl and syslog all print it after their own
+#: prefix: ``NVRM: Xid (PCI:0000:10:1c): 63, pid=1896, ...`` (domain:bus:device of the GPU, then the code).
+_XID = re.compile(r"NVRM: Xid \(PCI:([0-9A-Fa-f]{4,8}):([0-9A-Fa-f]{2}):([0-9A-Fa-f]{2})(?:\.[0-7])?\): (\d{1,4})\b")
+
+
+@dataclass(frozen=True)
+class XidEvent:
+    bus: tuple[int, int, int]  # PCI domain, bus, device
+    code: int
+
+
+def parse_xids(text: str) -> list[XidEvent]:
+    """Every Xid report in a kernel log's text, in order; every other line is passed over."""
+    return [XidEvent((int(m.group(1), 16), int(m.group(2), 16), int(m.group(3), 16)), int(m.group(4)))
+            for m in map(_XID.search, text.splitlines()) if m is not None]
+
+
+def bus_address(bus_id: str | None) -> tuple[int, int, int] | None:
+    """nvidia-smi's ``pci.bus_id`` (``00000000:10:1C.0``) as the (domain, bus, device) an Xid names."""
+    match = re.fullmatch(r"([0-9A-Fa-f]{4,8}):([0-9A-Fa-f]{2}):([0-9A-Fa-f]{2})\.[0-7]", (bus_id or "").strip())
+    return None if match is None else (int(match.group(1), 16), int(match.group(2), 16), int(match.group(3), 16))

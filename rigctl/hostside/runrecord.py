@@ -37,6 +37,7 @@ RUN_KINDS = ("bench", "eval", "spec", "server-speed", "load", "kld", "upgrade", 
 RunKind = Literal[RUN_KINDS]  # type: ignore[valid-type]
 RunStatus = Literal["running", "done", "failed", "stopped", "lost"]
 CTX_FLAGS = ("-c", "--ctx-size")
+PARALLEL_FLAGS = ("-np", "--parallel")
 
 # The shape new_run_id makes; a run id from anywhere else (a rig's listing, a record) must have it.
 RUN_ID = re.compile(rf"^({'|'.join(map(re.escape, RUN_KINDS))})-[0-9]{{8}}T[0-9]{{6}}Z-[0-9a-f]{{4}}$")
@@ -145,6 +146,12 @@ class Server:
     total_slots: int | None = None
     draft: dict[str, Any] | None = None  # the profile's spec block (drafting races)
     gpu: Gpu | None = None  # a fan-out's member on another host
+    # The effective configuration besides argv: the config files llama.cpp said it applied ("using config file"
+    # in its journal), the LLAMA_*-style variables of its environment (names; values masked), its chat
+    # template's sha256 (/props). rigctl's sandbox leaves the first two empty.
+    config_files: list[str] = field(default_factory=list)
+    environment: list[str] = field(default_factory=list)
+    chat_template_sha256: str | None = None
 
     @property
     def ctx_size(self) -> int | None:
@@ -155,6 +162,22 @@ class Server:
     def flag(self, *names: str) -> str | None:
         return flag_value(self.argv, names)
 
+    def effective_differences(self) -> list[str]:
+        """How what this server ran differs from its argv as deployed (the profile's flags), one line each:
+        a config file it applied, a variable llama.cpp reads in its environment, a context per slot or a
+        slot count in ``/props`` that its ``-c``/``-np`` cannot give (per slot: ``-c``, or ``-c`` / slots)."""
+        found = [f"applied llama.cpp config file {path}" for path in self.config_files]
+        found += [f"llama.cpp variable {name} in its environment" for name in self.environment]
+        parallel = self.flag(*PARALLEL_FLAGS)
+        slots = int(parallel) if parallel and re.fullmatch(r"[0-9]+", parallel) and int(parallel) > 0 else None
+        if slots is not None and self.total_slots is not None and self.total_slots != slots:
+            found.append(f"/props total_slots {self.total_slots}, the profile's -np {slots}")
+        ctx = self.ctx_size
+        if ctx and self.n_ctx is not None and self.n_ctx not in {ctx, ctx // (slots or self.total_slots or 1)}:
+            found.append(f"/props n_ctx {self.n_ctx} per slot, the profile's -c {ctx}"
+                         + (f" over {slots or self.total_slots} slots" if (slots or self.total_slots or 1) > 1 else ""))
+        return found
+
 
 @dataclass
 class Task:
@@ -164,6 +187,8 @@ class Task:
     file_sha256: str | None = None
     dataset_sha256: dict[str, str] = field(default_factory=dict)
     questions: int | None = None
+    request: dict[str, Any] | None = None  # which request produced the numbers (gsm8k: rigctl's or lm-eval's)
+    instruments: dict[str, str] = field(default_factory=dict)  # releases whose scoring they reproduce
 
 
 @dataclass

@@ -13,6 +13,13 @@ directory, nothing for a probe), the GPU's device nodes and the pseudo devices o
 ``PrivateDevices=yes``: it would hide the GPU (``DevicePolicy=closed`` with ``DeviceAllow=`` does what it
 would, and leaves the GPU's driver classes). ``MemoryDenyWriteExecute`` stays off: CUDA JIT-compiles kernels
 into W+X memory.
+
+Its configuration is rigctl's alone. llama.cpp reads ``/etc/llama.cpp/config.ini`` and then
+``${XDG_CONFIG_HOME:-$HOME/.config}/llama.cpp/config.ini`` before the environment and the command line
+(b11434's ``common/arg.cpp``, ``common_params_apply_system_config``), and its options from ``LLAMA_ARG_*``
+variables: the sandbox hides ``/etc/llama.cpp`` (:data:`HIDDEN_CONFIG`), points ``HOME`` and
+``XDG_CONFIG_HOME`` at :data:`CONFIG_HOME` (root's, empty, read-only), and every launcher drops the variables
+llama.cpp reads (:func:`clean_environment`, :func:`clean_exec`, :data:`CLEAN_ENV_SH`).
 """
 
 from __future__ import annotations
@@ -20,14 +27,31 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
 import stat
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 #: systemd's DeviceAllow= entries of the llama_server role's default (``llama_server_device_allow``).
 DEVICE_ALLOW = ("char-nvidia-frontend rw", "char-nvidia-uvm rw", "char-nvidia-caps rw")
 #: The llama_server role's default ``llama_server_supplementary_groups`` (the GPU's device nodes' group).
 SUPPLEMENTARY_GROUPS = ("video",)
+
+#: The system-wide config directory llama.cpp reads whatever the environment says (``/etc/llama.cpp/config.ini``
+#: is a fixed path in common/arg.cpp): hidden from every sandboxed process (``-``: nothing to hide when absent).
+HIDDEN_CONFIG = "/etc/llama.cpp"
+#: ``HOME`` and ``XDG_CONFIG_HOME`` of every sandboxed process: an empty directory of root's (the llama_cpp
+#: role makes it, 0555), so the user-level config file llama.cpp looks for is never there and cannot be written.
+CONFIG_HOME = "/usr/local/share/rigctl/empty-config-home"
+#: The environment variables llama.cpp's argument parser reads besides its own ``LLAMA_`` prefix
+#: (common/arg.cpp's ``set_env``: ``LLAMA_ARG_*``, ``LLAMA_API_KEY``; and these two).
+FOREIGN_NAMES = ("HF_TOKEN", "MTMD_BACKEND_DEVICE")
+FOREIGN_PREFIX = "LLAMA_"
+#: POSIX sh that unsets every variable :func:`foreign_variable` names (``env`` lists them; names are letters,
+#: digits and ``_`` only, so a value can add nothing but a harmless ``unset`` of an absent name). Its loop
+#: variable is its own: the server's launcher keeps the instance's name in ``name``.
+CLEAN_ENV_SH = (f"for _rigctl_var in $(env | grep -o '^{FOREIGN_PREFIX}[A-Za-z0-9_]*='); do "
+                f"unset \"${{_rigctl_var%=}}\"; done; unset _rigctl_var {' '.join(FOREIGN_NAMES)}")
 
 #: The hardening before ``ReadWritePaths=`` and after it, in the unit's order.
 _BEFORE_PATHS = ("NoNewPrivileges=yes", "ProtectSystem=strict")
@@ -50,7 +74,62 @@ def properties(read_write: Sequence[str], device_allow: Sequence[str] = DEVICE_A
     lines = ["DevicePolicy=closed", *(f"DeviceAllow={device}" for device in device_allow), *_BEFORE_PATHS]
     if read_write:
         lines.append("ReadWritePaths=" + " ".join(read_write))
-    return lines + list(_AFTER_PATHS)
+    return lines + list(_AFTER_PATHS) + list(CONFIG_LINES)
+
+
+#: No config file but rigctl's flags: ``/etc/llama.cpp`` hidden, the user-level one looked for in root's empty
+#: directory.
+CONFIG_LINES = (f"InaccessiblePaths=-{HIDDEN_CONFIG}", f"Environment=HOME={CONFIG_HOME}",
+                f"Environment=XDG_CONFIG_HOME={CONFIG_HOME}")
+
+
+#: The config files llama.cpp reads on a Linux host, in its order, for a process in the sandbox: the
+#: system-wide one (hidden by the sandbox, but read by any llama.cpp started outside rigctl: drift) and the
+#: user-level one under :data:`CONFIG_HOME` (never there unless someone put it into root's directory).
+SYSTEM_CONFIG_FILE = f"{HIDDEN_CONFIG}/config.ini"
+CONFIG_FILES = (SYSTEM_CONFIG_FILE, f"{CONFIG_HOME}/llama.cpp/config.ini")
+#: What llama.cpp logs for each config file it applies (common/arg.cpp, ``LOG_INF``).
+_USING_CONFIG = re.compile(r"using config file: (.+?)\s*$")
+
+
+def config_files_command() -> list[str]:
+    """The command of the host fact "which llama.cpp config files are there": ``ls -1d`` of
+    :data:`CONFIG_FILES`, which lists those present (a link too, dangling or not) and exits 2 when some
+    are absent; :func:`parse_config_files` reads its output."""
+    return ["ls", "-1d", "--", *CONFIG_FILES]
+
+
+def parse_config_files(stdout: str) -> list[str]:
+    """The config files :func:`config_files_command` listed, in llama.cpp's order; any other line is not
+    a path it was asked about and is ignored."""
+    listed = {line.strip() for line in stdout.splitlines()}
+    return [path for path in CONFIG_FILES if path in listed]
+
+
+def parse_used_config_files(log: str) -> list[str]:
+    """The config files a llama.cpp process says it applied (its "using config file: PATH" lines), in its
+    order, each once."""
+    used: list[str] = []
+    for line in log.splitlines():
+        found = _USING_CONFIG.search(line)
+        if found and found.group(1) not in used:
+            used.append(found.group(1))
+    return used
+
+
+def foreign_variable(name: str) -> bool:
+    """Whether llama.cpp would read ``name`` as an option (or one of its own switches): never let in."""
+    return name.startswith(FOREIGN_PREFIX) or name in FOREIGN_NAMES
+
+
+def clean_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` without the variables llama.cpp reads, for a launcher written in Python."""
+    return {name: value for name, value in environ.items() if not foreign_variable(name)}
+
+
+def clean_exec(argv: Sequence[str]) -> list[str]:
+    """``argv`` run through ``/bin/sh``, which drops the variables llama.cpp reads and execs it (same pid)."""
+    return ["/bin/sh", "-c", f'{CLEAN_ENV_SH}; exec "$@"', "rigctl-clean-exec", *argv]
 
 
 def model_unit_properties() -> list[str]:

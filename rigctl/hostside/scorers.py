@@ -32,16 +32,41 @@ from rigctl.hostside.bfcl import Check, bfcl_tools, check_simple_call, looks_lik
 # lm-eval sends them as ``stop``, and a greedy reply cut after the fact is the same text), each filter of
 # ``filter_list`` (``RegexFilter.apply`` in lm_eval/filters/extraction.py, then ``take_first``), and
 # ``exact_match`` with the task's ``regexes_to_ignore`` and ``ignore_case`` applied to the filtered reply and to
-# the dataset's whole answer field alike (``exact_match_hf_evaluate`` in lm_eval/api/metrics.py).
+# the dataset's whole answer field alike (``exact_match_hf_evaluate`` in lm_eval/api/metrics.py). A question asked
+# as lm-eval's ``gsm8k_cot_llama`` asks it (gsm8k-cot-llama.yaml, metadata version 4.0) is scored as that task
+# scores: cut at the stop sequences lm-eval sends (the first four of its five ``until``), strict-match the last
+# ``The final answer is N``, and the reference its ``doc_to_target``, the answer field after its last ``####``.
 
 #: The scores a GSM8K answer row carries, by key, with the names every table prints.
 GSM8K_SCORES = {"score": "rigctl normalised", "lmeval_strict_match": "lm-eval strict-match",
                 "lmeval_flexible_extract": "lm-eval flexible-extract"}
+#: The lm-eval release whose scoring (here) and request (:mod:`rigctl.evals.lmeval`) rigctl reproduces.
+LMEVAL_VERSION = "0.4.13"
 LMEVAL_STOP = ("Question:", "</s>", "<|im_end|>")
 LMEVAL_STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")  # group_select 0: the first match
 LMEVAL_FLEXIBLE = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")  # group_select -1: the last match
 LMEVAL_IGNORE = (",", r"\$", "(?s).*#### ", r"\.$")
 LMEVAL_FALLBACK = "[invalid]"
+
+
+@dataclass(frozen=True)
+class LmevalScoring:
+    """How one of lm-eval's GSM8K tasks reads a reply: where it is cut, its strict-match filter (the flexible one
+    is the same for both), and whether the reference is the whole answer field or what follows its last ``####``."""
+
+    stop: tuple[str, ...]
+    strict: re.Pattern[str]
+    strict_group: int
+    reference_after_hashes: bool = False
+
+
+#: lm-eval's GSM8K tasks by name; a question's ``lmeval_task`` picks one (gsm8k when it names none).
+LMEVAL_TASKS = {
+    "gsm8k": LmevalScoring(LMEVAL_STOP, LMEVAL_STRICT, 0),
+    # until has a fifth, "<|im_end|>", which lm-eval's chat body leaves out (it sends four).
+    "gsm8k_cot_llama": LmevalScoring(("<|eot_id|>", "<|start_header_id|>user<|end_header_id|>", "Q:", "</s>"),
+                                     re.compile(r"The final answer is ((-?[$0-9.,]{2,})|(-?[0-9]+))"), -1, True),
+}
 # A minus right after a letter or digit is a hyphen or an operator ("x-5", "20-2"), and one followed by a
 # space is a dash ("- 18", "Answer - 18"): neither is a sign. Commas between digits group them, wherever
 # they stand ("1,8" is 18, as lm-eval and the gold's own normalisation read it).
@@ -90,9 +115,9 @@ def gsm8k_gold(answer: str) -> str:
     return gold
 
 
-def lmeval_cut(reply: str) -> str:
-    """The reply as lm-eval's gsm8k task sees it: up to the first of its stop sequences."""
-    for stop in LMEVAL_STOP:
+def lmeval_cut(reply: str, stops: Sequence[str] = LMEVAL_STOP) -> str:
+    """The reply as lm-eval's task sees it: up to the first of its stop sequences."""
+    for stop in stops:
         reply = reply.split(stop)[0]
     return reply
 
@@ -116,14 +141,16 @@ def lmeval_ignore(text: str) -> str:
     return text.lower()
 
 
-def score_gsm8k(reply: str, gold: str, answer: str, finish_reason: str) -> dict[str, Any]:
+def score_gsm8k(reply: str, gold: str, answer: str, finish_reason: str, lmeval_task: str = "gsm8k") -> dict[str, Any]:
     """rigctl's ``score`` (the reply's last number, normalised, against ``gold``) and lm-eval's strict-match and
-    flexible-extract (against the dataset's whole ``answer`` field). A wrong answer says why in ``error``."""
+    flexible-extract as ``lmeval_task`` (:data:`LMEVAL_TASKS`) computes them against the dataset's ``answer``
+    field. A wrong answer says why in ``error``."""
+    scoring = LMEVAL_TASKS[lmeval_task]
     number = last_number(reply)
-    cut = lmeval_cut(reply)
-    strict = lmeval_filter(LMEVAL_STRICT, 0, cut)
+    cut = lmeval_cut(reply, scoring.stop)
+    strict = lmeval_filter(scoring.strict, scoring.strict_group, cut)
     flexible = lmeval_filter(LMEVAL_FLEXIBLE, -1, cut)
-    reference = lmeval_ignore(answer)
+    reference = lmeval_ignore(answer.split("####")[-1].strip() if scoring.reference_after_hashes else answer)
     out = {"number": number, "gold": gold, "score": int(number == gold),
            "lmeval_strict": strict, "lmeval_strict_match": int(lmeval_ignore(strict) == reference),
            "lmeval_flexible": flexible, "lmeval_flexible_extract": int(lmeval_ignore(flexible) == reference),
@@ -194,11 +221,14 @@ def chat_request(scorer: str, data: Mapping[str, Any], request: Mapping[str, Any
     """The ``/v1/chat/completions`` body for a gsm8k or bfcl_simple question: seeded, thinking off unless asked
     (``chat_template_kwargs.enable_thinking``), with the task's ``request`` settings
     (:meth:`rigctl.evals.tasks.LoadedTask.request`): ``temperature``, ``max_tokens`` (None: no limit sent),
-    and for bfcl_simple ``bfcl_notes``."""
+    ``stop`` (sent when given), and for bfcl_simple ``bfcl_notes``. A gsm8k question's ``prompt`` is the user's
+    text, or the whole conversation (lm-eval's request: its examples as turns)."""
     body: dict[str, Any] = {"temperature": request["temperature"], "seed": seed,
                             "chat_template_kwargs": {"enable_thinking": thinking}}
     if request.get("max_tokens") is not None:
         body["max_tokens"] = request["max_tokens"]
+    if request.get("stop"):
+        body["stop"] = list(request["stop"])
     if scorer == "gsm8k":
         body["messages"] = messages(data["system"], data["prompt"])
     elif scorer == "bfcl_simple":
@@ -303,7 +333,8 @@ def _calls(message: Mapping[str, Any]) -> tuple[list[tuple[str, Any]], str]:
 
 def gsm8k_record(data: Mapping[str, Any], answer: Any) -> dict[str, Any]:
     reply = _chat_reply(answer)
-    scored = score_gsm8k(reply["reply"], data["gold"], data["answer"], reply["finish_reason"])
+    scored = score_gsm8k(reply["reply"], data["gold"], data["answer"], reply["finish_reason"],
+                         data.get("lmeval_task", "gsm8k"))
     return {**reply, **scored, **({"error": reply["error"]} if "error" in reply else {})}
 
 

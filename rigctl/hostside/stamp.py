@@ -8,7 +8,9 @@ units and ports, the artifacts' paths, task, matrix, seed, concurrency, rigctl's
   its ``/proc/<pid>/cmdline``, not flags derived again from the inventory (which may have changed since the
   last deploy); the llama_server role's launcher execs the binary, so a ``llama-server@`` unit's main process
   is llama-server itself, as it is for a probe that ``systemd-run`` started. Secret option values are masked
-  before they leave the host;
+  before they leave the host. Beside it what else configured it: the config files it said it applied (the
+  "using config file" lines of its journal) and the names of the variables llama.cpp reads in its
+  ``/proc/<pid>/environ`` (values masked);
 * the GPU from ``nvidia-smi`` (the inventory's bandwidth figure kept; without an answer, the inventory's
   GPU stays, its driver absent);
 * the llama.cpp build ``current`` points to, from the llama_cpp role's fact;
@@ -33,13 +35,11 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from rigctl.hostside import llama_cpp_fact, model_files, nvidia_smi
+from rigctl.hostside import llama_cpp_fact, model_files, nvidia_smi, sandbox
+from rigctl.hostside.masking import MASK, mask_argv
 from rigctl.hostside.runrecord import Artifact, Gpu, LlamaCppBuild, Provenance, Server, from_plain
 
 GPU_FIELDS = "name,driver_version,memory.total,compute_cap"
-MASK = "***"
-#: Option names whose value is a secret (the key itself; a key *file* path is not).
-SECRET_OPTIONS = ("--api-key", "--hf-token", "-hft")
 SERVER_UNIT = "llama-server@{}.service"
 SYSTEMCTL_TIMEOUT_S = 30
 
@@ -47,26 +47,35 @@ SYSTEMCTL_TIMEOUT_S = 30
 Hasher = Callable[[str], tuple[str, str]]
 
 
-def mask_secrets(argv: list[str]) -> list[str]:
-    """``argv`` with the value of every secret option masked: it never leaves the host."""
-    out: list[str] = []
-    masking = False
-    for arg in argv:
-        name, eq, _ = arg.partition("=")
-        if masking:
-            out.append(MASK)
-            masking = False
-        elif name in SECRET_OPTIONS and eq:
-            out.append(f"{name}={MASK}")
-        else:
-            out.append(arg)
-            masking = arg in SECRET_OPTIONS
-    return out
-
-
 def parse_cmdline(data: bytes) -> list[str]:
     """``/proc/<pid>/cmdline``: NUL-separated arguments, with a trailing NUL."""
     return [arg.decode("utf-8", errors="replace") for arg in data.split(b"\0")[:-1]] if data else []
+
+
+#: The first lines of a server's journal that can hold its "using config file" lines (argument parsing comes
+#: first; a busy server's journal is long).
+JOURNAL_HEAD_LINES = 200
+
+
+def parse_environ(data: bytes) -> list[str]:
+    """``/proc/<pid>/environ``: the variables llama.cpp reads as options, as ``NAME=***`` (the value never
+    leaves the host)."""
+    names = (entry.split(b"=", 1)[0].decode("utf-8", errors="replace") for entry in data.split(b"\0") if entry)
+    return sorted({f"{name}={MASK}" for name in names if sandbox.foreign_variable(name)})
+
+
+def used_config_files(pid: int) -> tuple[list[str], str | None]:
+    """The config files process ``pid`` said it applied (its journal's first lines); why they could not be
+    read, if not."""
+    try:
+        with subprocess.Popen(["journalctl", "--no-pager", "-o", "cat", f"_PID={pid}"], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True, errors="replace") as proc:
+            assert proc.stdout is not None
+            head = [line for _, line in zip(range(JOURNAL_HEAD_LINES), proc.stdout, strict=False)]
+            proc.kill()
+    except OSError as exc:
+        return [], f"journalctl: {exc}"
+    return sandbox.parse_used_config_files("".join(head)), None
 
 
 def deployed(unit: str) -> dict[str, Any]:
@@ -90,7 +99,13 @@ def deployed(unit: str) -> dict[str, Any]:
     except OSError as exc:
         entry["error"] = f"{path}: {exc.strerror or exc}"
         return entry
-    entry.update(pid=pid, argv=mask_secrets(argv), argv_from=path)
+    entry.update(pid=pid, argv=mask_argv(argv), argv_from=path)
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as handle:
+            entry["environment"] = parse_environ(handle.read())
+    except OSError as exc:
+        entry["environment_error"] = f"/proc/{pid}/environ: {exc.strerror or exc}"
+    entry["config_files"], entry["config_files_error"] = used_config_files(pid)
     return entry
 
 
@@ -104,7 +119,9 @@ def deployed_server(server: Server) -> str | None:
     if not found["argv"]:
         return f"no deployed argv for {server.unit}: {found.get('error')}"
     server.argv, server.argv_from, server.pid = found["argv"], found["argv_from"], found["pid"]
-    return None
+    server.environment, server.config_files = found.get("environment", []), found["config_files"]
+    errors = [found[key] for key in ("environment_error", "config_files_error") if found.get(key)]
+    return f"{server.unit}: {'; '.join(errors)}" if errors else None
 
 
 def active_servers() -> list[str]:

@@ -6,11 +6,19 @@ library only.
 
 from __future__ import annotations
 
+import os
 import urllib.parse
 import urllib.request
 from typing import Any
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
+DEFAULT_HF_ENDPOINT = "https://huggingface.co"
+
+
+def hf_endpoint() -> str:
+    """The Hugging Face endpoint the controller talks to (``HF_ENDPOINT``, a mirror's, else the hub), and so the
+    one origin its token goes to."""
+    return (os.environ.get("HF_ENDPOINT") or DEFAULT_HF_ENDPOINT).rstrip("/")
 
 
 def origin(url: str) -> tuple[str, str, int]:

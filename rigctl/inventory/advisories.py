@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from rigctl.errors import ConfigError
+from rigctl.inventory.keys import allowances
 from rigctl.trust import data_text_problem
 
 #: The inventory variable naming the advisories a fleet accepts, each with its reason.
@@ -169,22 +170,12 @@ def allowed_advisories(value: Any, where: str, *, written: bool = False) -> dict
     """``rigctl_allowed_advisories`` as ``{id: reason}``; ConfigError naming ``where`` and the entry.
     ``written``: the reasons come from a command line and an upgrade writes them into the inventory, so
     each must be one printable line of plain text (no template: the file tags it ``!unsafe`` too)."""
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"{where}: {ALLOWED_VAR}: expected a mapping of advisory id to the reason it is accepted")
-    known = {a.id for a in table()}
-    out = {}
-    for ident, reason in value.items():
-        if str(ident) not in known:
-            raise ConfigError(f"{where}: {ALLOWED_VAR}.{ident}: not an advisory of the table "
-                              f"(rigctl build advisories lists them)")
-        if not isinstance(reason, str) or not reason.strip():
-            raise ConfigError(f"{where}: {ALLOWED_VAR}.{ident}: give the reason it is accepted")
-        problem = data_text_problem(reason.strip(), MAX_REASON) if written else None
+    out = allowances(value, where, ALLOWED_VAR, {a.id for a in table()}, what="advisory id", granted="accepted",
+                     unknown="not an advisory of the table (rigctl build advisories lists them)")
+    for ident, reason in out.items():
+        problem = data_text_problem(reason, MAX_REASON) if written else None
         if problem:
             raise ConfigError(f"{where}: {ident}: the reason must be plain text: {problem}")
-        out[str(ident)] = reason.strip()
     return out
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from rigctl.errors import ConfigError
 from rigctl.inventory import advisories
+from rigctl.inventory.keys import allowances
 
 #: The inventory variable naming the dangerous flags a fleet allows, each with its reason.
 ALLOWED_VAR = "rigctl_allowed_server_flags"
@@ -88,20 +89,9 @@ def dangerous(name: str) -> DangerousFlag | None:
 
 def allowed_flags(value: Any, where: str) -> dict[str, str]:
     """``rigctl_allowed_server_flags`` as ``{flag: reason}``; ConfigError naming ``where`` and the entry."""
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"{where}: {ALLOWED_VAR}: expected a mapping of flag to the reason it is allowed")
     known = {d.flag for d in DANGEROUS}
-    out = {}
-    for flag, reason in value.items():
-        if str(flag) not in known:
-            raise ConfigError(f"{where}: {ALLOWED_VAR}.{flag}: not a flag of the dangerous-flag policy "
-                              f"({', '.join(sorted(known))})")
-        if not isinstance(reason, str) or not reason.strip():
-            raise ConfigError(f"{where}: {ALLOWED_VAR}.{flag}: give the reason it is allowed")
-        out[str(flag)] = reason.strip()
-    return out
+    return allowances(value, where, ALLOWED_VAR, known, what="flag", granted="allowed",
+                      unknown=f"not a flag of the dangerous-flag policy ({', '.join(sorted(known))})")
 
 
 def _loopback(address: str) -> bool:

@@ -17,7 +17,7 @@ import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 
@@ -25,9 +25,6 @@ import rigctl.inventory.profiles as profiles
 from rigctl.errors import ConfigError
 from rigctl.hostside import sandbox
 from rigctl.inventory.keys import PROBED_KEYS
-
-if TYPE_CHECKING:
-    from rigctl.llama_http import Endpoint
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +133,7 @@ class Server:
     model: Artifact  # what it loads
     draft_model: Artifact | None  # the drafter it loads with -md
     address: str  # where the controller reaches the host
-    bind: str  # the address the server listens on
+    bind: str  # the address the server listens on (loopback: reached through SSH, rigctl.forward.server_endpoint)
     flags: tuple[str, ...]  # the arguments file's lines, as the role writes them
     config_dir: str
     models_dir: str
@@ -174,16 +171,6 @@ class Server:
     def key_file(self) -> str | None:
         """The API key file the server reads (--api-key-file); None when the host has no key."""
         return profiles.key_file(self.config_dir) if self.api_key else None
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.address}:{self.port}"
-
-    @property
-    def endpoint(self) -> Endpoint:
-        from rigctl.llama_http import Endpoint  # the HTTP client is not needed to read an inventory
-
-        return Endpoint(self.url, self.api_key, f"{self.host}/{self.name}")
 
     @property
     def argv(self) -> list[str]:

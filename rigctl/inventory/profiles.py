@@ -63,7 +63,9 @@ def artifact_file(models_dir: str, artifact: str) -> str:
 
 
 def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
-    """``over`` on top of ``base``; nested mappings (``spec``) merge key by key."""
+    """``over`` on top of ``base``; nested mappings (a profile's ``spec``, a gates section) merge key by key,
+    anything else (a list, null) replaces. The one deep merge: a profile's chain and the gates a ``--gates``
+    file lays over the inventory's both take it."""
     out = dict(base)
     for key, value in over.items():
         if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):

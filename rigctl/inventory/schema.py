@@ -21,6 +21,8 @@ from pydantic import (
 )
 
 from rigctl.errors import ConfigError
+from rigctl.hostside import sandbox
+from rigctl.inputs import error_message
 from rigctl.inventory.gates import Gates
 from rigctl.inventory.keys import SHA256
 from rigctl.trust import MASK, is_secret_name, mask_secret_values
@@ -337,6 +339,38 @@ def parse_serial(value: Any) -> list[int | str]:
 SerialSpec = Annotated[Any, AfterValidator(parse_serial)]
 
 
+#: The most a drain reason may say: one line of a table, an alert's label, a skip's reason.
+MAX_DRAIN_REASON = 200
+_MARKUP = re.compile(r"[\[\]<>{}`]")
+
+
+def drain_reason(value: str) -> str:
+    """A drain's reason: printable plain text of 1..MAX_DRAIN_REASON characters, with nothing a terminal, a page
+    or a template reads as markup (no ``[ ] < > { }`` or backquotes), since every report and alert shows it."""
+    if not value.strip() or len(value) > MAX_DRAIN_REASON:
+        raise ValueError(f"a reason of 1-{MAX_DRAIN_REASON} characters, got {len(value.strip())}")
+    odd = next((ch for ch in value if not ch.isprintable()), None) or next(iter(_MARKUP.findall(value)), None)
+    if odd is not None:
+        raise ValueError(f"plain text without markup, got {odd!r} in it")
+    return value
+
+
+class DrainSpec(_Strict):
+    """``rigctl_drain``: the host is out of campaigns, fan-out evals, benches and canaries (``rigctl hosts
+    drain``; or the health policy's own drain)."""
+
+    reason: Annotated[str, AfterValidator(drain_reason)]
+    since: Annotated[str, Field(pattern=r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z$")]
+    by: Literal["operator", "policy"]
+
+
+class DrainPolicySpec(_Strict):
+    """``rigctl_drain_policy``: what an unhealthy GPU (:mod:`rigctl.fleet.health`) does to its host. ``ignore``:
+    alerts only; ``drain``: drained, its servers keep serving; ``stop``: drained and its servers stopped."""
+
+    unhealthy_gpu: Literal["ignore", "drain", "stop"] = "ignore"
+
+
 #: Every variable rigctl itself reads, with its schema.
 SCHEMA: dict[str, Any] = {
     "gpu_host_gpu": GpuSpec,
@@ -350,6 +384,8 @@ SCHEMA: dict[str, Any] = {
     "llama_cpp_cuda": bool,
     "llama_cpp_cuda_architectures": Annotated[str, AfterValidator(_cuda_archs)],
     "llama_cpp_cuda_fleet_build": bool,
+    # The llama.cpp config files a host may keep (rigctl's processes never read them; any other is refused).
+    "llama_cpp_allow_config_files": list[Literal[sandbox.SYSTEM_CONFIG_FILE]],  # type: ignore[valid-type]
     "gpu_host_cuda_source": Literal["apt", "wheels"],
     "gpu_host_cuda_wheels": list[CudaWheelSpec],
     "models_catalog": dict[Name, ModelSpec],
@@ -373,6 +409,8 @@ SCHEMA: dict[str, Any] = {
     # too is checked by rigctl/upgrade/gates.py's check_gates.
     "rigctl_upgrade_gates": Gates | None,
     "ansible_port": Annotated[int, Field(ge=1, le=65535)],
+    "rigctl_drain": DrainSpec | None,
+    "rigctl_drain_policy": DrainPolicySpec,
 }
 
 
@@ -421,14 +459,9 @@ def pydantic_problems(where: str, key: str, exc: ValidationError) -> list[Proble
         # A dict key's own error ends in "[key]": the path already ends with that key.
         loc = [p for p in err["loc"] if p != "[key]"]
         path = ".".join([key, *_without_union_tags(tuple(loc))]).replace(".from_", ".from")
-        message = err["msg"]
-        if err["type"] == "extra_forbidden":
-            message = "unknown key"
-        elif err["type"] == "missing":
-            message = "required but not set"
-        elif err["type"] == "value_error":  # our own validators' messages name the value already
-            message = str(err["ctx"]["error"]) if "ctx" in err else message.removeprefix("Value error, ")
-        elif "input" in err and err["type"] not in {"union_tag_invalid"}:
+        message = error_message(err)
+        # Our own validators' messages name the value already.
+        if "input" in err and err["type"] not in {"extra_forbidden", "missing", "value_error", "union_tag_invalid"}:
             # A secret's value (llama_server_api_key, a source's token) is never echoed, nor is one inside the
             # value shown (a source that names no type, quoted whole).
             shown = (MASK if any(is_secret_name(part) for part in path.split("."))

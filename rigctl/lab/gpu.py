@@ -18,10 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from rigctl.errors import ConfigError, LabError
+from rigctl.hostside.nvidia_smi import HEALTH_FIELDS, query_health_cells
 from rigctl.lab.system import wait_until
 
 GPU_STATE_IN_RIG = Path("etc/rigctl-lab/gpu.json")
 NVIDIA_SMI_IN_RIG = Path("usr/local/bin/nvidia-smi")
+#: The stand-in kernel log (``assets/dmesg``): the state's kernel_log lines.
+DMESG_IN_RIG = Path("usr/local/bin/dmesg")
 DEFAULT_GPU_DRIVER_VERSION = "535.183.01"
 DEFAULT_GPU_CUDA_VERSION = "12.2"
 IDLE_GPU_TEMPERATURE_C = 35
@@ -87,12 +90,18 @@ class GpuState:
     capture: str = ""
     #: That capture's summary table, which the stand-in prints with this state's readings in its cells.
     summary: str = ""
+    #: The first GPU's health query cells by field (:data:`rigctl.hostside.nvidia_smi.HEALTH_FIELDS`), as a
+    #: recorded ``nvidia-smi -q`` has them (:func:`health_from_capture`); a field it lacks reads [N/A].
+    health: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    #: What the stand-in dmesg prints: recorded kernel log lines (:func:`kernel_log_from_capture`).
+    kernel_log: tuple[str, ...] = ()
 
     def to_json(self) -> str:
         data = dataclasses.asdict(self)
         data["temperature_sequence"] = list(self.temperature_sequence)
         data["clocks_sequence"] = [dict(entry) for entry in self.clocks_sequence]
         data["additional_gpus"] = [dict(g) for g in self.additional_gpus]
+        data["health"], data["kernel_log"] = dict(self.health), list(self.kernel_log)
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
     @classmethod
@@ -113,6 +122,10 @@ class GpuState:
                 values[watts] = float(values[watts])
         if "additional_gpus" in values:
             values["additional_gpus"] = tuple(values["additional_gpus"] or ())
+        if "kernel_log" in values:
+            values["kernel_log"] = tuple(values["kernel_log"] or ())
+        if "health" in values:
+            values["health"] = dict(values["health"] or {})
         try:
             state = cls(**values)
         except TypeError as exc:
@@ -142,6 +155,12 @@ class GpuState:
             raise ConfigError(f"{origin}: GPU field memory_total_mib must be int or null, "
                               f"got {self.memory_total_mib!r}")
         _check_memory(origin, self.memory_used_mib, self.memory_total_mib)
+        cells = set(HEALTH_FIELDS) - {"index", "pci.bus_id", "power.draw", "power.limit", "clocks_event_reasons.active"}
+        if not isinstance(self.health, Mapping) or not set(self.health) <= cells or not all(
+                isinstance(v, str) and v.isprintable() and "," not in v for v in self.health.values()):
+            raise ConfigError(f"{origin}: health maps some of {', '.join(sorted(cells))} to one cell's text each")
+        if not all(isinstance(line, str) and line.isprintable() for line in self.kernel_log):
+            raise ConfigError(f"{origin}: kernel_log must hold lines of text")
         for number, extra in enumerate(self.additional_gpus):
             where = f"{origin}: additional_gpus[{number}]"
             if not isinstance(extra, Mapping) or not ADDITIONAL_GPU_FIELDS <= set(extra) <= (
@@ -189,19 +208,37 @@ _ROW_READINGS = re.compile(r"^\|\s*\S+\s+(\d+)C\s+P\d+\s+(\S+)\s*/\s*(\S+)\s*\|\
 _ROW_MIG = re.compile(r"^\|\s+\|\s+\|\s+(\S+)\s+\|$")
 
 
-def capture_text(name: str) -> tuple[str, str]:
-    """The source line and the table of the lab's capture ``name``; ConfigError naming it when there is none."""
+def capture_text(name: str, kind: str = "nvidia-smi") -> tuple[str, str]:
+    """The source line and the text of the lab's capture ``name`` of ``kind`` (nvidia-smi: summary tables,
+    nvidia-smi-q: ``nvidia-smi -q`` records, kernel-log: kernel logs); ConfigError naming it when there is none."""
     if not re.fullmatch(r"[a-z0-9][a-z0-9-]*", name):
         raise ConfigError(f"capture {name!r}: not a capture name (lower-case letters, digits and -)")
-    path = resources.files("rigctl.lab") / "captures" / "nvidia-smi" / f"{name}.txt"
+    path = resources.files("rigctl.lab") / "captures" / kind / f"{name}.txt"
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError(f"capture {name}: no such capture in rigctl/lab/captures/nvidia-smi") from None
+        raise ConfigError(f"capture {name}: no such capture in rigctl/lab/captures/{kind}") from None
     source, _, table = text.partition("\n")
     if not source.startswith("# source: "):
         raise ConfigError(f"capture {name}: its first line must name its source (# source: ...)")
     return source, table
+
+
+def health_from_capture(name: str) -> dict[str, str]:
+    """The first GPU's health cells of recorded ``nvidia-smi -q`` ``name`` (rigctl/lab/captures/nvidia-smi-q),
+    read by rigctl's own reader (:func:`rigctl.hostside.nvidia_smi.query_health_cells`): the ``health`` a
+    test gives the stand-in to play that condition. What the record says N/A is left to read [N/A]."""
+    _, text = capture_text(name, "nvidia-smi-q")
+    gpus = query_health_cells(text)
+    if not gpus:
+        raise ConfigError(f"capture {name}: no GPU health in it")
+    return {k: v for k, v in gpus[0].items() if k != "pci.bus_id" and v != "N/A"}
+
+
+def kernel_log_from_capture(name: str) -> tuple[str, ...]:
+    """The lines of recorded kernel log ``name`` (rigctl/lab/captures/kernel-log): the stand-in dmesg's."""
+    _, text = capture_text(name, "kernel-log")
+    return tuple(text.splitlines())
 
 
 def gpu_from_capture(name: str, first_uuid: str) -> GpuState:

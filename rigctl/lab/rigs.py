@@ -52,7 +52,14 @@ from rigctl.lab.config import (
     known_hosts_lines,
     render_etc_hosts,
 )
-from rigctl.lab.gpu import GPU_STATE_IN_RIG, NVIDIA_SMI_IN_RIG, GpuState, gpu_lock, read_gpu_state
+from rigctl.lab.gpu import (
+    DMESG_IN_RIG,
+    GPU_STATE_IN_RIG,
+    NVIDIA_SMI_IN_RIG,
+    GpuState,
+    gpu_lock,
+    read_gpu_state,
+)
 from rigctl.lab.image import (
     BASE_PACKAGES,
     IMAGE_RECIPE_REVISION,
@@ -393,6 +400,7 @@ class Lab:
                 (root / "root/.ssh").mkdir(mode=0o700, exist_ok=True)
                 write_file(root / "root/.ssh/authorized_keys", public_key, 0o600)
             write_file(root / NVIDIA_SMI_IN_RIG, _asset_text("nvidia-smi"), 0o755)
+            write_file(root / DMESG_IN_RIG, _asset_text("dmesg"), 0o755)
             (root / GPU_STATE_IN_RIG).parent.mkdir(parents=True, exist_ok=True)
             write_file(root / GPU_STATE_IN_RIG, rig.gpu.to_json(), 0o644)
 

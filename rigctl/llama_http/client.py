@@ -7,7 +7,7 @@ the same methods, the async ones awaited::
 
     from rigctl.llama_http import Endpoint, ServerClient
 
-    endpoint = inv.host("desktop").server("smollm2").endpoint   # or Endpoint("http://h:8080")
+    endpoint = server_endpoint(host, host.server("smollm2"))     # rigctl.forward; or Endpoint("http://h:8080")
     with ServerClient(endpoint) as server:
         server.health()                        # Health(ok=True, status="ok")
         server.props().build_info              # "b11434-1d2f3a4", also .model_path, .total_slots, .n_ctx
@@ -117,15 +117,21 @@ NO_RETRY = Retry(attempts=1)
 
 @dataclass(frozen=True)
 class Endpoint:
-    """One server: its base URL (``http://host:port``, no ``/v1``), API key and a label for messages."""
+    """One server: its base URL (``http://host:port``, no ``/v1``), API key and a label for messages.
+
+    ``via``: where this process connects instead of ``url``, a local SSH forward to a server that listens on
+    its host's loopback only (:mod:`rigctl.forward`); ``url`` stays the server's own address on its host,
+    what records and messages name, the same in every command."""
 
     url: str
     api_key: str | None = None
     label: str = ""
+    via: str | None = None
 
     def __post_init__(self) -> None:
-        if not self.url.startswith(("http://", "https://")):
-            raise ConfigError(f"server URL {self.url!r}: must start with http:// or https://")
+        for url in (self.url, self.via or self.url):
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"server URL {url!r}: must start with http:// or https://")
         object.__setattr__(self, "url", self.url.rstrip("/").removesuffix("/v1"))
         register_secret(self.api_key)  # masked in every log line from now on
         if not self.label:
@@ -136,10 +142,15 @@ class Endpoint:
 
     def __repr__(self) -> str:
         key = "None" if self.api_key is None else repr(MASK)
-        return f"Endpoint(url={self.url!r}, api_key={key}, label={self.label!r})"
+        return f"Endpoint(url={self.url!r}, api_key={key}, label={self.label!r}, via={self.via!r})"
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    @property
+    def dial_url(self) -> str:
+        """The base URL this process's HTTP client connects to."""
+        return self.via or self.url
 
 
 # ----------------------------------------------------------------------------------------------- transport
@@ -286,7 +297,7 @@ class ServerClient(_Base):
 
     def __init__(self, endpoint: Endpoint | str, *, timeouts: Timeouts = Timeouts(), retry: Retry = Retry()):
         super().__init__(endpoint, timeouts=timeouts, retry=retry)
-        self.http = httpx.Client(base_url=self.endpoint.url, headers=self.endpoint.headers(),
+        self.http = httpx.Client(base_url=self.endpoint.dial_url, headers=self.endpoint.headers(),
                                  timeout=timeouts.httpx(), verify=_ssl_context())
 
     def __enter__(self) -> ServerClient:
@@ -401,7 +412,7 @@ class AsyncServerClient(_Base):
     def __init__(self, endpoint: Endpoint | str, *, timeouts: Timeouts = Timeouts(), retry: Retry = Retry(),
                  max_connections: int = 16):
         super().__init__(endpoint, timeouts=timeouts, retry=retry)
-        self.http = httpx.AsyncClient(base_url=self.endpoint.url, headers=self.endpoint.headers(),
+        self.http = httpx.AsyncClient(base_url=self.endpoint.dial_url, headers=self.endpoint.headers(),
                                       timeout=timeouts.httpx(), verify=_ssl_context(),
                                       limits=httpx.Limits(max_connections=max_connections,
                                                           max_keepalive_connections=max_connections))

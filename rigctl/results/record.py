@@ -48,6 +48,7 @@ from rigctl.hostside.runrecord import (
     new_run_id,
     utc_now,
 )
+from rigctl.inputs import error_line
 
 log = logging.getLogger(__name__)
 
@@ -216,9 +217,7 @@ class RunRecord(runrecord.RunRecord):
         try:
             return _record_adapter().validate_python(data)
         except ValidationError as exc:
-            err = exc.errors()[0]
-            key = ".".join(str(p) for p in err["loc"]) or "-"
-            raise ConfigError(f"{origin}: {key}: {err['msg']}") from None
+            raise ConfigError(error_line(exc, origin)) from None
 
     @classmethod
     def load(cls, run_dir: Path) -> RunRecord:

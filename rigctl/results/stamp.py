@@ -5,13 +5,15 @@ the inventory says of a run (:func:`inventory_stamp`: the host, its GPU, the ser
 ports, the artifacts' paths, the task...), which is also what a run's record begins with before any host
 was asked (:func:`rigctl.results.run.open_run`), and ships it to the host to be completed
 (:func:`complete_on_host`: one SSH round trip). What comes back is data: only what the host was asked to
-read (each server's argv as deployed, the GPU, the build, the artifacts' sha256 and manifests) is taken
+read (each server's argv as deployed, the config files it applied and the names of the llama.cpp variables in
+its environment, the GPU, the build, the artifacts' sha256 and manifests) is taken
 from it, checked against the record's types, argv redacted once more.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 from collections.abc import Sequence
@@ -20,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import rigctl
 from rigctl.errors import ConfigError, RigctlError
 from rigctl.hostside import ship
+from rigctl.inputs import error_line
 from rigctl.inventory import Host, profiles
 from rigctl.results.record import Artifact, Gpu, Provenance, Server, Task, parse_json
 from rigctl.trust import redact_argv
@@ -31,7 +34,7 @@ log = logging.getLogger(__name__)
 
 STAMP_TIMEOUT = 60.0
 #: What a host's answer may set on a server and an artifact of the stamp: what it was asked to read.
-_HOST_SERVER_FIELDS = ("argv", "argv_from", "pid")
+_HOST_SERVER_FIELDS = ("argv", "argv_from", "pid", "config_files", "environment")
 _HOST_ARTIFACT_FIELDS = ("sha256", "sha256_from", "bytes", "manifest")
 
 
@@ -118,14 +121,15 @@ def _checked(data: dict[str, Any], origin: str) -> Provenance:
     try:
         return _PROVENANCE_ADAPTER.validate_python(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        raise ConfigError(f"{origin}: {'.'.join(str(p) for p in err['loc']) or '-'}: {err['msg']}") from None
+        raise ConfigError(error_line(exc, origin)) from None
 
 
 def with_props(server: Server, props: Any, endpoint: Any = None) -> Server:
     """``server`` with what its ``/props`` (a :class:`rigctl.llama_http.Props`) and endpoint say."""
     server.build_info, server.model_path = props.build_info, props.model_path
     server.n_ctx, server.total_slots = props.n_ctx, props.total_slots
+    server.chat_template_sha256 = hashlib.sha256(props.chat_template.encode()).hexdigest() if props.chat_template \
+        else None
     if endpoint is not None:
         server.endpoint, server.label = endpoint.url, endpoint.label
     return server

@@ -35,6 +35,8 @@ from prometheus_client.utils import floatToGoString
 
 from rigctl.analysis.latest import BenchResult, EvalScore, ResultsReader
 from rigctl.errors import ConfigError, one_line
+from rigctl.fleet.drain import Drain, apply_policy, host_drain
+from rigctl.fleet.health import host_problems, verdicts
 from rigctl.fleet.state import (
     DEFAULT_HASH_TIMEOUT,
     DEFAULT_HOST_TIMEOUT,
@@ -46,6 +48,7 @@ from rigctl.fleet.state import (
 from rigctl.inventory import Inventory
 from rigctl.inventory.advisories import FloorCheck
 from rigctl.results.store import ResultsStore
+from rigctl.services.health_metrics import health_families
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +71,8 @@ class Snapshot:
     bench: list[BenchResult] = field(default_factory=list)
     evals: list[EvalScore] = field(default_factory=list)
     results_error: str | None = None
+    #: Each host's drain as the inventory says it at this collection (None: in service).
+    drains: dict[str, Drain | None] = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------------------------- parsers
@@ -112,6 +117,10 @@ def metric_families(snapshot: Snapshot | None, plans: Mapping[str, HostPlan]) ->
     server_pending = g("rigctl_server_pending_restart",
                        "1 if the instance runs other arguments, binary or environment than its files say (a play "
                        "wrote them and did not restart it; the next provision does)", labels=["host", "server"])
+    config_file = g("rigctl_llama_cpp_config_file",
+                    "1 for each llama.cpp config file on the host (read by every llama.cpp program started there by "
+                    "hand; rigctl's sandbox hides it from its own): drift unless llama_cpp_allow_config_files "
+                    "adopts it", labels=["host", "path"])
     server_restarts = CounterMetricFamily("rigctl_server_restarts", "Automatic restarts of the unit by systemd",
                                           labels=["host", "server"])
     gpu_labels = ["host", "gpu", "name", "uuid"]
@@ -175,6 +184,8 @@ def metric_families(snapshot: Snapshot | None, plans: Mapping[str, HostPlan]) ->
                 server_restarts.add_metric([name, instance], float(unit.n_restarts))
             for server in sorted(plan.servers):
                 server_pending.add_metric([name, server], 1.0 if server in facts.pending_restarts else 0.0)
+            for path in facts.config_files:
+                config_file.add_metric([name, path], 1.0)
             for gpu in facts.gpus:
                 labels = [name, gpu.index, gpu.name, gpu.uuid]
                 for family, value in ((temperature, gpu.temperature_celsius), (mem_used, gpu.memory_used_bytes),
@@ -192,9 +203,10 @@ def metric_families(snapshot: Snapshot | None, plans: Mapping[str, HostPlan]) ->
             labels = [score.host, score.task, score.artifact, score.run_id]
             eval_gauge.add_metric(labels, score.score)
             eval_n.add_metric(labels, float(score.questions))
+    health = health_families(snapshot.hosts if snapshot else {}, snapshot.drains if snapshot else {})
     return [up, probe, completed, duration, results_ok, build_info, build_drift, vulnerable, model_info, model_drift,
-            model_bytes, server_info, server_state, server_pid, server_pending, server_restarts, temperature, mem_used,
-            mem_total, utilization, bench, bench_time, eval_gauge, eval_n]
+            model_bytes, server_info, server_state, server_pid, server_pending, config_file, server_restarts,
+            temperature, mem_used, mem_total, utilization, *health, bench, bench_time, eval_gauge, eval_n]
 
 
 def _floor_sample(family: GaugeMetricFamily, host: str, which: str, version: str, check: FloorCheck) -> None:
@@ -240,6 +252,7 @@ class Exporter:
         interval: float = DEFAULT_INTERVAL,
         host_timeout: float = DEFAULT_HOST_TIMEOUT,
         hash_timeout: float = DEFAULT_HASH_TIMEOUT,
+        apply_drain_policy: bool = False,
     ):
         if interval <= 0 or host_timeout <= 0:
             raise ConfigError("exporter: --interval and the host timeout must be positive")
@@ -247,6 +260,8 @@ class Exporter:
         self.hosts, self.plans, self.host_timeout = self.fleet.hosts, self.fleet.plans, host_timeout
         self.results = ResultsReader(results or ResultsStore())
         self.interval = interval
+        self.inventory, self.apply_drain_policy = inventory, apply_drain_policy
+        self._drains: dict[str, Drain | None] = {name: host_drain(inventory.hosts[name]) for name in self.plans}
         self._snapshot: Snapshot | None = None
         self._static = exposition(metric_families(None, self.plans))
         self._lock = threading.Lock()
@@ -341,13 +356,30 @@ class Exporter:
             bench, evals, results_error = [], [], one_line(exc)
             log.warning("results store %s: %s", self.results.store.root, results_error)
         hosts = self.fleet.finish_reading(reading, started)
+        self._read_drains(hosts)
         snapshot = Snapshot(completed_at=time.time(), duration_seconds=time.monotonic() - started, hosts=hosts,
-                            bench=bench, evals=evals, results_error=results_error)
+                            bench=bench, evals=evals, results_error=results_error, drains=dict(self._drains))
         static = exposition(metric_families(snapshot, self.plans))
         with self._lock:
             self._snapshot, self._static = snapshot, static
             self.collections += 1
         return snapshot
+
+    def _read_drains(self, hosts: Mapping[str, HostState]) -> None:
+        """The drains as the inventory says them now (``rigctl hosts drain`` from any shell shows at the next
+        collection), after the drain policy's own where it applies; an inventory that does not load keeps the
+        last ones, with a warning."""
+        try:
+            inventory = Inventory.load(self.inventory.source)
+            if self.apply_drain_policy:
+                problems = {name: host_problems(verdicts(facts.health, facts.xids))
+                            for name, facts in hosts.items() if facts.up}
+                if apply_policy(inventory, problems):
+                    inventory = Inventory.load(self.inventory.source)
+            self._drains = {name: host_drain(inventory.hosts[name]) if name in inventory.hosts else None
+                            for name in self.plans}
+        except Exception as exc:  # the inventory mid-edit costs the drains' freshness, never the collection
+            log.warning("inventory %s: drains not read again: %s", self.inventory.source, one_line(exc))
 
     def settle_hashes(self, timeout: float) -> bool:
         """Wait up to ``timeout`` for the model hashes being computed; True if any were pending."""

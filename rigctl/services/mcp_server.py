@@ -21,6 +21,7 @@ neither listed nor read.
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
 import os
@@ -37,6 +38,7 @@ from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import ToolAnnotations
 from pydantic import Field
 
+from rigctl.connections import connections
 from rigctl.errors import ConfigError, RigctlError, TrustError, one_line
 from rigctl.inventory import Host, Inventory
 from rigctl.results.record import RUN_ID
@@ -172,7 +174,7 @@ class FleetTools:
             fleet.close()
         with ThreadPoolExecutor(max_workers=8) as pool:
             health = {
-                (h.name, s.name): pool.submit(self._health, h, s)
+                (h.name, s.name): pool.submit(contextvars.copy_context().run, self._health, h, s)  # the call's scope
                 for h in fleet.hosts if states[h.name].up for s in h.servers
             }
         out: dict[str, Any] = {}
@@ -223,17 +225,18 @@ class FleetTools:
         from rigctl.fleet.servers import probe
 
         try:
-            healthy, status, _model, _build = probe(instance, timeout=HEALTH_TIMEOUT)
+            healthy, status, _model, _build = probe(host, instance, timeout=HEALTH_TIMEOUT)
         except Exception as exc:
             log.warning("fleet_status: %s/%s: %s", host.name, instance.name, one_line(exc))
             return {"healthy": False, "status": one_line(exc)}
         return {"healthy": healthy, "status": status}
 
     def server_health(self, host_name: str, server: str) -> dict[str, Any]:
+        from rigctl.forward import server_endpoint
         from rigctl.llama_http import NO_RETRY, ServerClient, Timeouts
 
         host, instance = self.server(host_name, server)
-        endpoint = instance.endpoint
+        endpoint = server_endpoint(host, instance)
         timeouts = Timeouts(connect=HEALTH_TIMEOUT, read=HEALTH_TIMEOUT, write=HEALTH_TIMEOUT, pool=HEALTH_TIMEOUT)
         with ServerClient(endpoint, timeouts=timeouts, retry=NO_RETRY) as client:
             health = client.health()
@@ -427,11 +430,13 @@ def _run_summary(run: StoredRun) -> dict[str, Any]:
 
 
 def _tool(fn: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
-    """rigctl's own errors as tool errors with their one-line message."""
+    """rigctl's own errors as tool errors with their one-line message. A call is a command: one connection per
+    host and one forward per loopback-bound server, closed when it returns (:func:`rigctl.connections.connections`)."""
 
     def call(*args: Any, **kwargs: Any) -> dict[str, Any]:
         try:
-            return fn(*args, **kwargs)
+            with connections():
+                return fn(*args, **kwargs)
         except ToolError:
             raise
         except RigctlError as exc:

@@ -39,29 +39,13 @@ import numpy as np
 from pydantic import ValidationError
 
 from rigctl.errors import ConfigError, ProblemsError
+from rigctl.inputs import error_lines
 from rigctl.inventory import Host
 from rigctl.inventory.gates import GATES_VAR, Gates
+from rigctl.inventory.profiles import merge
 from rigctl.stats import DEFAULT_LEVEL, DEFAULT_RESAMPLES, DEFAULT_SEED, Interval, bootstrap_mean, paired_bootstrap
 
 Verdict = Literal["pass", "fail", "undecided"]
-
-
-def _problems(origin: str, exc: ValidationError) -> list[str]:
-    out = []
-    for err in exc.errors():
-        key = ".".join(str(part) for part in err["loc"]) or "-"
-        message = "unknown key" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
-        out.append(f"{origin}: {key}: {message}")
-    return out
-
-
-def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
-    """``over`` on ``base``; mappings merge key by key, anything else (a list, null) replaces."""
-    out = dict(base)
-    for key, value in over.items():
-        out[key] = merge(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), Mapping) \
-            else value
-    return out
 
 
 def parse_gates(data: Any, origin: str) -> Gates:
@@ -73,7 +57,7 @@ def parse_gates(data: Any, origin: str) -> Gates:
     try:
         return Gates.model_validate(dict(data))
     except ValidationError as exc:
-        raise ProblemsError(_problems(origin, exc)) from None
+        raise ProblemsError(error_lines(exc, origin)) from None
 
 
 def load_gates(inventory_value: Any, where: str, file: Any = None) -> Gates:

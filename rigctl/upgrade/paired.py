@@ -5,7 +5,7 @@ installed builds on the host. Everything reuses the bench, server, eval and comp
 
 * **llama-bench**: one bench job (:func:`rigctl.bench.matrix.bench_job_spec` with both builds) whose cells
   alternate the builds' llama-bench on each model, clock-gated like every bench; the ratios are
-  :func:`rigctl.compare.compare_bench`'s. The job stops the host's servers for its run, as every bench does.
+  :func:`rigctl.analysis.speed.compare_bench`'s. The job stops the host's servers for its run, as every bench does.
 * **server**: each side's llama-server serving the instance's artifact with the instance's profile — the
   instance itself for the current build, a probe (:func:`rigctl.fleet.servers.probe_server`, the build's own
   llama-server, another port) otherwise — asked the same filler prompts back to back, alternating which
@@ -13,7 +13,7 @@ installed builds on the host. Everything reuses the bench, server, eval and comp
 * **identity**: greedy replies of both sides to the drafter race's prompts
   (:func:`rigctl.bench.drafting.load_prompts`), byte for byte.
 * **quality**: an eval slice on each side (:mod:`rigctl.evals.runner`), paired by
-  :func:`rigctl.compare.compare_pair` (McNemar, TOST at the gate's margin).
+  :func:`rigctl.analysis.compare.compare_pair` (McNemar, TOST at the gate's margin).
 
 A gate whose verdict is undecided at the measured n is measured again with more (bench rounds, server
 repeats, eval questions) until it decides or its budget is spent. Raw rows go to the caller's run directory
@@ -35,6 +35,7 @@ from typing import Any
 from rigctl.errors import RigctlError, ServerError
 from rigctl.fleet.build import Build
 from rigctl.fleet.servers import probe_server, probe_unit, wait_ready
+from rigctl.forward import server_endpoint
 from rigctl.inventory import Host, Server
 from rigctl.inventory.gates import BenchGate, Gates, IdentityGate, QualityGate, ServerGate
 from rigctl.llama_http import Endpoint, ServerClient, Timeouts
@@ -170,8 +171,9 @@ def serving(host: Host, server: Server, side: Side, *, port: int, purpose: str,
     instance with the side's llama-server on ``port``, stopped on exit."""
     with session(host) as ssh:
         if is_instance:
-            wait_ready(ssh, server.unit, server.endpoint, purpose=purpose)
-            yield server.endpoint
+            endpoint = server_endpoint(ssh, server)
+            wait_ready(ssh, server.unit, endpoint, purpose=purpose)
+            yield endpoint
             return
         with probe_server(ssh, server, {}, port, purpose, binary=side.llama_server) as probe:
             yield probe.endpoint

@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rigctl.errors import ConfigError
+from rigctl.inputs import error_line
 from rigctl.results.store import StoredRun, read_jsonl
 
 Number = float | None
@@ -113,9 +114,7 @@ def _checked(model: type[BaseModel], data: Any, origin: str) -> None:
     try:
         model.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        key = ".".join(str(part) for part in first["loc"]) or "-"
-        raise ConfigError(f"{origin}: {key}: {first['msg']}") from None
+        raise ConfigError(error_line(exc, origin)) from None
 
 
 def checked_extra(run: StoredRun) -> dict[str, Any]:

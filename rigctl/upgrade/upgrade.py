@@ -8,8 +8,8 @@
 2. the candidate is built on the canary beside the current build, never made current, and every profile's
    flags (and the gates' llama-bench flags) are checked against its own ``--help``;
 3. the canary measures the candidate against the current build, paired (:mod:`rigctl.upgrade.paired`);
-4. every gate passed: the pin is written into the inventory (ruamel round trip: comments, order and
-   quoting kept; ``inventory check`` must pass or the files are put back) and rolled out host by host,
+4. every gate passed: the pin is written into the inventory (:mod:`rigctl.inventory.edit`: comments, order
+   and quoting kept; ``inventory check`` must pass or no file is written) and rolled out host by host,
    canary first, with the roles' health-gated rollout; each host's servers must answer on the new build
    before the next starts. A gate failed (or stayed undecided at its budget): the candidate is dropped
    (the role's normal run), the canary keeps serving the current build, the inventory is not touched, and
@@ -21,7 +21,6 @@ the bench and eval runs it made, the verdict, the rollout); ``rigctl report`` re
 
 from __future__ import annotations
 
-import io
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -31,12 +30,14 @@ from pathlib import Path
 from typing import Any
 
 from rigctl.errors import BuildError, ConfigError, DeployError, RigctlError
-from rigctl.files import write_atomically
 from rigctl.fleet import candidate
 from rigctl.fleet.build import Build, read_builds
 from rigctl.fleet.candidate import CandidateBuild, CandidatePin
+from rigctl.fleet.deploy import roles_paths
+from rigctl.fleet.drain import refuse_drained
 from rigctl.fleet.servers import host_status, unit_states
 from rigctl.inventory import Host, Inventory, Server, advisories
+from rigctl.inventory.edit import InventoryEdit, OutsideText, round_trip_yaml, vars_file
 from rigctl.inventory.gates import GATES_VAR, Gates
 from rigctl.results.record import Provenance, RunKind
 from rigctl.results.run import Run
@@ -82,36 +83,17 @@ def scope(inventory: Inventory, canary: Host) -> list[Host]:
     return [canary, *others]
 
 
-def vars_file(inventory: Inventory, origin: str, key: str) -> Path:
-    """The group_vars/host_vars file that defines ``key`` for ``origin`` (``group all``, ``host desktop``)."""
-    from rigctl.fleet.enroll import round_trip_yaml
-
-    kind, _, name = origin.partition(" ")
-    root = Path(inventory.source)
-    folder = root / ("group_vars" if kind == "group" else "host_vars")
-    candidates = [folder / f"{name}.yml", folder / f"{name}.yaml",
-                  *sorted((folder / name).glob("*.yml")), *sorted((folder / name).glob("*.yaml"))]
-    for path in candidates:
-        if path.is_file():
-            data = round_trip_yaml().load(path.read_text())
-            if isinstance(data, dict) and key in data:
-                return path
-    raise ConfigError(f"{origin}: {key} is not defined in a file under {folder} that rigctl can edit "
-                      f"(an inventory file's inline variables are not)")
-
-
 class PinFiles:
-    """The inventory files an upgrade edits, round trip, with what they held before (to put them back)."""
+    """The inventory files an upgrade edits: each variable in the file of ``origin`` that defines it, staged in
+    one :class:`~rigctl.inventory.edit.InventoryEdit` (round trip; checked before it lands)."""
 
     def __init__(self, inventory: Inventory, origin: str):
         self.inventory = inventory
         self.origin = origin
-        self.saved: dict[Path, str] = {}
+        self.edit = InventoryEdit(inventory.source, roles_paths(), what="the new pin")
 
     def raw(self, key: str) -> Any:
         """``key`` as its file writes it (templates unrendered); None when no file of the origin defines it."""
-        from rigctl.fleet.enroll import round_trip_yaml
-
         try:
             path = vars_file(self.inventory, self.origin, key)
         except ConfigError:
@@ -119,10 +101,8 @@ class PinFiles:
         return round_trip_yaml().load(path.read_text())[key]
 
     def write(self, values: Mapping[str, Any]) -> list[Path]:
-        """Set ``values`` (top-level keys; a mapping value is merged into the one there) each in the file that
-        defines it (the pin's file for a new key); the files changed."""
-        from rigctl.fleet.enroll import round_trip_yaml
-
+        """Stage ``values`` (top-level keys; a mapping value is merged into the one there) each in the file that
+        defines it (the pin's file for a new key); the files staged."""
         pin_file = vars_file(self.inventory, self.origin, "llama_cpp_version")
         by_file: dict[Path, dict[str, Any]] = {}
         for key, value in values.items():
@@ -132,25 +112,8 @@ class PinFiles:
                 path = pin_file
             by_file.setdefault(path, {})[key] = value
         for path, updates in by_file.items():
-            text = path.read_text()
-            yaml = round_trip_yaml()
-            data = yaml.load(text)
-            for key, value in updates.items():
-                if isinstance(value, Mapping) and isinstance(data.get(key), dict):
-                    for inner, setting in value.items():
-                        data[key][inner] = setting
-                else:
-                    data[key] = value
-            buffer = io.StringIO()
-            yaml.dump(data, buffer)
-            self.saved.setdefault(path, text)
-            write_atomically(path, buffer.getvalue(), 0o644)
+            self.edit.update(path, updates, merge=True)
         return list(by_file)
-
-    def restore(self) -> None:
-        for path, text in self.saved.items():
-            write_atomically(path, text, 0o644)
-        self.saved.clear()
 
 
 def pin_values(pin: CandidatePin, allowed: Mapping[str, str]) -> dict[str, Any]:
@@ -168,36 +131,22 @@ def pin_values(pin: CandidatePin, allowed: Mapping[str, str]) -> dict[str, Any]:
 
 def write_pin(inventory: Inventory, canary: Host, pin: CandidatePin, allowed: Mapping[str, str],
               hosts: Sequence[str]) -> tuple[Inventory, list[Path]]:
-    """Write ``pin`` where the canary's pin is; the inventory again, checked (every problem of it puts the files
-    back and raises ConfigError), and the files written."""
-    from ruamel.yaml.comments import TaggedScalar
-
-    from rigctl.fleet.deploy import project_root
-    from rigctl.fleet.enroll import UNSAFE_TAG
-    from rigctl.inventory.check import check
-
-    try:
-        roles = [project_root() / "roles"]
-    except ConfigError:
-        roles = []
+    """Write ``pin`` where the canary's pin is; the inventory again, and the files written. An inventory that
+    would fail ``inventory check``, or in which the pin would not reach every one of ``hosts``, is refused
+    (ConfigError) before any file is written."""
     files = PinFiles(inventory, pin_origin(inventory, canary))
     values = pin_values(pin, allowed)
     if allowed:  # a reason is plain text: Ansible must never template what a command line gave
-        values[advisories.ALLOWED_VAR] = {ident: TaggedScalar(reason, style="'", tag=UNSAFE_TAG)
-                                          for ident, reason in allowed.items()}
-    written = files.write(values)
-    try:
-        reloaded = Inventory.load(inventory.source)
-        problems = [p for p in check(reloaded, roles) if p.severity == "error"]
-        if problems:
-            raise ConfigError(f"the new pin fails inventory check: {problems[0]}")
-        moved = [name for name in hosts if reloaded.host(name).llama_cpp.version != pin.version]
+        values[advisories.ALLOWED_VAR] = {ident: OutsideText(reason) for ident, reason in allowed.items()}
+    files.write(values)
+
+    def reaches_every_host(staged: Inventory) -> None:
+        moved = [name for name in hosts if staged.host(name).llama_cpp.version != pin.version]
         if moved:
             raise ConfigError(f"the new pin did not reach {', '.join(moved)} (another file pins them)")
-    except BaseException:
-        files.restore()
-        raise
-    return reloaded, written
+
+    written = files.edit.commit(verify=reaches_every_host)
+    return Inventory.load(inventory.source), written
 
 
 # ----------------------------------------------------------------------------------------------- records
@@ -363,6 +312,7 @@ def upgrade(inventory: Inventory, version: str, *, canary: str | None = None, ga
         (h for h in inventory.hosts.values() if "llama_cpp_source" in h.vars), None)
     if canary_host is None:
         raise ConfigError("no host of the inventory pins llama.cpp")
+    refuse_drained([canary_host], "a canary")
     hosts = scope(inventory, canary_host)
     gates = g.load_gates(canary_host.vars.get(GATES_VAR), f"host {canary_host.name}", gates_file)
     g.check_gates(gates, canary_host, f"--gates {gates_file}" if gates_file else

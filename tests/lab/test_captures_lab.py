@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import REPO, lab_unavailable_reason
+from labrigs_support import REPO, lab_unavailable_reason
 from ruamel.yaml import YAML
 
 from rigctl.inventory import Inventory

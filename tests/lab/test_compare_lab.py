@@ -4,17 +4,15 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from make_hf_checkout import cache_dir, make_checkout, tools_python
 from report_check import check_report, tables
 
+from rigctl.forward import server_endpoint
 from rigctl.inventory import Inventory
 from rigctl.results.store import ResultsStore
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
-from make_hf_checkout import cache_dir, make_checkout, tools_python  # noqa: E402
 
 pytestmark = [pytest.mark.lab, pytest.mark.hf_checkout]
 REPO = Path(__file__).resolve().parents[2]
@@ -33,7 +31,8 @@ def reference():
 def client(lab_served: Inventory):
     from rigctl.llama_http import ServerClient
 
-    with ServerClient(lab_served.host("desktop").server("smollm2").endpoint) as server:
+    desktop = lab_served.host("desktop")
+    with ServerClient(server_endpoint(desktop, desktop.server("smollm2"))) as server:
         yield server
 
 

@@ -5,6 +5,7 @@ between."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -16,10 +17,12 @@ import httpx
 import pytest
 import yaml
 from benchlab import RIGCTL, cli_env, served_inventory
+from labrigs_support import SECOND_BUILD_VARS
 from process_support import descendants, still_running
 
 from rigctl.fleet.deploy import run_playbook
 from rigctl.fleet.servers import list_servers
+from rigctl.forward import server_endpoint
 from rigctl.inventory import Inventory
 from rigctl.ssh import SshClient, SshTarget
 
@@ -29,6 +32,9 @@ LAB = REPO / "inventory" / "lab"
 WATCHDOG = "rigctl.fleet.tether"
 #: The first task after every instance's files are written and before any restart.
 AFTER_THE_FILES = "TASK Find instances the inventory no longer has"
+INSTALL_ROOT = "/opt/llama.cpp"
+#: The quantised artifact of the lab's catalog: made with llama-quantize, so keyed on the build.
+QUANTISED = "/var/lib/rigctl/models/smollm2-135m-q4_0.gguf"
 
 
 @pytest.fixture(scope="module")
@@ -41,11 +47,14 @@ def _remote(inventory: Inventory, host: str, cmd: str) -> str:
         return ssh.run(cmd, timeout=120, check=True).stdout
 
 
-def _n_ctx(inventory: Inventory) -> int:
+def _props(inventory: Inventory) -> dict:
     server = inventory.host("desktop").server("smollm2")
-    props = httpx.get(f"http://{inventory.host('desktop').address}:{server.port}/props", timeout=30,
-                      headers=server.endpoint.headers()).json()
-    return int(props["default_generation_settings"]["n_ctx"])
+    return httpx.get(f"http://{inventory.host('desktop').address}:{server.port}/props", timeout=30,
+                     headers=server_endpoint(inventory.host("desktop"), server).headers()).json()
+
+
+def _n_ctx(inventory: Inventory) -> int:
+    return int(_props(inventory)["default_generation_settings"]["n_ctx"])
 
 
 def _with_ctx_size(dest: Path, ctx_size: int) -> Path:
@@ -58,10 +67,10 @@ def _with_ctx_size(dest: Path, ctx_size: int) -> Path:
     return dest
 
 
-def _provision_killed_after_the_files(inventory: Path, env: dict[str, str]) -> str:
-    """`rigctl provision` on desktop's servers, its controller SIGKILLed once the files are written (its play
-    held still first, so that nothing after that task runs); returns what it printed."""
-    argv = [*RIGCTL, "-i", str(inventory), "provision", "--limit", "desktop", "--tags", "llama_server"]
+def _provision_killed_after_the_files(inventory: Path, env: dict[str, str], *options: str) -> str:
+    """`rigctl provision --limit desktop OPTIONS`, its controller SIGKILLed once the servers' files are written
+    (its play held still first, so that nothing after that task runs); returns what it printed."""
+    argv = [*RIGCTL, "-i", str(inventory), "provision", "--limit", "desktop", *options]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
     frozen: dict[int, str] = {}
     lines: list[str] = []
@@ -100,7 +109,7 @@ def test_a_provision_killed_before_the_restart_is_settled_by_the_next(served: In
     env = {**cli_env(tmp_path), "RIGCTL_CACHE_DIR": str(tmp_path / "cache")}
     assert _n_ctx(served) == 2048
     try:
-        output = _provision_killed_after_the_files(changed, env)
+        output = _provision_killed_after_the_files(changed, env, "--tags", "llama_server")
         assert "-c 1024" in _remote(served, "desktop", "cat /etc/llama-server/smollm2.args"), output
         assert _n_ctx(served) == 2048  # written, not applied
 
@@ -135,3 +144,81 @@ def test_a_provision_killed_before_the_restart_is_settled_by_the_next(served: In
     finally:
         run_playbook(served, "site.yml", limit="desktop", tags=["llama_server"]).raise_for_failures()
     assert _n_ctx(served) == 2048
+
+
+def _with_second_build(dest: Path) -> Path:
+    """A copy of the lab inventory that pins the lab's second build (the same source, another stamp)."""
+    shutil.copytree(LAB, dest)
+    (dest / "group_vars" / "all" / "second_build.yml").write_text(yaml.safe_dump(SECOND_BUILD_VARS))
+    return dest
+
+
+def _current_build(inventory: Inventory) -> str:
+    return _remote(inventory, "desktop", f"readlink {INSTALL_ROOT}/current").strip()
+
+
+def _quantised_manifest(inventory: Inventory) -> dict:
+    return json.loads(_remote(inventory, "desktop", f"cat {QUANTISED}.manifest.json"))
+
+
+def _settled(inventory: Inventory, what: str) -> None:
+    """One full provision of desktop that succeeds; then another that changes nothing (so the first left nothing
+    to quantise again, no link to move, no server to restart)."""
+    first = run_playbook(inventory, "site.yml", limit="desktop", timeout=1800)
+    assert first.succeeded, (what, first.failures())
+    again = run_playbook(inventory, "site.yml", limit="desktop", timeout=1800)
+    assert again.succeeded and again.hosts["desktop"].changed == 0, (what, again.hosts["desktop"])
+
+
+@pytest.mark.lab
+@pytest.mark.timeout(3000)
+def test_a_provision_killed_after_a_build_switch_is_settled_by_the_next(served: Inventory, tmp_path: Path) -> None:
+    """The build switch of the issue: a provision to the second build killed after the servers' links point at it,
+    before the restart. The server runs the old binary (`pending restart (binary)`); the next single provision
+    serves the new build and quantises nothing again (the killed play's models role already judged its
+    artifacts against the build that play made current). Switching back is one provision too, after which a
+    provision changes nothing."""
+    switched = _with_second_build(tmp_path / "lab")
+    env = cli_env(tmp_path)
+    original, original_info = _current_build(served), _props(served)["build_info"]
+    stamp = SECOND_BUILD_VARS["llama_cpp_build_commit"]
+    try:
+        output = _provision_killed_after_the_files(switched, env)
+        new = _current_build(served)
+        assert new != original, output
+        link = _remote(served, "desktop", "readlink -f /etc/llama-server/smollm2.bin").strip()
+        assert link == f"{INSTALL_ROOT}/{new}/bin/llama-server", output
+        assert _props(served)["build_info"] == original_info  # linked, not run
+        # The killed play's models role quantised against the build that play made current, not the one its
+        # facts said when it started.
+        made = _quantised_manifest(served)
+        assert made["llama_cpp"]["name"] == new, made["llama_cpp"]
+
+        rows = {row.name: row for row in list_servers(Inventory.load(switched), "desktop")}
+        assert rows["smollm2"].pending_restart == ("binary",), rows["smollm2"]
+        shown = subprocess.run([*RIGCTL, "-i", str(switched), "servers", "--limit", "desktop"], capture_output=True,
+                               text=True, env=env, cwd=REPO, timeout=120)
+        smollm2_line = next(line for line in shown.stdout.splitlines() if " smollm2 " in line)
+        assert "active pending restart" in smollm2_line, shown.stdout
+
+        said: list[str] = []
+        settled = run_playbook(Inventory.load(switched), "site.yml", limit="desktop", timeout=1800,
+                               on_event=lambda event: said.append(f"{event.task}: {event.status}"))
+        assert settled.succeeded, settled.failures()
+        assert _props(served)["build_info"].endswith(f"-{stamp}"), _props(served)
+        assert _quantised_manifest(served) == made, said  # not quantised again
+        rows = {row.name: row for row in list_servers(Inventory.load(switched), "desktop")}
+        assert rows["smollm2"].pending_restart == () and rows["smollm2"].healthy, rows["smollm2"]
+        again = run_playbook(Inventory.load(switched), "site.yml", limit="desktop", timeout=1800)
+        assert again.succeeded and again.hosts["desktop"].changed == 0, again.hosts["desktop"]
+
+        # The upgrade back to the inventory's build, uninterrupted: one provision quantises against the build it
+        # makes current, and the next has nothing left to do.
+        _settled(served, "back to the inventory's build")
+        assert _current_build(served) == original
+        assert _props(served)["build_info"] == original_info
+        assert _quantised_manifest(served)["llama_cpp"]["name"] == original
+    finally:
+        if _current_build(served) != original:
+            run_playbook(served, "site.yml", limit="desktop", timeout=1800).raise_for_failures()
+    assert _current_build(served) == original

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import check_mode_play, wait_healthy
+from labrigs_support import check_mode_play, wait_healthy
 from test_llama_cpp_lab import ccache_counters, compilations, current_target, ssh
 from test_refusals_lab import build_status, serves
 

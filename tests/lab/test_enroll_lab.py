@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import REPO, lab_unavailable_reason
+from labrigs_support import REPO, lab_unavailable_reason
 from ruamel.yaml import YAML
 
 from rigctl.fleet.enroll import bootstrap, ensure_key_pair

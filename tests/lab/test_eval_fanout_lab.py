@@ -8,22 +8,18 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 import httpx
 import pytest
+from benchlab import REPO, RIGCTL, cli_env, served_inventory
+from hf_server import eval_fixtures_hub
 
 from rigctl.results.record import RunRecord
 from rigctl.results.store import ResultsStore, read_jsonl
 from rigctl.ssh import SshClient, SshTarget
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
-from benchlab import REPO, RIGCTL, cli_env, served_inventory  # noqa: E402
-from hf_server import eval_fixtures_hub  # noqa: E402
 
 pytestmark = pytest.mark.lab
 

@@ -10,23 +10,20 @@ import hashlib
 import json
 import re
 import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 import httpx
 import pytest
+from benchlab import REPO, RIGCTL, assert_deployed, cli_env, served_inventory
+from hf_server import eval_fixtures_hub
 
+from rigctl.forward import server_endpoint
 from rigctl.hostside import bfcl
 from rigctl.results.record import RunRecord
 from rigctl.results.store import ResultsStore, read_jsonl
 from rigctl.ssh import SshClient, SshTarget
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
-from benchlab import REPO, RIGCTL, assert_deployed, cli_env, served_inventory  # noqa: E402
-from hf_server import eval_fixtures_hub  # noqa: E402
 
 pytestmark = pytest.mark.lab
 
@@ -73,7 +70,7 @@ def base_url(lab) -> str:
 
 def auth(lab) -> dict[str, str]:
     """The lab servers' bearer header (the lab inventory carries a key)."""
-    return lab.host(HOST).server(SERVER).endpoint.headers()
+    return server_endpoint(lab.host(HOST), lab.host(HOST).server(SERVER)).headers()
 
 
 def check_record(path: Path, task_file: Path, lab) -> RunRecord:
@@ -134,6 +131,26 @@ def test_scores_follow_from_the_raw_replies(lab, env, name, n):
     assert overall["n"] == n
     assert overall["score"] == pytest.approx(sum(r["score"] for r in rows) / n)
     assert overall["cutoffs"] == sum(r["cutoff"] for r in rows)
+
+
+def test_lmevals_own_request_is_served_and_scored_as_lmeval(lab, env):
+    """``request: lm-eval``: five examples as chat turns, lm-eval's stop sequences and 256 tokens reach the real
+    llama-server, whose replies stop where lm-eval's would; the record names the request and the release."""
+    task = TASKS / "fixture-gsm8k-lmeval.yaml"
+    before = set((env[0] / HOST).glob("eval-*"))
+    done = rigctl(env, "eval", "run", "--host", HOST, "--server", SERVER, "--task", str(task), "--limit", "3")
+    assert done.returncode == 0, done.stderr
+    path = run_dir(env, before)
+    record = check_record(path, task, lab)
+    assert record.task.request["reproduces"] == "lm-eval 0.4.13 gsm8k" and record.task.request["num_fewshot"] == 5
+    assert record.task.instruments == {"lm-eval": "0.4.13"} and len(record.task.dataset_sha256) == 2
+    rows = read_jsonl(path / "answers.jsonl")
+    assert len(rows) == 3
+    for row in rows:
+        assert row["finish_reason"] in ("stop", "length") and (row["tokens"] or 0) <= 256, row
+        # The server stopped at lm-eval's stop sequences: none is left in a reply.
+        assert not any(stop in row["reply"] for stop in ("Question:", "</s>", "<|im_end|>")), row["reply"]
+        assert row["lmeval_strict_match"] in (0, 1) and row["lmeval_flexible_extract"] in (0, 1), row
 
 
 def test_bfcl_on_a_template_without_tools_is_refused_in_one_line(lab, env, tmp_path):

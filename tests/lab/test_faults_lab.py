@@ -31,6 +31,7 @@ from rigctl import jobs
 from rigctl.bench.matrix import bench_job_spec, load_run_samples, parse_spec
 from rigctl.errors import DeployError
 from rigctl.fleet.deploy import run_playbook
+from rigctl.forward import server_endpoint
 from rigctl.inventory import Inventory
 from rigctl.lab.rigs import Lab
 from rigctl.results.store import ResultsStore
@@ -221,8 +222,9 @@ def test_failed_rollout_of_a_profile_restores_every_instance_it_changed(served: 
         assert "(restarted: smollm2)" in message, message
         assert _files(inv) == good
         assert _pids(inv, ["smollm2"])["smollm2"] not in (0, pid)  # rolled out, then back on its old flags
-        props = httpx.get(f"http://{inv.host('desktop').address}:8080/props", timeout=30,
-                          headers=inv.host("desktop").server("smollm2").endpoint.headers()).json()
+        desktop = inv.host("desktop")
+        props = httpx.get(f"http://{desktop.address}:8080/props", timeout=30,
+                          headers=server_endpoint(desktop, desktop.server("smollm2")).headers()).json()
         assert props["default_generation_settings"]["n_ctx"] == 1024, props["default_generation_settings"]
     finally:
         run_playbook(inv, "site.yml", limit="desktop", tags=["llama_server"]).raise_for_failures()

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import LAB_INVENTORY, REPO, wait_healthy
+from labrigs_support import LAB_INVENTORY, REPO, wait_healthy
 
 from rigctl.evals.target import inventory_target
 from rigctl.fleet.deploy import run_playbook
 from rigctl.fleet.servers import deployed_argv, probe_server
+from rigctl.forward import server_endpoint
 from rigctl.inventory import Inventory
 from rigctl.llama_http import ServerClient
 from rigctl.ssh import SshClient, SshTarget
@@ -43,7 +44,7 @@ def test_a_host_ctx_override_is_what_the_rig_serves(lab_served: Inventory, tmp_p
         with SshClient(SshTarget.from_host(laptop)) as ssh:
             deployed = deployed_argv(ssh, server)
             assert deployed == server.argv and _ctx(deployed) == OVERRIDE_CTX
-            with ServerClient(server.endpoint) as client:
+            with ServerClient(server_endpoint(laptop, server)) as client:
                 assert client.props().n_ctx == OVERRIDE_CTX  # what the running server took
             target = inventory_target(laptop, "smollm2", facts=False)
             assert target.flags["ctx_size"] == OVERRIDE_CTX

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from make_hf_checkout import make_checkout
 
 from rigctl.fleet.deploy import run_playbook
 from rigctl.inventory import Inventory
@@ -28,8 +29,6 @@ from rigctl.results.store import ResultsStore
 from rigctl.ssh import SshClient, SshTarget
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "fixtures"))
-from make_hf_checkout import make_checkout  # noqa: E402
 
 CORPUS = REPO / "tests" / "fixtures" / "corpus" / "apache-2.0.txt"
 # The first test also pays for the models: on a fresh lab, the converter's venv on both rigs (about 8 minutes

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import check_mode_play, wait_healthy
+from labrigs_support import SECOND_BUILD_VARS, check_mode_play, wait_healthy
 from process_support import descendants, still_running
 
 from rigctl.fleet.build import parse_fact, read_builds, rollback
@@ -261,12 +261,13 @@ def _build_the_stamped_pin(inv: Inventory, desktop: Host, original: str) -> str:
     # Warm only where this rig compiled the current build; one copied from the controller's cache (a
     # machine that built it before) leaves the rig's ccache empty, and this rebuild then starts cold.
     compiled_here = misses_before > 0
-    result = provision(inv, limit="desktop", extravars={"llama_cpp_build_commit": "rollbacktest"})
+    result = provision(inv, limit="desktop", extravars=SECOND_BUILD_VARS)
     assert result.succeeded, result.failures()
     assert result.hosts["desktop"].changed > 0
     new = current_target(desktop)
     assert new != original
-    assert "commit rollbacktest)" in ssh(desktop, f"{INSTALL_ROOT}/current/bin/llama-server --version 2>&1")
+    version = ssh(desktop, f"{INSTALL_ROOT}/current/bin/llama-server --version 2>&1")
+    assert f"commit {SECOND_BUILD_VARS['llama_cpp_build_commit']})" in version, version
     assert ssh(desktop, f"readlink {INSTALL_ROOT}/previous").strip() == original
     assert ssh(desktop, f"test -x {INSTALL_ROOT}/{original}/bin/llama-server && echo kept").strip() == "kept"
     misses = ccache_counters(desktop).get("cache_miss", 0) - misses_before
@@ -292,13 +293,15 @@ def _compiling(host: Host) -> int:
 
 
 def test_a_provision_killed_during_the_compile_leaves_nothing_the_next_run_keeps(
-        built: tuple[Inventory, DeployResult], tmp_path: Path) -> None:
+        built: tuple[Inventory, DeployResult], lab_served: Inventory, tmp_path: Path) -> None:
     """rigctl alone is SIGKILLed mid-compile (not its process group: an OOM kill, a closed lid): within seconds no
     process of its play runs on this machine, and no compile of it on the rig (the compile ends with the
     controller's connection). The next provision removes the half-built tree and says so, runs one compile in
-    the tree, and the rig's server still answers; build status never shows the half build."""
+    the tree, and the rig's server still answers; build status never shows the half build. The servers are the
+    session's served lab's (this module's own provisions stop at the build, which makes no server)."""
     inv, _ = built
     desktop = inv.host("desktop")
+    wait_healthy(lab_served, timeout=60)  # answering before the kill, so that answering after it means something
     original = current_target(desktop)
     # A stamp no cache holds (a new build key): this provision must compile.
     stamp = f"interrupted{os.getpid()}"

@@ -10,11 +10,12 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import wait_healthy
+from labrigs_support import wait_healthy
 
 from rigctl.errors import DeployError
 from rigctl.fleet.deploy import run_playbook
 from rigctl.fleet.servers import list_servers, restart, unit_states
+from rigctl.forward import server_endpoint
 from rigctl.inventory import Inventory
 from rigctl.llama_http import Endpoint, ServerClient
 from rigctl.ssh import SshClient, SshTarget
@@ -38,7 +39,7 @@ def _pids(inv: Inventory, host: str, names: list[str]) -> dict[str, int]:
 def _ask(inv: Inventory, host: str, server: str, api_key: str | None = None, port: int | None = None) -> str:
     """A greedy answer of instance ``server`` (or whatever listens on ``port``) on ``host``."""
     endpoint = Endpoint(f"http://{inv.host(host).address}:{port}", api_key) if port else \
-        inv.host(host).server(server).endpoint
+        server_endpoint(inv.host(host), inv.host(host).server(server))
     with ServerClient(endpoint) as client:
         return client.chat(QUESTION, max_tokens=16).content
 
@@ -198,7 +199,7 @@ def test_a_busy_server_stops_within_its_stop_timeout(lab_served: Inventory) -> N
     import httpx
 
     host = lab_served.host("laptop")
-    endpoint = host.server("smollm2").endpoint
+    endpoint = server_endpoint(host, host.server("smollm2"))
     outcome: list[str] = []
 
     def generate() -> None:

@@ -9,12 +9,14 @@ import json
 import os
 import re
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
+from hf_server import HfRepo, HfServer
+from make_hf_checkout import make_checkout
+from models_support import gguf_reader_summary
 
 from rigctl.fleet.deploy import run_playbook
 from rigctl.fleet.models import list_artifacts, parse_manifest, pin, problems, verify
@@ -22,10 +24,6 @@ from rigctl.inventory import Inventory
 from rigctl.ssh import SshClient, SshTarget
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
-from hf_server import HfRepo, HfServer  # noqa: E402
-from make_hf_checkout import make_checkout  # noqa: E402
-from models_support import gguf_reader_summary  # noqa: E402
 
 REVISION = "0123456789abcdef0123456789abcdef01234567"
 CALIBRATION = Path(__file__).resolve().parents[1] / "fixtures" / "calibration.txt"

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from rigctl.fleet.deploy import run_playbook
+from rigctl.forward import server_endpoint
 from rigctl.inventory import Inventory
 from rigctl.llama_http import ServerClient
 
@@ -59,7 +60,7 @@ def test_prometheus_scrapes_every_server_with_inventory_labels(lab_served: Inven
         for host in lab_served.hosts.values():
             for server in host.servers:
                 if server.enabled:
-                    with ServerClient(server.endpoint) as client:
+                    with ServerClient(server_endpoint(host, server)) as client:
                         assert client.chat([{"role": "user", "content": "Say hi."}], max_tokens=4).content
         expected = _expected_labels(lab_served)
         found: list[dict[str, str]] = []

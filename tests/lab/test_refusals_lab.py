@@ -28,10 +28,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import check_mode_play
+from labrigs_support import check_mode_play
 
 from rigctl.errors import DeployError
 from rigctl.fleet.deploy import run_playbook
+from rigctl.forward import server_endpoint
 from rigctl.inventory import Host, Inventory
 from rigctl.ssh import SshClient, SshTarget
 
@@ -118,7 +119,7 @@ def build_status(inv: Inventory) -> str:
 
 def serves(host: Host) -> str:
     """The instance smollm2's completion of a fixed prompt (it must answer, and with text)."""
-    endpoint = host.server("smollm2").endpoint  # its URL and the inventory's key
+    endpoint = server_endpoint(host, host.server("smollm2"))  # its URL and the inventory's key
     reply = httpx.post(f"{endpoint.url}/completion", timeout=60,
                        headers={"Authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else {},
                        json={"prompt": "The capital of France is", "n_predict": 4, "temperature": 0})

@@ -113,7 +113,7 @@ def test_env_and_input_reach_the_command(rig: SshClient) -> None:
 def test_small_packets_go_out_at_once(rig: SshClient) -> None:
     """Nagle's algorithm off: a command's last small packet would otherwise wait for the rig's delayed ACK."""
     rig.run("true", timeout=10)
-    assert rig._transport().sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+    assert rig.transport().sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
 
 
 @lab

@@ -8,19 +8,16 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from benchlab import REPO, RIGCTL, cli_env
+from exporter_support import parse_samples, sample_value
+from inventory_support import edit_yaml
 
 from rigctl.inventory import Inventory
 from rigctl.results.store import ResultsStore
 from rigctl.services.exporter import Exporter
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchlab import REPO, RIGCTL, cli_env  # noqa: E402
-from exporter_support import parse_samples, sample_value  # noqa: E402
-from inventory_support import edit_yaml  # noqa: E402
 
 pytestmark = pytest.mark.lab
 

@@ -29,18 +29,15 @@ import time
 from pathlib import Path
 
 import pytest
+from benchlab import REPO, RIGCTL
+from hf_server import HfRepo, HfServer
+from labrigs_support import wait_healthy
 
 from rigctl.fleet.build import read_builds
 from rigctl.fleet.servers import host_status
 from rigctl.inventory import Inventory
 from rigctl.results.record import RunRecord
 from rigctl.results.store import ResultsStore, read_jsonl
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
-from benchlab import REPO, RIGCTL  # noqa: E402
-from conftest import wait_healthy  # noqa: E402
-from hf_server import HfRepo, HfServer  # noqa: E402
 
 pytestmark = [
     pytest.mark.lab,

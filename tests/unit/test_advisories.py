@@ -3,12 +3,12 @@ advisories, and where the floor is enforced (inventory check, provision, the exp
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from inventory_support import edit_yaml
 
 from rigctl.errors import BuildError, ConfigError
 from rigctl.fleet.build import Build, Builds
@@ -17,9 +17,6 @@ from rigctl.inventory import Inventory, advisories
 from rigctl.inventory.advisories import Advisory, check_build, covering, parse_table
 from rigctl.inventory.check import check
 from rigctl.services.exporter import Snapshot, exposition, metric_families
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from inventory_support import edit_yaml  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -116,13 +113,6 @@ def test_build_labels():
     assert advisories.build_number("7182ef71e") is None
     assert Advisory("GHSA-2222-3333-4444", None, "high", "s", fixed=10).range_text == "< b10"
     assert Advisory("GHSA-2222-3333-4444", None, "high", "s", introduced=5, last_affected=9).range_text == "b5-b9"
-
-
-@pytest.fixture
-def lab_copy(tmp_path: Path) -> Path:
-    dest = tmp_path / "lab"
-    shutil.copytree(REPO / "inventory" / "lab", dest)
-    return dest
 
 
 def test_inventory_check_names_a_pin_inside_a_range_until_it_is_accepted(lab_copy: Path):

@@ -73,6 +73,7 @@ def _canonical(tools: Any) -> str:
 
 def test_tools_are_the_pinned_bfcl_tools_key_for_key():
     pins = json.loads(PINS.read_text(encoding="utf-8"))
+    assert pins["bfcl_eval"] == bfcl.BFCL_EVAL_VERSION  # the release the run records name
     assert [pin["function"] for pin in pins["rows"]] == documents()
     for pin in pins["rows"]:
         assert _canonical(bfcl.bfcl_tools([pin["function"]])) == _canonical(pin["tools"]), pin["function"]["name"]

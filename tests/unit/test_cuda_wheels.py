@@ -9,20 +9,17 @@ import io
 import json
 import os
 import stat
-import sys
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import role_modules
+from package_index import PackageIndex
 
 from rigctl.hostside.sdist_fetch import SdistFetchError, fetch_wheel
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO / "tests" / "fixtures"))
-import role_modules  # noqa: E402
-from package_index import PackageIndex  # noqa: E402
 
 LIBRARY = REPO / "roles" / "gpu_host" / "library"
 layout = role_modules.load(LIBRARY / "gpu_host_cuda_wheels.py", "gpu_host_cuda_wheels")

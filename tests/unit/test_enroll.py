@@ -4,6 +4,7 @@ trip. The end-to-end enrolment of a stranger rig is tests/test_enroll_lab.py."""
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import shutil
@@ -29,6 +30,7 @@ from rigctl.fleet.host_facts import drift, inventory_vars, parse_probe, probe_co
 from rigctl.hostside import cpuinfo
 from rigctl.inventory import Inventory
 from rigctl.inventory.check import check
+from rigctl.inventory.edit import round_trip_yaml
 
 REPO = Path(__file__).resolve().parents[2]
 ROLES = [REPO / "roles"]
@@ -250,60 +252,63 @@ def test_fingerprint_option_is_checked() -> None:
 # --- the inventory files --------------------------------------------------------------------------
 
 
-@pytest.fixture
-def lab_copy(tmp_path: Path) -> Path:
-    dest = tmp_path / "lab"
-    shutil.copytree(REPO / "inventory" / "lab", dest)
-    return dest
-
-
 def test_host_joins_its_group_keeping_comments_and_order(lab_copy: Path) -> None:
     hosts = lab_copy / "hosts.yml"
     before = hosts.read_text()
-    files = InventoryFiles(lab_copy)
+    files = InventoryFiles(lab_copy, ROLES)
     assert files.add_to_group("newrig", "lab", {"ansible_host": "10.213.0.13"})
-    after = hosts.read_text()
-    assert after.startswith(before.split("all:")[0])  # the header comment stays
-    assert after.index("desktop:") < after.index("laptop:") < after.index("newrig:")
     facts = {"gpu_host_gpu": {"name": "X", "vram_mib": 4096, "compute_capability": "7.5"},
              "gpu_host_gpus": [{"index": 0, "name": "X", "vram_mib": 4096, "compute_capability": "7.5"},
                                {"index": 1, "name": "Y", "vram_mib": 8192, "compute_capability": "8.6"}],
              "llama_cpp_cuda_architectures": "75;86", "ansible_user": "rigctl"}
     assert files.update_host_vars("newrig", facts)
+    assert hosts.read_text() == before  # staged: nothing lands before the commit
+    assert files.commit() == [hosts, lab_copy / "host_vars" / "newrig.yml"]
+    after = hosts.read_text()
+    assert after.startswith(before.split("all:")[0])  # the header comment stays
+    assert after.index("desktop:") < after.index("laptop:") < after.index("newrig:")
     inv = Inventory.load(lab_copy)
     assert inv.hosts["newrig"].groups == ("all", "gpu_hosts", "lab") or "lab" in inv.hosts["newrig"].groups
     assert inv.hosts["newrig"].vars["gpu_host_gpus"][1]["name"] == "Y"
     assert [str(p) for p in check(inv, ROLES) if p.severity == "error"] == []
 
     # The same values again: no file is touched.
-    again = InventoryFiles(lab_copy)
+    again = InventoryFiles(lab_copy, ROLES)
     assert not again.update_host_vars("newrig", facts)
     with pytest.raises(EnrollError, match="already in"):
         again.add_to_group("newrig", "lab", {"ansible_host": "10.213.0.13"})
-    assert again.changed == []
+    assert again.changed == [] and again.commit() == []
 
     # A hand edit in host_vars survives an update.
     vars_file = lab_copy / "host_vars" / "newrig.yml"
     vars_file.write_text(vars_file.read_text() + "# kept: a note by hand\nllama_server_bind_address: 127.0.0.1\n")
-    assert InventoryFiles(lab_copy).update_host_vars("newrig", {**facts, "llama_cpp_cuda_architectures": "86"})
+    files = InventoryFiles(lab_copy, ROLES)
+    assert files.update_host_vars("newrig", {**facts, "llama_cpp_cuda_architectures": "75"})
+    files.commit()
     text = vars_file.read_text()
     assert "# kept: a note by hand" in text and "llama_server_bind_address: 127.0.0.1" in text
-    assert "llama_cpp_cuda_architectures: '86'" in text or 'llama_cpp_cuda_architectures: "86"' in text
+    assert "llama_cpp_cuda_architectures: '75'" in text or 'llama_cpp_cuda_architectures: "75"' in text
 
     result = remove_host(Inventory.load(lab_copy), "newrig")
     assert result.hosts_file and result.host_vars
     assert hosts.read_text() == before and not vars_file.exists()
 
 
-def test_new_group_goes_under_all_and_restore_undoes_everything(lab_copy: Path) -> None:
+def test_new_group_goes_under_all_and_an_entry_that_fails_the_check_lands_nowhere(lab_copy: Path) -> None:
     hosts = lab_copy / "hosts.yml"
     before = hosts.read_text()
-    files = InventoryFiles(lab_copy)
+    files = InventoryFiles(lab_copy, ROLES, what="newrig's entry")
+    files.add_to_group("newrig", "spare", {"ansible_host": "10.213.0.14"})
+    files.update_host_vars("newrig", {"ansible_user": "rigctl", "llama_server_bind_adress": "0.0.0.0"})
+    with pytest.raises(ConfigError, match=r"^newrig's entry: refused, nothing written: .*host newrig: "
+                                          r"llama_server_bind_adress: unknown variable"):
+        files.commit()
+    assert hosts.read_text() == before and not (lab_copy / "host_vars" / "newrig.yml").exists()
+    files = InventoryFiles(lab_copy, ROLES)
     files.add_to_group("newrig", "spare", {"ansible_host": "10.213.0.14"})
     files.update_host_vars("newrig", {"ansible_user": "rigctl"})
+    files.commit()
     assert "spare" in Inventory.load(lab_copy).hosts["newrig"].groups
-    files.restore()
-    assert hosts.read_text() == before and not (lab_copy / "host_vars" / "newrig.yml").exists()
 
 
 def test_instance_gpu_pin_is_checked(lab_copy: Path) -> None:
@@ -351,9 +356,10 @@ def test_lab_config_knows_a_stranger_rig_until_it_is_enrolled(lab_copy: Path) ->
     with pytest.raises(LabError, match="spare is not enrolled yet"):
         lab.ssh_argv("spare")
 
-    files = InventoryFiles(lab_copy)
+    files = InventoryFiles(lab_copy, ROLES)
     files.add_to_group("spare", "lab", {"ansible_host": spare.address})
     files.update_host_vars("spare", {"ansible_user": "rigctl", "gpu_host_gpu": gpus[0]})
+    files.commit()
     enrolled = Lab.from_inventory(Inventory.load(lab_copy)).rig("spare")
     assert enrolled.stranger and enrolled.enrolled and enrolled.user == "rigctl"
     assert "rigctl@" in " ".join(Lab.from_inventory(Inventory.load(lab_copy)).ssh_argv("spare"))
@@ -445,13 +451,26 @@ def host_facts(name: str = "RTX 3090", os_name: str = "Debian GNU/Linux 12 (book
                                     memory_mib=32000, disk_free_mib=1, os=HostText(os_name)))
 
 
+def land_unchecked(files: InventoryFiles) -> None:
+    """What ``files`` stages, written as a hand edit would write it: past ``inventory check``."""
+    for path in files.changed:
+        buffer = io.StringIO()
+        round_trip_yaml().dump(files.edit.read(path), buffer)
+        path.write_text(buffer.getvalue())
+
+
 def test_host_text_is_written_unsafe_and_read_back_literally(lab_copy: Path) -> None:
     vars_file = lab_copy / "host_vars" / "newrig.yml"
-    files = InventoryFiles(lab_copy)
+    files = InventoryFiles(lab_copy, ROLES)
     files.add_to_group("newrig", "lab", {"ansible_host": "10.213.0.13"})
-    # Text a probe refuses, written as if it had not: only the tag stands between it and the templar.
+    # Text a probe refuses, written as if it had not: the writer's check refuses it, and even past that
+    # only the tag stands between it and the templar.
     facts = host_facts(name="RTX {{ 7*7 }}", os_name=PAYLOAD.replace("MARKER", str(lab_copy / "marker")))
     assert files.update_host_vars("newrig", facts)
+    with pytest.raises(ConfigError, match=r"host newrig: gpu_host_gpu\.name: template marker"):
+        files.commit()
+    assert not vars_file.exists()
+    land_unchecked(files)
     text = vars_file.read_text()
     assert "name: !unsafe 'RTX {{ 7*7 }}'" in text and "os: !unsafe '{{ lookup(" in text
     # Pattern-checked values keep their plain type: Ansible would load `!unsafe '8.6'` as a float.
@@ -464,12 +483,13 @@ def test_host_text_is_written_unsafe_and_read_back_literally(lab_copy: Path) -> 
     assert host.vars["rigctl_host_facts"]["driver_version"] == "550"
     assert not (lab_copy / "marker").exists()
     # Written again: no change, the tags included.
-    assert not InventoryFiles(lab_copy).update_host_vars("newrig", facts)
+    assert not InventoryFiles(lab_copy, ROLES).update_host_vars("newrig", facts)
 
 
 def test_facts_written_untagged_are_never_templated_and_are_retagged(lab_copy: Path) -> None:
-    files = InventoryFiles(lab_copy)
+    files = InventoryFiles(lab_copy, ROLES)
     files.add_to_group("newrig", "lab", {"ansible_host": "10.213.0.13"})
+    files.commit()
     marker = lab_copy / "marker"
     vars_file = lab_copy / "host_vars" / "newrig.yml"
     # As rigctl wrote facts before it tagged them: verbatim, a template to any loader that templates.
@@ -487,17 +507,22 @@ def test_facts_written_untagged_are_never_templated_and_are_retagged(lab_copy: P
         f"{PAYLOAD.replace('MARKER', str(marker))!r}: a host's text is data, never a template",
     ]
     # The same values from a probe: rewritten tagged, the comment kept.
-    facts = {"gpu_host_gpu": host_facts()["gpu_host_gpu"]}
-    assert InventoryFiles(lab_copy).update_host_vars("newrig", facts)
+    facts = host_facts()
+    files = InventoryFiles(lab_copy, ROLES)
+    assert files.update_host_vars("newrig", facts)
+    files.commit()
     text = vars_file.read_text()
     assert text.startswith("# by hand\n") and "name: !unsafe 'RTX 3090'" in text
 
 
 def test_check_refuses_unprintable_and_overlong_facts(lab_copy: Path) -> None:
-    files = InventoryFiles(lab_copy)
+    files = InventoryFiles(lab_copy, ROLES)
     files.add_to_group("newrig", "lab", {"ansible_host": "10.213.0.13"})
     facts = host_facts(name="RTX\x1b[2J 3090", os_name="D" * 200)
     files.update_host_vars("newrig", facts)
+    with pytest.raises(ConfigError, match=r"host newrig: gpu_host_gpu\.name: unprintable character .* \(and 1 more\)$"):
+        files.commit()
+    land_unchecked(files)
     problems = {p.key: p.message for p in check(Inventory.load(lab_copy), ROLES) if p.where == "host newrig"}
     assert problems["gpu_host_gpu.name"] == "unprintable character '\\x1b' in 'RTX\\x1b[2J 3090'"
     assert problems["rigctl_host_facts.os"] == "200 characters, more than 128"

@@ -6,17 +6,14 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
+from hf_server import HfRepo, HfServer
 
 from rigctl.errors import EvalError
 from rigctl.evals import datasets
 from rigctl.evals.tasks import load_task
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
-from hf_server import HfRepo, HfServer  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "evals"
 REPO = "rigctl/eval-fixtures"

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import shutil
 import threading
 from pathlib import Path
 
@@ -107,14 +108,20 @@ def test_fan_out_runs_answer_only_fan_out_targets(tmp_path):
     assert not eval_matches(store.find("desktop/eval-2"), "suite", single)
 
 
-def test_a_fan_outs_stamps_are_read_from_every_host_at_once(monkeypatch):
+def test_a_fan_outs_stamps_are_read_from_every_host_at_once(monkeypatch, tmp_path):
     """`eval run` and a campaign's fan-out read each server's stamp over SSH: N hosts wait for one round trip,
     not N in a row; a host's own servers are read one after the other, and the targets keep their order."""
     from rigctl.evals import target as target_module
     from rigctl.evals.target import inventory_targets
     from rigctl.inventory import Inventory
 
-    inventory = Inventory.load(Path(__file__).resolve().parents[2] / "inventory" / "lab")
+    # The lab's desktop with every instance on its bridge address (smollm2-q4_0 binds loopback there, and its
+    # endpoint would be an SSH forward to a rig this test has not got).
+    lab = tmp_path / "lab"
+    shutil.copytree(Path(__file__).resolve().parents[2] / "inventory" / "lab", lab)
+    with (lab / "host_vars" / "desktop.yml").open("a") as desktop:
+        desktop.write("llama_server_bind_address: 0.0.0.0\n")
+    inventory = Inventory.load(lab)
     both_hosts_asked = threading.Barrier(2, timeout=10)
     read: list[str] = []
 

@@ -205,7 +205,12 @@ def test_dashboard_is_grafana_json_and_reads_only_metrics_that_exist():
     wanted = ["llamacpp:tokens_predicted_total", "llamacpp:prompt_tokens_total", "llamacpp:requests_processing",
               "llamacpp:requests_deferred", "llamacpp:spec_decode_num_accepted_tokens_total",
               "rigctl_gpu_temperature_celsius", "rigctl_gpu_memory_used_bytes", "rigctl_llama_cpp_build_drift",
-              "rigctl_model_drift", "rigctl_bench_tokens_per_second", "rigctl_eval_score_ratio"]
+              "rigctl_model_drift", "rigctl_bench_tokens_per_second", "rigctl_eval_score_ratio",
+              # GPU health (issue 41)
+              "rigctl_gpu_unhealthy", "rigctl_host_drained", "rigctl_gpu_xid_errors", "rigctl_gpu_throttled",
+              "rigctl_gpu_ecc_errors", "rigctl_gpu_remapped_rows", "rigctl_gpu_retired_pages_pending",
+              "rigctl_gpu_clock_event_reason", "rigctl_gpu_power_draw_watts", "rigctl_gpu_power_limit_watts",
+              "rigctl_gpu_pcie_link_generation", "rigctl_gpu_pcie_link_width"]
     read = set().union(*(dashboard_metric_names(e) for e in exprs))
     assert not [w for w in wanted if w not in read]
 

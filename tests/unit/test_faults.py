@@ -34,6 +34,7 @@ from rigctl.fleet.deploy_lock import host_key, hosts_lock
 from rigctl.fleet.models import ArtifactStatus, Manifest
 from rigctl.fleet.state import FleetState, HostState, ModelFact
 from rigctl.fleet.tether import MARK_VARIABLE, marked_processes
+from rigctl.forward import server_endpoint
 from rigctl.hostside import hash_cache, jobhost, jobrun, play_lock
 from rigctl.hostside.llama_server_http import RETRY_ATTEMPTS, attempts_within
 from rigctl.hostside.units import RESTART_WAIT_CEILING_S, RESTART_WAIT_MARGIN_S, fact_restart_wait_s, restart_wait_s
@@ -345,14 +346,15 @@ def test_resume_finds_a_single_inventory_servers_key(tmp_path: Path) -> None:
     """`eval run --resume RUN` alone: the recorded server is found in the inventory, its key with it."""
     inventory = Inventory.load(LAB)
     served = inventory.host("desktop").server("smollm2")
+    endpoint = server_endpoint(inventory.host("desktop"), served)
     run_dir = tmp_path / "desktop" / "eval-1"
     run_dir.mkdir(parents=True)
     record = RunRecord(id="eval-1", kind="eval", host="desktop", started="2026-12-01T00:00:00.000000Z",
-                       servers=[RecordServer(name="smollm2", host="desktop", endpoint=served.endpoint.url)])
+                       servers=[RecordServer(name="smollm2", host="desktop", endpoint=endpoint.url)])
     record.save(run_dir)
     targets = recorded_targets(ResultsStore(tmp_path).find("desktop/eval-1"), lambda: inventory)
-    assert [t.endpoint.url for t in targets] == [served.endpoint.url]
-    assert targets[0].endpoint.api_key == served.endpoint.api_key and served.endpoint.api_key
+    assert [t.endpoint.url for t in targets] == [endpoint.url]
+    assert targets[0].endpoint.api_key == endpoint.api_key and endpoint.api_key
 
 
 def test_models_list_reads_the_hash_cache_the_jobs_write() -> None:

@@ -4,29 +4,24 @@ it by name with a reason; a line break in a profile value never becomes a flag o
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from inventory_support import edit_yaml
 
 from rigctl.errors import ConfigError
 from rigctl.inventory import Inventory, flag_policy
 from rigctl.inventory.check import check
 from rigctl.inventory.profiles import ProfileError, server_flags
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from inventory_support import edit_yaml  # noqa: E402
-
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def lab(tmp_path: Path) -> Path:
-    dest = tmp_path / "lab"
-    shutil.copytree(REPO / "inventory" / "lab", dest)
-    return dest
+def lab(lab_copy: Path) -> Path:
+    return lab_copy
 
 
 def servers_file(lab: Path) -> Path:

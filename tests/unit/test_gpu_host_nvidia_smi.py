@@ -9,9 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import role_modules  # noqa: E402
+import role_modules
 
 LIBRARY = Path(__file__).resolve().parents[2] / "roles" / "gpu_host" / "library"
 REAL = Path(__file__).resolve().parents[1] / "fixtures" / "real"

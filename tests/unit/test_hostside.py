@@ -91,11 +91,11 @@ def test_the_roles_modules_use_the_one_gguf_reader_and_model_file_helpers() -> N
 
 
 def test_the_import_closure_is_what_a_module_imports(tmp_path: Path) -> None:
-    assert ship.closure(["fleet_state"]) == ["model_files", "server_drift", "fleet_state"]
+    assert ship.closure(["fleet_state"]) == ["model_files", "sandbox", "server_drift", "fleet_state"]
     assert set(ship.closure(["jobrun", "eval_task"])) == {"jobrun", "eval_task", "jobfiles", "model_files",
                                                          "hash_cache", "llama_cpp_fact", "llama_server_http", "stamp",
-                                                         "runrecord", "units", "scorers", "bfcl", "commands",
-                                                             "nvidia_smi"}
+                                                         "masking", "runrecord", "units", "scorers", "bfcl",
+                                                         "commands", "nvidia_smi", "sandbox"}
     with pytest.raises(ConfigError, match="no rigctl/hostside/nope.py"):
         ship.closure(["nope"])
 

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+from report_check import LINK  # noqa: E402  (how the report tests read a linked number)
 
 from rigctl.analysis.format import points, ratio_text
 from rigctl.stats import Interval
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from report_check import LINK  # noqa: E402  (how the report tests read a linked number)
 
 
 def interval(estimate: float, low: float, high: float, n: int = 40) -> Interval:

@@ -22,6 +22,7 @@ import yaml
 from rigctl.bench.drafting import contenders
 from rigctl.errors import ConfigError
 from rigctl.evals.target import inventory_target
+from rigctl.forward import server_endpoint
 from rigctl.inventory import Inventory
 from rigctl.inventory.check import check
 from rigctl.inventory.profiles import args_lines_to_argv
@@ -159,7 +160,8 @@ def test_servers_are_what_the_role_renders(fleet: tuple[Inventory, Path]) -> Non
     laptop = inventory.host("laptop").server("main")
     assert (laptop.user, laptop.key_file, laptop.model.path) == \
            ("svc", "/etc/ls/api-key", "/srv/models/smollm2-q4_1.gguf")
-    assert laptop.endpoint.url == "http://192.0.2.12:8080" and laptop.endpoint.api_key == "test-key-1"
+    endpoint = server_endpoint(inventory.host("laptop"), laptop)  # bound to 0.0.0.0: asked at the host's address
+    assert endpoint.url == "http://192.0.2.12:8080" and endpoint.api_key == "test-key-1" and endpoint.via is None
 
 
 def test_jobs_and_probes_get_the_account_and_sandbox_the_role_gives_the_unit(fleet: tuple[Inventory, Path]) -> None:

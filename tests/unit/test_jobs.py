@@ -7,7 +7,7 @@ import pytest
 
 from rigctl import jobs
 from rigctl.errors import ConfigError
-from rigctl.fleet.servers import probe_command
+from rigctl.fleet.servers import probe_server_argv
 from rigctl.hostside import jobfiles, jobhost, sandbox, ship
 from rigctl.inventory import Host, Inventory
 from rigctl.inventory.model import ServiceAccount
@@ -73,7 +73,7 @@ def test_a_job_runs_as_the_service_account_writable_only_its_run_directory(lab_i
 
 def test_a_probe_server_runs_with_the_units_account_and_sandbox(lab_inventory: Inventory) -> None:
     server = lab_inventory.host("desktop").server("smollm2")
-    argv = probe_command(server, "rigctl-ctxprobe-smollm2", ["--port", "8180"])
+    argv = probe_server_argv(server, "rigctl-ctxprobe-smollm2", ["--port", "8180"])
     assert argv[-3:] == [server.binary, "--port", "8180"]
     props = _properties(argv)
     assert props[:3] == ["User=llama", "Group=llama", "SupplementaryGroups=video"]

@@ -13,11 +13,9 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import role_modules
 
 from rigctl.fleet.build import parse_fact
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import role_modules  # noqa: E402
 
 LIBRARY = Path(__file__).resolve().parents[2] / "roles" / "llama_cpp" / "library"
 

@@ -13,17 +13,16 @@ from pathlib import Path
 import pytest
 import role_modules
 import yaml
+from hf_server import HfRepo, HfServer
+from make_hf_checkout import gguf_file
+from models_support import gguf_reader_summary
 
-from rigctl.fleet.models import parse_manifest, set_pins_text
+from rigctl.fleet.models import parse_manifest
 from rigctl.hostside.model_checkout import CheckoutError, confined_name, remote_code
 from rigctl.inventory import Inventory
 from rigctl.inventory.check import check
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
-from hf_server import HfRepo, HfServer  # noqa: E402
-from make_hf_checkout import gguf_file  # noqa: E402
-from models_support import gguf_reader_summary  # noqa: E402
 
 LIBRARY = REPO / "roles" / "models" / "library"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -52,15 +51,6 @@ def test_gguf_summary_refuses_a_truncated_file(tmp_path):
     module = _artifact_module()
     with pytest.raises(module.GGUFError, match="truncated"):
         module.gguf_summary(str(cut))
-
-
-def test_set_pins_text_replaces_only_the_pins_block():
-    text = "# rig\ngpu_host_gpu:\n  name: x\nmodels_pins:\n  old: " + "0" * 64 + "\nother: 1\n"
-    out = set_pins_text(text, {"a": "1" * 64, "b": "2" * 64})
-    assert yaml.safe_load(out) == {"gpu_host_gpu": {"name": "x"}, "other": 1,
-                                   "models_pins": {"a": "1" * 64, "b": "2" * 64}}
-    assert out.startswith("# rig\n")
-    assert set_pins_text("a: 1", {"x": "3" * 64}) == "a: 1\nmodels_pins:\n  x: \"" + "3" * 64 + "\"\n"
 
 
 def test_parse_manifest_quant_mix():
@@ -215,8 +205,13 @@ def test_the_command_runs_as_a_sandboxed_transient_unit() -> None:
             "NoNewPrivileges=yes", "CapabilityBoundingSet=", "StateDirectory=rigctl-models-m-bf16-0123abcd",
             "RuntimeMaxSec=60"} <= properties
     assert not any(p.startswith(("ReadWritePaths", "User=")) for p in properties)  # its state directory only
-    assert argv[argv.index("--") + 1:] == ["/venv/bin/python", "convert.py", "--outfile",
-                                           "/var/lib/rigctl-models-m-bf16-0123abcd/m.gguf"]
+    # Through the shell that drops the variables llama.cpp reads, then execs the command itself.
+    command = argv[argv.index("--") + 1:]
+    assert command[:2] == ["/bin/sh", "-c"] and command[4:] == [
+        "/venv/bin/python", "convert.py", "--outfile", "/var/lib/rigctl-models-m-bf16-0123abcd/m.gguf"]
+    from rigctl.hostside.sandbox import CONFIG_HOME
+
+    assert {"InaccessiblePaths=-/etc/llama.cpp", f"Environment=XDG_CONFIG_HOME={CONFIG_HOME}"} <= properties
     assert "--setenv=X=1" in argv
 
 

@@ -115,12 +115,13 @@ def test_an_empty_fleet_loads_and_hosts_add_gets_past_it(tmp_path: Path) -> None
 
 @pytest.mark.parametrize("args", [["hosts", "add", "gpu1", "192.0.2.7", "--key", "k"], ["hosts", "remove", "gpu1"],
                                   ["hosts", "probe", "gpu1", "--write"], ["models", "pin"],
-                                  ["build", "upgrade", "--to", "b9999"]])
+                                  ["build", "upgrade", "--to", "b9999"], ["hosts", "drain", "gpu1", "--reason", "fan"],
+                                  ["hosts", "undrain", "gpu1"], ["models", "pin-revisions"]])
 def test_a_command_that_writes_to_an_inventory_needs_it_named(tmp_path: Path, args: list[str]) -> None:
     """Without -i the default is ansible.cfg's (a checkout's: the lab): no command writes there unasked."""
     env = {k: v for k, v in os.environ.items() if k != "RIGCTL_INVENTORY"}
     done = subprocess.run([RIGCTL, *args], cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
-    command = " ".join(args[:2]) if args[0] != "hosts" or args[1] != "probe" else "hosts probe --write"
+    command = "hosts probe --write" if args[:2] == ["hosts", "probe"] else " ".join(args[:2])
     assert done.returncode == 2
     assert done.stderr == (f"error: {command} writes to the inventory: name it with -i DIR (or RIGCTL_INVENTORY); "
                            "rigctl never writes to an inventory it was not told about\n")

@@ -101,6 +101,9 @@ def _nvidia_smi_query(text: str) -> object:
     stamp = _project(text, GPU_FIELDS.split(","))
     if stamp is not None:
         out["stamp"] = parse_gpu_query(stamp)
+    health = _project(text, nvidia_smi.HEALTH_FIELDS)
+    if health is not None:
+        out["health"] = [dataclasses.asdict(gpu) for gpu in nvidia_smi.parse_health(health)]
     return out
 
 
@@ -119,6 +122,10 @@ def _cpuinfo(text: str) -> object:
 
 
 READERS["cpuinfo"] = _cpuinfo
+#: ``nvidia-smi -q``: the health cells the lab's stand-in replays from it.
+READERS["nvidia-smi-q"] = nvidia_smi.query_health_cells
+#: Kernel logs (dmesg, journalctl, syslog): the Xid reports, each GPU's PCI address and the code.
+READERS["kernel_log_xid"] = lambda text: [{"bus": list(x.bus), "code": x.code} for x in nvidia_smi.parse_xids(text)]
 READERS["os_release"] = lambda text: {"os": host_facts.read_os("capture", text)}
 READERS["llama_version"] = lambda text: llama_version.parse(text).as_dict()
 

@@ -56,7 +56,6 @@ SHOWN = "x [/] [bold]y\\x1b[2J\\x1b]0;owned\\x07"
 
 def test_compare_prints_a_records_sets_and_answers_as_text(tmp_path: Path) -> None:
     """The habits table (and every other) shows the record's set names and answers literally."""
-    sys.path.insert(0, str(REPO / "tests"))
     from handmade_runs import eval_run
 
     rows = [{"id": f"q{i}", "set": HOSTILE, "score": i % 2, "cutoff": False, "pred": HOSTILE, "gold": "[/]"}

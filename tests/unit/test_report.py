@@ -158,7 +158,7 @@ def test_bench_runs_with_another_matrix_do_not_answer_the_campaign(tmp_path):
      "artifact 'mystery' is not listed under artifacts"),
     ({"benches": [{"name": "speed", "hosts": ["desktop"], "models": ["qwen-q4_0"], "matrix": {"r": 0}}]},
      "benches.0.matrix.r: Input should be greater than or equal to 1"),
-    ({"colour": "blue"}, "colour: Extra inputs are not permitted"),
+    ({"colour": "blue"}, "colour: unknown key"),
     ({"evals": [{"name": "suite", "task": "suite.yaml", "runs": [
         {"host": "desktop", "server": "qwen", "artifact": "qwen-q4_0"},
         {"host": "desktop", "server": "qwen", "artifact": "qwen-q4_0"}]}], "comparisons": []},
@@ -322,6 +322,25 @@ def test_a_run_that_departs_from_its_instruments_request_is_named(tmp_path, resu
     assert line.startswith("**Not BFCL's own request**: max_tokens 16 (BFCL: no limit). "
                            "Why: the lab rigs share two CPU cores. ([run record](")
     assert "eval-g" not in line
+
+
+def test_each_gsm8k_number_says_which_request_produced_it(tmp_path, results):
+    lmeval = {"name": "lm-eval", "reproduces": "lm-eval 0.4.13 gsm8k", "num_fewshot": 5, "fewshot_as_multiturn": True,
+              "fewshot_seed": 1234, "stop": ["Question:", "</s>", "<|im_end|>"], "max_tokens": 256}
+    for run, request in (("eval-q", lmeval), ("eval-g", None)):  # eval-g: a record from before requests were stamped
+        path = results / "desktop" / run / "run.json"
+        record = json.loads(path.read_text())
+        record["task"].update(scorer="gsm8k", request=request, instruments={"lm-eval": "0.4.13"})
+        path.write_text(json.dumps(record))
+    report = build_report(load_campaign(_write_campaign(tmp_path)), ResultsStore(results), tmp_path / "out")
+    quality = report.markdown.split("## Quality", 1)[1].split("\n## ", 1)[0]
+    ours, theirs = ([line for line in quality.splitlines() if line.startswith(f"**Request: {who}")]
+                    for who in ("rigctl", "lm-eval"))
+    assert len(ours) == len(theirs) == 1
+    assert theirs[0].startswith("**Request: lm-eval 0.4.13 gsm8k's own** (5-shot as chat turns, stop Question:, "
+                                "</s>, <|im_end|>, 256 tokens); the lm-eval columns are its scores (lm-eval 0.4.13)")
+    assert "eval-q" in theirs[0] and "eval-g" not in theirs[0]
+    assert "do not compare with lm-eval's published gsm8k numbers" in ours[0] and "eval-g" in ours[0]
 
 
 def test_a_replicate_pair_sets_its_disagreement_beside_the_ab_difference(tmp_path, results):

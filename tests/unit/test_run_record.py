@@ -15,6 +15,7 @@ import pytest
 from rigctl.errors import ConfigError, RigctlError, TrustError
 from rigctl.hostside import jobrun
 from rigctl.hostside import stamp as host_stamp
+from rigctl.hostside.masking import mask_argv
 from rigctl.results.record import (
     RECORD_VERSION,
     RUN_FILE,
@@ -202,8 +203,8 @@ def test_the_host_reads_a_running_processs_argv_from_proc_with_secrets_masked():
         child.kill()
         child.wait()
     assert read == argv
-    assert host_stamp.mask_secrets(read)[3:7] == ["--api-key", "***", "--hf-token=***", "-c"]
-    assert host_stamp.mask_secrets(["--api-key-file", "/etc/k"]) == ["--api-key-file", "/etc/k"]
+    assert mask_argv(read)[3:7] == ["--api-key", "***", "--hf-token=***", "-c"]
+    assert mask_argv(["--api-key-file", "/etc/k"]) == ["--api-key-file", "/etc/k"]
 
 
 def test_a_unit_that_is_not_running_has_no_argv():

@@ -15,17 +15,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import role_modules
+from package_index import PackageIndex, hostile_sdist
 
 from rigctl.fleet.deploy import mitogen_strategy_dir
 from rigctl.hostside import sdist_fetch
 from rigctl.hostside.sdist_fetch import SdistFetchError, fetch_sdist, pip_index_urls
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "fixtures"))
-from package_index import PackageIndex, hostile_sdist  # noqa: E402
-
-sys.path.insert(0, str(REPO / "tests"))
-import role_modules  # noqa: E402
 
 PROJECT, VERSION = "hostile-pkg", "1.0"
 SDIST = "hostile_pkg-1.0.tar.gz"

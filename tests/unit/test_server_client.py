@@ -11,6 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from rigctl.errors import ConfigError, ServerError
+from rigctl.forward import server_endpoint
 from rigctl.inventory import Host
 from rigctl.llama_http.api import (
     ChatStreamAssembler,
@@ -88,9 +89,9 @@ def test_endpoint_validation_and_inventory():
     with pytest.raises(ConfigError, match="must start with http"):
         Endpoint("h:8080")
     host = Host("desktop", "10.0.0.1", "root", ("all",), {
-        "llama_server_api_key": "k", "llama_server_profiles": {"p": {}},
+        "llama_server_api_key": "k", "llama_server_profiles": {"p": {"host": "0.0.0.0"}},
         "llama_server_instances": {"qwen": {"artifact": "q", "profile": "p", "port": 8081}}})
-    endpoint = host.server("qwen").endpoint
+    endpoint = server_endpoint(host, host.server("qwen"))  # listening on every address: asked directly
     assert (endpoint.url, endpoint.api_key, endpoint.label) == ("http://10.0.0.1:8081", "k", "desktop/qwen")
     with pytest.raises(ConfigError, match="no llama_server instance 'gemma' .*instances: qwen"):
         host.server("gemma")

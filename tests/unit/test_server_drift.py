@@ -15,6 +15,7 @@ import pytest
 
 from rigctl.errors import ConfigError
 from rigctl.fleet.servers import parse_pending_restarts
+from rigctl.hostside import sandbox, stamp
 from rigctl.hostside.server_drift import (
     ARGUMENTS,
     BINARY,
@@ -33,6 +34,7 @@ def _launcher(config_dir: Path, dest: Path) -> Path:
     text = LAUNCHER_TEMPLATE.read_text()
     text = text.replace("{{ ansible_managed | comment }}", "# rendered by the test")
     text = text.replace("{{ llama_server_config_dir }}", str(config_dir))
+    text = text.replace("{{ none | llama_server_clean_env }}", sandbox.CLEAN_ENV_SH)
     assert "{{" not in text and "{%" not in text, "the launcher template uses more than the test renders"
     dest.write_text(text)
     dest.chmod(0o755)
@@ -50,7 +52,9 @@ def started(tmp_path: Path) -> Iterator[tuple[Path, int]]:
     assert sleep is not None
     (config / "smollm2.bin").symlink_to(sleep)
     launcher = _launcher(config, tmp_path / "llama-server-exec")
-    proc = subprocess.Popen(["/bin/sh", str(launcher), "smollm2"])
+    # A variable from outside (a drop-in's) that llama.cpp would read as -n 5: the launcher drops it.
+    proc = subprocess.Popen(["/bin/sh", str(launcher), "smollm2"],
+                            env={**os.environ, "LLAMA_ARG_N_PREDICT": "5", "HF_TOKEN": "hf_x"})
     try:
         deadline = time.monotonic() + 10
         while (view := process_view(proc.pid)) is None or view["argv"] != ["3600"]:
@@ -68,6 +72,13 @@ def test_a_server_started_from_its_files_runs_them(started: tuple[Path, int]) ->
     assert view is not None
     assert view["exe"] == os.path.realpath(config / "smollm2.bin")
     assert differences(str(config), "smollm2", view) == []
+
+
+def test_the_launcher_lets_no_llama_cpp_variable_through(started: tuple[Path, int]) -> None:
+    _, pid = started
+    environ = Path(f"/proc/{pid}/environ").read_bytes()
+    assert stamp.parse_environ(environ) == []
+    assert b"RIGCTL_LLAMA_SERVER_ENV_SHA256=" in environ  # what the launcher itself sets is there
 
 
 def test_each_file_changed_after_the_start_is_named(started: tuple[Path, int], tmp_path: Path) -> None:

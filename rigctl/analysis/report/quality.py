@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -65,7 +65,8 @@ def quality_section(loaded: LoadedCampaign, found: Located, links: Links, out_di
         if not pulled:
             lines += [NOT_PULLED, ""]
             continue
-        lines += _deviation_lines(pulled, links)
+        lines += _run_notes(pulled, links, deviation_text)
+        lines += _run_notes(pulled, links, lambda run: request_text(run.record.task))
         scores = {t.id: run_scores(r, resamples=campaign.resamples, seed=campaign.seed) for t, r in pulled}
         sets = sorted({g.set for gaps in scores.values() for g in gaps if g.set != OVERALL})
         # GSM8K runs carry lm-eval's two scores beside rigctl's: each gets its own named column.
@@ -95,18 +96,43 @@ def quality_section(loaded: LoadedCampaign, found: Located, links: Links, out_di
     return lines
 
 
-def _deviation_lines(pulled: Sequence[tuple[Any, StoredRun]], links: Links) -> list[str]:
-    """What the runs' records say departs from their instrument's own request (a BFCL task with a token limit,
-    say): its scores are then not the instrument's, and the report says so before showing them."""
+def deviation_text(run: StoredRun) -> str | None:
+    """What a run's record says departs from its instrument's own request (a BFCL task with a token limit, say):
+    its scores are then not the instrument's, and the report says so before showing them."""
+    deviations = run.record.extra.get("deviations")
+    if not isinstance(deviations, dict) or not deviations.get("settings"):
+        return None
+    return (f"**Not {deviations.get('from', 'the instrument')}**: "
+            f"{'; '.join(map(str, deviations['settings']))}. Why: {deviations.get('reason') or 'not said'}.")
+
+
+def _run_notes(pulled: Sequence[tuple[Any, StoredRun]], links: Links,
+               note: Callable[[StoredRun], str | None]) -> list[str]:
+    """One line per distinct note the runs carry, linked to the records of the runs that carry it."""
     seen: dict[str, list[StoredRun]] = {}
     for _, run in pulled:
-        deviations = run.record.extra.get("deviations")
-        if isinstance(deviations, dict) and deviations.get("settings"):
-            text = (f"**Not {deviations.get('from', 'the instrument')}**: "
-                    f"{'; '.join(map(str, deviations['settings']))}. Why: {deviations.get('reason') or 'not said'}.")
+        if (text := note(run)) is not None:
             seen.setdefault(text, []).append(run)
     return [line for text, runs in seen.items()
             for line in (f"{text} ({links.number('run record', [r.path / RUN_FILE for r in runs])})", "")]
+
+
+def request_text(task: Any) -> str | None:
+    """Which request produced a GSM8K run's numbers, from its record's task (None for other scorers). A record
+    from before requests were stamped ran rigctl's own, then the only one."""
+    if task is None or task.scorer != "gsm8k":
+        return None
+    request = task.request or {"name": "rigctl"}
+    scoring = ", ".join(f"{name} {version}" for name, version in sorted(task.instruments.items())) or "lm-eval 0.4"
+    if request.get("name") == "lm-eval":
+        turns = "as chat turns" if request.get("fewshot_as_multiturn") else "in one user turn"
+        return (f"**Request: {request.get('reproduces', 'lm-eval')}'s own** ({request.get('num_fewshot')}-shot "
+                f"{turns}, stop {', '.join(map(str, request.get('stop') or []))}, {request.get('max_tokens')} "
+                f"tokens); the lm-eval columns are its scores ({scoring}), to set beside its published numbers.")
+    limit = request.get("max_tokens")
+    return (f"**Request: rigctl's own** (zero-shot, no stop sequences{f', {limit} tokens' if limit else ''}); "
+            f"the lm-eval columns apply {scoring}'s scoring to it, so they do not compare with lm-eval's published "
+            f"gsm8k numbers (task option `request: lm-eval` asks as lm-eval does).")
 
 
 def _quality_chart(path: Path, overall: list[tuple[str, Interval]], title: str) -> None:

@@ -12,7 +12,8 @@ description:
     library C(libcuda.so) (the driver's, or the toolkit's stub), if anywhere; the driver's CUDA version
     and the GPUs' compute capabilities from nvidia-smi; the CPU model and the instruction-set extensions
     C(-march=native) compiles for (from /proc/cpuinfo flags) with their short hash; free space under
-    the given paths.
+    the given paths; the llama.cpp config files on the host (module_utils sandbox, rigctl/hostside/sandbox.py,
+    the fact rigctl's probe reads too).
   - Never changes the host; supports check mode.
   - nvidia-smi's output is read by module_utils nvidia_smi (rigctl/hostside/nvidia_smi.py), the reader rigctl's
     probe uses too: both header generations (Driver/CUDA Version and R610's KMD/CUDA UMD Version).
@@ -42,6 +43,7 @@ import subprocess
 from ansible.module_utils.cpuinfo import parse as parse_cpuinfo
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.nvidia_smi import cell, summary_versions
+from ansible.module_utils.sandbox import CONFIG_HOME, config_files_command, parse_config_files
 
 
 def _run(argv: list[str], timeout: float = 20.0) -> tuple[int, str]:
@@ -151,6 +153,8 @@ def main() -> None:
         "cpu_isa": isa,
         "cpu_isa_hash": isa_hash(platform.machine(), isa),
         "free_mib": {path: _free_mib(path) for path in p["paths"]},
+        "config_files": parse_config_files(_run(config_files_command())[1]),
+        "config_home": CONFIG_HOME,
     }
     if p["nvidia_smi"] and result["nvidia_smi"]:
         rc, out = _run(["nvidia-smi"])

@@ -41,6 +41,8 @@ import struct
 import subprocess
 from dataclasses import dataclass
 
+from ansible.module_utils.sandbox import clean_environment
+
 # --------------------------------------------------------------------------------------- the model
 
 GGUF_MAGIC = b"GGUF"
@@ -229,9 +231,11 @@ def bench_argv(bin_dir: str, model: str, *, cuda: bool, threads: int) -> list[st
 
 
 def run(argv: list[str], timeout: float) -> tuple[int | None, str, str]:
-    """Run in its own process group, killed as a group at the timeout (rc None then)."""
+    """Run in its own process group, killed as a group at the timeout (rc None then), without the variables
+    llama.cpp reads from the environment (llama-bench reads no config file)."""
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                            text=True, errors="replace", start_new_session=True)
+                            text=True, errors="replace", start_new_session=True,
+                            env=clean_environment(os.environ))
     try:
         out, err = proc.communicate(timeout=timeout)
         return proc.returncode, out, err

@@ -83,7 +83,13 @@ def llama_server_sandbox(device_allow: list[str], read_write: list[str]) -> list
         raise AnsibleFilterError(f"llama_server: {exc}") from None
 
 
+def llama_server_clean_env(_: Any = None) -> str:
+    """Jinja: ``none | llama_server_clean_env``: the launcher's line that drops the variables llama.cpp reads
+    (rigctl/hostside/sandbox.py's ``CLEAN_ENV_SH``)."""
+    return str(_load(_SANDBOX_MODULE, SANDBOX, "sandbox").CLEAN_ENV_SH)
+
+
 class FilterModule:
     def filters(self) -> dict[str, Any]:
         return {"llama_server_plan": llama_server_plan, "llama_server_key_file": llama_server_key_file,
-                "llama_server_sandbox": llama_server_sandbox}
+                "llama_server_sandbox": llama_server_sandbox, "llama_server_clean_env": llama_server_clean_env}

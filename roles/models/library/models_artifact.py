@@ -74,7 +74,7 @@ from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.gguf import GGUFError, read_header, type_summary
 from ansible.module_utils.model_checkout import describe, remote_code
 from ansible.module_utils.model_files import file_sha256, manifest_path
-from ansible.module_utils.sandbox import UnsafeOutput, model_unit_properties, take_output
+from ansible.module_utils.sandbox import UnsafeOutput, clean_exec, model_unit_properties, take_output
 
 MANIFEST_VERSION = 1
 
@@ -190,7 +190,7 @@ class Sandbox:
                 "--service-type=exec", *[f"--property={prop}" for prop in model_unit_properties()],
                 f"--property=StateDirectory={self.state}", f"--property=RuntimeMaxSec={timeout}",
                 "--setenv=HOME=/tmp", "--setenv=HF_HUB_OFFLINE=1",
-                *[f"--setenv={k}={v}" for k, v in env.items()], "--", *argv]
+                *[f"--setenv={k}={v}" for k, v in env.items()], "--", *clean_exec(argv)]
 
     def run(self, argv: list, env: dict, timeout: int) -> subprocess.CompletedProcess:
         self.remove()  # a run that died before cleaning up
