@@ -87,7 +87,12 @@ def test_init_writes_a_starter_that_passes_check_and_takes_a_first_host(tmp_path
         assert path.read_text().startswith("#"), path
     from rigctl.fleet.enroll import InventoryFiles
 
-    InventoryFiles(tmp_path / "fleet").add_to_group("gpu1", "gpu_hosts", {"ansible_host": "192.0.2.7"})
+    files = InventoryFiles(tmp_path / "fleet", [REPO / "roles"], what="gpu1's entry")
+    files.add_to_group("gpu1", "gpu_hosts", {"ansible_host": "192.0.2.7"})
+    # What `hosts add`'s probe writes: the GPU, which the starter's CUDA build needs to know its architecture.
+    files.update_host_vars("gpu1", {"gpu_host_gpu": {"name": "NVIDIA GeForce RTX 3050 OEM", "vram_mib": 8192,
+                                                     "compute_capability": "8.6"}})
+    files.commit()  # checked before it lands: with the starter's settings, a probed host passes
     assert Inventory.load(tmp_path / "fleet").hosts["gpu1"].address == "192.0.2.7"
 
 
