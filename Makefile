@@ -10,7 +10,8 @@ export PIP_CACHE_DIR ?= $(RIGCTL_CACHE_DIR)/pip
 # Prometheus (and promtool) from Debian: the monitoring tests start the real thing.
 HOST_PACKAGES := systemd-container debootstrap iproute2 openssh-client zstd prometheus
 
-.PHONY: demo test check lint venv host-deps prepare cuda-check gpu-check upgrade-check lab-down clean
+.PHONY: demo test check lint venv host-deps prepare cuda-check gpu-check upgrade-check wheel-check floor-check \
+	lab-down clean
 
 venv: $(VENV)/.installed
 
@@ -50,6 +51,24 @@ test: check prepare
 upgrade-check: prepare
 	RIGCTL_UPGRADE_CHECK=1 PATH=$(CURDIR)/$(VENV)/bin:$$PATH nice -n 10 $(VENV)/bin/pytest -v -s \
 	  -o timeout=10800 tests/lab/test_upgrade_floor_lab.py tests/lab/test_upgrade_lab.py
+
+# rigctl as a user installs it: the wheel built from this checkout, installed in a fresh venv outside it and run
+# there with no RIGCTL_PROJECT (--version, init, inventory check, provision --check on the lab), and the rigctl.fleet
+# collection it builds, used by a user's own playbook on the lab (tests/lab/test_install_lab.py, also in `make test`).
+wheel-check: prepare
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/pytest -v tests/unit/test_packaging.py tests/lab/test_install_lab.py
+
+# The dependency floors are true: a venv with the lowest version of each dependency pyproject.toml allows
+# (tests/dependency_floors.py), pip's own consistency check, then the CLI's unit tests on it.
+FLOOR_VENV ?= .venv-floor
+floor-check:
+	rm -rf $(FLOOR_VENV)
+	python3 -m venv $(FLOOR_VENV)
+	python3 tests/dependency_floors.py > $(FLOOR_VENV)/floors.txt
+	$(FLOOR_VENV)/bin/pip install -q -c $(FLOOR_VENV)/floors.txt -e . pytest pytest-timeout hypothesis
+	$(FLOOR_VENV)/bin/pip check
+	PATH=$(CURDIR)/$(FLOOR_VENV)/bin:$$PATH $(FLOOR_VENV)/bin/pytest -q -p no:cacheprovider \
+	  tests/unit/test_bad_input.py tests/unit/test_packaging.py
 
 # Opt-in, outside `make test`'s budget: the pinned llama.cpp built WITH CUDA (sm_75 and sm_86) on a lab rig
 # from NVIDIA's CUDA wheels, then refused there by the smoke test for lack of a GPU (the README has the

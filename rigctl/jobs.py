@@ -225,7 +225,7 @@ def job_host_spec(host: Host, spec: JobSpec, job_id: str) -> dict[str, Any]:
         "params": dict(spec.params), "lock": spec.lock, "lock_file": lock_file, "job_dir": job_dir,
         # The stamp as the inventory knows it (the GPU here); the job completes it on the host.
         "results_dir": RESULTS_DIR, "record": {"gpu": dataclasses.asdict(inventory_gpu(host)), **spec.record},
-        "rigctl_version": rigctl.__version__,
+        "rigctl_version": rigctl.__version__, "rigctl_commit": rigctl.__commit__,
         "max_runtime_s": int(spec.max_runtime_s), "stop_servers": spec.stop_servers,
         "artifacts": list(spec.artifacts), "account": {"user": account.user, "group": account.group},
         # Writable: the run directory, nothing else.

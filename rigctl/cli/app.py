@@ -10,14 +10,12 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-# typer ships its own copy of click: its usage errors derive from these, not from the click package's.
-from typer._click.exceptions import ClickException, UsageError
-
 from rigctl.cli import (
     bench,
     build,
     campaign,
     check,
+    collection,
     compare,
     eval,
     exporter,
@@ -39,6 +37,17 @@ from rigctl.errors import RigctlError
 if TYPE_CHECKING:
     from rigctl.inventory.preload import InventoryPreload
 
+
+def _click_exception(name: str) -> type[Exception]:
+    """The click exception class ``name`` of the click typer parses with: a copy of its own in newer typers
+    (``typer._click``, not the click package), the click package in older ones. Reached through typer's public
+    BadParameter, whichever it is."""
+    return next(cls for cls in typer.BadParameter.__mro__ if cls.__name__ == name)
+
+
+ClickException = _click_exception("ClickException")
+UsageError = _click_exception("UsageError")
+
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Provision, serve, bench and evaluate a llama.cpp fleet from one inventory.")
 app.add_typer(inventory.app, name="inventory")
@@ -51,6 +60,8 @@ app.add_typer(bench.app, name="bench")
 app.add_typer(eval.app, name="eval")
 app.add_typer(check.app, name="check")
 app.add_typer(campaign.app, name="campaign")
+app.add_typer(collection.app, name="collection")
+app.command("init")(inventory.init)
 app.command("provision")(provision.provision)
 app.command("jobs")(jobs.jobs_list)
 app.command("pull")(jobs.pull)
@@ -68,6 +79,20 @@ class _PlainFormatter(logging.Formatter):
         return f"{record.levelname.lower()}: {record.getMessage()}"
 
 
+def version_line() -> str:
+    """``rigctl --version``: the package's version (SemVer), and the commit when run from a checkout."""
+    import rigctl
+
+    commit = rigctl.__commit__
+    return f"rigctl {rigctl.__version__}" + (f" (commit {commit})" if commit else "")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(version_line())
+        raise typer.Exit()
+
+
 @app.callback()
 def main_options(
     ctx: typer.Context,
@@ -75,6 +100,8 @@ def main_options(
                                                   help="Inventory directory or file (default: ansible.cfg's).")] = None,
     verbose: Annotated[int, typer.Option("-v", "--verbose", count=True, help="More log output (-vv: debug).")] = 0,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False,
+    version: Annotated[bool, typer.Option("--version", is_eager=True, callback=_print_version,
+                                          help="Print rigctl's version (and commit, in a checkout) and exit.")] = False,
 ) -> None:
     from rich.logging import RichHandler
 

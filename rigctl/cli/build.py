@@ -9,7 +9,14 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from rigctl.cli.common import LimitOption, ResultsOption, console, load_inventory, results_store
+from rigctl.cli.common import (
+    LimitOption,
+    ResultsOption,
+    console,
+    load_inventory,
+    load_inventory_to_write,
+    results_store,
+)
 from rigctl.cli.render import about_host, outside_text, print_event, print_task
 from rigctl.errors import ConfigError, RigctlError
 
@@ -113,7 +120,7 @@ def build_upgrade(
     from rigctl.fleet.candidate import parse_cmake_options
     from rigctl.upgrade.upgrade import upgrade
 
-    result = upgrade(load_inventory(), to, canary=canary, gates_file=gates,
+    result = upgrade(load_inventory_to_write("build upgrade"), to, canary=canary, gates_file=gates,
                      cmake_options=parse_cmake_options(cmake or []), allow=_named(allow_advisory, "--allow-advisory"),
                      store=results_store(results), say=_say, on_event=_event, sha256=sha256)
     console.print(_gate_table(result.results))

@@ -63,6 +63,15 @@ def load_inventory() -> Inventory:
     return Inventory.load(state.inventory_source)
 
 
+def load_inventory_to_write(command: str) -> Inventory:
+    """The inventory ``command`` writes to: only one named with ``-i`` (or ``$RIGCTL_INVENTORY``), never the
+    default that ansible.cfg names, which may be another fleet's (a checkout's is the lab's)."""
+    if state.inventory_source is None:
+        raise ConfigError(f"{command} writes to the inventory: name it with -i DIR (or RIGCTL_INVENTORY); "
+                          "rigctl never writes to an inventory it was not told about")
+    return load_inventory()
+
+
 def results_store(results: Path | None) -> ResultsStore:
     from rigctl.results.store import ResultsStore
 

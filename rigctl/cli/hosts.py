@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.table import Table
 
-from rigctl.cli.common import console, err_console, load_inventory, state
+from rigctl.cli.common import console, err_console, load_inventory, load_inventory_to_write, state
 from rigctl.cli.render import outside_text, print_deploy_summary, print_event, print_task
 from rigctl.errors import ConfigError
 
@@ -95,7 +95,7 @@ def hosts_add(
         raise ConfigError("give exactly one of --ask-pass or --key FILE")
     if fingerprint is not None:
         check_fingerprint_option(fingerprint)
-    inv = load_inventory()
+    inv = load_inventory_to_write("hosts add")
 
     def ask_password() -> str:
         return typer.prompt(f"SSH password for {user}@{address}", hide_input=True, err=True)
@@ -133,7 +133,7 @@ def hosts_remove(name: Annotated[str, typer.Argument(help="Host in the inventory
     """Take NAME out of hosts.yml, its host_vars file and known_hosts; nothing on the host changes."""
     from rigctl.fleet.enroll import remove_host
 
-    result = remove_host(load_inventory(), name)
+    result = remove_host(load_inventory_to_write("hosts remove"), name)
     parts = [what for what, done in (("hosts.yml", result.hosts_file), ("host_vars", result.host_vars),
                                      ("known_hosts", result.known_hosts)) if done]
     console.print(f"{name}: removed from {', '.join(parts) or 'nothing (it held no entries)'}", highlight=False)
@@ -150,7 +150,8 @@ def hosts_probe(
     """
     from rigctl.fleet.enroll import probe_host
 
-    result = probe_host(load_inventory(), name, write=write)
+    inventory = load_inventory_to_write("hosts probe --write") if write else load_inventory()
+    result = probe_host(inventory, name, write=write)
     _print_facts(name, result.facts)
     if not result.drift:
         console.print(f"{name}: host_vars agree with the host", highlight=False)
@@ -176,7 +177,7 @@ def hosts_drain(
     servers keep serving."""
     from rigctl.fleet.drain import check_reason, drain
 
-    found = drain(load_inventory(), name, check_reason(reason))
+    found = drain(load_inventory_to_write("hosts drain"), name, check_reason(reason))
     console.print(f"{name}: drained since {found.since}: {found.reason}", markup=False, highlight=False)
 
 
@@ -185,7 +186,7 @@ def hosts_undrain(name: Annotated[str, typer.Argument(help="Host in the inventor
     """Put NAME back in service."""
     from rigctl.fleet.drain import undrain
 
-    before = undrain(load_inventory(), name)
+    before = undrain(load_inventory_to_write("hosts undrain"), name)
     console.print(f"{name}: " + (f"back in service (drained since {before.since} by {before.by}: {before.reason})"
                                  if before else "was not drained; nothing changed"), markup=False, highlight=False)
 

@@ -1,10 +1,15 @@
-"""``rigctl inventory check``."""
+"""``rigctl inventory check``; ``rigctl init``: a starter inventory."""
 
 from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Annotated
 
 import typer
 
 from rigctl.cli.common import console, err_console, load_inventory
+from rigctl.errors import RigctlError
 
 app = typer.Typer(no_args_is_help=True, help="The inventory: validate it.")
 
@@ -16,7 +21,7 @@ def inventory_check() -> None:
     from rigctl.inventory.check import check
 
     inv = load_inventory()
-    problems = check(inv, roles_paths(inv))
+    problems = check(inv, roles_paths())
     for problem in problems:
         (console if problem.severity == "warning" else err_console).print(str(problem), markup=False,
                                                                             highlight=False, soft_wrap=True)
@@ -27,3 +32,21 @@ def inventory_check() -> None:
         err_console.print(summary, markup=False, highlight=False)
         raise typer.Exit(2)
     console.print(summary, markup=False, highlight=False)
+
+
+def init(directory: Annotated[Path, typer.Argument(help="The new inventory's directory (new, or empty).")]) -> None:
+    """Write a starter inventory to DIRECTORY (commented: the fleet's group, connection, llama.cpp pin, model
+    catalog and server profile) that passes `inventory check`; then add the first host to it."""
+    from rigctl.inventory import Inventory
+    from rigctl.inventory.check import check
+    from rigctl.inventory.starter import write_starter
+
+    written = write_starter(directory)
+    for path in written:
+        console.print(f"wrote {directory / path}", markup=False, highlight=False)
+    problems = [p for p in check(Inventory.load(directory)) if p.severity == "error"]
+    if problems:  # the shipped starter is checked in the tests; this names a broken install
+        raise RigctlError(f"{directory}: the starter inventory fails its check: {problems[0]}")
+    target = shlex.quote(str(directory))
+    console.print(f"next: rigctl -i {target} hosts add gpu1 ADDRESS --key ~/.ssh/id_ed25519", markup=False,
+                  highlight=False)

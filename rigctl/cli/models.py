@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from rigctl.cli.common import LimitOption, console, err_console, load_inventory
+from rigctl.cli.common import LimitOption, console, err_console, load_inventory, load_inventory_to_write
 from rigctl.cli.render import outside_text
 from rigctl.errors import RigctlError
 
@@ -56,7 +56,7 @@ def models_pin(limit: LimitOption = None) -> None:
     """Write the hashes observed on each host into its host_vars (models_pins), for review with git diff."""
     from rigctl.fleet.models import pin
 
-    for host, pins in pin(load_inventory(), limit).items():
+    for host, pins in pin(load_inventory_to_write("models pin"), limit).items():
         console.print(f"{host}: pinned {len(pins)} artifacts", highlight=False)
 
 
@@ -69,7 +69,7 @@ def models_pin_revisions(
     asked of HF_ENDPOINT's API; written round trip into the catalog's file, the branch kept as a comment."""
     from rigctl.fleet.revisions import pin_revisions
 
-    pinned = pin_revisions(load_inventory(), timeout=timeout)
+    pinned = pin_revisions(load_inventory_to_write("models pin-revisions"), timeout=timeout)
     for item in pinned:
         console.print(f"{item.model}: {item.repo}@{item.revision} -> {item.commit} ({item.file})", markup=False,
                       highlight=False)

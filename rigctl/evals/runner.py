@@ -247,6 +247,7 @@ def start_run(task: LoadedTask, endpoint: Endpoints, store: ResultsStore, host: 
     stamp.servers = [with_props(s, p, e) for s, p, e in zip(servers, props, endpoints, strict=False)]
     stamp.task = task_stamp(task)
     stamp.seed, stamp.concurrency, stamp.rigctl_version = options.seed, options.concurrency, rigctl.__version__
+    stamp.rigctl_commit = rigctl.__commit__
     return Run.create(
         "eval", stamp, store, host=host, commands=[" ".join(redact_argv(sys.argv))],
         extra={"thinking": options.thinking, "limit": limit, "timeout_s": options.timeout,

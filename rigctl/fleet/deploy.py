@@ -121,29 +121,38 @@ class DeployResult:
         raise DeployError(f"{self.playbook}: ansible-playbook {self.status} (rc {self.rc})")
 
 
-def project_root(inventory: Inventory | None = None) -> Path:
-    """The directory holding ``ansible.cfg`` and ``playbooks/``: $RIGCTL_PROJECT, or found by walking up
-    from the inventory, then from the working directory."""
+#: Where an installed rigctl keeps the roles, playbooks and ansible.cfg (setup.py copies them into the wheel).
+INSTALLED_PROJECT = Path(__file__).resolve().parents[1] / "project"
+#: The checkout a rigctl run from its source tree sits in.
+CHECKOUT = Path(__file__).resolve().parents[2]
+
+
+def is_project(path: Path) -> bool:
+    return (path / "playbooks").is_dir() and (path / "ansible.cfg").is_file()
+
+
+def project_root() -> Path:
+    """The directory holding ``ansible.cfg``, ``roles/`` and ``playbooks/``: $RIGCTL_PROJECT when set, else the
+    ones that came with this rigctl: the checkout it runs from, or the copy inside the installed package. Never
+    one found near the inventory or the working directory: the roles are those of the code that reads their
+    results."""
     env = os.environ.get("RIGCTL_PROJECT")
     if env:
         root = Path(env).resolve()
-        if not (root / "playbooks").is_dir():
-            raise ConfigError(f"RIGCTL_PROJECT={env}: no playbooks/ directory there")
+        if not is_project(root):
+            raise ConfigError(f"RIGCTL_PROJECT={env}: no ansible.cfg and playbooks/ there")
         return root
-    starts = [Path.cwd()]
-    if inventory is not None:
-        starts.insert(0, inventory.source.resolve())
-    for start in starts:
-        for candidate in [start, *start.parents]:
-            if (candidate / "playbooks").is_dir() and (candidate / "ansible.cfg").is_file():
-                return candidate
-    raise ConfigError("cannot find the rigctl project (ansible.cfg + playbooks/); set RIGCTL_PROJECT")
+    for candidate in (CHECKOUT, INSTALLED_PROJECT):
+        if is_project(candidate):
+            return candidate
+    raise ConfigError(f"rigctl's roles and playbooks are missing (neither {CHECKOUT} nor {INSTALLED_PROJECT} has "
+                      "ansible.cfg and playbooks/): reinstall rigctl, or set RIGCTL_PROJECT to a checkout")
 
 
-def roles_paths(inventory: Inventory) -> list[Path]:
+def roles_paths() -> list[Path]:
     """The project's roles, whose defaults ``inventory check`` knows as variables; none without a project."""
     try:
-        return [project_root(inventory) / "roles"]
+        return [project_root() / "roles"]
     except ConfigError:
         return []
 
@@ -270,6 +279,19 @@ def ansible_env(root: Path) -> dict[str, str]:
     return env
 
 
+def ansible_tool(name: str, env: Mapping[str, str]) -> str:
+    """Where Ansible's command ``name`` (ansible-playbook, ansible-galaxy) is on ``env``'s PATH (:func:`ansible_env`'s:
+    beside rigctl's Python first); ConfigError naming it, before anything is written or started, when it is not."""
+    import shutil
+
+    found = shutil.which(name, path=env.get("PATH"))
+    if found is None:
+        raise ConfigError(f"{name} is not installed beside rigctl's Python ({Path(sys.executable).parent}) nor on "
+                          f"PATH: install rigctl with its dependencies (pipx install rigctl, or pip in a venv), "
+                          f"which bring ansible-core's commands")
+    return found
+
+
 def check_host_keys(hosts: Iterable[Host]) -> None:
     """Connect to every SSH host once, at the same time, with rigctl's strict host-key checking; a refused
     key raises HostKeyError naming the host and its known_hosts file (several: one DeployError line
@@ -348,10 +370,11 @@ def run_playbook(
             serial = parse_serial(list(serial))
         except ValueError as exc:
             raise ConfigError(f"serial: {exc}") from None
-    root = project or project_root(inventory)
+    root = project or project_root()
     playbook_path = root / "playbooks" / playbook
     if not playbook_path.is_file():
         raise ConfigError(f"playbook {playbook_path}: no such file")
+    ansible_tool("ansible-playbook", ansible_env(root))
     # ansible-runner keeps its artifacts in the private data dir; rigctl reports from the events.
     with hosts_lock(selected) as lock_fds, contextlib.ExitStack() as stack:
         if preflight:

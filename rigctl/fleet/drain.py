@@ -78,7 +78,7 @@ def drain(inventory: Inventory, name: str, reason: str, *, by: str = "operator")
     inventory.host(name)  # ConfigError naming an unknown host, before anything is written
     since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     entry = {"reason": OutsideText(check_reason(reason)), "since": since, "by": by}
-    files = InventoryFiles(inventory.source, roles_paths(inventory), what=f"drain of {name}")
+    files = InventoryFiles(inventory.source, roles_paths(), what=f"drain of {name}")
     files.update_host_vars(name, {DRAIN_VAR: entry})
     files.edit.commit(verify=lambda staged: _reads_back(staged, name))
     return Drain(name, entry["reason"], entry["since"], by)
@@ -92,7 +92,7 @@ def undrain(inventory: Inventory, name: str) -> Drain | None:
     before = host_drain(inventory.host(name))
     if before is None:
         return None
-    files = InventoryFiles(inventory.source, roles_paths(inventory), what=f"undrain of {name}")
+    files = InventoryFiles(inventory.source, roles_paths(), what=f"undrain of {name}")
     files.remove_host_vars_keys(name, [DRAIN_VAR])
     files.edit.commit(verify=lambda staged: _reads_back(staged, name))
     return before

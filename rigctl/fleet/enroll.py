@@ -298,7 +298,7 @@ def probe_host(inventory: Inventory, name: str, *, write: bool = False) -> Probe
               for path in config_files(SshTarget.from_host(host)) if path not in adopted]
     written = False
     if write:
-        files = InventoryFiles(inventory.source, roles_paths(inventory), what=f"{name}'s facts")
+        files = InventoryFiles(inventory.source, roles_paths(), what=f"{name}'s facts")
         written = files.update_host_vars(name, observed) and bool(files.commit())
     return ProbeResult(name, facts, found, written)
 
@@ -478,7 +478,7 @@ def add_host(
     if existing is not None and options.group not in existing.groups:
         raise EnrollError(f"{name}: already in the inventory in groups {', '.join(existing.groups)}, "
                           f"not {options.group}")
-    root = project_root(inventory)
+    root = project_root()
     # The variables the host gets from its group: known_hosts, the fleet's key and user.
     prospective = existing or Inventory.load(inventory.source, add_hosts={name: options.group}).hosts[name]
     known_hosts = prospective.known_hosts
@@ -533,7 +533,7 @@ def remove_host(inventory: Inventory, name: str) -> RemoveResult:
     names = {known_hosts_name(name, host.port)}
     if host.address not in others:
         names.add(known_hosts_name(host.address, host.port))
-    files = InventoryFiles(inventory.source, roles_paths(inventory), what=f"{name}'s removal")
+    files = InventoryFiles(inventory.source, roles_paths(), what=f"{name}'s removal")
     in_hosts = files.remove_from_groups(name)
     in_vars = files.remove_host_vars(name)
     files.commit()

@@ -223,7 +223,7 @@ def write_pins(inventory: Inventory, pins: Mapping[str, Mapping[str, str]]) -> N
     host_vars = Path(inventory.source) / "host_vars"
     if not host_vars.is_dir():
         raise ConfigError(f"inventory {inventory.source}: no host_vars directory to write pins into")
-    edit = InventoryEdit(inventory.source, roles_paths(inventory), what="models pin")
+    edit = InventoryEdit(inventory.source, roles_paths(), what="models pin")
     for host, host_pins in pins.items():
         edit.update(host_vars / f"{host}.yml", {"models_pins": dict(sorted(host_pins.items()))})
     edit.commit()

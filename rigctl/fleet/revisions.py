@@ -140,7 +140,7 @@ def pin_revisions(inventory: Inventory, *, timeout: float = DEFAULT_TIMEOUT_S) -
     resolved = [Revision(item.file, item.model, item.repo, item.revision,
                          resolve(item, endpoint=endpoint, token=token, timeout=timeout)) for item in todo]
     when = datetime.now(UTC).strftime("%Y-%m-%d")
-    edit = InventoryEdit(inventory.source, roles_paths(inventory), what="models pin-revisions")
+    edit = InventoryEdit(inventory.source, roles_paths(), what="models pin-revisions")
     for path in files:
         mine = [r for r in resolved if r.file == path]
         if mine:

@@ -132,7 +132,8 @@ class Job:
         self.run_dir = Path(jobfiles.run_dir(self.spec))
         self.state_file = Path(jobfiles.state_path(self.spec))
         self.record = RunRecord.from_plain({
-            "rigctl_version": self.spec.get("rigctl_version", ""), **(self.spec.get("record") or {}),
+            "rigctl_version": self.spec.get("rigctl_version", ""), "rigctl_commit": self.spec.get("rigctl_commit", ""),
+            **(self.spec.get("record") or {}),
             "id": self.id, "kind": self.spec["kind"], "host": self.spec["host"], "started": utc_now()})
         self._state: dict[str, Any] = {
             "id": self.id, "kind": self.spec["kind"], "host": self.spec["host"], "unit": self.spec["unit"],

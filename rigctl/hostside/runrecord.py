@@ -208,6 +208,8 @@ class Provenance:
     seed: int | None = None
     concurrency: int | None = None
     rigctl_version: str = ""
+    #: The commit of the checkout rigctl ran from ("-dirty" after it: with changes); "" for an installed one.
+    rigctl_commit: str = ""
 
 
 PROVENANCE_FIELDS = tuple(f.name for f in dataclasses.fields(Provenance))
@@ -233,6 +235,7 @@ class RunRecord:
     seed: int | None = None
     concurrency: int | None = None
     rigctl_version: str = ""
+    rigctl_commit: str = ""
     commands: list[str] = field(default_factory=list)
     files: list[RawFile] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)  # the kind's own parameters and summary; "error"

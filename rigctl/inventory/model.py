@@ -427,7 +427,9 @@ class Inventory:
                 if add_hosts:
                     manager.reconcile_inventory()  # a new group goes under 'all', as a parsed one would
                     manager.clear_caches()
-            if not manager.get_hosts():
+            # A fleet with no hosts yet (`rigctl init`'s, before `hosts add`) has its groups; a file that
+            # defines neither is no inventory.
+            if not manager.get_hosts() and set(manager.groups) <= {"all", "ungrouped"}:
                 reason = next((w for w in warnings if "Failed to parse" in w), None)
                 raise ConfigError(f"inventory {path}: " + (reason or "no hosts (is it an Ansible inventory?)"))
             for warning in warnings:

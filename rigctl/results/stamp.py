@@ -64,7 +64,8 @@ def inventory_stamp(host: Host, servers: Sequence[Server] = (), *, artifacts: Se
     concurrency."""
     return Provenance(host=host.name, gpu=inventory_gpu(host), servers=list(servers),
                       artifacts=[Artifact(name=name, path=host.artifact(name).path) for name in artifacts],
-                      task=task, matrix=matrix, seed=seed, concurrency=concurrency, rigctl_version=rigctl.__version__)
+                      task=task, matrix=matrix, seed=seed, concurrency=concurrency, rigctl_version=rigctl.__version__,
+                      rigctl_commit=rigctl.__commit__)
 
 
 def complete_on_host(ssh: SshClient, stamp: Provenance, *, notes: list[str] | None = None) -> Provenance:

@@ -90,7 +90,7 @@ class PinFiles:
     def __init__(self, inventory: Inventory, origin: str):
         self.inventory = inventory
         self.origin = origin
-        self.edit = InventoryEdit(inventory.source, roles_paths(inventory), what="the new pin")
+        self.edit = InventoryEdit(inventory.source, roles_paths(), what="the new pin")
 
     def raw(self, key: str) -> Any:
         """``key`` as its file writes it (templates unrendered); None when no file of the origin defines it."""

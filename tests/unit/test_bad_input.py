@@ -90,10 +90,13 @@ def one_error(done: subprocess.CompletedProcess[str], rc: int, *needles: str) ->
 
 
 def test_usage_errors_name_the_option_and_exit_2() -> None:
-    one_error(rigctl("eval", "run", "--concurrency", "0"), 2, "'--concurrency'", "greater than or equal to 1",
-              "rigctl eval run --help")
+    line = one_error(rigctl("eval", "run", "--concurrency", "0"), 2, "'--concurrency'", "rigctl eval run --help")
+    # The bound, in the words of the click typer parses with (its own copy in newer typers; the click package at
+    # typer's floor).
+    assert "greater than or equal to 1" in line or "x>=1" in line, line
     one_error(rigctl("eval", "run", "--no-such-option"), 2, "--no-such-option")
-    one_error(rigctl("servers", "restart", "desktop"), 2, "Missing argument 'server'")
+    missing = one_error(rigctl("servers", "restart", "desktop"), 2)
+    assert "missing argument 'server'" in missing.lower(), missing  # typer's floor names it in capitals
     one_error(rigctl("no-such-command"), 2, "no-such-command")
 
 
