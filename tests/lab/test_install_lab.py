@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from benchlab import REPO
 
 from rigctl.inventory import Inventory
 
