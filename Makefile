@@ -81,7 +81,7 @@ cuda-check: prepare
 # CUDA for that GPU only, the role's smoke test, rigctl's probe, a bench cell with clock readings and a server decode
 # against the card's bandwidth bound, on a random-weight model made there (perf/gpu_check.py; the README has it).
 # Without a GPU it refuses in one line before building. The venv's Python when there is one, else the system's
-# (a machine without network has no venv; it needs PyYAML and numpy). GPU_CHECK_ARGS: e.g. --model-mib 1024.
+# (a machine without network has no venv; it needs PyYAML, ruamel.yaml and numpy). GPU_CHECK_ARGS: e.g. --model-mib 1024.
 gpu-check:
 	$(if $(wildcard $(PY)),$(PY),python3) perf/gpu_check.py $(GPU_CHECK_ARGS)
 

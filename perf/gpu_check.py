@@ -63,7 +63,7 @@ from rigctl.errors import BuildError, ConfigError, RigctlError  # noqa: E402
 from rigctl.files import cache_dir  # noqa: E402
 from rigctl.fleet.host_facts import HostFacts, new_token, parse_probe, probe_command  # noqa: E402
 from rigctl.hostside import gguf as gguf_reader  # noqa: E402
-from rigctl.hostside import stamp  # noqa: E402
+from rigctl.hostside import sandbox, stamp  # noqa: E402
 from rigctl.hostside.bench_task import ClockPoller, GpuReader, gguf_shape, llama_bench_argv, throttle_verdict  # noqa: E402
 from rigctl.hostside.llama_server_http import UnreadableJSON, decode_json  # noqa: E402
 
@@ -285,7 +285,15 @@ def build(src: Path, work: Path, entries: dict[str, str], jobs: int) -> Path:
 
 
 def load_smoke_module() -> types.ModuleType:
-    """The llama_cpp role's smoke-test module, loaded from its file (it imports Ansible only in ``main``)."""
+    """The llama_cpp role's smoke-test module, loaded from its file (it imports Ansible only in ``main``). Its
+    one module_utils import, ``sandbox``, is rigctl's own host-side module, as Ansible would ship it; a GPU machine
+    without a venv has no Ansible, so the packages above it are made empty there."""
+    try:
+        importlib.import_module("ansible.module_utils")
+    except ImportError:
+        for package in ("ansible", "ansible.module_utils"):
+            sys.modules[package] = types.ModuleType(package)
+    sys.modules["ansible.module_utils.sandbox"] = sandbox
     spec = importlib.util.spec_from_file_location("llama_cpp_smoke", SMOKE_MODULE)
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)

@@ -335,9 +335,9 @@ def bench_matches(run: StoredRun, bench: CampaignBench, host: str) -> bool:
     record = run.record
     if record.kind != "bench" or run.host != host or record.status != "done":
         return False
-    matrix = record.matrix or {}
+    matrix = record.matrix or {}  # a list flag a record predates (b, ub) ran at llama-bench's default: []
     return _artifact_names(run) == set(bench.models) and all(
-        matrix.get(k) == v for k, v in bench.matrix.flags().items())
+        matrix.get(k, []) == v for k, v in bench.matrix.flags().items())
 
 
 def drafting_matches(run: StoredRun, race: CampaignDrafting) -> bool:

@@ -118,7 +118,9 @@ def _plans(tmp_path: Path, builders: list[str]) -> list[str]:
                               "llama_cpp_build_once": True, "rigctl_cache_dir": str(tmp_path / "cache"),
                               "llama_cpp_install_root": str(tmp_path / "opt"),
                               "llama_cpp_work_root": str(tmp_path / "work")},
-                     "hosts": {name: {"__llama_cpp_installed": {"stat": {"exists": name == "b"}}}
+                     # What the preflight registers and the install tasks read: the stat, the probe's config home.
+                     "hosts": {name: {"__llama_cpp_installed": {"stat": {"exists": name == "b"}},
+                                      "__llama_cpp_probe": {"config_home": str(tmp_path / "config-home")}}
                                for name in ("a", "b", "c")}}}
     tmp_path.mkdir()
     (tmp_path / "hosts.json").write_text(json.dumps(hosts))

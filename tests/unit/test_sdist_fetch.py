@@ -232,7 +232,8 @@ _PLAY = textwrap.dedent("""\
 def _role_run(tmp_path: Path, index: PackageIndex, pin: str,
               strategy: str = "linear") -> subprocess.CompletedProcess[str]:
     (tmp_path / "play.yml").write_text(_PLAY)
-    (tmp_path / "work" / "src").mkdir(parents=True)  # the role's install tasks make it before these run
+    for made in ("src", "build"):  # the role's install tasks make them before these run
+        (tmp_path / "work" / made).mkdir(parents=True)
     # The host's Python has no pip (as the rigs' inventories say /usr/bin/python3): the fetch, delegated to
     # the controller, must run under the playbook's own Python, the one with pip.
     venv.create(tmp_path / "no-pip", with_pip=False)
@@ -287,7 +288,9 @@ def test_the_role_fetches_verifies_and_unpacks_without_running_the_sdist(index: 
     done = _role_run(tmp_path, index, _sha(archive), strategy)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert (tmp_path / "sources" / SDIST).read_bytes() == archive
-    assert (tmp_path / "work" / "src" / f"b1-{_sha(archive)[:12]}" / "llama.cpp" / "CMakeLists.txt").is_file()
+    # Unpacked into the build's own root, at the relative path every version shares (ccache's reuse).
+    unpacked = list((tmp_path / "work" / "build").glob("b1-*/source/llama.cpp/CMakeLists.txt"))
+    assert len(unpacked) == 1, unpacked
     assert not marker.exists()
 
 
@@ -302,7 +305,8 @@ def test_the_role_refuses_an_archive_that_is_not_the_pin_in_one_line(index: Pack
             f"{index.url.removesuffix('/simple')}/files/{SDIST}): the index gives sha256 {_sha(archive)} "
             f"but the pin is {pin}; nothing fetched")
     assert line in out, out
-    assert _leftovers(tmp_path / "sources") == [] and _leftovers(tmp_path / "work" / "src") == []
+    assert _leftovers(tmp_path / "sources") == [] and _leftovers(tmp_path / "work" / "src") == [] \
+        and _leftovers(tmp_path / "work" / "build") == []
     assert not marker.exists()
 
 
