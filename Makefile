@@ -10,7 +10,7 @@ export PIP_CACHE_DIR ?= $(RIGCTL_CACHE_DIR)/pip
 # Prometheus (and promtool) from Debian: the monitoring tests start the real thing.
 HOST_PACKAGES := systemd-container debootstrap iproute2 openssh-client zstd prometheus
 
-.PHONY: demo test check lint venv host-deps prepare cuda-check gpu-check upgrade-check wheel-check floor-check \
+.PHONY: demo test check docs lint venv host-deps prepare cuda-check gpu-check upgrade-check wheel-check floor-check \
 	lab-down clean
 
 venv: $(VENV)/.installed
@@ -32,8 +32,13 @@ lint: venv
 	$(VENV)/bin/ruff check rigctl tests perf
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/ansible-lint --offline -q playbooks/ roles/
 
-# Lint and the unit tests (no lab rigs, no root): the quick loop while working.
-check: lint
+# The manual (docs/, mkdocs.yml) as a static site in site/; --strict: a broken link or anchor between pages fails it
+# (not --quiet: mkdocs then drops the warnings before --strict counts them, and passes).
+docs: venv
+	$(VENV)/bin/mkdocs build --strict -d $(CURDIR)/site
+
+# Lint, the manual and the unit tests (no lab rigs, no root): the quick loop while working.
+check: lint docs
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/pytest -q -n auto tests/unit
 
 # The lab's slow one-time work (base image, the lab's llama.cpp build) into the cache, as its own step
@@ -71,7 +76,7 @@ floor-check:
 	  tests/unit/test_bad_input.py tests/unit/test_packaging.py
 
 # Opt-in, outside `make test`'s budget: the pinned llama.cpp built WITH CUDA (sm_75 and sm_86) on a lab rig
-# from NVIDIA's CUDA wheels, then refused there by the smoke test for lack of a GPU (the README has the
+# from NVIDIA's CUDA wheels, then refused there by the smoke test for lack of a GPU (docs/builds.md has the
 # compile's cost). It leaves the build in the cache, where `make test` then checks it without compiling.
 cuda-check: prepare
 	RIGCTL_CUDA_CHECK=1 PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/pytest -v -rA tests/lab/test_cuda_lab.py \
@@ -79,7 +84,7 @@ cuda-check: prepare
 
 # On a machine with an NVIDIA GPU, its driver and nvcc (as root; no network, no lab): the pinned llama.cpp built with
 # CUDA for that GPU only, the role's smoke test, rigctl's probe, a bench cell with clock readings and a server decode
-# against the card's bandwidth bound, on a random-weight model made there (perf/gpu_check.py; the README has it).
+# against the card's bandwidth bound, on a random-weight model made there (perf/gpu_check.py; docs/benchmarks.md has it).
 # Without a GPU it refuses in one line before building. The venv's Python when there is one, else the system's
 # (a machine without network has no venv; it needs PyYAML, ruamel.yaml and numpy). GPU_CHECK_ARGS: e.g. --model-mib 1024.
 gpu-check:

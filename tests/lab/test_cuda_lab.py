@@ -10,7 +10,7 @@ The lab rigs have no GPU and no driver; NVIDIA's CUDA wheels are enough to compi
 3. the smoke test runs it with every layer offloaded, llama.cpp's CUDA backend finds no device, and the
    build is refused in one line; the CPU build stays current and the servers keep answering.
 
-The compile is the expensive part (see the README's figures): this module runs it only under
+The compile is the expensive part (see docs/builds.md's figures): this module runs it only under
 ``make cuda-check`` (RIGCTL_CUDA_CHECK=1). Otherwise it runs only when the controller's cache has the
 wheels and the CUDA build already (a machine that ran ``make cuda-check``), and then compiles nothing; on
 any other machine it skips, saying why.
@@ -129,7 +129,7 @@ def cuda_lab(lab_served: Inventory) -> Iterator[Inventory]:
     if not OPTED_IN:
         if not cached_cuda_builds():
             pytest.skip("no CUDA build of the pin in the controller's cache: `make cuda-check` compiles it "
-                        "(hours on two cores; the README has the figures)")
+                        "(hours on two cores; docs/builds.md has the figures)")
         missing = cached_wheels_missing(inv)
         if missing:
             pytest.skip(f"the CUDA wheels are not in the controller's cache ({', '.join(missing)}); "

@@ -12,8 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "rigctl"
-#: A dotted name under rigctl, not part of a path, and not an import statement quoted as an example.
-REFERENCE = re.compile(r"(?<![\w/.])(?<!from )(?<!import )rigctl(?:\.[A-Za-z_]\w*)+")
+#: A dotted name under rigctl, not part of a path, not an import statement quoted as an example, and not a role of
+#: the rigctl.fleet Ansible collection named by its FQCN in a play's role list (``roles: [rigctl.fleet.gpu_host]``).
+REFERENCE = re.compile(r"(?<![\w/.\[])(?<!from )(?<!import )rigctl(?:\.[A-Za-z_]\w*)+")
 
 
 def prose(path: Path) -> Iterator[str]:

@@ -1,7 +1,8 @@
 """perf/gpu_check.py's parts that need no GPU: its options, its refusal on a machine without a working card
 (run as the command it is, nothing built), the random model's tensor plan and the GGUF it becomes (read back by
 rigctl's own GGUF reader), the archive pin and the CMake entries it takes from the llama_cpp role. The steps on a
-build (smoke, bench cell, server decode) are checked against a real CPU build by hand (README, `make gpu-check`)."""
+build (smoke, bench cell, server decode) are checked against a real CPU build by hand (docs/benchmarks.md,
+`make gpu-check`)."""
 
 from __future__ import annotations
 
