@@ -51,10 +51,11 @@ from typing import TYPE_CHECKING, Annotated, Literal, cast
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rigctl.bench.matrix import BenchSpec
-from rigctl.errors import ConfigError, DrainedError, EvalError, JobBusyError, RigctlError
+from rigctl.errors import ConfigError, DrainedError, JobBusyError, RigctlError
 from rigctl.evals.kld import KldSpec, corpus_identity
+from rigctl.evals.tasks import check_task_sets, load_task
 from rigctl.fleet.drain import InService
-from rigctl.inputs import error_line, read_mapping, read_text
+from rigctl.inputs import error_line, read_mapping
 from rigctl.inventory import Host, Inventory
 from rigctl.results.store import ResultsStore, StoredRun
 
@@ -319,9 +320,13 @@ class LoadedCampaign:
 def load_campaign(path: Path) -> LoadedCampaign:
     data = read_mapping(path, "campaign")
     try:
-        return LoadedCampaign(Campaign.model_validate(data), path)
+        loaded = LoadedCampaign(Campaign.model_validate(data), path)
     except ValidationError as exc:
         raise ConfigError(error_line(exc, f"campaign {path}", whole="campaign")) from None
+    # An excluded set that no task has would leave the suite whole, silently.
+    check_task_sets(loaded.campaign.sensitivity.exclude, [loaded.task_ref(e) for e in loaded.campaign.evals],
+                    f"campaign {path}: sensitivity.exclude")
+    return loaded
 
 
 # ----------------------------------------------------------------------------------------------- locate
@@ -413,10 +418,7 @@ def upgrade_tag(campaign: Campaign, step: CampaignUpgrade) -> str:
 
 
 def task_name(loaded: LoadedCampaign, evaluation: CampaignEval) -> str:
-    from rigctl.evals.tasks import find_task, parse_task
-
-    path = find_task(loaded.task_ref(evaluation))
-    return parse_task(read_text(path, error=EvalError), str(path)).name
+    return load_task(loaded.task_ref(evaluation), fetch=False).name
 
 
 def locate(loaded: LoadedCampaign, store: ResultsStore) -> Located:
@@ -619,7 +621,6 @@ def _run_eval(ctx: _Context, evaluation: CampaignEval, target: EvalTarget, unfin
     new one started, as ``rigctl eval run`` does (:func:`rigctl.evals.runner.start`)."""
     from rigctl.evals import runner
     from rigctl.evals.target import inventory_targets
-    from rigctl.evals.tasks import load_task
     from rigctl.fleet import servers
 
     members = target.members

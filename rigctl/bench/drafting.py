@@ -9,7 +9,8 @@ Per request it records the server's own timings (decode tokens/s = ``predicted_n
 reads each server's ``llamacpp:spec_decode_*`` counters. Per prompt and overall: tokens/s, the
 speedup over the baseline (overall: the geometric mean of the per-prompt speedups), acceptance
 (accepted / drafted) and, for greedy requests, whether the text is byte-identical to the
-baseline's reply to the same prompt.
+baseline's reply to the same prompt. The drafters serve the baseline's settings but ``spec`` (context, threads,
+offload...): anything else would be in the speedup too, so a race of other contenders is refused.
 
 Instances that are not running (drafting instances are often kept disabled) are started for the
 race and stopped after, unless ``start=False`` (:func:`rigctl.fleet.servers.running`). The run is written to
@@ -165,6 +166,16 @@ def contenders(host: Host, baseline: str, drafters: Sequence[str] | None = None)
         if other.artifact != base.artifact:
             raise ConfigError(f"host {host.name}: drafter {other.name!r} serves {other.artifact}, "
                               f"the baseline {base.artifact}")
+        # A race measures drafting alone: a drafter at another context (or thread count...) than its baseline
+        # would put that difference into the speedup.
+        differ = sorted(k for k in {*base.settings, *other.settings} - {"spec"}
+                        if base.settings.get(k) != other.settings.get(k))
+        if differ:
+            key = differ[0]
+            raise ConfigError(f"host {host.name}: drafter {other.name!r} (profile {other.profile}) serves with "
+                              f"{key} {other.settings.get(key)!r}, the baseline {baseline!r} (profile "
+                              f"{base.profile}) with {base.settings.get(key)!r}: a race's contenders may differ "
+                              "only in spec")
     if not others:
         raise ConfigError(f"host {host.name}: no drafting instance of {base.artifact} to race against {baseline}")
     return [base, *others]

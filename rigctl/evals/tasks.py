@@ -38,7 +38,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from rigctl.errors import EvalError
+from rigctl.errors import ConfigError, EvalError
 from rigctl.evals import datasets, lmeval
 from rigctl.evals.datasets import DatasetFile
 from rigctl.hostside.bfcl import BFCL_EVAL_VERSION, BFCL_TEMPERATURE
@@ -269,6 +269,23 @@ class LoadedTask:
         if isinstance(spec, BfclTask) and spec.deviations():
             return {"from": "BFCL's own request", "settings": spec.deviations(), "reason": spec.deviation}
         return None
+
+
+def set_names(task: Task) -> list[str]:
+    """The sets a task's questions belong to (:class:`Question`'s ``set``): a single-set task's is its name."""
+    return [s.name for s in task.sets] if isinstance(task, ChoiceTask) else [task.name]
+
+
+def check_task_sets(names: Sequence[str], refs: Sequence[str], origin: str) -> None:
+    """ConfigError naming ``origin`` when a set in ``names`` is a set of none of the tasks ``refs`` (shipped names or
+    files: read and parsed, no dataset fetched)."""
+    if not names:
+        return
+    sets = sorted({s for ref in refs for s in set_names(load_task(ref, fetch=False).spec)})
+    unknown = [name for name in names if name not in sets]
+    if unknown:
+        raise ConfigError(f"{origin}: {', '.join(map(repr, unknown))}: no such set in the tasks "
+                          f"{', '.join(dict.fromkeys(refs)) or 'none'} (sets: {', '.join(sets) or 'none'})")
 
 
 def find_task(ref: str) -> Path:

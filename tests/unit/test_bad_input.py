@@ -282,6 +282,16 @@ def test_loaders_name_file_and_line(tmp_path: Path) -> None:
     campaign = tmp_path / "c.yml"
     campaign.write_bytes(b"name: c\n\xfe\n")
     one_error(rigctl("report", str(campaign)), 2, f"campaign {campaign}:2: not UTF-8 text")
+    # A sensitivity set that the campaign's tasks lack (the study's summeval-consistency; the shipped suite has
+    # boolq, multinli and civil_comments): refused before any host, store or report is touched.
+    campaign.write_text("name: c\ntitle: t\nhosts: [desktop]\nevals: [{name: suite, task: suite, runs: "
+                        "[{host: desktop, server: s, artifact: a}]}]\n"
+                        "sensitivity: {exclude: [civil_comments, summeval-consistency]}\n")
+    for command in (["report", str(campaign), "--out", str(tmp_path / "out")], ["campaign", "run", str(campaign)]):
+        one_error(rigctl(*command, "--results", str(tmp_path / "results")), 2,
+                  f"error: campaign {campaign}: sensitivity.exclude: 'summeval-consistency': no such set in the "
+                  "tasks suite (sets: boolq, civil_comments, multinli)")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "results").exists()
 
 
 # ----------------------------------------------------------------------------------------------- properties

@@ -95,7 +95,7 @@ def test_undefined_artifact_profile_and_drafter(rigs: Path) -> None:
         d["llama_server_instances"]["qwen"]["artifact"] = "qwen3.5-2b-q8_0"
         d["llama_server_instances"]["gemma"]["profile"] = "fast"
         d["llama_server_profiles"]["rig-gemma-draft"]["spec"]["draft_model"] = "tiny-drafter"
-        d["llama_server_profiles"]["rig"]["extends"] = "rig-mtp"  # rig-mtp extends rig: a cycle
+        d["llama_server_profiles"]["rig"]["extends"] = "rig-race"  # rig-race extends rig: a cycle
 
     edit_yaml(rigs / "group_vars/all/servers.yml", change)
     got = lines(rigs)
@@ -104,7 +104,7 @@ def test_undefined_artifact_profile_and_drafter(rigs: Path) -> None:
     assert "group all: llama_server_instances.gemma.profile: 'fast' is not in llama_server_profiles" in got
     assert ("group all: llama_server_profiles.rig-gemma-draft.spec.draft_model: 'tiny-drafter' is not an "
             "artifact in models_catalog") in got
-    assert "group all: llama_server_profiles.rig.extends: cycle: rig -> rig-mtp -> rig" in got
+    assert "group all: llama_server_profiles.rig.extends: cycle: rig -> rig-race -> rig" in got
 
 
 def test_malformed_pins(rigs: Path) -> None:

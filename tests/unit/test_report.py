@@ -40,8 +40,14 @@ CAMPAIGN = {
 }
 
 
+# The hand-made runs' sets, as the campaign's one task file declares them (sensitivity.exclude names one).
+SUITE = {"name": "suite", "scorer": "choice", "sets": [
+    {"name": name, "dataset": {"path": f"{name}.jsonl"}, "prompt": "{q}", "gold": "g", "labels": {"a": "a", "b": "b"}}
+    for name in ("choice", "math", "tools")]}
+
+
 def _write_campaign(tmp_path, data=None):
-    (tmp_path / "suite.yaml").write_text("name: suite\nscorer: gsm8k\ndataset: {path: data.jsonl}\n")
+    (tmp_path / "suite.yaml").write_text(yaml.safe_dump(SUITE))
     path = tmp_path / "mini.yml"
     path.write_text(yaml.safe_dump(data or CAMPAIGN))
     return path
@@ -167,6 +173,9 @@ def test_bench_runs_with_another_matrix_do_not_answer_the_campaign(tmp_path):
                        "replicate": "gemma-qat@desktop"}]},
      "comparison 'x': replicate 'gemma-qat@desktop' is not another run of 'qwen-q4_0@desktop' "
      "(give qwen-q4_0@desktop#2)"),
+    # The study's set that the shipped suite lacks: excluding it would leave the suite whole, silently.
+    ({"sensitivity": {"exclude": ["choice", "summeval-consistency"]}},
+     "sensitivity.exclude: 'summeval-consistency': no such set in the tasks "),
 ])
 def test_bad_campaign_files_name_the_culprit(tmp_path, change, message):
     path = _write_campaign(tmp_path, {**CAMPAIGN, **change})
@@ -185,7 +194,40 @@ def test_shipped_campaigns_validate():
     assert {c.section for c in reference.comparisons} >= {"headline", "quantisation", "qat"}
     lab = load_campaign(root / "lab.yml").campaign
     assert lab.benches[0].models == ["smollm2-135m-q4_1", "smollm2-135m-q4_0"]
-    assert {(d.host, d.baseline) for d in reference.drafting} == {("desktop-3050", "qwen"), ("laptop-1650ti", "qwen")}
+    # The 1650 Ti half: every artifact answers every eval on the laptop too, and the same conversion is paired
+    # across the hosts.
+    for evaluation in reference.evals:
+        assert {t.artifact for t in evaluation.runs if t.host == "laptop-1650ti"} == set(reference.artifacts)
+    assert ("qwen3.5-2b-q4_0@desktop-3050", "qwen3.5-2b-q4_0@laptop-1650ti") in {
+        (c.a, c.b) for c in reference.comparisons}
+    assert {(d.host, d.baseline, *d.drafters) for d in reference.drafting} == {
+        (host, baseline, drafter) for host in ("desktop-3050", "laptop-1650ti")
+        for baseline, drafter in (("qwen-race", "qwen-mtp"), ("gemma-race", "gemma-draft"))}
+    # The shipped suite's sets only; the study's third, summeval-consistency, waits for the 13-set suite.
+    assert reference.sensitivity.exclude == ["civil_comments", "multinli"]
+
+
+def test_the_reference_races_run_at_the_studys_context_against_a_baseline_at_the_same():
+    """Each race of the reference campaign, as the reference inventory serves it: the baseline and its drafters
+    at -c 8192 (the study's MTP race), differing only in spec; the -c 131072 servers are no race's baseline."""
+    from pathlib import Path
+
+    from rigctl.bench.drafting import contenders
+    from rigctl.inventory import Inventory
+
+    root = Path(__file__).resolve().parents[2]
+    inventory = Inventory.load(root / "inventory" / "rigs")
+    for race in load_campaign(root / "campaigns" / "reference.yml").campaign.drafting:
+        base, *drafters = contenders(inventory.host(race.host), race.baseline, race.drafters)
+        assert [d.name for d in drafters] == race.drafters
+        for contender in (base, *drafters):
+            assert contender.settings["ctx_size"] == 8192, (race.name, contender.name)
+        assert all({**d.settings, "spec": None} == {**base.settings, "spec": None} for d in drafters)
+    # The old pairing, the 131072 server against the 8192 drafter, is refused, naming the key.
+    with pytest.raises(ConfigError, match=r"host desktop-3050: drafter 'qwen-mtp' \(profile rig-mtp\) serves with "
+                                          r"ctx_size 8192, the baseline 'qwen' \(profile rig\) with 131072: a "
+                                          r"race's contenders may differ only in spec"):
+        contenders(inventory.host("desktop-3050"), "qwen", ["qwen-mtp"])
 
 
 # SmolLM2-135M's shape as the bench task reads it from the GGUF: 30 layers, 3 KV heads of 64.
