@@ -30,6 +30,8 @@ host-deps:
 
 lint: venv
 	$(VENV)/bin/ruff check rigctl tests perf
+	# The roles' modules and plugins run under Ansible, in its style; names that do not resolve are errors anywhere.
+	$(VENV)/bin/ruff check --select F,E9 roles
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/ansible-lint --offline -q playbooks/ roles/
 
 # The manual (docs/, mkdocs.yml) as a static site in site/; --strict: a broken link or anchor between pages fails it

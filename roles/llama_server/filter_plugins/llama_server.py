@@ -86,7 +86,7 @@ def llama_server_sandbox(device_allow: list[str], read_write: list[str]) -> list
 def llama_server_clean_env(_: Any = None) -> str:
     """Jinja: ``none | llama_server_clean_env``: the launcher's line that drops the variables llama.cpp reads
     (rigctl/hostside/sandbox.py's ``CLEAN_ENV_SH``)."""
-    return str(_load(_SANDBOX_MODULE, SANDBOX, "sandbox").CLEAN_ENV_SH)
+    return str(_load(_SANDBOX_MODULE, "sandbox").CLEAN_ENV_SH)
 
 
 class FilterModule:
