@@ -50,6 +50,14 @@ FAMILIES: dict[str, tuple[str, str, list[str]]] = {
 }
 
 
+#: The families whose samples exist only where the driver (or the kernel log) reports the signal: a GeForce
+#: has no ECC, a GPU before Ampere no row remapping, a host without Xids no Xid series. The others always
+#: have a sample for every host that answered.
+REPORTED_ONLY = frozenset(FAMILIES[key][0] for key in (
+    "ecc", "retired", "retired_pending", "remapped", "remap_pending", "remap_failure", "recovery", "reason",
+    "throttled", "power", "power_limit", "pcie_gen", "pcie_width", "xid"))
+
+
 def health_families(hosts: Mapping[str, HostState], drains: Mapping[str, Drain | None]) -> list[Metric]:
     f = {key: GaugeMetricFamily(name, text, labels=labels) for key, (name, text, labels) in FAMILIES.items()}
     for host, found in sorted(drains.items()):

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from rigctl.forward import server_endpoint
 from rigctl.inventory import Inventory
 
 REPO = Path(__file__).resolve().parents[2]
@@ -113,7 +114,7 @@ def test_a_planted_config_file_and_variables_change_nothing_rigctl_starts(plante
     ssh.run(f"systemctl stop {HAND_UNIT}", timeout=60, check=True)
 
     # With it: the unit's server replies at its own length, and its record says nothing else configured it.
-    assert predicted(server.endpoint.url, headers) == ENOUGH
+    assert predicted(server_endpoint(host, server).url, headers) == ENOUGH
     stamp = collect_stamp(host, ssh, [inventory_server(host, "smollm2")])
     (stamped,) = stamp.servers
     assert stamped.argv and stamped.config_files == [] and stamped.environment == []
