@@ -396,7 +396,7 @@ def test_cuda_configure_accepts_the_flags(tmp_path: Path) -> None:
     lab = Inventory.load(REPO / "inventory" / "lab").host("desktop").vars
     toolkit = tmp_path / "cuda"
     work = tmp_path / "work"
-    src = work / "src" / f"b11434-{ARCHIVE_SHA256[:12]}"
+    src = work / "source"  # the build root's unpacked archive, which the role's source tasks would make
     src.mkdir(parents=True)
     subprocess.run(["tar", "-xzf", str(archive), "-C", str(src), "--strip-components=1"], check=True)
     playbook = tmp_path / "configure.yml"
@@ -427,6 +427,7 @@ def test_cuda_configure_accepts_the_flags(tmp_path: Path) -> None:
     extravars = {key: lab[key] for key in ("gpu_host_cuda_version", "gpu_host_cuda_wheels", "rigctl_cache_dir")}
     # The wheels travel through a directory of this test's own, not the host path the role uses on a rig.
     extravars["_gpu_host_cuda_wheels_transfer"] = str(tmp_path / "transfer")
+    extravars["_llama_cpp_archive_dir"] = str(src)
     env = {**os.environ, **ansible_env(REPO), "ANSIBLE_ROLES_PATH": str(REPO / "roles"), "ANSIBLE_STRATEGY": "linear"}
     try:
         proc = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,",
@@ -443,7 +444,7 @@ def test_cuda_configure_accepts_the_flags(tmp_path: Path) -> None:
 
 
 def _check_cuda_configure(work: Path, root: Path) -> None:
-    caches = list((work / "build").glob("*/CMakeCache.txt"))
+    caches = list((work / "build").glob("*/cmake/CMakeCache.txt"))
     assert len(caches) == 1
     text = caches[0].read_text()
     assert "GGML_CUDA:BOOL=ON" in text and "CMAKE_CUDA_ARCHITECTURES:STRING=75;86" in text
