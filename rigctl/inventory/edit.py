@@ -238,7 +238,11 @@ class InventoryEdit:
         refused = f"{self.what}: refused, nothing written"
         try:
             inventory = Inventory.load(staged_source)
-            errors = [p for p in check(inventory, self.roles_paths) if p.severity == "error"]
+            # What the inventory got wrong before the edit is its own (`inventory check` and provision refuse it);
+            # the edit is refused for what it would add.
+            before = self._errors_before()
+            errors = [p for p in check(inventory, self.roles_paths)
+                      if p.severity == "error" and here(str(p)) not in before]
             if errors:
                 more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
                 raise ConfigError(f"the inventory would fail `inventory check`: {errors[0]}{more}")
@@ -246,6 +250,16 @@ class InventoryEdit:
                 verify(inventory)
         except ConfigError as exc:
             raise ConfigError(here(f"{refused}: {exc}")) from None
+
+    def _errors_before(self) -> set[str]:
+        from rigctl.inventory.check import check
+        from rigctl.inventory.model import Inventory
+
+        try:
+            inventory = Inventory.load(self.source)
+        except ConfigError:
+            return set()
+        return {str(p) for p in check(inventory, self.roles_paths) if p.severity == "error"}
 
     def _land(self) -> None:
         try:
