@@ -6,6 +6,8 @@ import json
 import re
 import shutil
 import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -91,3 +93,14 @@ def dashboard_metric_names(expr: str) -> set[str]:
     names = set(re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", text))
     return {n for n in names if n not in _PROMQL_WORDS and not re.fullmatch(r"[0-9.e]+", n)}
 
+
+def wait_for(predicate: Callable[[], object], timeout: float, what: str, poll: float = 0.25):
+    """``predicate``'s first truthy value, polled every ``poll`` s; AssertionError naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:g}s: {what}")
+        time.sleep(poll)

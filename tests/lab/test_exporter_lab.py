@@ -17,7 +17,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-from exporter_support import PROMTOOL, dashboard_metric_names, parse_samples, promtool_check, sample_value, seed_results
+from exporter_support import (
+    PROMTOOL,
+    dashboard_metric_names,
+    parse_samples,
+    promtool_check,
+    sample_value,
+    seed_results,
+    wait_for,
+)
 
 from rigctl.inventory import Inventory
 from rigctl.results.store import ResultsStore
@@ -68,16 +76,6 @@ def _scraped(url: str, metric: str, **labels: str) -> float | None:
     return matches[0] if len(matches) == 1 else None
 
 
-def _wait(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:g}s: {what}")
-        time.sleep(0.25)
-
 
 def _lab_obj(inv: Inventory):
     from rigctl.lab.rigs import Lab
@@ -92,9 +90,9 @@ def test_exporter_reports_both_rigs_with_their_labels(lab: Inventory, exporter):
     lab_rigs.set_gpu("desktop", temperature=63, memory_used_mib=1500, utilization_gpu=40)
     lab_rigs.set_gpu("laptop", temperature=48, memory_used_mib=700, utilization_gpu=5)
     start = exp.collections
-    _wait(lambda: exp.collections >= start + 2, 15, "two collections")
+    wait_for(lambda: exp.collections >= start + 2, 15, "two collections")
     exp.settle_hashes(60)
-    _wait(lambda: exp.collections >= start + 3, 15, "a collection after the model hashes")
+    wait_for(lambda: exp.collections >= start + 3, 15, "a collection after the model hashes")
     body = httpx.get(url, timeout=5).text
     samples = parse_samples(body)
     for host, temp, used in (("desktop", 63, 1500), ("laptop", 48, 700)):
@@ -122,7 +120,7 @@ def test_stopped_sshd_shows_down_within_one_timeout_while_the_other_rig_stays_fr
 
     exp, url = exporter
     lab_rigs = _lab_obj(lab)
-    _wait(lambda: _scraped(url, "rigctl_host_up", host="laptop") == 1.0, 15, "laptop up")
+    wait_for(lambda: _scraped(url, "rigctl_host_up", host="laptop") == 1.0, 15, "laptop up")
     # This session outlives sshd (KillMode=process) and brings it back; a timer does if the test dies.
     with SshClient(SshTarget.from_host(lab.host("laptop"))) as laptop:
         laptop.run("systemd-run --unit=rigctl-test-sshd-back --on-active=180 systemctl start ssh.service",
@@ -130,13 +128,13 @@ def test_stopped_sshd_shows_down_within_one_timeout_while_the_other_rig_stays_fr
         try:
             laptop.run("systemctl stop ssh.service", timeout=30)
             stopped = time.monotonic()
-            down = _wait(lambda: _scraped(url, "rigctl_host_up", host="laptop") == 0.0,
+            down = wait_for(lambda: _scraped(url, "rigctl_host_up", host="laptop") == 0.0,
                          exp.interval + exp.host_timeout + 2, "laptop down")
             assert down
             took = time.monotonic() - stopped
             assert took <= exp.interval + exp.host_timeout + 2
             lab_rigs.set_gpu("desktop", temperature=71)
-            _wait(lambda: _scraped(url, "rigctl_gpu_temperature_celsius", host="desktop", gpu="0") == 71,
+            wait_for(lambda: _scraped(url, "rigctl_gpu_temperature_celsius", host="desktop", gpu="0") == 71,
                   exp.interval + exp.host_timeout + 2, "desktop's new temperature while laptop is down")
             samples = _scrape(url)
             assert sample_value(samples, "rigctl_host_up", host="desktop") == 1.0
@@ -146,7 +144,7 @@ def test_stopped_sshd_shows_down_within_one_timeout_while_the_other_rig_stays_fr
         finally:
             laptop.run("systemctl start ssh.service; systemctl stop rigctl-test-sshd-back.timer", timeout=30,
                        check=False)
-    _wait(lambda: _scraped(url, "rigctl_host_up", host="laptop") == 1.0, 15, "laptop back up")
+    wait_for(lambda: _scraped(url, "rigctl_host_up", host="laptop") == 1.0, 15, "laptop back up")
 
 
 @pytest.mark.lab
@@ -164,19 +162,19 @@ def test_replaced_model_file_shows_as_drift(lab: Inventory, exporter):
                 if lab_["host"] == "desktop" and lab_["artifact"] == artifact]
         return rows[0] if rows else None
 
-    _wait(lambda: drift() == 0.0, 60, "no drift before the change")
+    wait_for(lambda: drift() == 0.0, 60, "no drift before the change")
     with SshClient(SshTarget.from_host(host)) as ssh:
         # A new file in place (as a stray copy or a re-download would leave); the running server keeps the old one.
         ssh.run(f"cp {path} {path}.new && printf x >> {path}.new && ln {path} {keep} && mv -f {path}.new {path}",
                 timeout=60)
         try:
-            _wait(lambda: drift() == 1.0, 60, "drift after replacing the file")
+            wait_for(lambda: drift() == 1.0, 60, "drift after replacing the file")
             rows = [lab_ for lab_, _ in _scrape(url)["rigctl_model_info"]
                     if lab_["host"] == "desktop" and lab_["artifact"] == artifact]
             assert rows and rows[0]["sha256"] != rows[0]["expected_sha256"]
         finally:
             ssh.run(f"mv -f {keep} {path}", timeout=60)
-    _wait(lambda: drift() == 0.0, 60, "no drift once the file is restored")
+    wait_for(lambda: drift() == 0.0, 60, "no drift once the file is restored")
 
 
 @pytest.mark.lab
@@ -239,10 +237,10 @@ def test_monitoring_role_runs_the_exporter_and_its_prometheus_scrapes_it(lab: In
                 return []
             return r.json()["data"]["result"] if r.status_code == 200 else []
 
-        up = _wait(lambda: query('up{job="rigctl-exporter"} == 1'), 60, "Prometheus scraping the exporter")
+        up = wait_for(lambda: query('up{job="rigctl-exporter"} == 1'), 60, "Prometheus scraping the exporter")
         assert up[0]["metric"]["instance"] == f"127.0.0.1:{port}"
         # Each target is scraped at its own offset within the interval: wait for the whole set, not the first.
-        hosts = _wait(lambda: len(found := query("rigctl_host_up == 1")) == 2 and found, 60,
+        hosts = wait_for(lambda: len(found := query("rigctl_host_up == 1")) == 2 and found, 60,
                       "rigctl_host_up == 1 for both hosts in Prometheus")
         assert sorted(r["metric"]["host"] for r in hosts) == ["desktop", "laptop"]
         # The same Prometheus scrapes the llama-servers, labelled so the dashboard can join them by host.

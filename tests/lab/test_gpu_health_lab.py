@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 from benchlab import REPO, RIGCTL, cli_env, served_inventory
+from exporter_support import wait_for
 from hf_server import eval_fixtures_hub
 
 from rigctl.fleet.deploy import run_playbook
@@ -50,16 +51,6 @@ def _firing(api: str) -> set[tuple[str, str]]:
         return set()
     return {(a["labels"]["alertname"], a["labels"].get("host", "")) for a in alerts if a["state"] == "firing"}
 
-
-def _wait(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:g}s: {what}")
-        time.sleep(1)
 
 
 def _eval(inventory: Path, results: Path, hub: str) -> subprocess.CompletedProcess[str]:
@@ -107,28 +98,30 @@ def test_an_unhealthy_gpu_alerts_drains_and_undrain_brings_it_back(request, tmp_
     endpoint = hub.__enter__().endpoint
     try:
         # Healthy first: the rules are loaded, desktop's GPU reads healthy, nothing of it fires.
-        rules = httpx.get(f"{api}/api/v1/rules", timeout=5).json()["data"]["groups"] if _wait(
-            lambda: _query(api, 'rigctl_gpu_unhealthy{host="desktop"} == 0'), 60, "desktop's GPU healthy") else []
+        wait_for(lambda: _query(api, 'rigctl_gpu_unhealthy{host="desktop"} == 0'), 60, "desktop's GPU healthy", poll=1)
+        rules = httpx.get(f"{api}/api/v1/rules", timeout=5).json()["data"]["groups"]
         assert {r["name"] for g in rules for r in g["rules"]} >= {"GpuXidError", "GpuUncorrectedEccErrors"}
         assert not {a for a in _firing(api) if a[0].startswith("Gpu")}
 
         lab.set_gpu("desktop", health=health_from_capture("sram-uncorrectable"),
                     kernel_log=list(kernel_log_from_capture("xid-32-31-bus-01")))
         flipped = time.monotonic()
-        _wait(lambda: _query(api, 'rigctl_gpu_unhealthy{host="desktop", gpu="0"} == 1'), 60, "the metric flips")
+        wait_for(lambda: _query(api, 'rigctl_gpu_unhealthy{host="desktop", gpu="0"} == 1'), 60, "the metric flips",
+                 poll=1)
         metric_s = time.monotonic() - flipped
         assert _query(api, 'rigctl_gpu_ecc_errors{host="desktop", error="uncorrected", scope="volatile"} == 1')
         assert _query(api, 'rigctl_gpu_xid_errors{host="desktop", gpu="0", xid="32", blame="gpu"} == 2')
         # The rules' `for: 1m`, a scrape and an evaluation of 1s each, and the exporter's collection.
-        _wait(lambda: {("GpuXidError", "desktop"), ("GpuUncorrectedEccErrors", "desktop")} <= _firing(api),
-              90, "the GPU alerts fire")
+        wait_for(lambda: {("GpuXidError", "desktop"), ("GpuUncorrectedEccErrors", "desktop")} <= _firing(api),
+                 90, "the GPU alerts fire", poll=1)
         alert_s = time.monotonic() - flipped
         assert alert_s < 90
         print(f"desktop's fault played: in Prometheus after {metric_s:.1f} s, its alerts firing after {alert_s:.1f} s "
               "(for: 1m)")
         assert not {a for a in _firing(api) if a[0].startswith("Gpu") and a[1] == "laptop"}
         # The policy drained desktop, and the exporter shows it.
-        _wait(lambda: _query(api, 'rigctl_host_drained{host="desktop", by="policy"} == 1'), 30, "desktop drained")
+        wait_for(lambda: _query(api, 'rigctl_host_drained{host="desktop", by="policy"} == 1'), 30, "desktop drained",
+                 poll=1)
         assert "rigctl_drain:" in (inv_dir / "host_vars" / "desktop.yml").read_text()
 
         before = set(results.glob("*/eval-*"))
@@ -140,11 +133,12 @@ def test_an_unhealthy_gpu_alerts_drains_and_undrain_brings_it_back(request, tmp_
 
         # The GPU reset (the fault gone), the operator puts desktop back.
         lab.set_gpu("desktop", health={}, kernel_log=[])
-        _wait(lambda: _query(api, 'rigctl_gpu_unhealthy{host="desktop", gpu="0"} == 0'), 60, "healthy again")
+        wait_for(lambda: _query(api, 'rigctl_gpu_unhealthy{host="desktop", gpu="0"} == 0'), 60, "healthy again", poll=1)
         undrained = subprocess.run([*RIGCTL, "-i", str(inv_dir), "hosts", "undrain", "desktop"], capture_output=True,
                                    text=True, timeout=120, env=cli_env(results), cwd=REPO, check=False)
         assert undrained.returncode == 0 and "desktop: back in service" in undrained.stdout, undrained.stderr
-        _wait(lambda: _query(api, 'rigctl_host_drained{host="desktop"} == 0'), 30, "the exporter shows it back")
+        wait_for(lambda: _query(api, 'rigctl_host_drained{host="desktop"} == 0'), 30, "the exporter shows it back",
+                 poll=1)
         before = set(results.glob("*/eval-*"))
         both = _eval(inv_dir, results, endpoint)
         assert both.returncode == 0 and "skipped" not in both.stderr, both.stderr
